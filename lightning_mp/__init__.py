@@ -1,1 +1,21 @@
+"""lightning_mp: mixed-precision training for PyTorch Lightning that you can see into.
+
+``Trainer(plugins=[MixedPrecision(...)])`` runs the step under ``torch.autocast`` and a dynamic loss scaler with
+hysteresis, bounds and counters; the callbacks put the loss scale, skipped steps, gradient health and per-layer
+dtypes into TensorBoard.
+"""
+
+from lightning_mp.errors import LossScaleCollapseError
+from lightning_mp.plugin import MixedPrecision
+from lightning_mp.scaler import LossScaler
+from lightning_mp.stats import PrecisionStats
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "LossScaleCollapseError",
+    "LossScaler",
+    "MixedPrecision",
+    "PrecisionStats",
+    "__version__",
+]

@@ -1,0 +1,12 @@
+"""Opt levels: one policy module per level, registered by name."""
+
+from lightning_mp.policies.base import PrecisionPolicy
+from lightning_mp.policies.o0 import O0Policy
+from lightning_mp.policies.o1 import O1Policy
+
+POLICIES: dict[str, type[PrecisionPolicy]] = {
+    "O0": O0Policy,
+    "O1": O1Policy,
+}
+
+__all__ = ["POLICIES", "O0Policy", "O1Policy", "PrecisionPolicy"]

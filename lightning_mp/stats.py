@@ -1,0 +1,39 @@
+"""A read-only snapshot of the loss scaler's counters, for callbacks and users.
+
+The plugin builds a :class:`PrecisionStats` from host-side counters after every optimizer step, so reading it
+never synchronises with the device: the flag that says whether a step overflowed is already on the host, because
+``GradScaler.step`` had to read it to decide whether to run ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrecisionStats:
+    """Loss-scaling counters at the end of the last optimizer step.
+
+    Attributes:
+        loss_scale: the scale the next backward will use; 1.0 where nothing is scaled (bf16, fp32).
+        optimizer_steps: optimizer steps attempted, skipped ones included.
+        skipped_steps: steps skipped because a gradient was inf or NaN (cumulative). Identical on every DDP rank.
+        last_step_skipped: whether the most recent step was skipped.
+        scale_backoffs: how many times the scale was reduced.
+        scale_growths: how many times the scale was increased.
+        consecutive_skips: skipped steps in a row up to now (0 after a clean step).
+
+    """
+
+    loss_scale: float = 1.0
+    optimizer_steps: int = 0
+    skipped_steps: int = 0
+    last_step_skipped: bool = False
+    scale_backoffs: int = 0
+    scale_growths: int = 0
+    consecutive_skips: int = 0
+
+    @property
+    def skip_rate(self) -> float:
+        """Skipped steps over attempted steps since the start of training (0.0 before the first step)."""
+        return self.skipped_steps / self.optimizer_steps if self.optimizer_steps else 0.0
