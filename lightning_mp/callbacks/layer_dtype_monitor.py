@@ -1,0 +1,192 @@
+"""Layer Dtype Monitor
+===================
+
+Shows, layer by layer, which precision each part of the model really runs in.
+
+Under mixed precision the dtype of a layer is not one thing. Its parameters may be fp32 (opt level O1, where
+autocast casts on the fly) or half (O2, O3); its output follows autocast's op lists, so a ``Linear`` returns
+bf16 while a loss or a normalisation may return fp32; its gradients follow its parameters. A layer forced to fp32,
+or one that silently runs in half when it should not, is visible only by looking. This callback looks.
+
+On a sampled step it attaches a forward hook to every leaf module (a module without children), records the dtype
+of the output the module returns inside the autocast region of ``training_step``, and after backward reads the
+dtype of each parameter's gradient. The hooks are removed at the end of that batch, so the steps in between cost
+nothing. The first table is written at the first training step.
+
+It logs a Markdown table under ``precision/layer_dtypes`` (TensorBoard text) with one row per leaf module, and a
+scalar ``precision/layers/<dtype>`` per output dtype, the number of leaf modules whose output has that dtype (for
+example ``precision/layers/bfloat16``). A dtype seen on an earlier sample and absent now is logged as 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_mp.callbacks._logging import (
+    log_scalars,
+    log_text,
+    logging_step,
+    require_logger,
+    validate_positive_int,
+)
+
+_NONE = "-"
+
+
+@dataclass
+class _LayerRecord:
+    """What one leaf module was seen doing on a sampled step."""
+
+    name: str
+    type_name: str
+    module: torch.nn.Module
+    called: bool = False
+    output_dtypes: list[torch.dtype] = field(default_factory=list)
+
+
+class LayerDtypeMonitor(Callback):
+    r"""Log a per-layer table of parameter, output and gradient dtypes, and counts of layers per output dtype.
+
+    **Logged metrics** (on the first training step, then every ``every_n_steps`` steps):
+
+    - ``precision/layer_dtypes`` (TensorBoard text): a Markdown table with, per leaf module, its qualified name,
+      its type, the dtype of its parameters, the dtype of its output under autocast and the dtype of its
+      parameters' gradients.
+    - ``precision/layers/<dtype>``: the number of leaf modules whose output has that dtype.
+
+    It works with any precision plugin, Lightning's included, and samples on rank zero only (every rank holds the
+    same model). Loggers other than TensorBoard get the counts only.
+
+    Args:
+        every_n_steps: sample the dtypes every this many training steps (counted like ``log_every_n_steps``).
+
+    Raises:
+        ValueError: If ``every_n_steps`` is not an integer >= 1.
+        MisconfigurationException: If the ``Trainer`` has no logger.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_mp import MixedPrecision
+        from lightning_mp.callbacks import LayerDtypeMonitor
+
+        trainer = Trainer(plugins=[MixedPrecision("bf16-mixed")], callbacks=[LayerDtypeMonitor(every_n_steps=500)])
+
+    """
+
+    def __init__(self, every_n_steps: int = 1000) -> None:
+        self.every_n_steps = validate_positive_int("every_n_steps", every_n_steps)
+        self._records: list[_LayerRecord] = []
+        self._handles: list[RemovableHandle] = []
+        self._dtypes_seen: set[str] = set()
+        self._last_sampled_step: int | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        require_logger(trainer, type(self).__name__)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = logging_step(trainer)
+        if not trainer.is_global_zero or step % self.every_n_steps != 0 or step == self._last_sampled_step:
+            return
+        self._last_sampled_step = step
+        self._records = []
+        for name, module in pl_module.named_modules():
+            if next(module.children(), None) is not None:
+                continue
+            record = _LayerRecord(name=name or type(pl_module).__name__, type_name=type(module).__name__, module=module)
+            self._records.append(record)
+            self._handles.append(module.register_forward_hook(_output_dtype_recorder(record)))
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not self._records:
+            return
+        self._remove_hooks()
+        records, self._records = self._records, []
+        step = logging_step(trainer)
+        log_text(trainer, "precision/layer_dtypes", _markdown_table(records), step)
+
+        counts = dict.fromkeys(self._dtypes_seen, 0)
+        for record in records:
+            for dtype_name in dict.fromkeys(_dtype_name(dtype) for dtype in record.output_dtypes):
+                counts[dtype_name] = counts.get(dtype_name, 0) + 1
+        self._dtypes_seen.update(counts)
+        log_scalars(trainer, {f"precision/layers/{name}": count for name, count in counts.items()}, step=step)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()
+        self._records = []
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_hooks()
+        self._records = []
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _output_dtype_recorder(record: _LayerRecord) -> Any:
+    def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        record.called = True
+        for dtype in _tensor_dtypes(output):
+            if dtype not in record.output_dtypes:
+                record.output_dtypes.append(dtype)
+
+    return hook
+
+
+def _tensor_dtypes(output: Any) -> list[torch.dtype]:
+    """Dtypes of the tensors in a module's output, which may be a tensor, a sequence or a mapping of them."""
+    if isinstance(output, torch.Tensor):
+        return [output.dtype]
+    if isinstance(output, (list, tuple)):
+        return [dtype for item in output for dtype in _tensor_dtypes(item)]
+    if isinstance(output, dict):
+        return [dtype for item in output.values() for dtype in _tensor_dtypes(item)]
+    return []
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_cell(dtypes: list[torch.dtype]) -> str:
+    return ", ".join(dict.fromkeys(_dtype_name(dtype) for dtype in dtypes)) or _NONE
+
+
+def _markdown_table(records: list[_LayerRecord]) -> str:
+    lines = ["| module | type | parameters | output | gradients |", "|---|---|---|---|---|"]
+    for record in records:
+        parameters = list(record.module.parameters(recurse=False))
+        grads = [p.grad.dtype for p in parameters if p.grad is not None]
+        output = _dtype_cell(record.output_dtypes) if record.called else "not called"
+        lines.append(
+            f"| `{record.name}` | {record.type_name} | {_dtype_cell([p.dtype for p in parameters])} | {output} |"
+            f" {_dtype_cell(grads)} |"
+        )
+    return "\n".join(lines)

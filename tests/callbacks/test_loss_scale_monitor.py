@@ -1,0 +1,218 @@
+"""LossScaleMonitor: the loss scale and the overflow counters, read back from real TensorBoard and CSV logs."""
+
+from __future__ import annotations
+
+import csv
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from tensorboard.backend.event_processing import event_accumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MixedPrecision
+from lightning_mp.callbacks import LossScaleMonitor
+
+# The plugin rightly warns that half precision is slow on this CPU; the runs here are tiny.
+pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+
+INIT_SCALE = 2.0**8
+GROWTH_INTERVAL = 4
+INJECTED_STEPS = (3, 9)
+MAX_STEPS = 16
+TAGS = (
+    "precision/loss_scale",
+    "precision/skipped_steps_total",
+    "precision/skip_rate",
+    "precision/scale_backoffs_total",
+    "precision/scale_growths_total",
+)
+
+
+class TinyRegressor(LightningModule):
+    """Two small linear layers; an inf is written into a gradient at the chosen steps."""
+
+    def __init__(self, inject_at: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+        self.inject_at = inject_at
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        features, target = batch
+        return nn.functional.mse_loss(self.head(torch.relu(self.hidden(features))), target)
+
+    def on_after_backward(self) -> None:
+        if self.global_step in self.inject_at:
+            self.head.weight.grad[0, 0] = float("inf")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator))
+        return DataLoader(data, batch_size=4)
+
+
+def fit(
+    logger: TensorBoardLogger | CSVLogger | bool,
+    monitor: LossScaleMonitor,
+    precision: str = "16-mixed",
+    inject_at: tuple[int, ...] = INJECTED_STEPS,
+    log_every_n_steps: int = 1,
+    max_steps: int = MAX_STEPS,
+) -> Trainer:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[MixedPrecision(precision, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)],
+        callbacks=[monitor],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=log_every_n_steps,
+        max_steps=max_steps,
+    )
+    trainer.fit(TinyRegressor(inject_at))
+    return trainer
+
+
+def read_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:
+    accumulator = event_accumulator.EventAccumulator(str(log_dir), size_guidance={event_accumulator.SCALARS: 0})
+    accumulator.Reload()
+    return {
+        tag: {event.step: event.value for event in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]
+    }
+
+
+def expected_scales() -> list[float]:
+    """The scale after each step: halved on a skip, doubled after GROWTH_INTERVAL clean steps in a row."""
+    scale, clean_in_a_row, scales = INIT_SCALE, 0, []
+    for step in range(MAX_STEPS):
+        if step in INJECTED_STEPS:
+            scale, clean_in_a_row = scale / 2, 0
+        else:
+            clean_in_a_row += 1
+            if clean_in_a_row == GROWTH_INTERVAL:
+                scale, clean_in_a_row = scale * 2, 0
+        scales.append(scale)
+    return scales
+
+
+@pytest.fixture(scope="module")
+def fp16_scalars(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, float]]:
+    logger = TensorBoardLogger(tmp_path_factory.mktemp("fp16"))
+    fit(logger, LossScaleMonitor())
+    return read_scalars(logger.log_dir)
+
+
+def test_loss_scale_halves_at_each_overflow_and_doubles_after_growth_interval(fp16_scalars):
+    """The logged scale halves exactly at the steps that overflowed and doubles after growth_interval clean steps."""
+    logged = fp16_scalars["precision/loss_scale"]
+    assert sorted(logged) == list(range(MAX_STEPS))
+    assert [logged[step] for step in range(MAX_STEPS)] == expected_scales()
+    for step in INJECTED_STEPS:
+        assert logged[step] == logged.get(step - 1, INIT_SCALE) / 2
+    assert logged[INJECTED_STEPS[0] + GROWTH_INTERVAL] == 2 * logged[INJECTED_STEPS[0]]
+
+
+def test_skipped_steps_total_counts_each_injected_overflow(fp16_scalars):
+    """precision/skipped_steps_total ends at the number of overflows and rises at the steps where they happened."""
+    skipped = fp16_scalars["precision/skipped_steps_total"]
+    assert skipped[MAX_STEPS - 1] == len(INJECTED_STEPS)
+    rises = [step for step in range(1, MAX_STEPS) if skipped[step] > skipped[step - 1]]
+    assert rises == list(INJECTED_STEPS)
+
+
+def test_backoffs_and_growths_totals_match_the_scale_history(fp16_scalars):
+    """The backoff and growth totals count every halving and doubling of the scale."""
+    scales = expected_scales()
+    growths = sum(1 for before, after in zip([INIT_SCALE, *scales], scales) if after > before)
+    assert fp16_scalars["precision/scale_backoffs_total"][MAX_STEPS - 1] == len(INJECTED_STEPS)
+    assert fp16_scalars["precision/scale_growths_total"][MAX_STEPS - 1] == growths
+
+
+def test_skipped_step_is_logged_between_logging_intervals(tmp_path):
+    """A skip between two logging steps still appears in TensorBoard at the step where it happened."""
+    logger = TensorBoardLogger(tmp_path)
+    fit(logger, LossScaleMonitor(), inject_at=(3,), log_every_n_steps=10, max_steps=12)
+    logged = read_scalars(logger.log_dir)
+    assert sorted(logged["precision/loss_scale"]) == [3, 9]
+    assert logged["precision/loss_scale"][3] == INIT_SCALE / 2
+    assert logged["precision/skipped_steps_total"][3] == 1
+    # The first window covers steps 0-3, one of them skipped; the next covers steps 4-9, none skipped.
+    assert logged["precision/skip_rate"][3] == pytest.approx(1 / 4)
+    assert logged["precision/skip_rate"][9] == 0.0
+
+
+def test_bf16_run_logs_a_loss_scale_of_one(tmp_path):
+    """In bf16 nothing is scaled, so the logged loss scale is 1.0 and no step is skipped."""
+    logger = TensorBoardLogger(tmp_path)
+    fit(logger, LossScaleMonitor(), precision="bf16-mixed", inject_at=(), max_steps=4)
+    logged = read_scalars(logger.log_dir)
+    assert set(logged["precision/loss_scale"].values()) == {1.0}
+    assert set(logged["precision/skipped_steps_total"].values()) == {0.0}
+
+
+def test_csv_logger_gets_every_scalar_column(tmp_path):
+    """With a CSVLogger the five scalars are columns of metrics.csv, and nothing fails."""
+    logger = CSVLogger(tmp_path)
+    fit(logger, LossScaleMonitor(), inject_at=(2,), max_steps=6)
+    with open(Path(logger.log_dir) / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert set(TAGS) <= set(rows[0])
+    assert max(float(row["precision/skipped_steps_total"]) for row in rows if row["precision/skipped_steps_total"]) == 1
+
+
+def test_loss_scale_shows_on_the_progress_bar_when_asked(tmp_path):
+    """LossScaleMonitor(prog_bar=True) puts the current loss scale, after the last backoff, on the progress bar."""
+    trainer = fit(TensorBoardLogger(tmp_path), LossScaleMonitor(prog_bar=True), inject_at=(3,), max_steps=6)
+    assert trainer.progress_bar_metrics["loss_scale"] == INIT_SCALE / 2
+
+
+def test_progress_bar_is_left_alone_by_default(tmp_path):
+    """Without prog_bar=True the loss scale does not crowd the progress bar."""
+    trainer = fit(TensorBoardLogger(tmp_path), LossScaleMonitor(), inject_at=(), max_steps=2)
+    assert "loss_scale" not in trainer.progress_bar_metrics
+
+
+def test_no_logger_is_a_clear_error():
+    """Without a logger the monitor refuses to start, naming itself, as LearningRateMonitor does."""
+    with pytest.raises(MisconfigurationException, match="LossScaleMonitor"):
+        fit(False, LossScaleMonitor(), max_steps=1)
+
+
+def test_another_precision_plugin_is_a_clear_error(tmp_path):
+    """Without lightning_mp's MixedPrecision there are no counters to read, and the error says what to pass."""
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=[LossScaleMonitor()],
+        logger=TensorBoardLogger(tmp_path),
+        enable_progress_bar=False,
+        max_steps=1,
+    )
+    with pytest.raises(MisconfigurationException, match="MixedPrecision"):
+        trainer.fit(TinyRegressor())
+
+
+def test_prog_bar_must_be_a_bool():
+    """A prog_bar that is not True or False is rejected with the value shown."""
+    with pytest.raises(ValueError, match=r"`prog_bar` must be True or False, got 'yes'"):
+        LossScaleMonitor(prog_bar="yes")  # type: ignore[arg-type]
+
+
+def test_monitor_survives_pickling_after_a_run(tmp_path):
+    """The monitor pickles before and after training, as ddp_spawn needs."""
+    monitor = LossScaleMonitor(prog_bar=True)
+    pickle.loads(pickle.dumps(monitor))
+    fit(TensorBoardLogger(tmp_path), monitor, inject_at=(1,), max_steps=3)
+    restored = pickle.loads(pickle.dumps(monitor))
+    assert restored.prog_bar is True
