@@ -134,7 +134,7 @@ def test_skipped_steps_total_counts_each_injected_overflow(fp16_scalars):
 def test_backoffs_and_growths_totals_match_the_scale_history(fp16_scalars):
     """The backoff and growth totals count every halving and doubling of the scale."""
     scales = expected_scales()
-    growths = sum(1 for before, after in zip([INIT_SCALE, *scales], scales) if after > before)
+    growths = sum(1 for before, after in zip([INIT_SCALE, *scales[:-1]], scales, strict=True) if after > before)
     assert fp16_scalars["precision/scale_backoffs_total"][MAX_STEPS - 1] == len(INJECTED_STEPS)
     assert fp16_scalars["precision/scale_growths_total"][MAX_STEPS - 1] == growths
 
