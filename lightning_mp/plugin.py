@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -43,6 +43,7 @@ from typing_extensions import override
 from lightning_mp._hardware import choose_precision, device_has_native_bf16
 from lightning_mp._schedulers import make_skip_aware, mark_step
 from lightning_mp._validation import check_choice, check_number
+from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies import POLICIES, PrecisionPolicy
 from lightning_mp.scaler import LossScaler, ScalingMode, validate_scaler_arguments
 from lightning_mp.stats import PrecisionStats
@@ -73,6 +74,8 @@ class MixedPrecision(Precision):
             floor when an overflow would push the scale below it.
         loss_scale: ``"dynamic"``, or a positive float for a static scale (fp16 only).
         skip_scheduler_on_overflow: keep ``interval="step"`` schedulers from advancing on skipped steps.
+        keep_fp32: modules that run in fp32 (autocast off, inputs cast to fp32, weights fp32 in O2 and O3): module
+            types, qualified names, or regular expressions prefixed with ``re:`` (:mod:`lightning_mp.overrides`).
 
     Raises:
         ValueError: for any argument outside what is allowed; the message names the argument, the value given and
@@ -96,6 +99,7 @@ class MixedPrecision(Precision):
         on_min_scale: Literal["raise", "warn"] = "raise",
         loss_scale: float | Literal["dynamic"] = "dynamic",
         skip_scheduler_on_overflow: bool = True,
+        keep_fp32: Sequence[type | str] = (),
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "precision", precision, ("auto", "16-mixed", "bf16-mixed", "32-true"))
@@ -137,6 +141,7 @@ class MixedPrecision(Precision):
         self.device = device
         self.loss_scale = loss_scale
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
+        self.keep_fp32 = Fp32Overrides(keep_fp32).patterns
         self.precision_reason = "asked for" if precision != "auto" else ""
         self._scaler_knobs: dict[str, Any] = {
             "init_scale": init_scale,
@@ -233,7 +238,7 @@ class MixedPrecision(Precision):
 
     def _policy_arguments(self) -> dict[str, Any]:
         """Keyword arguments for the policy's constructor beyond the half dtype."""
-        return {}
+        return {"keep_fp32": self.keep_fp32}
 
     def _build_loss_scaler(self, device_type: str, policy_class: type[PrecisionPolicy]) -> LossScaler:
         mode: ScalingMode = "check"
@@ -243,7 +248,9 @@ class MixedPrecision(Precision):
                 mode, knobs["init_scale"] = "static", float(self.loss_scale)
             elif policy_class.scales_by_default:
                 mode = "dynamic"
-        return LossScaler(device_type, mode=mode, **knobs)
+        scaler = LossScaler(device_type, mode=mode, **knobs)
+        scaler.allow_fp16_gradients = getattr(policy_class, "half_gradients", False)
+        return scaler
 
     def _warn_about_slow_half(self, device_type: str) -> None:
         if device_type != "cpu" or self.half_dtype is None:

@@ -3,10 +3,14 @@
 from lightning_mp.policies.base import PrecisionPolicy
 from lightning_mp.policies.o0 import O0Policy
 from lightning_mp.policies.o1 import O1Policy
+from lightning_mp.policies.o2 import O2Policy
+from lightning_mp.policies.o3 import O3Policy
 
 POLICIES: dict[str, type[PrecisionPolicy]] = {
     "O0": O0Policy,
     "O1": O1Policy,
+    "O2": O2Policy,
+    "O3": O3Policy,
 }
 
-__all__ = ["POLICIES", "O0Policy", "O1Policy", "PrecisionPolicy"]
+__all__ = ["POLICIES", "O0Policy", "O1Policy", "O2Policy", "O3Policy", "PrecisionPolicy"]

@@ -1,0 +1,235 @@
+"""Per-layer precision overrides: keep chosen modules in fp32 under any opt level.
+
+``MixedPrecision(keep_fp32=[nn.LayerNorm, "head", "re:.*attn.*"])`` names modules three ways:
+
+- a module **type** matches every instance of it or of a subclass;
+- a plain **string** is a qualified name, as ``named_modules()`` gives it (``"encoder.layers.0.norm1"``), matched
+  exactly;
+- a string that starts with ``re:`` is a regular expression that must match the **whole** qualified name.
+
+How a matched module runs in fp32:
+
+1. A forward pre-hook turns autocast off for every device type on which it is on. ``torch.autocast("cuda",
+   enabled=False)`` alone does nothing under CPU autocast, so the hook asks each device type, not one.
+2. The same hook casts the floating inputs below fp32 (fp16, bf16) to fp32; fp64 and integer inputs are untouched.
+3. A forward hook, registered with ``always_call=True`` so that it runs even when the forward raises, restores the
+   autocast state. The output is left as the module computed it: fp32.
+
+Only the outermost matched module of a subtree gets the hooks: everything below it already runs with autocast off
+on fp32 inputs. Under O2 and O3 the weights of every module in a matched subtree also stay fp32 (see
+:meth:`Fp32Overrides.kept_modules`).
+
+The hooks are instances of small module-level classes, so a converted model can still be pickled (``ddp_spawn``)
+and deep-copied; the plugin attaches them in ``convert_module``, in the worker. Applying twice attaches nothing new.
+
+Example:
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    >>> Fp32Overrides([nn.LayerNorm, "2"]).apply(model)
+    ['1', '2']
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     model(torch.randn(3, 4)).dtype
+    torch.float32
+
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+KeepFp32Pattern = type[nn.Module] | str
+"""One ``keep_fp32`` entry: a module type, a qualified name, or ``"re:<regex>"``."""
+
+REGEX_PREFIX = "re:"
+
+# Every device type torch's autocast knows; only those on which autocast is enabled at call time are switched off.
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu")
+
+
+def _autocast_device_types() -> tuple[str, ...]:
+    custom = torch._C._get_privateuse1_backend_name()
+    return (*_AUTOCAST_DEVICE_TYPES, custom) if custom not in _AUTOCAST_DEVICE_TYPES else _AUTOCAST_DEVICE_TYPES
+
+
+def enabled_autocast_device_types() -> list[str]:
+    """The device types on which autocast is on right now."""
+    return [device for device in _autocast_device_types() if torch.is_autocast_enabled(device)]
+
+
+def is_low_precision(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is floating point with fewer than 32 bits (fp16, bf16, fp8)."""
+    return tensor.is_floating_point() and torch.finfo(tensor.dtype).bits < 32
+
+
+def cast_low_precision(data: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating tensor below 32 bits in a nested collection to ``dtype``; leave the rest alone."""
+    return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if is_low_precision(t) else t)
+
+
+class Fp32Region:
+    """Forward hooks that run one module with autocast off and its low-precision inputs cast to fp32.
+
+    Args:
+        restore_output_dtype: cast floating outputs back to the dtype of the first low-precision input. Off for
+            ``keep_fp32`` modules (their output stays fp32); on for normalisation layers that O2 keeps in fp32
+            inside an otherwise half-precision model, so that the next layer gets the half type it expects.
+
+    """
+
+    def __init__(self, restore_output_dtype: bool = False) -> None:
+        self.restore_output_dtype = restore_output_dtype
+        # One entry per forward in flight, so that a module called inside its own forward still unwinds correctly.
+        self._open: list[tuple[ExitStack, torch.dtype | None]] = []
+
+    def attach(self, module: nn.Module) -> None:
+        """Register the pre-hook and the always-called forward hook on ``module``."""
+        module.register_forward_pre_hook(self.enter, with_kwargs=True)
+        module.register_forward_hook(self.exit, with_kwargs=True, always_call=True)
+
+    def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        """Switch autocast off and cast the inputs; the forward hook undoes the first."""
+        incoming: list[torch.dtype] = []
+        apply_to_collection((args, kwargs), Tensor, lambda t: incoming.append(t.dtype) if is_low_precision(t) else None)
+        args, kwargs = cast_low_precision(args, torch.float32), cast_low_precision(kwargs, torch.float32)
+        autocast_off = ExitStack()
+        for device in enabled_autocast_device_types():
+            autocast_off.enter_context(torch.autocast(device, enabled=False))
+        self._open.append((autocast_off, incoming[0] if incoming else None))
+        return args, kwargs
+
+    def exit(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        """Restore autocast; optionally cast the output back to the incoming half type."""
+        autocast_off, incoming = self._open.pop()
+        autocast_off.close()
+        if self.restore_output_dtype and incoming is not None:
+            return apply_to_collection(output, Tensor, lambda t: t.to(incoming) if t.is_floating_point() else t)
+        return None
+
+
+def has_fp32_region(module: nn.Module) -> bool:
+    """Whether :class:`Fp32Region` hooks are already attached to ``module``."""
+    return any(isinstance(getattr(hook, "__self__", None), Fp32Region) for hook in module._forward_pre_hooks.values())
+
+
+def outermost(names: Iterable[str]) -> list[str]:
+    """The names in ``names`` that are not inside another one (``""`` is the root and contains everything)."""
+    names = list(dict.fromkeys(names))
+    return [
+        name
+        for name in names
+        if not any(other != name and (other == "" or name.startswith(other + ".")) for other in names)
+    ]
+
+
+class Fp32Overrides:
+    """The parsed ``keep_fp32`` patterns: which modules they match, and the hooks that keep those in fp32.
+
+    Args:
+        patterns: module types, qualified names, or ``"re:"``-prefixed regular expressions.
+
+    Raises:
+        ValueError: if ``patterns`` is a single string or type instead of a sequence, or an entry is neither a
+            module type nor a non-empty string, or a ``re:`` entry is not a valid regular expression.
+
+    """
+
+    def __init__(self, patterns: Sequence[KeepFp32Pattern] = ()) -> None:
+        if isinstance(patterns, (str, type)) or not isinstance(patterns, Iterable):
+            raise ValueError(
+                f"keep_fp32={patterns!r} is not allowed: keep_fp32 must be a list of module types, qualified names"
+                f" or 're:' patterns, for example keep_fp32=[{patterns!r}]."
+            )
+        self.patterns: list[KeepFp32Pattern] = list(patterns)
+        self._regexes: dict[str, re.Pattern[str]] = {}
+        for pattern in self.patterns:
+            if isinstance(pattern, type) and issubclass(pattern, nn.Module):
+                continue
+            if not isinstance(pattern, str) or not pattern or pattern == REGEX_PREFIX:
+                raise ValueError(
+                    f"keep_fp32 entry {pattern!r} is not allowed: each entry must be an nn.Module subclass"
+                    " (nn.LayerNorm), a qualified module name ('encoder.head') or a regular expression prefixed with"
+                    " 're:' ('re:.*attn.*')."
+                )
+            if pattern.startswith(REGEX_PREFIX):
+                try:
+                    self._regexes[pattern] = re.compile(pattern[len(REGEX_PREFIX) :])
+                except re.error as error:
+                    raise ValueError(
+                        f"keep_fp32 entry {pattern!r} is not allowed: {pattern[len(REGEX_PREFIX) :]!r} is not a"
+                        f" valid regular expression ({error}). Entries prefixed with 're:' must be Python regular"
+                        " expressions."
+                    ) from error
+
+    def __bool__(self) -> bool:
+        return bool(self.patterns)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.patterns!r})"
+
+    def _matches(self, pattern: KeepFp32Pattern, name: str, module: nn.Module) -> bool:
+        if isinstance(pattern, type):
+            return isinstance(module, pattern)
+        if pattern.startswith(REGEX_PREFIX):
+            return self._regexes[pattern].fullmatch(name) is not None
+        return name == pattern
+
+    def match(self, module: nn.Module, warn: bool = True) -> list[str]:
+        """Qualified names of every module under ``module`` (itself included) that a pattern matches.
+
+        Args:
+            module: the root; names are relative to it.
+            warn: warn, once per pattern, about patterns that match nothing, suggesting close names.
+
+        """
+        named = list(module.named_modules())
+        matched: list[str] = []
+        for pattern in self.patterns:
+            hits = [name for name, child in named if self._matches(pattern, name, child)]
+            matched.extend(hit for hit in hits if hit not in matched)
+            if warn and not hits:
+                close = difflib.get_close_matches(str(pattern), [name for name, _ in named if name], n=3)
+                hint = f" Close names: {close}." if close else ""
+                rank_zero_warn(
+                    f"keep_fp32 pattern {pattern!r} matches no module of {type(module).__name__}, so it keeps"
+                    " nothing in fp32. Names are qualified as in named_modules(); 're:' patterns must match a whole"
+                    f" name.{hint}"
+                )
+        return matched
+
+    def kept_modules(self, module: nn.Module) -> set[nn.Module]:
+        """Every module inside a matched subtree: under O2 and O3 their weights stay fp32."""
+        roots = self.match(module, warn=False)
+        return {child for name in roots for child in module.get_submodule(name).modules()}
+
+    def apply(self, module: nn.Module) -> list[str]:
+        """Attach :class:`Fp32Region` hooks to the outermost matched modules, in place.
+
+        Returns:
+            The qualified names of the modules that run in fp32 regions (already-hooked ones included).
+
+        """
+        names = outermost(self.match(module))
+        for name in names:
+            target = module.get_submodule(name)
+            if not has_fp32_region(target):
+                Fp32Region().attach(target)
+        return names
+
+
+__all__ = [
+    "Fp32Overrides",
+    "Fp32Region",
+    "KeepFp32Pattern",
+    "cast_low_precision",
+    "enabled_autocast_device_types",
+    "is_low_precision",
+]
