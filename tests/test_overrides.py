@@ -1,0 +1,238 @@
+"""keep_fp32: matching by type, name and regex; fp32 regions under autocast and O2; custom_fwd under the plugin."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MixedPrecision
+from lightning_mp.overrides import Fp32Overrides
+
+pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+
+
+class Block(nn.Module):
+    """A tiny attention-named block, so that regexes have something to match."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn_proj = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(x + self.attn_proj(x))
+
+
+class Classifier(LightningModule):
+    """Linear stem, one block, a head; records the output dtype of every submodule on each training forward."""
+
+    def __init__(self, keep_fp32_seen: bool = True) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.block = Block()
+        self.head = nn.Linear(16, 4)
+        self.output_dtypes: dict[str, torch.dtype] = {}
+        for name, module in self.named_modules():
+            if name:
+                module.register_forward_hook(self._recorder(name))
+
+    def _recorder(self, name: str):
+        def record(module: nn.Module, args: tuple, output: Tensor) -> None:
+            self.output_dtypes[name] = output.dtype
+
+        return record
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.relu(self.block(self.stem(x))))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        features, target = batch
+        return nn.functional.cross_entropy(self(features).float(), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(16, 8, generator=generator), torch.randint(0, 4, (16,), generator=generator))
+        return DataLoader(data, batch_size=8)
+
+
+def fit(model: LightningModule, plugin: MixedPrecision, max_steps: int = 2) -> Trainer:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=max_steps,
+        plugins=[plugin],
+    )
+    trainer.fit(model)
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("pattern", "matched"),
+    [(nn.LayerNorm, "block.norm"), ("head", "head"), ("re:.*attn.*", "block.attn_proj"), ("block", "block")],
+    ids=["type", "name", "regex", "subtree"],
+)
+def test_keep_fp32_runs_matched_modules_in_fp32_under_cpu_autocast(pattern: object, matched: str) -> None:
+    """Modules matched by type, name or regex return fp32 under CPU autocast; unmatched layers stay bf16."""
+    model = Classifier()
+    assert Fp32Overrides([pattern]).apply(model) == [matched]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 8))
+    assert model.output_dtypes[matched] == torch.float32
+    assert model.output_dtypes["stem"] == torch.bfloat16
+    if matched != "head":
+        assert model.output_dtypes["head"] == torch.bfloat16
+
+
+def test_fp32_region_casts_half_inputs_and_restores_autocast() -> None:
+    """A kept module gets fp32 inputs even when fed bf16, and autocast is back on after it, even if it raised."""
+    seen: list[tuple[torch.dtype, bool]] = []
+
+    class Probe(nn.Module):
+        def forward(self, x: Tensor, fail: bool = False) -> Tensor:
+            seen.append((x.dtype, torch.is_autocast_enabled("cpu")))
+            if fail:
+                raise RuntimeError("boom")
+            return x * 2
+
+    probe = Probe()
+    Fp32Overrides([Probe]).apply(probe)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert probe(torch.ones(2, dtype=torch.bfloat16)).dtype == torch.float32
+        with pytest.raises(RuntimeError, match="boom"):
+            probe(torch.ones(2, dtype=torch.bfloat16), fail=True)
+        assert torch.is_autocast_enabled("cpu")
+    assert seen == [(torch.float32, False), (torch.float32, False)]
+
+
+def test_unmatched_pattern_warns_naming_it_and_suggests_close_names() -> None:
+    """A pattern that matches nothing warns with the pattern and the nearest real names."""
+    with pytest.warns(UserWarning, match=r"'blok\.norm' matches no module.*block\.norm"):
+        Fp32Overrides(["blok.norm", "head"]).apply(Classifier())
+
+
+def test_regex_must_match_the_whole_name() -> None:
+    """'re:attn' does not match 'block.attn_proj'; 're:.*attn.*' does."""
+    model = Classifier()
+    with pytest.warns(UserWarning, match="'re:attn' matches no module"):
+        assert Fp32Overrides(["re:attn"]).match(model) == []
+    assert Fp32Overrides(["re:.*attn.*"]).match(model) == ["block.attn_proj"]
+
+
+@pytest.mark.parametrize(
+    ("patterns", "message"),
+    [
+        ("head", r"keep_fp32='head' is not allowed: keep_fp32 must be a list"),
+        (nn.LayerNorm, r"keep_fp32=<class .*LayerNorm'> is not allowed"),
+        ([3], r"keep_fp32 entry 3 is not allowed: each entry must be an nn.Module subclass"),
+        ([torch.Tensor], r"keep_fp32 entry <class 'torch.Tensor'> is not allowed"),
+        (["re:(unclosed"], r"keep_fp32 entry 're:\(unclosed' is not allowed: '\(unclosed' is not a valid regular"),
+    ],
+)
+def test_bad_patterns_raise_value_error(patterns: object, message: str) -> None:
+    """The plugin rejects keep_fp32 entries it cannot match, naming the value and what is allowed."""
+    with pytest.raises(ValueError, match=message):
+        MixedPrecision("bf16-mixed", keep_fp32=patterns)  # type: ignore[arg-type]
+
+
+def test_applying_twice_attaches_hooks_once() -> None:
+    """Converting the same model again (fit, then validate) does not stack hooks."""
+    model = Classifier()
+    overrides = Fp32Overrides(["head"])
+    overrides.apply(model)
+    overrides.apply(model)
+    assert len(model.head._forward_pre_hooks) == 1
+
+
+def test_hooked_model_and_plugin_pickle_and_deepcopy() -> None:
+    """A model with fp32 regions, and a plugin with keep_fp32, survive pickle (ddp_spawn) and deepcopy."""
+    plugin = pickle.loads(pickle.dumps(MixedPrecision("bf16-mixed", keep_fp32=[nn.LayerNorm, "head", "re:.*"])))
+    assert plugin.keep_fp32 == [nn.LayerNorm, "head", "re:.*"]
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    Fp32Overrides(["2"]).apply(model)
+    for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert clone(torch.randn(2, 8)).dtype == torch.float32
+
+
+def test_keep_fp32_under_o2_keeps_matched_weights_fp32() -> None:
+    """Under O2 the weights of kept modules stay fp32, and their outputs are fp32, while the rest is bf16."""
+    model = Classifier()
+    fit(model, MixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["head", "re:block\\.attn.*"]))
+    assert model.head.weight.dtype == torch.float32
+    assert model.block.attn_proj.weight.dtype == torch.float32
+    assert model.stem.weight.dtype == torch.bfloat16
+    assert model.output_dtypes["head"] == torch.float32
+    assert model.output_dtypes["stem"] == torch.bfloat16
+
+
+def make_square_function(cast_inputs: torch.dtype | None) -> type[torch.autograd.Function]:
+    """y = x * x with a hand-written backward, recording the dtype and autocast state each pass ran in."""
+
+    class Square(torch.autograd.Function):
+        seen: ClassVar[dict[str, tuple[torch.dtype, bool]]] = {}
+
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu", cast_inputs=cast_inputs)
+        def forward(ctx: Any, x: Tensor) -> Tensor:
+            Square.seen["forward"] = (x.dtype, torch.is_autocast_enabled("cpu"))
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type="cpu")
+        def backward(ctx: Any, grad: Tensor) -> Tensor:
+            (x,) = ctx.saved_tensors
+            Square.seen["backward"] = (grad.dtype, torch.is_autocast_enabled("cpu"))
+            return 2 * x * grad
+
+    return Square
+
+
+class CustomFunctionModel(Classifier):
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.stem(x)
+        squared = self.function.apply(hidden)
+        self.output_dtypes["custom"] = squared.dtype
+        return self.head(squared)
+
+
+@pytest.mark.parametrize(
+    ("cast_inputs", "forward_seen", "backward_seen"),
+    [
+        (torch.float32, (torch.float32, False), (torch.float32, False)),
+        (None, (torch.bfloat16, True), (torch.bfloat16, True)),
+    ],
+    ids=["cast_inputs_fp32", "no_cast"],
+)
+def test_custom_fwd_function_behaves_under_the_plugin(
+    cast_inputs: torch.dtype | None, forward_seen: tuple, backward_seen: tuple
+) -> None:
+    """custom_fwd sees the plugin's CPU autocast: cast_inputs=fp32 runs both passes in fp32 with autocast off."""
+    function = make_square_function(cast_inputs)
+    model = CustomFunctionModel(function)
+    before = model.stem.weight.detach().clone()
+    trainer = fit(model, MixedPrecision("bf16-mixed"))
+    assert model.output_dtypes["stem"] == torch.bfloat16  # the plugin's autocast was on around the function
+    assert model.output_dtypes["custom"] == forward_seen[0]
+    assert function.seen["forward"] == forward_seen
+    assert function.seen["backward"] == backward_seen  # custom_bwd replays the forward's autocast state
+    assert trainer.precision_plugin.stats.skipped_steps == 0
+    assert not torch.equal(model.stem.weight, before)
