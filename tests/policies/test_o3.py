@@ -1,0 +1,86 @@
+"""O3: pure half weights (norms too), no masters, no scaling unless asked for, and a warning that it may diverge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MixedPrecision
+
+pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+
+
+class Net(LightningModule):
+    """Linear, LayerNorm, ReLU, Linear trained with plain SGD; records the loss of every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+        self.losses: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        features, target = batch
+        loss = F.cross_entropy(self(features), target)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        features = torch.randn(8, 8, generator=generator)
+        return DataLoader(TensorDataset(features, (features[:, 0] > 0).long() * 3), batch_size=8)
+
+
+def fit(plugin: MixedPrecision, max_steps: int = 6) -> tuple[Trainer, Net]:
+    model = Net()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=max_steps,
+        plugins=[plugin],
+    )
+    trainer.fit(model)
+    return trainer, model
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
+def test_o3_trains_pure_half_weights_and_warns(precision: str, dtype: torch.dtype) -> None:
+    """O3 casts every weight, norms included, steps the half weights directly, and warns it may not converge."""
+    with pytest.warns(UserWarning, match="opt_level='O3' .* may not converge"):
+        trainer, model = fit(MixedPrecision(precision, opt_level="O3"))
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    assert trainer.optimizers[0].param_groups[0]["params"][0] is model.net[0].weight  # no master copy
+    assert trainer.precision_plugin.stats.skipped_steps == 0
+    assert trainer.precision_plugin.stats.loss_scale == 1.0  # no scaling unless asked for
+    assert model.losses[-1] < model.losses[0]
+
+
+@pytest.mark.filterwarnings("ignore:lightning_mp. opt_level='O3'")
+def test_o3_fp16_scales_only_when_asked() -> None:
+    """A static loss_scale is honoured in O3 fp16, and the fp16 gradients are unscaled without error."""
+    trainer, model = fit(MixedPrecision("16-mixed", opt_level="O3", loss_scale=128.0), max_steps=3)
+    assert trainer.precision_plugin.stats.loss_scale == 128.0
+    assert trainer.precision_plugin.stats.skipped_steps == 0
+    assert model.losses[-1] < model.losses[0]
+
+
+@pytest.mark.filterwarnings("ignore:lightning_mp. opt_level='O3'")
+def test_o3_keep_fp32_keeps_the_matched_layer_fp32() -> None:
+    """keep_fp32 under O3 leaves the matched layer's weights fp32 while everything else is half."""
+    _, model = fit(MixedPrecision("bf16-mixed", opt_level="O3", keep_fp32=["net.3"]), max_steps=2)
+    assert model.net[3].weight.dtype == torch.float32
+    assert model.net[1].weight.dtype == model.net[0].weight.dtype == torch.bfloat16
