@@ -1,0 +1,140 @@
+"""The real TensorBoard server serves what the monitors write: the user's view, end to end."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MixedPrecision
+from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+
+# The plugin rightly warns that half precision is slow on this CPU; the run here is tiny.
+pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+
+SERVER_WAIT_S = 60.0
+
+
+class TinyRegressor(LightningModule):
+    """One linear layer; its gradient gets an inf at step 1 so that an overflow entry exists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        features, target = batch
+        return nn.functional.mse_loss(self.layer(features), target)
+
+    def on_after_backward(self) -> None:
+        if self.global_step == 1:
+            self.layer.weight.grad[0, 0] = float("inf")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def get_json(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
+def poll(url: str, ready: Callable[[Any], bool], deadline: float) -> Any:
+    """GET ``url`` until ``ready(answer)`` holds or the deadline passes; return the last answer."""
+    answer: Any = None
+    while time.monotonic() < deadline:
+        try:
+            answer = get_json(url)
+            if ready(answer):
+                return answer
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+            pass
+        time.sleep(0.5)
+    return answer
+
+
+def test_tensorboard_server_lists_the_precision_tags(tmp_path: Path):
+    """A user who opens TensorBoard on the run finds precision/loss_scale among its scalars and the overflow text."""
+    logger = TensorBoardLogger(tmp_path)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[MixedPrecision("16-mixed", init_scale=2.0**8)],
+        callbacks=[LossScaleMonitor(), GradientHealthMonitor(), LayerDtypeMonitor()],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        max_steps=3,
+    )
+    with pytest.warns(RuntimeWarning, match="layer.weight"):
+        trainer.fit(TinyRegressor())
+    run = Path(logger.log_dir).relative_to(tmp_path).as_posix()
+
+    port = free_port()
+    server_log = tmp_path / "tensorboard.log"
+    # A file, not a pipe: an unread pipe that fills up would stall the server.
+    with server_log.open("wb") as server_stderr:
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tensorboard.main",
+                "--logdir",
+                str(tmp_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--load_fast",
+                "false",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=server_stderr,
+        )
+    try:
+        base = f"http://127.0.0.1:{port}/data/plugin"
+        deadline = time.monotonic() + SERVER_WAIT_S
+        scalar_tags = poll(
+            f"{base}/scalars/tags", lambda answer: "precision/loss_scale" in answer.get(run, {}), deadline
+        )
+        # add_text(tag) is stored under "<tag>/text_summary".
+        text_tags = poll(
+            f"{base}/text/tags", lambda answer: "precision/overflow/text_summary" in answer.get(run, []), deadline
+        )
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    server_errors = server_log.read_text(errors="replace")[-2000:]
+    assert scalar_tags is not None, f"TensorBoard never answered on port {port}: {server_errors}"
+    expected_scalars = {"precision/loss_scale", "precision/skipped_steps_total", "precision/grad_norm"}
+    assert expected_scalars <= set(scalar_tags.get(run, {}))
+    assert {"precision/overflow/text_summary", "precision/layer_dtypes/text_summary"} <= set(text_tags.get(run, []))
