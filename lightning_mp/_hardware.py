@@ -36,9 +36,7 @@ def device_has_native_bf16(device_type: str) -> bool:
         return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
     if device_type == "cpu":
         return cpu_has_native_bf16()
-    if device_type == "xpu":
-        return True
-    return False
+    return device_type == "xpu"
 
 
 def choose_precision(device_type: str) -> tuple[str, str]:

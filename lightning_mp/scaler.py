@@ -338,7 +338,10 @@ class LossScaler(torch.amp.GradScaler):
         if candidate < floor:
             if self.on_min_scale == "raise":
                 raise LossScaleCollapseError(
-                    step=self.optimizer_steps, scale=self._host_scale, floor=floor, nonfinite_parameters=self._culprits()
+                    step=self.optimizer_steps,
+                    scale=self._host_scale,
+                    floor=floor,
+                    nonfinite_parameters=self._culprits(),
                 )
             warnings.warn(
                 f"The loss scale is at its floor {floor:g} and gradients still overflow: steps keep being skipped."
