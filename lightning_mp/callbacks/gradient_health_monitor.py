@@ -14,6 +14,11 @@ bf16 reaches as far as fp32 but keeps only 8 bits of mantissa. Gradients leave t
   logged in fp16 only, the one format with a loss scale. It watches the parameter gradients: an activation
   gradient inside backward can overflow first, so read it as a warning, not a guarantee.
 
+The histogram ``precision/grad_log2_magnitude`` (TensorBoard only) shows where the gradient elements sit on the
+exponent axis, as backward produced them, so multiplied by the loss scale in fp16. fp16 holds exponents from -24
+(subnormals) to just under 16: mass piling up at the left edge of that window means underflow, at the right edge,
+overflow. Raising the loss scale shifts the whole histogram right by log2 of the factor.
+
 ``precision/grad_norm`` is the global 2-norm of the gradients after unscaling, the true norm the optimizer sees,
 which is what gradient clipping thresholds are compared with.
 
@@ -28,7 +33,7 @@ the host. The forensics run on skipped steps only. Other steps cost nothing.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -47,11 +52,16 @@ from lightning_mp.callbacks._logging import (
     require_logger,
     require_mixed_precision,
     should_log,
+    tensorboard_writers,
     validate_positive_int,
 )
 
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
 _MAX_REPORTED_PARAMETERS = 20
 _FP16_MAX = torch.finfo(torch.float16).max
+_HISTOGRAM_LOG2_RANGE = (-64, 32)
 
 
 class GradientHealthMonitor(Callback):
@@ -62,6 +72,8 @@ class GradientHealthMonitor(Callback):
     - ``precision/grad_norm``: global 2-norm of all gradients after unscaling.
     - ``precision/grad_zero_fraction``: share of gradient elements that are exactly zero, in [0, 1].
     - ``precision/grad_headroom_log2``: ``log2(65504 / max |scaled gradient|)``, fp16 only.
+    - ``precision/grad_log2_magnitude`` (TensorBoard histogram): ``log2 |scaled gradient|`` of the non-zero finite
+      elements, clamped to [-64, 32].
     - ``precision/overflow`` (TensorBoard text): on every skipped step, the parameters with inf or NaN gradients.
 
     The scalars are read in ``on_before_optimizer_step``, after the plugin has unscaled the gradients. On a step
@@ -72,9 +84,10 @@ class GradientHealthMonitor(Callback):
     Args:
         warn_every_n_skips: emit a warning naming the non-finite parameters on the first skipped step and then
             once every this many skipped steps.
+        log_histogram: write the ``precision/grad_log2_magnitude`` histogram to TensorBoard loggers.
 
     Raises:
-        ValueError: If ``warn_every_n_skips`` is not an integer >= 1.
+        ValueError: If ``warn_every_n_skips`` is not an integer >= 1, or ``log_histogram`` is not a bool.
         MisconfigurationException:
             If the ``Trainer`` has no logger, or does not use :class:`~lightning_mp.MixedPrecision`.
 
@@ -88,8 +101,11 @@ class GradientHealthMonitor(Callback):
 
     """
 
-    def __init__(self, warn_every_n_skips: int = 10) -> None:
+    def __init__(self, warn_every_n_skips: int = 10, log_histogram: bool = True) -> None:
         self.warn_every_n_skips = validate_positive_int("warn_every_n_skips", warn_every_n_skips)
+        if not isinstance(log_histogram, bool):
+            raise ValueError(f"`log_histogram` must be True or False, got {log_histogram!r}.")
+        self.log_histogram = log_histogram
         self._seen_skipped_steps = 0
 
     @override
@@ -128,7 +144,11 @@ class GradientHealthMonitor(Callback):
         if plugin.half_dtype == torch.float16 and largest > 0:
             largest_scaled = largest * loss_scale / scale_in_grads
             metrics["precision/grad_headroom_log2"] = math.log2(_FP16_MAX / largest_scaled)
-        log_scalars(trainer, metrics, step=logging_step(trainer))
+        step = logging_step(trainer)
+        log_scalars(trainer, metrics, step=step)
+        writers = tensorboard_writers(trainer) if self.log_histogram else []
+        if writers:
+            _log_magnitude_histogram(writers, grads, loss_scale / scale_in_grads, step)
 
     @override
     def on_train_batch_end(
@@ -173,6 +193,54 @@ def _gradient_summary(grads: list[torch.Tensor]) -> tuple[float, float, float]:
             [torch.linalg.vector_norm(norms), zeros.float(), largest]
         ).tolist()
     return total_norm, zero_count / elements, largest_value
+
+
+def _log_magnitude_histogram(writers: list[SummaryWriter], grads: list[torch.Tensor], scale: float, step: int) -> None:
+    """Histogram of ``log2 |grad * scale|`` over the non-zero finite elements, binned on the device, one transfer."""
+    low, high = _HISTOGRAM_LOG2_RANGE
+    shift = math.log2(scale)
+    with torch.no_grad():
+        device = grads[0].device
+        counts = torch.zeros(high - low, dtype=torch.float64, device=device)
+        # Masks instead of boolean indexing, which would synchronise with the device once per tensor.
+        summaries = []
+        for grad in grads:
+            magnitudes = grad.detach().abs().double().flatten().to(device)
+            valid = (magnitudes > 0) & torch.isfinite(magnitudes)
+            exponents = torch.where(valid, torch.log2(magnitudes) + shift, 0.0).clamp_(low, high)
+            bins = (exponents - low).long().clamp_(0, high - low - 1)
+            counts.scatter_add_(0, bins, valid.double())
+            summaries.append(
+                torch.stack(
+                    [
+                        valid.sum().double(),
+                        exponents.mul(valid).sum(),
+                        exponents.square().mul(valid).sum(),
+                        torch.where(valid, exponents, float(low)).max(),
+                        torch.where(valid, exponents, float(high)).min(),
+                    ]
+                )
+            )
+        stacked = torch.stack(summaries)
+        summary = torch.cat(
+            [stacked[:, :3].sum(0), stacked[:, 3].max().reshape(1), stacked[:, 4].min().reshape(1), counts]
+        ).tolist()
+    number, total, total_squares, largest, least = summary[:5]
+    bucket_counts = summary[5:]
+    if number == 0:
+        return
+    for writer in writers:
+        writer.add_histogram_raw(
+            "precision/grad_log2_magnitude",
+            min=least,
+            max=largest,
+            num=int(number),
+            sum=total,
+            sum_squares=total_squares,
+            bucket_limits=[float(limit) for limit in range(low + 1, high + 1)],
+            bucket_counts=bucket_counts,
+            global_step=step,
+        )
 
 
 def _union_over_ranks(

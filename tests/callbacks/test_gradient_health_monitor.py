@@ -82,7 +82,8 @@ def fit(
 
 def read_events(log_dir: str | Path) -> event_accumulator.EventAccumulator:
     accumulator = event_accumulator.EventAccumulator(
-        str(log_dir), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
+        str(log_dir),
+        size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0, event_accumulator.HISTOGRAMS: 0},
     )
     accumulator.Reload()
     return accumulator
@@ -150,15 +151,34 @@ def test_zero_fraction_counts_gradients_that_are_exactly_zero(tmp_path):
     assert logged == {step: pytest.approx(silent_elements / all_elements) for step in (0, 1)}
 
 
-def test_each_doubling_of_the_loss_scale_costs_one_bit_of_headroom(tmp_path):
-    """Starting at 16 times the scale leaves 4 fewer doublings before the largest gradient overflows fp16."""
-    low_logger, high_logger = TensorBoardLogger(tmp_path, name="low"), TensorBoardLogger(tmp_path, name="high")
+@pytest.fixture(scope="module")
+def low_and_high_scale_runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[event_accumulator.EventAccumulator, event_accumulator.EventAccumulator]:
+    """One step at loss scale 2**4 and one at 2**8, same model, same data."""
+    root = tmp_path_factory.mktemp("scales")
+    low_logger, high_logger = TensorBoardLogger(root, name="low"), TensorBoardLogger(root, name="high")
     fit(low_logger, GradientHealthMonitor(), max_steps=1, init_scale=2.0**4)
     fit(high_logger, GradientHealthMonitor(), max_steps=1, init_scale=2.0**8)
-    low = scalars(read_events(low_logger.log_dir), "precision/grad_headroom_log2")[0]
-    high = scalars(read_events(high_logger.log_dir), "precision/grad_headroom_log2")[0]
+    return read_events(low_logger.log_dir), read_events(high_logger.log_dir)
+
+
+def test_each_doubling_of_the_loss_scale_costs_one_bit_of_headroom(low_and_high_scale_runs):
+    """Starting at 16 times the scale leaves 4 fewer doublings before the largest gradient overflows fp16."""
+    low, high = (scalars(run, "precision/grad_headroom_log2")[0] for run in low_and_high_scale_runs)
     assert low - high == pytest.approx(4.0, abs=0.01)
     assert 0 < high < math.log2(torch.finfo(torch.float16).max)
+
+
+def test_magnitude_histogram_shifts_right_with_the_loss_scale(low_and_high_scale_runs):
+    """The log2-magnitude histogram counts every non-zero gradient element and moves 4 bins right at 16x scale."""
+    low, high = (run.Histograms("precision/grad_log2_magnitude")[0].histogram_value for run in low_and_high_scale_runs)
+    model = TinyRegressor()
+    nonzero_elements = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.silent.parameters())
+    assert low.num == high.num == nonzero_elements
+    assert sum(high.bucket) == nonzero_elements
+    assert high.sum / high.num - low.sum / low.num == pytest.approx(4.0, abs=0.01)
+    assert high.max - low.max == pytest.approx(4.0, abs=0.01)
 
 
 def test_headroom_is_fp16_only(tmp_path):
@@ -168,6 +188,16 @@ def test_headroom_is_fp16_only(tmp_path):
     accumulator = read_events(logger.log_dir)
     assert sorted(scalars(accumulator, "precision/grad_norm")) == [0, 1]
     assert "precision/grad_headroom_log2" not in accumulator.Tags()["scalars"]
+    assert sorted(event.step for event in accumulator.Histograms("precision/grad_log2_magnitude")) == [0, 1]
+
+
+def test_histogram_can_be_turned_off(tmp_path):
+    """GradientHealthMonitor(log_histogram=False) writes the scalars but no histogram."""
+    logger = TensorBoardLogger(tmp_path)
+    fit(logger, GradientHealthMonitor(log_histogram=False), max_steps=1)
+    accumulator = read_events(logger.log_dir)
+    assert "precision/grad_norm" in accumulator.Tags()["scalars"]
+    assert accumulator.Tags()["histograms"] == []
 
 
 def test_scalars_are_logged_on_logging_steps_only(tmp_path):
@@ -210,6 +240,12 @@ def test_bad_warning_interval_is_rejected(value):
     """warn_every_n_skips must be a positive integer, and the error names the argument and the value."""
     with pytest.raises(ValueError, match=r"`warn_every_n_skips` must be an integer >= 1, got "):
         GradientHealthMonitor(warn_every_n_skips=value)
+
+
+def test_log_histogram_must_be_a_bool():
+    """A log_histogram that is not True or False is rejected with the value shown."""
+    with pytest.raises(ValueError, match=r"`log_histogram` must be True or False, got 1"):
+        GradientHealthMonitor(log_histogram=1)  # type: ignore[arg-type]
 
 
 def test_monitor_survives_pickling_after_a_run(tmp_path):
