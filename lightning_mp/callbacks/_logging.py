@@ -21,10 +21,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_mp.plugin import MixedPrecision
+
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
-
-    from lightning_mp.plugin import MixedPrecision
 
 
 def validate_positive_int(name: str, value: object) -> int:
@@ -60,8 +60,6 @@ def require_mixed_precision(trainer: pl.Trainer, callback_name: str) -> MixedPre
         MisconfigurationException: if the trainer uses another precision plugin.
 
     """
-    from lightning_mp.plugin import MixedPrecision
-
     plugin = trainer.precision_plugin
     if not isinstance(plugin, MixedPrecision):
         raise MisconfigurationException(

@@ -130,7 +130,7 @@ class GradientHealthMonitor(Callback):
             p.grad.coalesce().values() if p.grad.is_sparse else p.grad
             for group in optimizer.param_groups
             for p in group["params"]
-            if p.grad is not None
+            if p.grad is not None and p.grad.numel() > 0
         ]
         if not grads:
             return
