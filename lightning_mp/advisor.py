@@ -1,0 +1,382 @@
+"""The precision advisor: find the layers that fp16 would break before a run does, and say what to do about it.
+
+fp16 represents magnitudes from ``2**-24`` (its smallest subnormal) to ``65504``. Normal numbers start at ``2**-14``;
+below that only a few mantissa bits are left, and below ``2**-24`` a value becomes zero. bf16 has fp32's range and
+none of these limits, but three fewer mantissa bits than fp16. Whether a model trains in fp16 depends on where its
+values fall, layer by layer, and that can be measured in fp32 before any half-precision step.
+
+:func:`advise` runs ``batches`` training batches in fp32 on a deep copy of the model (the model itself, its
+buffers, gradients and the random number generators are left as they were) and records, for every module that is
+a leaf or holds parameters of its own:
+
+- the largest absolute activation, over the floating inputs and outputs of its forward;
+- the largest absolute gradient, over the gradients of its outputs and of its own parameters;
+- the share of its output activations, and of its gradients, that fp16 would flush to zero (nonzero and below
+  ``2**-24``) or only keep as subnormals (from ``2**-24`` to below ``2**-14``);
+- whether any activation or gradient would overflow fp16 (above ``65504``).
+
+From the table it recommends:
+
+- ``keep_fp32``: the layers whose activations come within a factor :data:`ACTIVATION_HEADROOM` of fp16's maximum,
+  on their inputs or outputs (so that both the layer that produces a huge value and the one that consumes it stay
+  fp32), or whose output activations underflow to zero more than :data:`UNDERFLOW_LIMIT` of the time. Loss scaling
+  cannot help activations: it only scales gradients;
+- ``init_scale``: the largest power of two that keeps the largest gradient outside the kept layers a factor
+  :data:`GRADIENT_HEADROOM` below 65504, so the first steps neither overflow nor waste range;
+- the precision: bf16 when some layer is at risk in fp16, or when the device runs bf16 natively (or is a CPU, where
+  fp16 is slow); otherwise fp16 with the scale and layers above.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from torch.utils.data import DataLoader, TensorDataset
+    >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    >>> data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=8)
+    >>> advice = advise(model, data, batches=2, loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+    >>> advice.keep_fp32, advice.precision
+    ((), 'bf16-mixed')
+
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch import LightningModule
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+from lightning_mp._hardware import device_has_native_bf16
+
+FP16_MAX = 65504.0
+FP16_SMALLEST_SUBNORMAL = 2.0**-24
+FP16_SMALLEST_NORMAL = 2.0**-14
+ACTIVATION_HEADROOM = 4.0
+"""A layer whose activations come within this factor of 65504 is kept in fp32: later batches can be larger."""
+UNDERFLOW_LIMIT = 0.01
+"""A layer whose output activations would flush to zero in fp16 more often than this is kept in fp32."""
+GRADIENT_HEADROOM = 64.0
+"""``init_scale`` keeps the largest gradient this factor below 65504."""
+MIN_INIT_SCALE, MAX_INIT_SCALE = 2.0**-24, 2.0**24
+
+LossFunction = Callable[[nn.Module, Any], Tensor]
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """What one module's values would do in fp16, measured in fp32.
+
+    Attributes:
+        name: qualified module name (``""`` for the root module).
+        type_name: the module's class name.
+        max_activation: largest absolute value among its floating inputs and outputs.
+        max_gradient: largest absolute gradient of its outputs and own parameters (0 without gradients).
+        activation_zero_share: share of output activations that are nonzero and below ``2**-24``.
+        activation_subnormal_share: share of output activations in ``[2**-24, 2**-14)``.
+        gradient_zero_share: the same as ``activation_zero_share`` for its gradients.
+        gradient_subnormal_share: the same as ``activation_subnormal_share`` for its gradients.
+        overflows_fp16: whether an activation or a gradient is above 65504.
+        keep_fp32: whether the advisor recommends keeping it in fp32.
+
+    """
+
+    name: str
+    type_name: str
+    max_activation: float
+    max_gradient: float
+    activation_zero_share: float
+    activation_subnormal_share: float
+    gradient_zero_share: float
+    gradient_subnormal_share: float
+    overflows_fp16: bool
+    keep_fp32: bool
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The advisor's table and recommendation.
+
+    Attributes:
+        layers: one :class:`LayerReport` per recorded module, in the order they first ran.
+        precision: the recommended ``MixedPrecision`` precision.
+        keep_fp32: qualified names of the modules to keep in fp32 when training in fp16.
+        init_scale: the recommended first loss scale for fp16.
+        batches: how many batches were measured.
+        reason: why this precision.
+
+    """
+
+    layers: tuple[LayerReport, ...]
+    precision: Literal["bf16-mixed", "16-mixed"]
+    keep_fp32: tuple[str, ...]
+    init_scale: float
+    batches: int
+    reason: str
+
+    def plugin_kwargs(self, precision: Literal["bf16-mixed", "16-mixed"] | None = None) -> dict[str, Any]:
+        """Keyword arguments for :class:`~lightning_mp.MixedPrecision` that apply this advice.
+
+        Args:
+            precision: override the recommended precision, for example ``"16-mixed"`` on hardware without bf16.
+
+        Example:
+            >>> advice = Advice((), "bf16-mixed", ("blowup",), 256.0, 1, "")
+            >>> advice.plugin_kwargs("16-mixed")
+            {'precision': '16-mixed', 'keep_fp32': ['blowup'], 'init_scale': 256.0}
+
+        """
+        chosen = precision or self.precision
+        if chosen not in ("bf16-mixed", "16-mixed"):
+            raise ValueError(
+                f"Advice.plugin_kwargs(precision={precision!r}) is not allowed: precision must be 'bf16-mixed',"
+                " '16-mixed' or None."
+            )
+        kwargs: dict[str, Any] = {"precision": chosen, "keep_fp32": list(self.keep_fp32)}
+        if chosen == "16-mixed":
+            kwargs["init_scale"] = self.init_scale
+        return kwargs
+
+    def to_markdown(self) -> str:
+        """The table and the recommendation as Markdown, as written to TensorBoard under ``precision/advice``."""
+        header = (
+            "| layer | type | max abs activation | max abs gradient | act. flushed to 0 | act. subnormal"
+            " | grad. flushed to 0 | grad. subnormal | fp16 overflow | keep fp32 |"
+        )
+        rows = [header, "|" + "---|" * 10]
+        for layer in self.layers:
+            rows.append(
+                f"| {layer.name or '(root)'} | {layer.type_name}"
+                f" | {layer.max_activation:.3g} | {layer.max_gradient:.3g}"
+                f" | {layer.activation_zero_share:.2%} | {layer.activation_subnormal_share:.2%}"
+                f" | {layer.gradient_zero_share:.2%} | {layer.gradient_subnormal_share:.2%}"
+                f" | {'yes' if layer.overflows_fp16 else 'no'} | {'**yes**' if layer.keep_fp32 else 'no'} |"
+            )
+        return "\n".join([*self._recommendation(), "", *rows])
+
+    def _recommendation(self) -> list[str]:
+        return [
+            f"**Recommended precision:** `{self.precision}` ({self.reason}).",
+            f"**For fp16:** `MixedPrecision('16-mixed', keep_fp32={list(self.keep_fp32)!r},"
+            f" init_scale={self.init_scale:g})`.",
+            f"Measured in fp32 over {self.batches} batch{'es' if self.batches != 1 else ''}.",
+        ]
+
+    def __str__(self) -> str:
+        width = max([len(layer.name) for layer in self.layers] + [6])
+        lines = [
+            *(line.replace("**", "").replace("`", "") for line in self._recommendation()),
+            "",
+            f"{'layer':<{width}}  {'max |act|':>10}  {'max |grad|':>10}  {'act->0':>7}  {'grad->0':>7}  overflow  keep",
+        ]
+        for layer in self.layers:
+            lines.append(
+                f"{layer.name or '(root)':<{width}}  {layer.max_activation:>10.3g}  {layer.max_gradient:>10.3g}"
+                f"  {layer.activation_zero_share:>7.2%}  {layer.gradient_zero_share:>7.2%}"
+                f"  {'yes' if layer.overflows_fp16 else 'no':>8}  {'fp32' if layer.keep_fp32 else '-'}"
+            )
+        return "\n".join(lines)
+
+
+class _Tally:
+    """Running statistics of one module.
+
+    Values are reduced on their device as they arrive, so recording neither synchronises with the host nor keeps an
+    activation alive; the report reads the few numbers back at the end.
+    """
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.type_name = type(module).__name__
+        self.largest: dict[str, Tensor] = {}  # "activation" or "gradient" -> 0-dim max magnitude
+        self.counts: dict[str, Tensor] = {}  # "activation" or "gradient" -> [flushed to zero, subnormal]
+        self.totals = {"activation": 0, "gradient": 0}
+
+    def add(self, kind: Literal["input", "activation", "gradient"], tensor: Tensor) -> None:
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            return
+        magnitude = tensor.detach().abs().float()
+        key = "gradient" if kind == "gradient" else "activation"
+        largest = magnitude.max()
+        self.largest[key] = torch.maximum(self.largest[key], largest) if key in self.largest else largest
+        if kind == "input":
+            return  # inputs count towards the range only: their shares belong to the layer that produced them
+        counts = torch.stack(
+            [
+                ((magnitude > 0) & (magnitude < FP16_SMALLEST_SUBNORMAL)).sum(),
+                ((magnitude >= FP16_SMALLEST_SUBNORMAL) & (magnitude < FP16_SMALLEST_NORMAL)).sum(),
+            ]
+        ).double()
+        self.counts[key] = self.counts[key] + counts if key in self.counts else counts
+        self.totals[key] += magnitude.numel()
+
+    def report(self) -> LayerReport:
+        def share(key: str, index: int) -> float:
+            return float(self.counts[key][index]) / self.totals[key] if self.totals[key] else 0.0
+
+        max_activation = float(self.largest["activation"]) if "activation" in self.largest else 0.0
+        max_gradient = float(self.largest["gradient"]) if "gradient" in self.largest else 0.0
+        activation_zero_share = share("activation", 0)
+        at_risk = max_activation > FP16_MAX / ACTIVATION_HEADROOM or activation_zero_share > UNDERFLOW_LIMIT
+        return LayerReport(
+            name=self.name,
+            type_name=self.type_name,
+            max_activation=max_activation,
+            max_gradient=max_gradient,
+            activation_zero_share=activation_zero_share,
+            activation_subnormal_share=share("activation", 1),
+            gradient_zero_share=share("gradient", 0),
+            gradient_subnormal_share=share("gradient", 1),
+            overflows_fp16=max(max_activation, max_gradient) > FP16_MAX,
+            keep_fp32=at_risk and bool(self.name),  # the root cannot be named in keep_fp32
+        )
+
+
+def _recorded_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Leaves, and modules with parameters of their own (MultiheadAttention uses its weights directly)."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if not any(True for _ in module.children()) or any(True for _ in module.parameters(recurse=False))
+    ]
+
+
+def _training_loss(model: nn.Module, batch: Any, batch_idx: int, loss_fn: LossFunction | None) -> Tensor:
+    if loss_fn is not None:
+        return loss_fn(model, batch)
+    assert isinstance(model, LightningModule)
+    output = model.training_step(batch, batch_idx)
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, Tensor):
+        raise ValueError(
+            f"advise(...) needs a loss: {type(model).__name__}.training_step returned {type(output).__name__}. Return"
+            " the loss (or a dict with 'loss'), or pass loss_fn=lambda model, batch: ..."
+        )
+    return loss
+
+
+def _loader_generators(dataloader: Iterable) -> list[torch.Generator]:
+    """The random generators a DataLoader's sampler draws from, to restore after peeking at it."""
+    candidates = [
+        getattr(dataloader, "generator", None),
+        getattr(getattr(dataloader, "sampler", None), "generator", None),
+    ]
+    return [generator for generator in candidates if isinstance(generator, torch.Generator)]
+
+
+def advise(
+    model: nn.Module,
+    dataloader: Iterable,
+    batches: int = 8,
+    loss_fn: LossFunction | None = None,
+) -> Advice:
+    """Measure ``batches`` batches in fp32 and recommend a precision, ``keep_fp32`` layers and an ``init_scale``.
+
+    The measurement runs on a deep copy of ``model`` cast to fp32 and in train mode, so it costs one more copy of the
+    weights in memory. The model, its buffers and gradients, the global random state and the data loader's own
+    generators are as they were afterwards.
+
+    Args:
+        model: a ``LightningModule`` (its ``training_step`` gives the loss) or any ``nn.Module`` with ``loss_fn``.
+        dataloader: yields training batches, as ``training_step`` receives them.
+        batches: how many batches to measure; at least 1.
+        loss_fn: ``loss_fn(model, batch) -> loss``; required for a plain ``nn.Module``.
+
+    Returns:
+        The :class:`Advice`: a table (``advice.layers``, ``advice.to_markdown()``) and the recommendation.
+
+    Raises:
+        ValueError: if an argument is invalid, or the data loader yields no batch.
+
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"advise(model={type(model).__name__}) is not allowed: model must be an nn.Module.")
+    if not isinstance(dataloader, Iterable):
+        raise ValueError(
+            f"advise(dataloader={dataloader!r}) is not allowed: dataloader must be an iterable of batches."
+        )
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise ValueError(f"advise(batches={batches!r}) is not allowed: batches must be an integer >= 1.")
+    if loss_fn is None and not isinstance(model, LightningModule):
+        raise ValueError(
+            f"advise(model={type(model).__name__}, loss_fn=None) is not allowed: a plain nn.Module needs"
+            " loss_fn=lambda model, batch: loss; a LightningModule's training_step is used otherwise."
+        )
+    work = copy.deepcopy(model).float().train()
+    device = next((p.device for p in work.parameters()), torch.device("cpu"))
+    tallies = {module: _Tally(name, module) for name, module in _recorded_modules(work)}
+
+    def record_forward(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        tally = tallies[module]
+        apply_to_collection(args, Tensor, lambda t: tally.add("input", t))
+
+        def record_output(tensor: Tensor) -> None:
+            tally.add("activation", tensor)
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad: tally.add("gradient", grad))
+
+        apply_to_collection(output, Tensor, record_output)
+
+    for module in tallies:
+        module.register_forward_hook(record_forward)
+    generators = _loader_generators(dataloader)
+    generator_states = [generator.get_state() for generator in generators]
+    cuda_devices = [device.index or 0] if device.type == "cuda" else []
+    seen = 0
+    try:
+        with torch.random.fork_rng(devices=cuda_devices), warnings.catch_warnings():
+            # A LightningModule's self.log() warns without a Trainer; the copy has none on purpose.
+            warnings.filterwarnings("ignore", message=r".*self\.log\(\)")
+            for batch_idx, batch in enumerate(dataloader):
+                if batch_idx == batches:
+                    break
+                work.zero_grad(set_to_none=True)
+                _training_loss(work, move_data_to_device(batch, device), batch_idx, loss_fn).backward()
+                for module, tally in tallies.items():
+                    for parameter in module.parameters(recurse=False):
+                        if parameter.grad is not None:
+                            tally.add("gradient", parameter.grad)
+                seen += 1
+    finally:
+        for generator, state in zip(generators, generator_states, strict=True):
+            generator.set_state(state)
+    if seen == 0:
+        raise ValueError("advise(dataloader=...) is not allowed: the data loader yielded no batch.")
+    return _recommend(list(tallies.values()), seen, device.type)
+
+
+def _recommend(tallies: list[_Tally], batches: int, device_type: str) -> Advice:
+    layers = tuple(tally.report() for tally in tallies if tally.totals["activation"])
+    keep = tuple(layer.name for layer in layers if layer.keep_fp32)
+    largest_gradient = max((layer.max_gradient for layer in layers if not layer.keep_fp32), default=0.0)
+    if largest_gradient > 0:
+        exponent = math.floor(math.log2(FP16_MAX / GRADIENT_HEADROOM / largest_gradient))
+        init_scale = min(max(2.0**exponent, MIN_INIT_SCALE), MAX_INIT_SCALE)
+    else:
+        init_scale = 2.0**16
+    precision: Literal["bf16-mixed", "16-mixed"]
+    if keep:
+        precision, reason = "bf16-mixed", f"{len(keep)} layer(s) leave fp16's range; bf16 has fp32's range"
+    elif device_has_native_bf16(device_type):
+        precision, reason = "bf16-mixed", f"nothing leaves fp16's range and the {device_type} runs bf16 natively"
+    elif device_type == "cpu":
+        precision, reason = "bf16-mixed", "nothing leaves fp16's range, but fp16 is slower than bf16 on CPUs"
+    else:
+        precision, reason = "16-mixed", f"nothing leaves fp16's range and the {device_type} has no fast bf16"
+    return Advice(layers, precision, keep, init_scale, batches, reason)
+
+
+__all__ = [
+    "ACTIVATION_HEADROOM",
+    "GRADIENT_HEADROOM",
+    "UNDERFLOW_LIMIT",
+    "Advice",
+    "LayerReport",
+    "advise",
+]
