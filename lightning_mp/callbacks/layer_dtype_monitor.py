@@ -10,11 +10,14 @@ or one that silently runs in half when it should not, is visible only by looking
 
 On a sampled step it attaches a forward hook to every leaf module (a module without children), records the dtype
 of the output the module returns inside the autocast region of ``training_step``, and after backward reads the
-dtype of each parameter's gradient. The hooks are removed at the end of that batch, so the steps in between cost
-nothing. The first table is written at the first training step.
+dtype of each parameter's gradient. A module with children that also holds parameters of its own, such as
+``nn.MultiheadAttention`` with its input projection, gets a row too, so that every parameter appears in the table.
+A module whose weights are used without calling it (``MultiheadAttention.out_proj``) shows "not called". The
+hooks are removed at the end of that batch, so the steps in between cost nothing. The first table is written at
+the first training step.
 
 It logs a Markdown table under ``precision/layer_dtypes`` (TensorBoard text) with one row per leaf module, and a
-scalar ``precision/layers/<dtype>`` per output dtype, the number of leaf modules whose output has that dtype (for
+scalar ``precision/layers/<dtype>`` per output dtype, the number of those modules whose output has that dtype (for
 example ``precision/layers/bfloat16``). A dtype seen on an earlier sample and absent now is logged as 0.
 """
 
@@ -43,7 +46,7 @@ _NONE = "-"
 
 @dataclass
 class _LayerRecord:
-    """What one leaf module was seen doing on a sampled step."""
+    """What one module was seen doing on a sampled step."""
 
     name: str
     type_name: str
@@ -57,10 +60,10 @@ class LayerDtypeMonitor(Callback):
 
     **Logged metrics** (on the first training step, then every ``every_n_steps`` steps):
 
-    - ``precision/layer_dtypes`` (TensorBoard text): a Markdown table with, per leaf module, its qualified name,
-      its type, the dtype of its parameters, the dtype of its output under autocast and the dtype of its
-      parameters' gradients.
-    - ``precision/layers/<dtype>``: the number of leaf modules whose output has that dtype.
+    - ``precision/layer_dtypes`` (TensorBoard text): a Markdown table with, per leaf module (and per module that
+      holds parameters of its own), its qualified name, its type, the dtype of its parameters, the dtype of its
+      output under autocast and the dtype of its parameters' gradients.
+    - ``precision/layers/<dtype>``: the number of those modules whose output has that dtype.
 
     It works with any precision plugin, Lightning's included, and samples on rank zero only (every rank holds the
     same model). Loggers other than TensorBoard get the counts only.
@@ -105,7 +108,8 @@ class LayerDtypeMonitor(Callback):
         self._last_sampled_step = step
         self._records = []
         for name, module in pl_module.named_modules():
-            if next(module.children(), None) is not None:
+            is_leaf = next(module.children(), None) is None
+            if not is_leaf and next(module.parameters(recurse=False), None) is None:
                 continue
             record = _LayerRecord(name=name or type(pl_module).__name__, type_name=type(module).__name__, module=module)
             self._records.append(record)

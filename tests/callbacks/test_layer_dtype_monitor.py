@@ -141,6 +141,42 @@ def test_hooks_exist_only_during_sampled_steps(tmp_path):
     assert count_forward_hooks(model) == 0
 
 
+class TinyAttention(TinyRegressor):
+    """Adds an nn.MultiheadAttention, a module with children that computes with parameters of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(embed_dim=8, num_heads=2, batch_first=True)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        features, target = batch
+        attended, _ = self.attention(features[:, None], features[:, None], features[:, None])
+        return self.criterion(self.encoder(attended[:, 0]), target)
+
+
+def test_attention_projection_weights_are_in_the_table(tmp_path):
+    """MultiheadAttention owns its input projection, so it gets a row; its out_proj is used without being called."""
+    logger = TensorBoardLogger(tmp_path)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[MixedPrecision("bf16-mixed")],
+        callbacks=[LayerDtypeMonitor()],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        max_steps=1,
+    )
+    trainer.fit(TinyAttention())
+    table = tables(read_events(logger.log_dir))[0]
+    assert (table["attention"]["type"], table["attention"]["parameters"]) == ("MultiheadAttention", "float32")
+    assert table["attention"]["output"].startswith("bfloat16")
+    assert table["attention.out_proj"]["output"] == "not called"
+    assert list(table) == ["encoder.0", "encoder.1", "encoder.2", "criterion", "attention", "attention.out_proj"]
+
+
 def test_works_with_lightnings_own_precision_flag(tmp_path):
     """The monitor needs no lightning_mp plugin: Lightning's precision='bf16-mixed' gets the same table."""
     logger = TensorBoardLogger(tmp_path)
