@@ -166,7 +166,8 @@ class GradientHealthMonitor(Callback):
         self._seen_skipped_steps = stats.skipped_steps
 
         # Skips are identical on every rank, so every rank reaches this collective together.
-        names = _union_over_ranks(trainer, nonfinite_gradients(pl_module.named_parameters(), _MAX_REPORTED_PARAMETERS))
+        local = nonfinite_gradients(_stepped_parameters(trainer, pl_module), _MAX_REPORTED_PARAMETERS)
+        names = _union_over_ranks(trainer, local)
         step = logging_step(trainer)
         log_text(trainer, "precision/overflow", _overflow_markdown(step, names, stats.loss_scale), step)
 
@@ -241,6 +242,30 @@ def _log_magnitude_histogram(writers: list[SummaryWriter], grads: list[torch.Ten
             bucket_counts=bucket_counts,
             global_step=step,
         )
+
+
+def _stepped_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, torch.Tensor]]:
+    """The tensors the optimizers step, named as the model names them, then any model parameter not among them.
+
+    Under opt level O2 the optimizers step fp32 masters, which hold the gradients at this point; the policy knows
+    which model parameter each master stands for.
+    """
+    plugin = trainer.precision_plugin
+    policy = getattr(plugin, "policy", None)
+    names_by_id = (
+        policy.parameter_names(pl_module)
+        if policy is not None
+        else {id(parameter): name for name, parameter in pl_module.named_parameters()}
+    )
+    named: dict[str, torch.Tensor] = {}
+    for index, optimizer in enumerate(trainer.optimizers):
+        for group_index, group in enumerate(optimizer.param_groups):
+            for position, parameter in enumerate(group["params"]):
+                fallback = f"optimizers[{index}].param_groups[{group_index}][{position}]"
+                named.setdefault(names_by_id.get(id(parameter), fallback), parameter)
+    for name, parameter in pl_module.named_parameters():
+        named.setdefault(name, parameter)
+    return list(named.items())
 
 
 def _union_over_ranks(

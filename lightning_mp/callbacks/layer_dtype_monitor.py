@@ -8,13 +8,13 @@ autocast casts on the fly) or half (O2, O3); its output follows autocast's op li
 bf16 while a loss or a normalisation may return fp32; its gradients follow its parameters. A layer forced to fp32,
 or one that silently runs in half when it should not, is visible only by looking. This callback looks.
 
-On a sampled step it attaches a forward hook to every leaf module (a module without children), records the dtype
-of the output the module returns inside the autocast region of ``training_step``, and after backward reads the
-dtype of each parameter's gradient. A module with children that also holds parameters of its own, such as
-``nn.MultiheadAttention`` with its input projection, gets a row too, so that every parameter appears in the table.
-A module whose weights are used without calling it (``MultiheadAttention.out_proj``) shows "not called". The
-hooks are removed at the end of that batch, so the steps in between cost nothing. The first table is written at
-the first training step.
+On a sampled step it attaches a forward hook to every leaf module (a module without children), records the dtype of
+the output the module returns inside the autocast region of ``training_step``, and right after backward (before opt
+level O2 moves the half gradients into its fp32 masters) reads the dtype of each parameter's gradient. A module with
+children that also holds parameters of its own, such as ``nn.MultiheadAttention`` with its input projection, gets a
+row too, so that every parameter appears in the table. A module whose weights are used without calling it
+(``MultiheadAttention.out_proj``) shows "not called". The hooks are removed at the end of that batch, so the steps
+in between cost nothing. The first table is written at the first training step.
 
 It logs a Markdown table under ``precision/layer_dtypes`` (TensorBoard text) with one row per leaf module, and a
 scalar ``precision/layers/<dtype>`` per output dtype, the number of those modules whose output has that dtype (for
@@ -53,6 +53,7 @@ class _LayerRecord:
     module: torch.nn.Module
     called: bool = False
     output_dtypes: list[torch.dtype] = field(default_factory=list)
+    grad_dtypes: list[torch.dtype] | None = None
 
 
 class LayerDtypeMonitor(Callback):
@@ -116,6 +117,11 @@ class LayerDtypeMonitor(Callback):
             self._handles.append(module.register_forward_hook(_output_dtype_recorder(record)))
 
     @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for record in self._records:
+            record.grad_dtypes = _gradient_dtypes(record.module)
+
+    @override
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
@@ -175,6 +181,10 @@ def _tensor_dtypes(output: Any) -> list[torch.dtype]:
     return []
 
 
+def _gradient_dtypes(module: torch.nn.Module) -> list[torch.dtype]:
+    return [p.grad.dtype for p in module.parameters(recurse=False) if p.grad is not None]
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -187,7 +197,7 @@ def _markdown_table(records: list[_LayerRecord]) -> str:
     lines = ["| module | type | parameters | output | gradients |", "|---|---|---|---|---|"]
     for record in records:
         parameters = list(record.module.parameters(recurse=False))
-        grads = [p.grad.dtype for p in parameters if p.grad is not None]
+        grads = record.grad_dtypes if record.grad_dtypes is not None else _gradient_dtypes(record.module)
         output = _dtype_cell(record.output_dtypes) if record.called else "not called"
         lines.append(
             f"| `{record.name}` | {record.type_name} | {_dtype_cell([p.dtype for p in parameters])} | {output} |"

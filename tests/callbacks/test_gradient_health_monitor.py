@@ -63,11 +63,12 @@ def fit(
     log_every_n_steps: int = 1,
     max_steps: int = 4,
     init_scale: float = INIT_SCALE,
+    opt_level: str = "O1",
 ) -> Trainer:
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        plugins=[MixedPrecision(precision, init_scale=init_scale)],
+        plugins=[MixedPrecision(precision, opt_level=opt_level, init_scale=init_scale)],
         callbacks=[monitor],
         logger=logger,
         enable_checkpointing=False,
@@ -112,6 +113,14 @@ def test_overflow_entry_names_the_parameter_that_overflowed(tmp_path):
         assert f"Step {step}" in text
         assert "`head.weight` | [1, 16]" in text
         assert "hidden.weight" not in text
+
+
+def test_overflow_under_o2_names_the_model_parameter_behind_the_fp32_master(tmp_path):
+    """Under O2 the gradients live on fp32 masters at the skip; the entry still names the model's parameter."""
+    logger = TensorBoardLogger(tmp_path)
+    with pytest.warns(RuntimeWarning, match="head.weight"):
+        fit(logger, GradientHealthMonitor(), inject_at=(1,), max_steps=2, opt_level="O2")
+    assert "`head.weight` | [1, 16]" in texts(read_events(logger.log_dir), "precision/overflow")[1]
 
 
 def test_warning_comes_once_per_n_skips(tmp_path):

@@ -152,6 +152,32 @@ def test_skipped_step_is_logged_between_logging_intervals(tmp_path):
     assert logged["precision/skip_rate"][9] == 0.0
 
 
+def test_accumulated_batches_log_once_per_optimizer_step(tmp_path):
+    """With accumulate_grad_batches=2 each optimizer step is logged once, and an overflow still halves the scale."""
+    logger = TensorBoardLogger(tmp_path)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[MixedPrecision("16-mixed", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)],
+        callbacks=[LossScaleMonitor()],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        max_steps=4,
+        accumulate_grad_batches=2,
+    )
+    trainer.fit(TinyRegressor(inject_at=(2,)))
+    accumulator = event_accumulator.EventAccumulator(str(logger.log_dir), size_guidance={event_accumulator.SCALARS: 0})
+    accumulator.Reload()
+    steps = [event.step for event in accumulator.Scalars("precision/loss_scale")]
+    assert steps == [0, 1, 2, 3]
+    assert [event.value for event in accumulator.Scalars("precision/loss_scale")] == [INIT_SCALE] * 2 + [
+        INIT_SCALE / 2
+    ] * 2
+
+
 def test_bf16_run_logs_a_loss_scale_of_one(tmp_path):
     """In bf16 nothing is scaled, so the logged loss scale is 1.0 and no step is skipped."""
     logger = TensorBoardLogger(tmp_path)
