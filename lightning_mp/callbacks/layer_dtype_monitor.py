@@ -98,6 +98,9 @@ class LayerDtypeMonitor(Callback):
         if stage != "fit":
             return
         require_logger(trainer, type(self).__name__)
+        # A callback reused for a second fit starts sampling afresh, at that fit's first step.
+        self._last_sampled_step = None
+        self._dtypes_seen = set()
 
     @override
     def on_train_batch_start(

@@ -201,6 +201,15 @@ def test_fp32_run_counts_every_layer_as_float32(tmp_path):
     assert "precision/layers/bfloat16" not in accumulator.Tags()["scalars"]
 
 
+def test_a_reused_monitor_writes_a_table_at_the_start_of_each_fit(tmp_path):
+    """Fitting twice with the same monitor writes the first table of each run at its step 0."""
+    monitor = LayerDtypeMonitor()
+    first, second = TensorBoardLogger(tmp_path, name="first"), TensorBoardLogger(tmp_path, name="second")
+    fit(first, monitor, max_steps=1)
+    fit(second, monitor, max_steps=1)
+    assert sorted(tables(read_events(second.log_dir))) == [0]
+
+
 def test_csv_logger_gets_the_counts_without_failing(tmp_path):
     """A CSVLogger, which cannot show the table, still records the per-dtype counts."""
     logger = CSVLogger(tmp_path)
