@@ -1,0 +1,74 @@
+"""Start ``train.py`` in subprocesses with a timeout, and always clean up: the helpers the DDP tests share."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+TRAIN_SCRIPT = Path(__file__).with_name("train.py")
+_DISTRIBUTED_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_environment(**extra: str) -> dict[str, str]:
+    """This process's environment without distributed variables, plus ``extra``."""
+    env = {key: value for key, value in os.environ.items() if key not in _DISTRIBUTED_VARIABLES}
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(arguments: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``train.py`` in its own session, so that it and every process it launches can be stopped together."""
+    return subprocess.Popen(
+        [sys.executable, str(TRAIN_SCRIPT), *arguments],
+        env=env if env is not None else clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Kill the process group of a process started by :func:`start`, if anything of it is still running."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def finish(process: subprocess.Popen, timeout: float) -> str:
+    """Wait for a process started by :func:`start`; fail with its output when it fails or runs too long."""
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(process)
+        output, _ = process.communicate()
+        raise AssertionError(f"train.py ran past {timeout} s:\n{output[-4000:]}") from None
+    finally:
+        stop(process)
+    if process.returncode != 0:
+        raise AssertionError(f"train.py exited with {process.returncode}:\n{output[-4000:]}")
+    return output
+
+
+def run(arguments: Sequence[str], timeout: float = 60, env: dict[str, str] | None = None) -> str:
+    """Run ``train.py`` to the end and return its output."""
+    return finish(start(arguments, env), timeout)
+
+
+def reports(out: Path, world_size: int = 2, tag: str = "") -> list[dict[str, Any]]:
+    """The JSON report of every rank, by global rank."""
+    return [json.loads((out / f"{tag}rank{rank}.json").read_text()) for rank in range(world_size)]

@@ -1,0 +1,194 @@
+"""Train a tiny model with MixedPrecision under a distributed strategy and write what each rank saw to JSON files.
+
+Run as a user would run a script, so that ``strategy="ddp"`` can re-launch it::
+
+    python train.py --strategy ddp --out DIR [--inject-rank 1 --inject-at 2,5] [--max-steps 8]
+
+Every rank writes ``DIR/rank<global rank>.json`` at the end of training: the per-step scale and skip flag, the
+plugin's counters, this rank's own overflow count and the parameter checksums of all ranks, gathered with
+``all_gather_object``. Files are the only way back from ``ddp_spawn`` and ``ddp_notebook`` workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MixedPrecision
+from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+
+
+class TinyRegressor(L.LightningModule):
+    """Two linear layers, with an inf planted in ``first.weight``'s gradient on one rank at chosen steps."""
+
+    def __init__(self, inject_rank: int, inject_at: tuple[int, ...]) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.second = nn.Linear(16, 1)
+        self.inject_rank = inject_rank
+        self.inject_at = set(inject_at)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def on_after_backward(self) -> None:
+        # After backward DDP has already averaged the gradients: the inf exists on this rank only.
+        if self.global_rank == self.inject_rank and self.global_step in self.inject_at:
+            self.first.weight.grad[0, 0] = float("inf")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def parameter_checksum(module: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, parameter in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class Recorder(L.Callback):
+    """Records the scale and the skip flag after every step; writes this rank's report at the end of training."""
+
+    def __init__(self, out: Path, tag: str = "") -> None:
+        self.out = out
+        self.tag = tag
+        self.steps: list[tuple[int, float, bool]] = []
+        self.first_scale: float | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.first_scale = trainer.precision_plugin.stats.loss_scale
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        stats = trainer.precision_plugin.stats
+        self.steps.append((trainer.global_step, stats.loss_scale, stats.last_step_skipped))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        plugin = trainer.precision_plugin
+        checksums = [parameter_checksum(pl_module)]
+        if dist.is_available() and dist.is_initialized():
+            checksums = [None] * dist.get_world_size()
+            dist.all_gather_object(checksums, parameter_checksum(pl_module))
+        report = {
+            "global_rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "node_rank": trainer.node_rank,
+            "pid": os.getpid(),
+            "strategy": type(trainer.strategy).__name__,
+            "first_scale": self.first_scale,
+            "steps": self.steps,
+            "stats": dataclasses.asdict(plugin.stats),
+            "scaler_state": plugin.scaler.state_dict() if plugin.scaler is not None else None,
+            "local_overflows": plugin.scaler.local_overflows() if plugin.scaler is not None else None,
+            "checksums": checksums,
+            "is_global_zero": trainer.is_global_zero,
+        }
+        path = self.out / f"{self.tag}rank{trainer.global_rank}.json"
+        path.write_text(json.dumps(report))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--precision", default="16-mixed")
+    parser.add_argument("--inject-rank", type=int, default=1)
+    parser.add_argument("--inject-at", default="")
+    parser.add_argument("--max-steps", type=int, default=8)
+    parser.add_argument("--init-scale", type=float, default=2.0**8)
+    parser.add_argument("--growth-interval", type=int, default=3)
+    parser.add_argument("--hysteresis", type=int, default=1)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument(
+        "--then-resume-from",
+        default="",
+        help="after the run, train a fresh model in the same processes from this checkpoint of it (e.g. step=8)",
+    )
+    parser.add_argument("--telemetry", action="store_true", help="TensorBoard logger and the three monitors")
+    args = parser.parse_args(argv)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    fit(args, args.resume, tag="")
+    if args.then_resume_from:
+        # Starting two processes costs more than the training itself: the resumed run reuses them. Setting
+        # LOCAL_RANK tells Lightning that the processes exist already, so the launching process starts no others.
+        os.environ.setdefault("LOCAL_RANK", "0")
+        args.checkpoint_every = 0
+        fit(args, args.out / "checkpoints" / f"{args.then_resume_from}.ckpt", tag="resumed_")
+
+
+def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
+    L.seed_everything(7, verbose=False)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=generator)
+    y = x @ torch.randn(8, 1, generator=generator)
+    data = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
+    inject_at = tuple(int(step) for step in args.inject_at.split(",") if step)
+    model = TinyRegressor(args.inject_rank, inject_at)
+
+    plugin = MixedPrecision(
+        args.precision,
+        init_scale=args.init_scale,
+        growth_interval=args.growth_interval,
+        hysteresis=args.hysteresis,
+    )
+    callbacks: list[L.Callback] = [Recorder(args.out, tag)]
+    logger: Any = False
+    if args.telemetry:
+        callbacks += [LossScaleMonitor(), GradientHealthMonitor(), LayerDtypeMonitor(every_n_steps=4)]
+        logger = TensorBoardLogger(args.out, name="tb", version=0)
+    if args.checkpoint_every:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=args.out / "checkpoints",
+                filename="{step}",
+                every_n_train_steps=args.checkpoint_every,
+                save_top_k=-1,
+            )
+        )
+    # Everything ddp_spawn and ddp_notebook send to their workers must pickle.
+    pickle.dumps((plugin, callbacks))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=args.strategy,
+        plugins=[plugin],
+        callbacks=callbacks,
+        logger=logger,
+        log_every_n_steps=1,
+        max_steps=args.max_steps,
+        enable_checkpointing=bool(args.checkpoint_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
