@@ -1,0 +1,592 @@
+"""The benchmark: step time, throughput, peak memory and final loss of each precision setup, as a Markdown table.
+
+Run ``python -m lightning_mp.bench`` (``--quick`` for a smoke run, ``--out FILE.md`` to keep the table). Every
+configuration trains :class:`~lightning_mp.tasks.TinyTransformerLM` on the same seeded Markov text with the same
+Trainer settings; only the precision setup differs:
+
+- ``fp32``: Lightning's ``precision="32-true"``, the reference;
+- ``lightning-bf16``: Lightning's built-in ``precision="bf16-mixed"``;
+- ``O1-bf16`` and ``O2-bf16``: :class:`~lightning_mp.MixedPrecision` at those opt levels;
+- ``O1-bf16+monitors``: ``O1-bf16`` with LossScaleMonitor, GradientHealthMonitor and LayerDtypeMonitor attached;
+- on CUDA also ``lightning-fp16``, ``O1-fp16`` and ``O2-fp16`` (most CPUs multiply fp16 far more slowly than fp32,
+  so fp16 is benchmarked only where the hardware runs it fast; ``--configs`` can still ask for it).
+
+How it measures:
+
+1. Each run of a configuration is a fresh Python process (``--worker``), so peak memory belongs to that
+   configuration alone: the peak resident set size (``resource.getrusage``) on the CPU, and
+   ``torch.cuda.max_memory_allocated`` on CUDA. On the CPU the peak includes the interpreter, torch and Lightning,
+   so the table also gives the peak *over the RSS just before* ``fit``: the memory that training itself added.
+2. The runs alternate: repeat 1 runs the configurations in order, repeat 2 in reverse, and so on, so that a
+   machine that slowly speeds up or slows down favours no configuration.
+3. A step's time is the time between the ends of two consecutive training batches (data loading, forward,
+   backward, optimizer step and every callback included; on CUDA the device is synchronised first). The first
+   ``--warmup`` steps of each run are dropped; the table gives the median of the rest, pooled over the repeats,
+   and the mean, which also counts the occasional expensive logging step.
+4. Ratios are speed-ups (above 1 is faster): the reference's median over the configuration's, against fp32 and
+   against Lightning's built-in plugin at the same precision.
+
+The model's size is chosen for the hardware (``--size auto``): a smaller one on CPUs without AVX512-BF16 or AMX,
+where bf16 matrix products are emulated and about a hundred times slower than fp32, so that the full run still
+finishes in a few minutes. The output names the machine, the sizes and the load average, because timings from a
+shared machine are only as good as its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from typing_extensions import override
+
+from lightning_mp._hardware import cpu_has_native_bf16, device_has_native_bf16
+from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+from lightning_mp.plugin import MixedPrecision
+from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
+
+FP32 = "fp32"
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One precision setup: the Trainer arguments it adds, and the Lightning built-in it is compared with."""
+
+    name: str
+    description: str
+    trainer_arguments: Callable[[], dict[str, Any]]
+    builtin: str
+    """The name of Lightning's built-in configuration at the same precision (itself for the built-ins)."""
+    cuda_only: bool = False
+
+
+def _plugin(precision: str, opt_level: str) -> Callable[[], dict[str, Any]]:
+    return lambda: {"plugins": [MixedPrecision(precision, opt_level=opt_level)]}  # type: ignore[arg-type]
+
+
+def _monitored(precision: str, opt_level: str) -> Callable[[], dict[str, Any]]:
+    def arguments() -> dict[str, Any]:
+        monitors = [LossScaleMonitor(), GradientHealthMonitor(), LayerDtypeMonitor()]
+        return {**_plugin(precision, opt_level)(), "callbacks": monitors}
+
+    return arguments
+
+
+CONFIGURATIONS: dict[str, Configuration] = {
+    config.name: config
+    for config in (
+        Configuration(FP32, 'Lightning precision="32-true"', lambda: {"precision": "32-true"}, FP32),
+        Configuration(
+            "lightning-bf16", 'Lightning precision="bf16-mixed"', lambda: {"precision": "bf16-mixed"}, "lightning-bf16"
+        ),
+        Configuration("O1-bf16", "MixedPrecision bf16, O1", _plugin("bf16-mixed", "O1"), "lightning-bf16"),
+        Configuration("O2-bf16", "MixedPrecision bf16, O2", _plugin("bf16-mixed", "O2"), "lightning-bf16"),
+        Configuration(
+            "O1-bf16+monitors",
+            "O1-bf16 with the three monitors",
+            _monitored("bf16-mixed", "O1"),
+            "lightning-bf16",
+        ),
+        Configuration(
+            "lightning-fp16",
+            'Lightning precision="16-mixed"',
+            lambda: {"precision": "16-mixed"},
+            "lightning-fp16",
+            cuda_only=True,
+        ),
+        Configuration("O1-fp16", "MixedPrecision fp16, O1", _plugin("16-mixed", "O1"), "lightning-fp16", True),
+        Configuration("O2-fp16", "MixedPrecision fp16, O2", _plugin("16-mixed", "O2"), "lightning-fp16", True),
+    )
+}
+QUICK_CONFIGURATIONS = (FP32, "O1-bf16")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The transformer's shape and the batch it trains on."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    batch_size: int
+
+    def describe(self) -> str:
+        return (
+            f"d_model={self.d_model}, layers={self.n_layers}, heads={self.n_heads}, seq_len={self.seq_len},"
+            f" batch={self.batch_size}"
+        )
+
+
+SIZES: dict[str, ModelSize] = {
+    "tiny": ModelSize(d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=8),
+    "small": ModelSize(d_model=64, n_layers=2, n_heads=4, seq_len=32, batch_size=16),
+    "demo": ModelSize(d_model=128, n_layers=2, n_heads=4, seq_len=64, batch_size=32),
+    "large": ModelSize(d_model=512, n_layers=4, n_heads=8, seq_len=128, batch_size=16),
+}
+
+
+def auto_size(accelerator: str) -> str:
+    """The size for ``--size auto``: large where bf16 is native, small on a CPU that emulates it."""
+    if accelerator == "gpu":
+        return "large"
+    return "large" if cpu_has_native_bf16() else "small"
+
+
+def default_configurations(accelerator: str) -> list[str]:
+    """Every configuration the device runs fast: the fp16 ones only on CUDA."""
+    return [name for name, config in CONFIGURATIONS.items() if accelerator == "gpu" or not config.cuda_only]
+
+
+# ------------------------------------------------------------------------------------------------ one run (worker)
+
+
+class StepTimer(L.Callback):
+    """Record the wall time between the ends of consecutive training batches, and the last batch's loss.
+
+    The loss stays a tensor until training ends, so that reading it adds no host synchronisation to the steps.
+    """
+
+    def __init__(self, synchronize: bool) -> None:
+        self.synchronize = synchronize
+        self.step_seconds: list[float] = []
+        self.last_loss: torch.Tensor | None = None
+        self._last_end: float | None = None
+
+    def _now(self) -> float:
+        if self.synchronize:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._last_end is None:
+            self._last_end = self._now()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = self._now()
+        assert self._last_end is not None
+        self.step_seconds.append(now - self._last_end)
+        self._last_end = now
+        self.last_loss = outputs["loss"].detach()
+
+    @property
+    def final_loss(self) -> float:
+        """The loss of the last training batch; NaN before the first."""
+        return float("nan") if self.last_loss is None else float(self.last_loss)
+
+
+@dataclass
+class RunResult:
+    """What one worker process measured for one configuration."""
+
+    configuration: str
+    step_seconds: list[float]
+    final_loss: float
+    peak_memory_mib: float
+    pre_fit_memory_mib: float
+
+
+def _current_rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _peak_rss_mib() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def run_configuration(name: str, size: ModelSize, accelerator: str, warmup: int, steps: int, seed: int) -> RunResult:
+    """Train ``warmup + steps`` optimizer steps under configuration ``name`` in this process and measure them."""
+    config = CONFIGURATIONS[name]
+    on_cuda = accelerator == "gpu"
+    L.seed_everything(seed, verbose=False)
+    total_steps = warmup + steps
+    data = MarkovTextDataModule(
+        seq_len=size.seq_len, batch_size=size.batch_size, train_sequences=size.batch_size * total_steps, seed=seed
+    )
+    model = TinyTransformerLM(
+        d_model=size.d_model, n_heads=size.n_heads, n_layers=size.n_layers, seq_len=size.seq_len, warmup_steps=2
+    )
+    timer = StepTimer(synchronize=on_cuda)
+    arguments = config.trainer_arguments()
+    with tempfile.TemporaryDirectory() as log_dir:
+        trainer = L.Trainer(
+            accelerator=accelerator,
+            devices=1,
+            max_steps=total_steps,
+            logger=TensorBoardLogger(log_dir, name="bench"),
+            log_every_n_steps=5,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **{**arguments, "callbacks": [timer, *arguments.get("callbacks", [])]},
+        )
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+            pre_fit = torch.cuda.memory_allocated() / 2**20
+        else:
+            pre_fit = _current_rss_mib()
+        trainer.fit(model, datamodule=data)
+        peak = torch.cuda.max_memory_allocated() / 2**20 if on_cuda else _peak_rss_mib()
+    return RunResult(name, timer.step_seconds[warmup:], timer.final_loss, peak, pre_fit)
+
+
+# ------------------------------------------------------------------------------------------------ the machine
+
+
+def machine_description(accelerator: str) -> list[str]:
+    """Lines naming the machine: CPU model and its bf16 flags, cores, threads, GPU, versions, load."""
+    cpuinfo: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            cpuinfo.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    model_name = cpuinfo.get("model name") or platform.processor() or platform.machine()
+    flags = set(cpuinfo.get("flags", "").split())
+
+    def has(flag: str) -> str:
+        return "yes" if flag in flags else "no"
+
+    lines = [
+        f"CPU: {model_name}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}",
+        f"CPU flags: avx2 {has('avx2')}, avx512f {has('avx512f')}, avx512_bf16 {has('avx512_bf16')},"
+        f" amx_bf16 {has('amx_bf16')}, avx512_fp16 {has('avx512_fp16')}",
+    ]
+    if accelerator == "gpu":
+        major, minor = torch.cuda.get_device_capability()
+        lines.append(f"GPU: {torch.cuda.get_device_name()} (compute capability {major}.{minor})")
+    lines.append(f"torch {torch.__version__}, lightning {L.__version__}, Python {platform.python_version()}")
+    return lines
+
+
+def matmul_rates(accelerator: str, n: int = 512) -> dict[str, float]:
+    """GFLOP/s of an ``n x n`` matrix product in fp32, bf16 and fp16 on the device: what each dtype can reach."""
+    device = "cuda" if accelerator == "gpu" else "cpu"
+    rates = {}
+    for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        a @ b
+        repeats = 20 if device == "cuda" or dtype == torch.float32 else 2
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        rates[label] = 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
+    return rates
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+
+@dataclass
+class Summary:
+    """One configuration's measurements pooled over its repeats."""
+
+    name: str
+    median_seconds: float
+    mean_seconds: float
+    tokens_per_second: float
+    peak_memory_mib: float
+    training_memory_mib: float
+    final_loss: float
+    runs: int
+    step_count: int
+    vs_fp32: float | None = None
+    vs_builtin: float | None = None
+
+
+def summarize(results: Sequence[RunResult], size: ModelSize) -> dict[str, Summary]:
+    """Pool the runs of each configuration and compute the ratios to fp32 and to Lightning's built-in."""
+    summaries: dict[str, Summary] = {}
+    for name in dict.fromkeys(result.configuration for result in results):
+        runs = [result for result in results if result.configuration == name]
+        seconds = [s for run in runs for s in run.step_seconds]
+        median = statistics.median(seconds)
+        summaries[name] = Summary(
+            name=name,
+            median_seconds=median,
+            mean_seconds=statistics.fmean(seconds),
+            tokens_per_second=size.batch_size * size.seq_len / median,
+            peak_memory_mib=statistics.median(run.peak_memory_mib for run in runs),
+            training_memory_mib=statistics.median(run.peak_memory_mib - run.pre_fit_memory_mib for run in runs),
+            final_loss=statistics.median(run.final_loss for run in runs),
+            runs=len(runs),
+            step_count=len(seconds),
+        )
+    for summary in summaries.values():
+        if FP32 in summaries:
+            summary.vs_fp32 = summaries[FP32].median_seconds / summary.median_seconds
+        builtin = summaries.get(CONFIGURATIONS[summary.name].builtin)
+        if builtin is not None:
+            summary.vs_builtin = builtin.median_seconds / summary.median_seconds
+    return summaries
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def markdown_table(summaries: dict[str, Summary], accelerator: str) -> str:
+    """The results as a Markdown table, one row per configuration."""
+    memory = "peak CUDA alloc (MiB)" if accelerator == "gpu" else "peak RSS (MiB)"
+    training = "peak over pre-fit (MiB)"
+    header = (
+        f"| configuration | median step (ms) | mean step (ms) | tokens/s | vs fp32 | vs Lightning built-in | {memory}"
+        f" | {training} | final loss |"
+    )
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summaries.values():
+        lines.append(
+            f"| {s.name} | {s.median_seconds * 1e3:.1f} | {s.mean_seconds * 1e3:.1f} | {s.tokens_per_second:,.0f}"
+            f" | {_ratio(s.vs_fp32)} | {_ratio(s.vs_builtin)} | {s.peak_memory_mib:,.0f} | {s.training_memory_mib:,.1f}"
+            f" | {s.final_loss:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def target_lines(summaries: dict[str, Summary], accelerator: str) -> list[str]:
+    """Each of the issue's targets with its measured value, for the configurations that ran."""
+    lines = []
+
+    def verdict(met: bool) -> str:
+        return "met" if met else "MISSED"
+
+    def both(name: str, reference: str) -> tuple[float, float]:
+        a, b = summaries[name], summaries[reference]
+        return (a.median_seconds / b.median_seconds - 1) * 100, (a.mean_seconds / b.mean_seconds - 1) * 100
+
+    if {"O1-bf16+monitors", "O1-bf16"} <= summaries.keys():
+        median_cost, mean_cost = both("O1-bf16+monitors", "O1-bf16")
+        lines.append(
+            f"Monitors cost at most 3% of step time: {median_cost:+.1f}% on the median, {mean_cost:+.1f}% on the mean"
+            f" -> {verdict(median_cost <= 3 and mean_cost <= 3)}"
+        )
+    for o1, builtin in (("O1-bf16", "lightning-bf16"), ("O1-fp16", "lightning-fp16")):
+        if {o1, builtin} <= summaries.keys():
+            median_gap, mean_gap = both(o1, builtin)
+            lines.append(
+                f"{o1} within 2% of Lightning's built-in: {median_gap:+.1f}% on the median, {mean_gap:+.1f}% on the"
+                f" mean -> {verdict(abs(median_gap) <= 2)}"
+            )
+    if {"O2-bf16", FP32} <= summaries.keys():
+        speedup = summaries["O2-bf16"].vs_fp32
+        assert speedup is not None
+        lines.append(f"O2 bf16 at least 2.0x as fast as fp32: {speedup:.2f}x -> {verdict(speedup >= 2.0)}")
+        o2, fp32 = summaries["O2-bf16"], summaries[FP32]
+        if accelerator == "gpu":
+            cut = (1 - o2.peak_memory_mib / fp32.peak_memory_mib) * 100
+            lines.append(f"O2 cuts peak memory by at least 40%: {cut:.0f}% -> {verdict(cut >= 40)}")
+        else:
+            cut = (1 - o2.training_memory_mib / fp32.training_memory_mib) * 100 if fp32.training_memory_mib else 0.0
+            whole = (1 - o2.peak_memory_mib / fp32.peak_memory_mib) * 100
+            lines.append(
+                f"O2 cuts peak memory by at least 40%: {cut:.0f}% of the memory training adds, {whole:.0f}% of the"
+                f" whole process's peak RSS -> {verdict(cut >= 40)}"
+            )
+    return lines
+
+
+def report(
+    summaries: dict[str, Summary],
+    size_name: str,
+    size: ModelSize,
+    accelerator: str,
+    warmup: int,
+    steps: int,
+    repeats: int,
+    machine: list[str],
+    rates: dict[str, float],
+    matmul_size: int,
+    load: tuple[tuple[float, ...], tuple[float, ...]],
+) -> str:
+    """The whole Markdown report: machine, sizes, table, targets."""
+    rate_text = ", ".join(f"{label} {rate:,.1f}" for label, rate in rates.items())
+    parts = [
+        "### lightning_mp benchmark",
+        "",
+        *(f"- {line}" for line in machine),
+        f"- Matrix product {matmul_size}x{matmul_size}, GFLOP/s: {rate_text}",
+        f"- Load average (1, 5, 15 min): {_load_text(load[0])} at the start, {_load_text(load[1])} at the end",
+        f"- Model: TinyTransformerLM, size {size_name!r} ({size.describe()}); {warmup} warm-up and {steps} timed"
+        f" steps per run, {repeats} alternating repeats per configuration, each run in its own process",
+        "",
+        markdown_table(summaries, accelerator),
+    ]
+    targets = target_lines(summaries, accelerator)
+    if targets:
+        parts += ["", "Targets:", "", *(f"- {line}" for line in targets)]
+    return "\n".join(parts) + "\n"
+
+
+def _load_text(load: tuple[float, ...]) -> str:
+    return " / ".join(f"{value:.2f}" for value in load)
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+
+
+def _worker_command(name: str, args: argparse.Namespace, result_file: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "lightning_mp.bench",
+        "--worker",
+        name,
+        "--result-file",
+        str(result_file),
+        "--accelerator",
+        args.accelerator,
+        "--size",
+        args.size,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--seed",
+        str(args.seed),
+    ]
+
+
+def run_all(args: argparse.Namespace, configurations: Sequence[str]) -> list[RunResult]:
+    """Run every configuration ``args.repeats`` times, each in its own process, alternating the order."""
+    results = []
+    total = len(configurations) * args.repeats
+    with tempfile.TemporaryDirectory() as scratch:
+        for repeat in range(args.repeats):
+            order = list(configurations) if repeat % 2 == 0 else list(reversed(configurations))
+            for name in order:
+                result_file = Path(scratch) / f"{name}-{repeat}.json"
+                start = time.perf_counter()
+                completed = subprocess.run(
+                    _worker_command(name, args, result_file), capture_output=True, text=True, check=False
+                )
+                if completed.returncode != 0:
+                    raise RuntimeError(
+                        f"The benchmark run of {name!r} failed (exit code {completed.returncode}):\n"
+                        + completed.stderr[-4000:]
+                    )
+                result = RunResult(**json.loads(result_file.read_text()))
+                results.append(result)
+                print(
+                    f"[{len(results)}/{total}] {name} (repeat {repeat + 1}/{args.repeats}):"
+                    f" median {statistics.median(result.step_seconds) * 1e3:.1f} ms/step,"
+                    f" peak {result.peak_memory_mib:,.0f} MiB, final loss {result.final_loss:.4f}"
+                    f" ({time.perf_counter() - start:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return results
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m lightning_mp.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two configurations, tiny model, a few steps, 1 repeat")
+    parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "gpu"], help="default: auto")
+    parser.add_argument("--size", default="auto", choices=["auto", *SIZES], help="model size (default: auto)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 10, quick 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 3, quick 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per configuration (default 3, quick 1)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=list(CONFIGURATIONS),
+        help="configurations to run (default: all the device runs fast)",
+    )
+    parser.add_argument("--out", type=Path, help="also write the Markdown report to this file")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", choices=list(CONFIGURATIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.accelerator == "auto":
+        args.accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    if args.accelerator == "gpu" and not torch.cuda.is_available():
+        parser.error("--accelerator gpu needs a CUDA GPU, and torch sees none")
+    if args.size == "auto":
+        args.size = "tiny" if args.quick else auto_size(args.accelerator)
+    for flag, normal, quick in (("steps", 10, 3), ("warmup", 3, 1), ("repeats", 3, 1)):
+        value = getattr(args, flag)
+        if value is None:
+            setattr(args, flag, quick if args.quick else normal)
+        elif value < (0 if flag == "warmup" else 1):
+            parser.error(f"--{flag} must be >= {0 if flag == 'warmup' else 1}, got {value}")
+    if args.configs is None:
+        args.configs = list(QUICK_CONFIGURATIONS) if args.quick else default_configurations(args.accelerator)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    size = SIZES[args.size]
+    if args.worker is not None:
+        # The worker's own warnings (bf16 emulated on this CPU, few dataloader workers) are known and said once below.
+        warnings.filterwarnings("ignore")
+        result = run_configuration(args.worker, size, args.accelerator, args.warmup, args.steps, args.seed)
+        args.result_file.write_text(json.dumps(asdict(result)))
+        return 0
+    if args.accelerator == "cpu" and not device_has_native_bf16("cpu"):
+        print(
+            "note: this CPU has no AVX512-BF16 or AMX, so bf16 matrix products are emulated and far slower than fp32;"
+            f" using the {args.size!r} model size.",
+            file=sys.stderr,
+        )
+    load_start = os.getloadavg()
+    machine = machine_description(args.accelerator)
+    matmul_size = 256 if args.quick else 512
+    rates = matmul_rates(args.accelerator, matmul_size)
+    results = run_all(args, args.configs)
+    summaries = summarize(results, size)
+    text = report(
+        summaries,
+        args.size,
+        size,
+        args.accelerator,
+        args.warmup,
+        args.steps,
+        args.repeats,
+        machine,
+        rates,
+        matmul_size,
+        (load_start, os.getloadavg()),
+    )
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
