@@ -428,9 +428,13 @@ class MixedPrecision(Precision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Warn when the checkpoint has no precision state at all; let the opt level inspect it."""
-        if type(self).__qualname__ not in checkpoint and "native_amp_scaling_state" not in checkpoint:
-            self._warn_missing_scaler_state()
+        """Load the scaler state of old Lightning checkpoints, warn when there is none; let the opt level inspect it."""
+        if type(self).__qualname__ not in checkpoint:
+            if "native_amp_scaling_state" in checkpoint:
+                # Lightning restores this legacy key only into its own MixedPrecision class, so this plugin must.
+                self.load_state_dict(checkpoint["native_amp_scaling_state"])
+            else:
+                self._warn_missing_scaler_state()
         if self._policy is not None:
             self._policy.on_load_checkpoint(checkpoint)
 

@@ -18,6 +18,7 @@ import json
 import os
 import pickle
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,10 @@ def parameter_checksum(module: nn.Module) -> str:
 class Recorder(L.Callback):
     """Records the scale and the skip flag after every step; writes this rank's report at the end of training."""
 
-    def __init__(self, out: Path, tag: str = "") -> None:
+    def __init__(self, out: Path, tag: str = "", step_delay: float = 0.0) -> None:
         self.out = out
         self.tag = tag
+        self.step_delay = step_delay
         self.steps: list[tuple[int, float, bool]] = []
         self.first_scale: float | None = None
 
@@ -84,6 +86,10 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         stats = trainer.precision_plugin.stats
         self.steps.append((trainer.global_step, stats.loss_scale, stats.last_step_skipped))
+        if self.step_delay:
+            # A slow run, so that a test can signal it mid-training: progress.txt says how far it got.
+            (self.out / "progress.txt").write_text(str(trainer.global_step))
+            time.sleep(self.step_delay)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         plugin = trainer.precision_plugin
@@ -129,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="after the run, train a fresh model in the same processes from this checkpoint of it (e.g. step=8)",
     )
+    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after every step")
+    parser.add_argument("--save-on-exception", action="store_true", help="save last.ckpt on SIGTERM and errors")
     parser.add_argument("--telemetry", action="store_true", help="TensorBoard logger and the three monitors")
     args = parser.parse_args(argv)
 
@@ -157,7 +165,7 @@ def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
         growth_interval=args.growth_interval,
         hysteresis=args.hysteresis,
     )
-    callbacks: list[L.Callback] = [Recorder(args.out, tag)]
+    callbacks: list[L.Callback] = [Recorder(args.out, tag, args.step_delay)]
     logger: Any = False
     if args.telemetry:
         callbacks += [LossScaleMonitor(), GradientHealthMonitor(), LayerDtypeMonitor(every_n_steps=4)]
@@ -171,6 +179,10 @@ def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
                 save_top_k=-1,
             )
         )
+    if args.save_on_exception:
+        # Lightning turns SIGTERM into a SIGTERMException after the current batch; only a ModelCheckpoint with
+        # save_on_exception=True writes a checkpoint then.
+        callbacks.append(ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, save_on_exception=True))
     # Everything ddp_spawn and ddp_notebook send to their workers must pickle.
     pickle.dumps((plugin, callbacks))
     trainer = L.Trainer(
@@ -183,7 +195,7 @@ def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
         logger=logger,
         log_every_n_steps=1,
         max_steps=args.max_steps,
-        enable_checkpointing=bool(args.checkpoint_every),
+        enable_checkpointing=bool(args.checkpoint_every or args.save_on_exception),
         enable_progress_bar=False,
         enable_model_summary=False,
     )
