@@ -5,6 +5,7 @@ hysteresis, bounds and counters; the callbacks put the loss scale, skipped steps
 dtypes into TensorBoard.
 """
 
+from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
 from lightning_mp.errors import LossScaleCollapseError
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.scaler import LossScaler
@@ -13,7 +14,10 @@ from lightning_mp.stats import PrecisionStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradientHealthMonitor",
+    "LayerDtypeMonitor",
     "LossScaleCollapseError",
+    "LossScaleMonitor",
     "LossScaler",
     "MixedPrecision",
     "PrecisionStats",

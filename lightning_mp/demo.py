@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.policies import POLICIES
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
@@ -37,8 +38,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def monitors() -> list[L.Callback]:
-    """The telemetry callbacks the demo attaches."""
-    return []
+    """The telemetry callbacks the demo attaches: loss scale (also on the progress bar), gradient health, dtypes."""
+    return [LossScaleMonitor(prog_bar=True), GradientHealthMonitor(), LayerDtypeMonitor(every_n_steps=100)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,6 +91,9 @@ def summary(trainer: L.Trainer, plugin: MixedPrecision) -> str:
         if val_loss is not None
         else "  final val loss : n/a",
         f"  logs           : {log_dir}",
+        "  in TensorBoard : Scalars precision/loss_scale, precision/skipped_steps_total, precision/skip_rate,",
+        "                   precision/grad_norm, precision/grad_headroom_log2 (fp16), precision/layers/<dtype>;",
+        "                   Text precision/layer_dtypes, precision/overflow; Histogram precision/grad_log2_magnitude",
         f"  open them with : tensorboard --logdir {trainer.logger.save_dir if trainer.logger else 'lightning_logs'}",
     ]
     return "\n".join(lines)
