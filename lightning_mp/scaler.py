@@ -66,6 +66,20 @@ def _to_float32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+def _float32_within(value: float, low: float, high: float) -> float:
+    """``value`` rounded to float32, moved one float32 step back inside ``[low, high]`` where rounding left it.
+
+    The scale lives in a float32 tensor, and a bound such as ``min_scale=1e-6`` is not a float32: rounding to the
+    nearest float32 can land just outside the range the user asked for.
+    """
+    rounded = _to_float32(value)
+    if rounded < low or rounded > high:
+        bits = struct.unpack("<I", struct.pack("<f", rounded))[0]
+        # For positive floats, the next larger float32 is the next integer bit pattern.
+        rounded = struct.unpack("<f", struct.pack("<I", bits + (1 if rounded < low else -1)))[0]
+    return rounded
+
+
 def validate_scaler_arguments(
     owner: str,
     *,
@@ -186,7 +200,9 @@ class LossScaler(torch.amp.GradScaler):
         self.param_names: dict[int, str] = {}
         """``id(parameter) -> qualified name``, so that errors can name the parameters that overflowed."""
 
-        self._host_scale = _to_float32(init_scale)
+        low = min_scale if min_scale is not None else COLLAPSE_FLOOR
+        in_range = mode == "dynamic" and low <= init_scale <= max_scale
+        self._host_scale = _float32_within(init_scale, low, max_scale) if in_range else _to_float32(init_scale)
         self._host_growth_tracker = 0
         self._hysteresis_left = hysteresis
         self.optimizer_steps = 0
@@ -198,6 +214,7 @@ class LossScaler(torch.amp.GradScaler):
         self._found_inf_this_iteration: bool | None = None
         self._stepped_optimizers: list[torch.optim.Optimizer] = []
         self._local_overflows: torch.Tensor | None = None
+        self._write_scale()
 
     @property
     def scales_loss(self) -> bool:
@@ -349,7 +366,7 @@ class LossScaler(torch.amp.GradScaler):
                 RuntimeWarning,
                 stacklevel=2,
             )
-            candidate = _to_float32(floor)
+            candidate = _float32_within(floor, floor, math.inf)
         if candidate < self._host_scale:
             self.scale_backoffs += 1
             self._host_scale = candidate
@@ -359,7 +376,7 @@ class LossScaler(torch.amp.GradScaler):
         candidate = _to_float32(self._host_scale * self._growth_factor)
         if not math.isfinite(candidate):
             candidate = self._host_scale
-        candidate = min(candidate, _to_float32(self.max_scale))
+        candidate = min(candidate, _float32_within(self.max_scale, 0.0, self.max_scale))
         if not self.consecutive_hysteresis:
             self._hysteresis_left = self.hysteresis
         if candidate > self._host_scale:
@@ -472,7 +489,7 @@ class LossScaler(torch.amp.GradScaler):
                 stacklevel=2,
             )
             scale = min(max(scale, low), self.max_scale)
-        self._host_scale = _to_float32(scale)
+        self._host_scale = _float32_within(scale, low, self.max_scale)
         self._host_growth_tracker = int(state_dict.get("_growth_tracker", 0))
         self._hysteresis_left = int(state_dict.get("hysteresis_tracker", self.hysteresis))
         self._write_scale()
