@@ -5,8 +5,10 @@ hysteresis, bounds and counters; the callbacks put the loss scale, skipped steps
 dtypes into TensorBoard.
 """
 
-from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+from lightning_mp.advisor import Advice, advise
+from lightning_mp.callbacks import AdvisorCallback, GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
 from lightning_mp.errors import LossScaleCollapseError
+from lightning_mp.inference import ParityReport, compare, to_inference
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.scaler import LossScaler
 from lightning_mp.stats import PrecisionStats
@@ -14,12 +16,18 @@ from lightning_mp.stats import PrecisionStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "Advice",
+    "AdvisorCallback",
     "GradientHealthMonitor",
     "LayerDtypeMonitor",
     "LossScaleCollapseError",
     "LossScaleMonitor",
     "LossScaler",
     "MixedPrecision",
+    "ParityReport",
     "PrecisionStats",
     "__version__",
+    "advise",
+    "compare",
+    "to_inference",
 ]

@@ -249,7 +249,7 @@ class MixedPrecision(Precision):
             elif policy_class.scales_by_default:
                 mode = "dynamic"
         scaler = LossScaler(device_type, mode=mode, **knobs)
-        scaler.allow_fp16_gradients = getattr(policy_class, "half_gradients", False)
+        scaler.allow_fp16_gradients = policy_class.half_gradients
         return scaler
 
     def _warn_about_slow_half(self, device_type: str) -> None:

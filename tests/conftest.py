@@ -10,6 +10,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+# The test models are tiny: one thread runs them faster than two, and leaves the second core to the DDP workers and
+# subprocesses that some tests start.
+torch.set_num_threads(1)
+
 
 def make_trainer(plugin: Any = None, **kwargs: Any) -> L.Trainer:
     """A single-CPU Trainer without checkpoints, progress bar or summary, unless overridden."""

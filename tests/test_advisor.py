@@ -92,12 +92,8 @@ def test_init_scale_puts_the_largest_gradient_well_inside_fp16(advice: Advice) -
     assert FP16_MAX / GRADIENT_HEADROOM / 2 < largest * advice.init_scale <= FP16_MAX / GRADIENT_HEADROOM
 
 
-O1_IGNORES_KEEP_FP32 = pytest.mark.xfail(
-    strict=True, reason="O1Policy.convert_module does not apply keep_fp32 yet (Fp32Overrides(self.keep_fp32).apply)"
-)
 
-
-@pytest.mark.parametrize("opt_level", [pytest.param("O1", marks=O1_IGNORES_KEEP_FP32), "O2"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_applying_the_advice_makes_a_skipping_fp16_run_train_without_skips(advice: Advice, opt_level: str) -> None:
     """The fp16 run skips every step; with the advisor's keep_fp32 and init_scale it skips none."""
     skipping = fit_fp16(MixedPrecision("16-mixed", opt_level=opt_level))

@@ -168,9 +168,6 @@ def test_hooked_model_and_plugin_pickle_and_deepcopy() -> None:
             assert clone(torch.randn(2, 8)).dtype == torch.float32
 
 
-@pytest.mark.xfail(
-    strict=True, reason="O1Policy.convert_module does not apply keep_fp32 yet (Fp32Overrides(self.keep_fp32).apply)"
-)
 def test_keep_fp32_under_the_default_o1_plugin() -> None:
     """MixedPrecision('bf16-mixed', keep_fp32=[type, name, regex]) runs those layers in fp32 during training."""
     model = Classifier()

@@ -39,6 +39,8 @@ class PrecisionPolicy:
     uses_autocast: ClassVar[bool] = False
     scales_by_default: ClassVar[bool] = True
     """Whether fp16 training at this level uses dynamic loss scaling unless told otherwise."""
+    half_gradients: ClassVar[bool] = False
+    """Whether the gradients the scaler unscales are themselves fp16 (O3): torch refuses those unless allowed."""
 
     def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
         self.half_dtype = half_dtype
