@@ -177,7 +177,11 @@ class Fp32Overrides:
 
     def _matches(self, pattern: KeepFp32Pattern, name: str, module: nn.Module) -> bool:
         if isinstance(pattern, type):
-            return isinstance(module, pattern)
+            # sync_batchnorm=True replaces BatchNorm1d/2d/3d by SyncBatchNorm, which subclasses none of them.
+            converted_batch_norm = isinstance(module, nn.SyncBatchNorm) and issubclass(
+                pattern, nn.modules.batchnorm._BatchNorm
+            )
+            return isinstance(module, pattern) or converted_batch_norm
         if pattern.startswith(REGEX_PREFIX):
             return self._regexes[pattern].fullmatch(name) is not None
         return name == pattern

@@ -142,9 +142,10 @@ OPT_LEVELS = [
     ("O1", "bf16-mixed", {}),
     ("O2", "16-mixed", {}),
     ("O2", "bf16-mixed", {}),
-    # O3 casts every layer, norms included, to half: BatchNorm stays fp32 there only when kept by keep_fp32.
-    ("O3", "16-mixed", {"keep_fp32": ["norm"]}),
-    ("O3", "bf16-mixed", {"keep_fp32": ["norm"]}),
+    ("O3", "16-mixed", {}),
+    ("O3", "bf16-mixed", {}),
+    # keep_fp32 by BatchNorm type still matches once sync_batchnorm has turned the norm into a SyncBatchNorm.
+    ("O3", "16-mixed", {"keep_fp32": [nn.BatchNorm1d]}),
 ]
 
 

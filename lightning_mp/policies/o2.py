@@ -110,6 +110,7 @@ def convert_to_half(
     overrides: Fp32Overrides,
     keep_normalization_fp32: bool = True,
     float_outputs: bool = True,
+    keep_batch_normalization_fp32: bool = False,
 ) -> dict[str, Tensor]:
     """Cast ``module`` to ``dtype`` in place, keeping ``keep_fp32`` subtrees (and normalisation layers) in fp32.
 
@@ -119,6 +120,8 @@ def convert_to_half(
         overrides: the ``keep_fp32`` patterns.
         keep_normalization_fp32: keep normalisation layers in fp32 (O2) or cast them too (O3).
         float_outputs: make the root module return fp32 outputs.
+        keep_batch_normalization_fp32: keep batch norms (SyncBatchNorm included) in fp32 even when other
+            normalisation layers are cast: their running statistics accumulate over the whole run (O3).
 
     Returns:
         ``qualified parameter name -> its fp32 values before the cast`` for every parameter that was cast. The
@@ -131,7 +134,9 @@ def convert_to_half(
     for module_name, child in module.named_modules():
         if child in kept:
             continue
-        if keep_normalization_fp32 and is_normalization(child):
+        if (keep_normalization_fp32 and is_normalization(child)) or (
+            keep_batch_normalization_fp32 and isinstance(child, nn.modules.batchnorm._BatchNorm)
+        ):
             if not has_fp32_region(child):
                 Fp32Region(restore_output_dtype=True).attach(child)
             continue

@@ -1,5 +1,9 @@
 """O3: pure half precision. Every weight, norms included, is fp16 or bf16; no master weights, no autocast.
 
+The one exception is batch normalisation (BatchNorm, SyncBatchNorm): its running mean and variance are averages
+accumulated over the whole run, which half precision rounds away, so batch norms stay fp32, as with Apex's
+``keep_batchnorm_fp32``.
+
 O3 is a speed and memory baseline, as in Apex: the optimizer steps the half weights directly and keeps its states
 in the half type, so small updates can round away and training may stall or diverge. The policy warns about it.
 Only ``keep_fp32`` subtrees stay fp32, running in fp32 regions (:mod:`lightning_mp.overrides`).
@@ -56,9 +60,15 @@ class O3Policy(PrecisionPolicy):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Cast every weight and floating buffer outside ``keep_fp32`` to the half type, in place."""
+        """Cast every weight and floating buffer outside ``keep_fp32`` and batch norms to the half type, in place."""
         assert self.half_dtype is not None
-        convert_to_half(module, self.half_dtype, self.overrides, keep_normalization_fp32=False)
+        convert_to_half(
+            module,
+            self.half_dtype,
+            self.overrides,
+            keep_normalization_fp32=False,
+            keep_batch_normalization_fp32=True,
+        )
         return module
 
 

@@ -1,4 +1,4 @@
-"""O3: pure half weights (norms too), no masters, no scaling unless asked for, and a warning that it may diverge."""
+"""O3: pure half weights (norms too, batch norms excepted), no masters, no scaling unless asked for, and a warning."""
 
 from __future__ import annotations
 
@@ -84,3 +84,34 @@ def test_o3_keep_fp32_keeps_the_matched_layer_fp32() -> None:
     _, model = fit(MixedPrecision("bf16-mixed", opt_level="O3", keep_fp32=["net.3"]), max_steps=2)
     assert model.net[3].weight.dtype == torch.float32
     assert model.net[1].weight.dtype == model.net[0].weight.dtype == torch.bfloat16
+
+
+class WithBatchNorm(Net):
+    """Linear, BatchNorm1d, ReLU, Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_o3_keeps_batch_norm_running_statistics_fp32(precision: str) -> None:
+    """Under O3 the batch norm's weights and running statistics stay fp32 while it trains; everything else is half."""
+    model = WithBatchNorm()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        plugins=[MixedPrecision(precision, opt_level="O3")],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    norm = model.net[1]
+    assert norm.running_mean.dtype == norm.running_var.dtype == norm.weight.dtype == torch.float32
+    assert int(norm.num_batches_tracked) == 4 and bool(torch.isfinite(norm.running_var).all())
+    assert model.net[0].weight.dtype == model.net[3].weight.dtype == trainer.precision_plugin.half_dtype
+    assert all(torch.isfinite(loss) for loss in map(torch.tensor, model.losses))
