@@ -7,7 +7,7 @@ dtypes into TensorBoard.
 
 from lightning_mp.advisor import Advice, advise
 from lightning_mp.callbacks import AdvisorCallback, GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
-from lightning_mp.errors import LossScaleCollapseError
+from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
 from lightning_mp.inference import ParityReport, compare, to_inference
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.scaler import LossScaler
@@ -24,6 +24,7 @@ __all__ = [
     "LossScaleMonitor",
     "LossScaler",
     "MixedPrecision",
+    "NonFiniteStepsError",
     "ParityReport",
     "PrecisionStats",
     "__version__",

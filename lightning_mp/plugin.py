@@ -76,6 +76,8 @@ class MixedPrecision(Precision):
         skip_scheduler_on_overflow: keep ``interval="step"`` schedulers from advancing on skipped steps.
         keep_fp32: modules that run in fp32 (autocast off, inputs cast to fp32, weights fp32 in O2 and O3): module
             types, qualified names, or regular expressions prefixed with ``re:`` (:mod:`lightning_mp.overrides`).
+        max_consecutive_skips: stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
+            steps in a row, in every precision; None never stops.
 
     Raises:
         ValueError: for any argument outside what is allowed; the message names the argument, the value given and
@@ -100,6 +102,7 @@ class MixedPrecision(Precision):
         loss_scale: float | Literal["dynamic"] = "dynamic",
         skip_scheduler_on_overflow: bool = True,
         keep_fp32: Sequence[type | str] = (),
+        max_consecutive_skips: int | None = 100,
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "precision", precision, ("auto", "16-mixed", "bf16-mixed", "32-true"))
@@ -116,6 +119,7 @@ class MixedPrecision(Precision):
             min_scale=min_scale,
             max_scale=max_scale,
             on_min_scale=on_min_scale,
+            max_consecutive_skips=max_consecutive_skips,
         )
         if loss_scale != "dynamic":
             check_number(owner, "loss_scale", loss_scale, above=0)
@@ -153,6 +157,7 @@ class MixedPrecision(Precision):
             "min_scale": min_scale,
             "max_scale": max_scale,
             "on_min_scale": on_min_scale,
+            "max_consecutive_skips": max_consecutive_skips,
         }
         self._loss_scaler: LossScaler | None = None
         self._policy: PrecisionPolicy | None = None

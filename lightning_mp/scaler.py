@@ -24,6 +24,9 @@ How the scale moves (dynamic mode), once per optimizer step:
     None, a scale at which no fp16 gradient is distinguishable from zero anyway) raises
     :class:`~lightning_mp.errors.LossScaleCollapseError`, or with ``on_min_scale="warn"`` warns and stays at the
     floor. A collapse never skips silently forever.
+  - streak: ``max_consecutive_skips`` skipped steps in a row (100 by default) raise
+    :class:`~lightning_mp.errors.NonFiniteStepsError` in every mode, since bf16, fp32 and static scales have no
+    scale to collapse and would otherwise skip forever.
 
 Other modes: ``"static"`` keeps the scale fixed (Apex's static loss scale) but still skips non-finite steps;
 ``"check"`` multiplies nothing (bf16 and fp32 need no scaling) and only skips non-finite steps, so no mode ever
@@ -46,7 +49,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from lightning_mp._gradients import nonfinite_gradients
 from lightning_mp._validation import check_choice, check_number
-from lightning_mp.errors import LossScaleCollapseError
+from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
 from lightning_mp.stats import PrecisionStats
 
 ScalingMode = Literal["dynamic", "static", "check"]
@@ -92,6 +95,7 @@ def validate_scaler_arguments(
     max_scale: float,
     on_min_scale: str,
     check_init_range: bool = True,
+    max_consecutive_skips: int | None = None,
 ) -> None:
     """Check the scaler's knobs; raise ValueError naming the argument, the value and what is allowed.
 
@@ -118,6 +122,8 @@ def validate_scaler_arguments(
             f" [min_scale, max_scale] = [{low:g}, {max_scale:g}]."
         )
     check_choice(owner, "on_min_scale", on_min_scale, ("raise", "warn"))
+    if max_consecutive_skips is not None:
+        check_number(owner, "max_consecutive_skips", max_consecutive_skips, at_least=1, integer=True)
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -145,6 +151,9 @@ class LossScaler(torch.amp.GradScaler):
         on_min_scale: ``"raise"`` a :class:`~lightning_mp.errors.LossScaleCollapseError` or ``"warn"`` and stay at
             the floor when an overflow would push the scale below it.
         mode: ``"dynamic"``, ``"static"`` (fixed ``init_scale``) or ``"check"`` (no scaling, skip non-finite steps).
+        max_consecutive_skips: raise :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
+            steps in a row, in every mode (without it a bf16, fp32 or static run whose gradients are always inf
+            would skip forever); None disables the guard.
 
     Raises:
         ValueError: for any argument outside its allowed range.
@@ -164,6 +173,7 @@ class LossScaler(torch.amp.GradScaler):
         max_scale: float = 2.0**24,
         on_min_scale: OnMinScale = "raise",
         mode: ScalingMode = "dynamic",
+        max_consecutive_skips: int | None = 100,
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "mode", mode, ("dynamic", "static", "check"))
@@ -180,6 +190,7 @@ class LossScaler(torch.amp.GradScaler):
             max_scale=max_scale,
             on_min_scale=on_min_scale,
             check_init_range=mode == "dynamic",
+            max_consecutive_skips=max_consecutive_skips,
         )
         super().__init__(
             device,
@@ -195,6 +206,7 @@ class LossScaler(torch.amp.GradScaler):
         self.min_scale = min_scale
         self.max_scale = max_scale
         self.on_min_scale: OnMinScale = on_min_scale
+        self.max_consecutive_skips = max_consecutive_skips
         self.allow_fp16_gradients = False
         """Set by opt levels whose gradients are fp16 themselves (O3): torch refuses to unscale those by default."""
         self.param_names: dict[int, str] = {}
@@ -334,14 +346,23 @@ class LossScaler(torch.amp.GradScaler):
             self.consecutive_skips += 1
         else:
             self.consecutive_skips = 0
-        if self.mode != "dynamic":
-            return
-        if found_inf:
+        if self.mode == "dynamic" and found_inf:
             self._host_growth_tracker = 0
             self._hysteresis_left -= 1
             if self._hysteresis_left <= 0:
                 self._back_off()
-        else:
+        if (
+            found_inf
+            and self.max_consecutive_skips is not None
+            and self.consecutive_skips >= self.max_consecutive_skips
+        ):
+            raise NonFiniteStepsError(
+                step=self.optimizer_steps,
+                consecutive_skips=self.consecutive_skips,
+                scale=self.get_scale(),
+                nonfinite_parameters=self._culprits(),
+            )
+        if self.mode == "dynamic" and not found_inf:
             if self.consecutive_hysteresis:
                 self._hysteresis_left = self.hysteresis
             self._host_growth_tracker += 1

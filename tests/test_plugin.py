@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_mp import LossScaleCollapseError, MixedPrecision
+from lightning_mp import LossScaleCollapseError, MixedPrecision, NonFiniteStepsError
 
 
 class ScaleRecorder(L.Callback):
@@ -256,6 +256,17 @@ def test_scale_collapse_stops_training_with_a_clear_error():
     assert plugin.stats.skipped_steps == 4
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_gradients_that_are_never_finite_stop_unscaled_runs_too(precision):
+    """bf16 and fp32 have no scale to collapse, yet always-inf gradients stop with a clear error, not skip forever."""
+    model = TinyRegressor(inject_at=tuple(range(100)))
+    plugin = MixedPrecision(precision, max_consecutive_skips=5)
+    with pytest.raises(NonFiniteStepsError, match=r"5 optimizer steps in a row.*first\.weight \[16, 8\]"):
+        make_trainer(plugin, max_steps=100).fit(model, loader())
+    assert plugin.stats.skipped_steps == 5
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_lbfgs_with_fp16_is_rejected_but_runs_in_bf16():
     """LBFGS cannot be loss-scaled (clear error in fp16) but still trains in bf16."""
 
@@ -333,6 +344,7 @@ BAD_ARGUMENTS = [
     ({"loss_scale": -2.0, "precision": "16-mixed"}, "loss_scale"),
     ({"loss_scale": 128.0, "precision": "bf16-mixed"}, "loss_scale"),
     ({"precision": "16-mixed", "opt_level": "O0"}, "opt_level"),
+    ({"max_consecutive_skips": 0}, "max_consecutive_skips"),
 ]
 
 
