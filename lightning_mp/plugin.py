@@ -191,6 +191,15 @@ class MixedPrecision(Precision):
             return PrecisionStats(loss_scale=float(initial) if scaled else 1.0)
         return self._loss_scaler.stats()
 
+    def local_overflows(self) -> int:
+        """Steps on which this process's own gradients overflowed, before the ranks agreed to skip.
+
+        Under DDP every rank skips a step on which any rank overflowed; this count says which rank it was.
+
+        .. warning:: Under DDP this reads a device counter and synchronises; call it on logging steps only.
+        """
+        return self._loss_scaler.local_overflows() if self._loss_scaler is not None else 0
+
     # ------------------------------------------------------------------------------------------------ setup
 
     def setup_for_device(self, device_type: str) -> None:

@@ -69,6 +69,9 @@ def test_ddp_counters_are_reduced_over_ranks_and_logged_once(ddp_run):
     accumulator = _tensorboard(ddp_run)
     skipped_total = [event.value for event in accumulator.Scalars("precision/skipped_steps_total")]
     assert skipped_total[-1] == len(INJECT_AT)
+    # Only rank 1 overflowed: rank 0, which writes the logs, knows its count only through the sum over ranks.
+    rank_overflows = [event.value for event in accumulator.Scalars("precision/rank_overflows_total")]
+    assert rank_overflows[-1] == len(INJECT_AT)
     steps = [event.step for event in accumulator.Scalars("precision/loss_scale")]
     assert len(steps) == len(set(steps)), "a step was logged more than once"
     assert [event.value for event in accumulator.Scalars("precision/loss_scale")][-1] == 2.0**8 / 4

@@ -41,6 +41,9 @@ class LossScaleMonitor(Callback):
     - ``precision/skipped_steps_total``: optimizer steps skipped because a gradient was inf or NaN, since the start.
     - ``precision/skip_rate``: skipped steps over optimizer steps in the window since the previous log.
     - ``precision/scale_backoffs_total`` and ``precision/scale_growths_total``: how often the scale moved.
+    - ``precision/rank_overflows_total``: overflows seen by each rank's own gradients, summed over the ranks. In a
+      single process it equals the skipped steps; under DDP it exceeds them when several ranks overflowed on the
+      same step, and with one run per rank it tells which rank overflows.
 
     A skipped step is always logged at the step where it happened, even between logging intervals, so that no skip
     is invisible in TensorBoard.
@@ -48,7 +51,8 @@ class LossScaleMonitor(Callback):
     **Distributed training.** The plugin all-reduces the found-inf flag before it decides to skip, so every rank
     skips the same steps and holds the same counters. The totals are therefore reduced across ranks with a maximum,
     not a sum: a step skipped on all ranks counts once, which is the number of optimizer updates the model lost.
-    That reduction costs one small collective per logging step; everything is written once, from rank zero.
+    ``precision/rank_overflows_total`` is the one total summed over ranks. These reductions cost two small collectives
+    per logging step; everything is written once, from rank zero.
 
     Args:
         prog_bar: also show the loss scale on Lightning's progress bar, as ``loss_scale``.
@@ -99,7 +103,8 @@ class LossScaleMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        stats = require_mixed_precision(trainer, type(self).__name__).stats
+        plugin = require_mixed_precision(trainer, type(self).__name__)
+        stats = plugin.stats
         stepped = stats.optimizer_steps > self._seen_optimizer_steps
         skipped = stats.skipped_steps > self._seen_skipped_steps
         self._seen_optimizer_steps = stats.optimizer_steps
@@ -114,9 +119,10 @@ class LossScaleMonitor(Callback):
         if not (should_log(trainer) or skipped):
             return
 
-        skipped_total, backoffs_total, growths_total = self._max_over_ranks(
-            trainer, (stats.skipped_steps, stats.scale_backoffs, stats.scale_growths)
+        skipped_total, backoffs_total, growths_total = self._reduce_over_ranks(
+            trainer, (stats.skipped_steps, stats.scale_backoffs, stats.scale_growths), "max"
         )
+        (rank_overflows_total,) = self._reduce_over_ranks(trainer, (plugin.local_overflows(),), "sum")
         window_steps = stats.optimizer_steps - self._window_start_optimizer_steps
         window_skips = stats.skipped_steps - self._window_start_skipped_steps
         self._window_start_optimizer_steps = stats.optimizer_steps
@@ -130,13 +136,14 @@ class LossScaleMonitor(Callback):
                 "precision/skip_rate": window_skips / window_steps,
                 "precision/scale_backoffs_total": backoffs_total,
                 "precision/scale_growths_total": growths_total,
+                "precision/rank_overflows_total": rank_overflows_total,
             },
             step=logging_step(trainer),
         )
 
     @staticmethod
-    def _max_over_ranks(trainer: pl.Trainer, counters: tuple[int, ...]) -> tuple[int, ...]:
+    def _reduce_over_ranks(trainer: pl.Trainer, counters: tuple[int, ...], reduce_op: str) -> tuple[int, ...]:
         if trainer.world_size == 1:
             return counters
         values = torch.tensor(counters, dtype=torch.int64, device=trainer.strategy.root_device)
-        return tuple(int(value) for value in trainer.strategy.reduce(values, reduce_op="max").tolist())
+        return tuple(int(value) for value in trainer.strategy.reduce(values, reduce_op=reduce_op).tolist())
