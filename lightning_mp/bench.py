@@ -196,6 +196,53 @@ class StepTimer(L.Callback):
         return float("nan") if self.last_loss is None else float(self.last_loss)
 
 
+_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul")
+_CAST_OPS = ("aten::copy_", "aten::_to_copy")
+
+
+class StepProfiler(L.Callback):
+    """Run ``torch.profiler`` over the timed steps and split each step's CPU time into where it went.
+
+    Matrix products include attention (``scaled_dot_product`` kernels); casts are ``copy_`` and ``_to_copy``
+    (autocast's casts, O2's master-weight copies). Times are self times, so nothing is counted twice.
+    """
+
+    def __init__(self, first_batch: int, last_batch: int) -> None:
+        self.first_batch = first_batch
+        self.last_batch = last_batch
+        self.breakdown: dict[str, Any] | None = None
+        self._profiler: torch.profiler.profile | None = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == self.first_batch:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._profiler.__enter__()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx != self.last_batch or self._profiler is None:
+            return
+        self._profiler.__exit__(None, None, None)
+        steps = self.last_batch - self.first_batch + 1
+        events = self._profiler.key_averages()
+
+        def milliseconds(keep: Callable[[str], bool]) -> float:
+            return sum(event.self_cpu_time_total for event in events if keep(event.key)) / steps / 1e3
+
+        top = sorted(events, key=lambda event: -event.self_cpu_time_total)[:3]
+        self.breakdown = {
+            "total_ms": milliseconds(lambda key: True),
+            "matmul_ms": milliseconds(lambda key: key in _MATMUL_OPS or "scaled_dot_product" in key),
+            "cast_ms": milliseconds(lambda key: key in _CAST_OPS),
+            "top": [(event.key, event.self_cpu_time_total / steps / 1e3) for event in top],
+        }
+
+
 @dataclass
 class RunResult:
     """What one worker process measured for one configuration."""
@@ -205,6 +252,7 @@ class RunResult:
     final_loss: float
     peak_memory_mib: float
     pre_fit_memory_mib: float
+    profile: dict[str, Any] | None = None
 
 
 def _current_rss_mib() -> float:
@@ -221,8 +269,14 @@ def _peak_rss_mib() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
-def run_configuration(name: str, size: ModelSize, accelerator: str, warmup: int, steps: int, seed: int) -> RunResult:
-    """Train ``warmup + steps`` optimizer steps under configuration ``name`` in this process and measure them."""
+def run_configuration(
+    name: str, size: ModelSize, accelerator: str, warmup: int, steps: int, seed: int, profile: bool = False
+) -> RunResult:
+    """Train ``warmup + steps`` optimizer steps under configuration ``name`` in this process and measure them.
+
+    With ``profile``, the timed steps also run under ``torch.profiler``, which slows them: use such a run for the
+    breakdown, not for the timings.
+    """
     config = CONFIGURATIONS[name]
     on_cuda = accelerator == "gpu"
     L.seed_everything(seed, verbose=False)
@@ -234,7 +288,9 @@ def run_configuration(name: str, size: ModelSize, accelerator: str, warmup: int,
         d_model=size.d_model, n_heads=size.n_heads, n_layers=size.n_layers, seq_len=size.seq_len, warmup_steps=2
     )
     timer = StepTimer(synchronize=on_cuda)
+    profiler = StepProfiler(first_batch=warmup, last_batch=total_steps - 1)
     arguments = config.trainer_arguments()
+    extra_callbacks = [timer, profiler] if profile else [timer]
     with tempfile.TemporaryDirectory() as log_dir:
         trainer = L.Trainer(
             accelerator=accelerator,
@@ -247,7 +303,7 @@ def run_configuration(name: str, size: ModelSize, accelerator: str, warmup: int,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            **{**arguments, "callbacks": [timer, *arguments.get("callbacks", [])]},
+            **{**arguments, "callbacks": [*extra_callbacks, *arguments.get("callbacks", [])]},
         )
         if on_cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -256,7 +312,7 @@ def run_configuration(name: str, size: ModelSize, accelerator: str, warmup: int,
             pre_fit = _current_rss_mib()
         trainer.fit(model, datamodule=data)
         peak = torch.cuda.max_memory_allocated() / 2**20 if on_cuda else _peak_rss_mib()
-    return RunResult(name, timer.step_seconds[warmup:], timer.final_loss, peak, pre_fit)
+    return RunResult(name, timer.step_seconds[warmup:], timer.final_loss, peak, pre_fit, profiler.breakdown)
 
 
 # ------------------------------------------------------------------------------------------------ the machine
@@ -323,7 +379,7 @@ class Summary:
     peak_memory_mib: float
     training_memory_mib: float
     final_loss: float
-    runs: int
+    run_medians_seconds: list[float]
     step_count: int
     vs_fp32: float | None = None
     vs_builtin: float | None = None
@@ -344,7 +400,7 @@ def summarize(results: Sequence[RunResult], size: ModelSize) -> dict[str, Summar
             peak_memory_mib=statistics.median(run.peak_memory_mib for run in runs),
             training_memory_mib=statistics.median(run.peak_memory_mib - run.pre_fit_memory_mib for run in runs),
             final_loss=statistics.median(run.final_loss for run in runs),
-            runs=len(runs),
+            run_medians_seconds=[statistics.median(run.step_seconds) for run in runs],
             step_count=len(seconds),
         )
     for summary in summaries.values():
@@ -365,13 +421,15 @@ def markdown_table(summaries: dict[str, Summary], accelerator: str) -> str:
     memory = "peak CUDA alloc (MiB)" if accelerator == "gpu" else "peak RSS (MiB)"
     training = "peak over pre-fit (MiB)"
     header = (
-        f"| configuration | median step (ms) | mean step (ms) | tokens/s | vs fp32 | vs Lightning built-in | {memory}"
-        f" | {training} | final loss |"
+        "| configuration | median step (ms) | mean step (ms) | run medians (ms) | tokens/s | vs fp32"
+        f" | vs Lightning built-in | {memory} | {training} | final loss |"
     )
-    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summaries.values():
+        spread = f"{min(s.run_medians_seconds) * 1e3:.1f}-{max(s.run_medians_seconds) * 1e3:.1f}"
         lines.append(
-            f"| {s.name} | {s.median_seconds * 1e3:.1f} | {s.mean_seconds * 1e3:.1f} | {s.tokens_per_second:,.0f}"
+            f"| {s.name} | {s.median_seconds * 1e3:.1f} | {s.mean_seconds * 1e3:.1f} | {spread}"
+            f" | {s.tokens_per_second:,.0f}"
             f" | {_ratio(s.vs_fp32)} | {_ratio(s.vs_builtin)} | {s.peak_memory_mib:,.0f} | {s.training_memory_mib:,.1f}"
             f" | {s.final_loss:.4f} |"
         )
@@ -432,6 +490,7 @@ def report(
     rates: dict[str, float],
     matmul_size: int,
     load: tuple[tuple[float, ...], tuple[float, ...]],
+    breakdowns: dict[str, dict[str, Any]],
 ) -> str:
     """The whole Markdown report: machine, sizes, table, targets."""
     rate_text = ", ".join(f"{label} {rate:,.1f}" for label, rate in rates.items())
@@ -449,6 +508,9 @@ def report(
     targets = target_lines(summaries, accelerator)
     if targets:
         parts += ["", "Targets:", "", *(f"- {line}" for line in targets)]
+    if breakdowns:
+        parts += ["", "Where the time goes (torch.profiler, one extra run each):", ""]
+        parts += [f"- {line}" for line in profile_lines(breakdowns)]
     return "\n".join(parts) + "\n"
 
 
@@ -459,26 +521,23 @@ def _load_text(load: tuple[float, ...]) -> str:
 # ------------------------------------------------------------------------------------------------ the driver
 
 
-def _worker_command(name: str, args: argparse.Namespace, result_file: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "lightning_mp.bench",
-        "--worker",
-        name,
-        "--result-file",
-        str(result_file),
-        "--accelerator",
-        args.accelerator,
-        "--size",
-        args.size,
-        "--warmup",
-        str(args.warmup),
-        "--steps",
-        str(args.steps),
-        "--seed",
-        str(args.seed),
-    ]
+def _worker_command(name: str, args: argparse.Namespace, result_file: Path, profile: bool) -> list[str]:
+    command = [sys.executable, "-m", "lightning_mp.bench", "--worker", name, "--result-file", str(result_file)]
+    command += ["--accelerator", args.accelerator, "--size", args.size, "--warmup", str(args.warmup)]
+    command += ["--steps", str(args.steps), "--seed", str(args.seed)]
+    return [*command, "--profile"] if profile else command
+
+
+def _run_worker(name: str, args: argparse.Namespace, scratch: str, tag: str, profile: bool = False) -> RunResult:
+    result_file = Path(scratch) / f"{name}-{tag}.json"
+    completed = subprocess.run(
+        _worker_command(name, args, result_file, profile), capture_output=True, text=True, check=False
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(
+            f"The benchmark run of {name!r} failed (exit code {completed.returncode}):\n" + completed.stderr[-4000:]
+        )
+    return RunResult(**json.loads(result_file.read_text()))
 
 
 def run_all(args: argparse.Namespace, configurations: Sequence[str]) -> list[RunResult]:
@@ -489,27 +548,43 @@ def run_all(args: argparse.Namespace, configurations: Sequence[str]) -> list[Run
         for repeat in range(args.repeats):
             order = list(configurations) if repeat % 2 == 0 else list(reversed(configurations))
             for name in order:
-                result_file = Path(scratch) / f"{name}-{repeat}.json"
                 start = time.perf_counter()
-                completed = subprocess.run(
-                    _worker_command(name, args, result_file), capture_output=True, text=True, check=False
-                )
-                if completed.returncode != 0:
-                    raise RuntimeError(
-                        f"The benchmark run of {name!r} failed (exit code {completed.returncode}):\n"
-                        + completed.stderr[-4000:]
-                    )
-                result = RunResult(**json.loads(result_file.read_text()))
+                result = _run_worker(name, args, scratch, str(repeat))
                 results.append(result)
                 print(
                     f"[{len(results)}/{total}] {name} (repeat {repeat + 1}/{args.repeats}):"
                     f" median {statistics.median(result.step_seconds) * 1e3:.1f} ms/step,"
                     f" peak {result.peak_memory_mib:,.0f} MiB, final loss {result.final_loss:.4f}"
-                    f" ({time.perf_counter() - start:.1f} s)",
+                    f" ({time.perf_counter() - start:.1f} s, load {os.getloadavg()[0]:.2f})",
                     file=sys.stderr,
                     flush=True,
                 )
     return results
+
+
+def profile_all(args: argparse.Namespace, configurations: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """One extra run per configuration under ``torch.profiler``: where each step's CPU time goes."""
+    breakdowns = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in configurations:
+            result = _run_worker(name, args, scratch, "profile", profile=True)
+            assert result.profile is not None
+            breakdowns[name] = result.profile
+            print(f"[profile] {name}: {result.profile['total_ms']:.1f} ms of CPU per step", file=sys.stderr, flush=True)
+    return breakdowns
+
+
+def profile_lines(breakdowns: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per configuration: CPU time per step, the share of matrix products, the casts and the top ops."""
+    lines = []
+    for name, b in breakdowns.items():
+        total = b["total_ms"]
+        top = ", ".join(f"`{key}` {ms:.1f}" for key, ms in b["top"])
+        lines.append(
+            f"{name}: {total:.1f} ms CPU per step; matrix products and attention {b['matmul_ms']:.1f} ms"
+            f" ({b['matmul_ms'] / total:.0%}), casts {b['cast_ms']:.1f} ms; top ops (ms): {top}"
+        )
+    return lines
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -527,6 +602,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="configurations to run (default: all the device runs fast)",
     )
     parser.add_argument("--out", type=Path, help="also write the Markdown report to this file")
+    parser.add_argument(
+        "--profile", action="store_true", help="add one torch.profiler run per configuration: where the time goes"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", choices=list(CONFIGURATIONS), help=argparse.SUPPRESS)
     parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
@@ -554,7 +632,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker is not None:
         # The worker's own warnings (bf16 emulated on this CPU, few dataloader workers) are known and said once below.
         warnings.filterwarnings("ignore")
-        result = run_configuration(args.worker, size, args.accelerator, args.warmup, args.steps, args.seed)
+        result = run_configuration(
+            args.worker, size, args.accelerator, args.warmup, args.steps, args.seed, profile=args.profile
+        )
         args.result_file.write_text(json.dumps(asdict(result)))
         return 0
     if args.accelerator == "cpu" and not device_has_native_bf16("cpu"):
@@ -568,6 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     matmul_size = 256 if args.quick else 512
     rates = matmul_rates(args.accelerator, matmul_size)
     results = run_all(args, args.configs)
+    breakdowns = profile_all(args, args.configs) if args.profile else {}
     summaries = summarize(results, size)
     text = report(
         summaries,
@@ -581,6 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rates,
         matmul_size,
         (load_start, os.getloadavg()),
+        breakdowns,
     )
     print(text)
     if args.out is not None:

@@ -22,7 +22,7 @@ def test_quick_benchmark_prints_and_writes_the_table(tmp_path: Path):
     assert rows[0].startswith("| configuration | median step (ms) |")
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["fp32", "O1-bf16"]
     fp32_row = rows[1].split("|")
-    assert fp32_row[5].strip() == "1.00x" and float(fp32_row[-2]) > 0
+    assert fp32_row[6].strip() == "1.00x" and float(fp32_row[-2]) > 0
     assert "avx512_bf16" in result.stdout and "torch " in result.stdout
     assert "[2/2] O1-bf16" in result.stderr
     assert out.read_text() == result.stdout.rstrip("\n") + "\n"
