@@ -502,6 +502,7 @@ def report(
         f"- Load average (1, 5, 15 min): {_load_text(load[0])} at the start, {_load_text(load[1])} at the end",
         f"- Model: TinyTransformerLM, size {size_name!r} ({size.describe()}); {warmup} warm-up and {steps} timed"
         f" steps per run, {repeats} alternating repeats per configuration, each run in its own process",
+        "- Configurations: " + "; ".join(f"{name}: {CONFIGURATIONS[name].description}" for name in summaries),
         "",
         markdown_table(summaries, accelerator),
     ]
