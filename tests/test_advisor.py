@@ -92,7 +92,6 @@ def test_init_scale_puts_the_largest_gradient_well_inside_fp16(advice: Advice) -
     assert FP16_MAX / GRADIENT_HEADROOM / 2 < largest * advice.init_scale <= FP16_MAX / GRADIENT_HEADROOM
 
 
-
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_applying_the_advice_makes_a_skipping_fp16_run_train_without_skips(advice: Advice, opt_level: str) -> None:
     """The fp16 run skips every step; with the advisor's keep_fp32 and init_scale it skips none."""
