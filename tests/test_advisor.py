@@ -7,7 +7,8 @@ import warnings
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from conftest import make_trainer
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -53,16 +54,7 @@ def loader() -> DataLoader:
 
 
 def fit_fp16(plugin: MixedPrecision, max_steps: int = 5) -> MixedPrecision:
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=max_steps,
-        plugins=[plugin],
-    )
+    trainer = make_trainer(plugin, max_steps=max_steps)
     trainer.fit(Planted(), loader())
     return plugin
 

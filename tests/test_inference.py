@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import make_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -49,16 +50,7 @@ def loader() -> DataLoader:
 
 
 def trainer(plugin: MixedPrecision | None = None, max_steps: int = 2) -> Trainer:
-    return Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=max_steps,
-        plugins=[plugin] if plugin else None,
-    )
+    return make_trainer(plugin, max_steps=max_steps)
 
 
 def test_to_inference_returns_a_converted_copy_and_leaves_the_original_untouched() -> None:

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from conftest import make_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -66,16 +67,7 @@ class Classifier(LightningModule):
 
 
 def fit(model: LightningModule, plugin: MixedPrecision, max_steps: int = 2) -> Trainer:
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=max_steps,
-        plugins=[plugin],
-    )
+    trainer = make_trainer(plugin, max_steps=max_steps)
     trainer.fit(model)
     return trainer
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from conftest import make_trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing import event_accumulator
 from torch import Tensor, nn
@@ -55,18 +56,7 @@ class Planted(LightningModule):
 
 def fit(callbacks: list, logger: TensorBoardLogger | bool = False, plugin: MixedPrecision | None = None) -> Planted:
     model = Planted()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=3,
-        log_every_n_steps=1,
-        callbacks=callbacks,
-        plugins=[plugin] if plugin else None,
-    )
+    trainer = make_trainer(plugin, logger=logger, max_steps=3, log_every_n_steps=1, callbacks=callbacks)
     trainer.fit(model)
     return model
 

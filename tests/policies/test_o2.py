@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import make_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -76,17 +77,7 @@ class Net(LightningModule):
 
 
 def trainer_for(plugin: MixedPrecision, max_steps: int = STEPS, **kwargs: Any) -> Trainer:
-    return Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=max_steps,
-        plugins=[plugin],
-        **kwargs,
-    )
+    return make_trainer(plugin, max_steps=max_steps, **kwargs)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])

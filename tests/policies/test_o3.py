@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -43,16 +44,7 @@ class Net(LightningModule):
 
 def fit(plugin: MixedPrecision, max_steps: int = 6) -> tuple[Trainer, Net]:
     model = Net()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=max_steps,
-        plugins=[plugin],
-    )
+    trainer = make_trainer(plugin, max_steps=max_steps)
     trainer.fit(model)
     return trainer, model
 
@@ -99,16 +91,7 @@ class WithBatchNorm(Net):
 def test_o3_keeps_batch_norm_running_statistics_fp32(precision: str) -> None:
     """Under O3 the batch norm's weights and running statistics stay fp32 while it trains; everything else is half."""
     model = WithBatchNorm()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=4,
-        plugins=[MixedPrecision(precision, opt_level="O3")],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = make_trainer(MixedPrecision(precision, opt_level="O3"), max_steps=4)
     trainer.fit(model)
     norm = model.net[1]
     assert norm.running_mean.dtype == norm.running_var.dtype == norm.weight.dtype == torch.float32
