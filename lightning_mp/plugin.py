@@ -231,28 +231,19 @@ class MixedPrecision(Precision):
                         f"opt_level={self.opt_level!r} needs a half type; bf16 needs no loss scaling",
                     )
             rank_zero_info(f"lightning_mp: precision='auto' chose {self.precision!r}: {self.precision_reason}.")
-        if self.precision == "32-true" and self.loss_scale != "dynamic":
+        if self.precision != "16-mixed" and self.loss_scale != "dynamic":
             raise ValueError(
                 f"MixedPrecision(loss_scale={self.loss_scale!r}) needs fp16, but the precision is {self.precision!r}"
-                f" ({self.precision_reason}). Use precision='16-mixed' for a static scale."
-            )
-        if self.precision == "bf16-mixed" and self.loss_scale != "dynamic":
-            raise ValueError(
-                f"MixedPrecision(loss_scale={self.loss_scale!r}) is not allowed with bf16, which 'auto' chose here"
                 f" ({self.precision_reason}). Use precision='16-mixed' for a static scale."
             )
         self._warn_about_slow_half(device_type)
         opt_level = "O0" if self.precision == "32-true" else self.opt_level
         policy_class = POLICIES[opt_level]
-        self._policy = policy_class(self.half_dtype, **self._policy_arguments())
+        self._policy = policy_class(self.half_dtype, keep_fp32=self.keep_fp32)
         self._loss_scaler = self._build_loss_scaler(device_type, policy_class)
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
             self.load_state_dict(pending)
-
-    def _policy_arguments(self) -> dict[str, Any]:
-        """Keyword arguments for the policy's constructor beyond the half dtype."""
-        return {"keep_fp32": self.keep_fp32}
 
     def _build_loss_scaler(self, device_type: str, policy_class: type[PrecisionPolicy]) -> LossScaler:
         mode: ScalingMode = "check"

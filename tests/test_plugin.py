@@ -362,3 +362,9 @@ def test_device_that_disagrees_with_the_trainer_is_a_clear_error():
     """device='cuda' on a CPU Trainer fails at setup, naming both."""
     with pytest.raises(ValueError, match=r"device='cuda'.*'cpu'"):
         make_trainer(MixedPrecision("16-mixed", device="cuda"), max_steps=1).fit(TinyRegressor(), loader())
+
+
+def test_static_loss_scale_with_auto_that_resolves_without_fp16_is_a_clear_error():
+    """'auto' never picks fp16 on a CPU, so a static loss_scale is refused at setup, naming the argument."""
+    with pytest.raises(ValueError, match=r"loss_scale=128\.0.*needs fp16"):
+        make_trainer(MixedPrecision(loss_scale=128.0), max_steps=1).fit(TinyRegressor(), loader())
