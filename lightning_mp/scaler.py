@@ -497,9 +497,8 @@ class LossScaler(torch.amp.GradScaler):
         for name in _COUNTERS:
             setattr(self, name, int(counters.get(name, 0)))
         self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))
-        if not self.scales_loss:
-            return
-        if self.mode == "static":
+        if self.mode != "dynamic":
+            # A static scale is fixed by the constructor, and check mode has no scale at all.
             return
         scale = float(state_dict["scale"])
         low = self.min_scale if self.min_scale is not None else 0.0
