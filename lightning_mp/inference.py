@@ -6,7 +6,7 @@ first thing to lose precision) and makes the model reject fp32 inputs. :func:`to
 
 1. deep-copies the model, so the original is untouched, and puts the copy in eval mode without gradients;
 2. casts weights and floating buffers to the half type, keeping normalisation layers and ``keep_fp32`` modules in
-   fp32 (the conversion of opt level O2, :func:`~lightning_mp.policies.o2.convert_to_half`);
+   fp32 (:func:`~lightning_mp.policies.o3.convert_to_half`, with the normalisation layers O3 would cast kept fp32);
 3. gives every module with half weights a pre-hook that casts its floating inputs to the half type, so the copy takes
    fp32 or half inputs alike. Its outputs are in the half type (fp32 from a ``keep_fp32`` last layer).
 
@@ -44,7 +44,8 @@ from torchmetrics import MaxMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_mp.overrides import Fp32Overrides, KeepFp32Pattern, cast_low_precision
-from lightning_mp.policies.o2 import HALF_DTYPES, convert_to_half
+from lightning_mp.policies.o2 import HALF_DTYPES
+from lightning_mp.policies.o3 import convert_to_half
 
 
 def to_inference(

@@ -45,6 +45,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 KeepFp32Pattern = type[nn.Module] | str
 """One ``keep_fp32`` entry: a module type, a qualified name, or ``"re:<regex>"``."""
@@ -90,10 +91,12 @@ class Fp32Region:
         # One entry per forward in flight, so that a module called inside its own forward still unwinds correctly.
         self._open: list[tuple[ExitStack, torch.dtype | None]] = []
 
-    def attach(self, module: nn.Module) -> None:
-        """Register the pre-hook and the always-called forward hook on ``module``."""
-        module.register_forward_pre_hook(self.enter, with_kwargs=True)
-        module.register_forward_hook(self.exit, with_kwargs=True, always_call=True)
+    def attach(self, module: nn.Module) -> list[RemovableHandle]:
+        """Register the pre-hook and the always-called forward hook on ``module``; return their handles."""
+        return [
+            module.register_forward_pre_hook(self.enter, with_kwargs=True),
+            module.register_forward_hook(self.exit, with_kwargs=True, always_call=True),
+        ]
 
     def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         """Switch autocast off and cast the inputs; the forward hook undoes the first."""

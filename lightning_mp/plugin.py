@@ -309,13 +309,18 @@ class MixedPrecision(Precision):
     @override
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """Run under autocast in the half dtype when the opt level uses autocast."""
-        if self._policy is None or not self._policy.uses_autocast or self.half_dtype is None:
+        """Run inside the opt level's forward context (O2: half weights), under autocast when the level uses it."""
+        policy = self._policy
+        if policy is None:
             yield
             return
-        assert self.device is not None
-        with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False):
-            yield
+        with policy.forward_context():
+            if not policy.uses_autocast or self.half_dtype is None:
+                yield
+                return
+            assert self.device is not None
+            with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False):
+                yield
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
@@ -348,7 +353,6 @@ class MixedPrecision(Precision):
         if no_backward:
             self._after_closure(model, optimizer)
             return closure_result
-        policy.prepare_gradients(optimizer)  # type: ignore[arg-type]
         if not _optimizer_handles_unscaling(optimizer):
             loss_scaler.unscale_(optimizer)  # type: ignore[arg-type]
         self._after_closure(model, optimizer)
@@ -385,7 +389,6 @@ class MixedPrecision(Precision):
             "scaler": self._loss_scaler.state_dict(),
             "precision": self.precision,
             "opt_level": self._policy.opt_level,
-            "policy": self._policy.state_dict(),
         }
 
     @override
@@ -414,7 +417,6 @@ class MixedPrecision(Precision):
             self._loss_scaler.load_state_dict({**scaler_state, "scale": self._loss_scaler.get_scale()})
         else:
             self._loss_scaler.load_state_dict(scaler_state)
-        self._policy.load_state_dict(state_dict.get("policy", {}))
 
     def _warn_missing_scaler_state(self) -> None:
         if self.scaler is not None:
@@ -426,22 +428,21 @@ class MixedPrecision(Precision):
             )
 
     @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Let the opt level adjust the checkpoint (O2 stores the fp32 master weights)."""
-        if self._policy is not None:
-            self._policy.on_save_checkpoint(checkpoint)
-
-    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Load the scaler state of old Lightning checkpoints, warn when there is none; let the opt level inspect it."""
+        """Load the scaler state of old Lightning checkpoints; warn when there is none."""
         if type(self).__qualname__ not in checkpoint:
             if "native_amp_scaling_state" in checkpoint:
                 # Lightning restores this legacy key only into its own MixedPrecision class, so this plugin must.
                 self.load_state_dict(checkpoint["native_amp_scaling_state"])
             else:
                 self._warn_missing_scaler_state()
+
+    @override
+    def teardown(self) -> None:
+        """Let the opt level release the model (O2 holds its parameter slots during training)."""
         if self._policy is not None:
-            self._policy.on_load_checkpoint(checkpoint)
+            self._policy.teardown()
+        super().teardown()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r}, opt_level={self.opt_level!r})"

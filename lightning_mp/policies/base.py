@@ -1,25 +1,27 @@
 """The seam between the plugin and an opt level.
 
-An opt level decides four things: how the module is converted before training (O2 casts weights to half), whether
-the forward runs under autocast, what happens to gradients around the optimizer step (O2 keeps fp32 master weights
-and moves gradients and weights between the two copies), and what a checkpoint holds. The plugin asks the policy at
-each of those points instead of branching on the level, so a new level is one new module.
+An opt level decides how the module is prepared before training (O3 casts its weights to half, O2 chooses which
+weights compute in half), whether the forward runs under autocast, what else surrounds the forward (O2 puts half
+copies of the weights in place), and what it must release when training ends. The plugin asks the policy at each of
+those points instead of branching on the level, so a new level is one new module.
 
-The plugin's optimizer step, and where each hook runs::
+Where each hook runs::
 
-    closure()                                  # forward (autocast if uses_autocast) and scaled backward
-    policy.prepare_gradients(optimizer)        # O2: half model gradients -> fp32 master gradients
-    loss_scaler.unscale_(optimizer)            # fused inf check and unscale of the optimizer's gradients
-    on_before_optimizer_step hooks, clipping   # they see true gradients
-    loss_scaler.step(optimizer)                # skipped when a gradient is inf/NaN
-    loss_scaler.update()
-    policy.after_optimizer_step(optimizer, skipped)   # O2: fp32 masters -> half model weights
+    convert_module(module)                     # Trainer/Fabric setup, before the module moves and is wrapped
+    connect(module, optimizers)                # once the optimizers exist (O3 checks their eps)
+    with forward_context(), autocast:          # every training/validation/test/predict step, Fabric's forward
+        step ...
+    backward, unscale, clipping, step          # the plugin's step engine, on the module's own parameters
+    after_optimizer_step(optimizer, skipped)   # O2: name weights beyond fp16's range after a skip
+    teardown()                                 # end of fit/validate/test/predict, also after an exception
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from contextlib import AbstractContextManager
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -47,32 +49,23 @@ class PrecisionPolicy:
         self.keep_fp32 = list(keep_fp32)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Convert the module before it is moved to the device and wrapped. Must work in place."""
+        """Prepare the module before it is moved to the device and wrapped. Must work in place."""
         return module
 
     def connect(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
-        """Adapt the optimizers once they exist (O2 points them at fp32 master weights)."""
+        """Check or adapt the optimizers once they exist."""
         return optimizers
 
     def parameter_names(self, module: nn.Module) -> dict[int, str]:
         """``id(tensor) -> name`` for every tensor an optimizer steps, to name culprits in error messages."""
         return {id(parameter): name for name, parameter in module.named_parameters()}
 
-    def prepare_gradients(self, optimizer: Optimizer) -> None:
-        """Called after backward and before the gradients are unscaled."""
+    def forward_context(self) -> AbstractContextManager:
+        """What surrounds every forward, around the plugin's autocast; entered and left once per step."""
+        return contextlib.nullcontext()
 
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
         """Called after the optimizer step, or after it was skipped."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """State this level must save beyond the model and optimizer states."""
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Adjust the whole checkpoint before it is written (O2 stores the fp32 masters as the weights)."""
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Inspect or adjust a checkpoint before Lightning restores from it."""
+    def teardown(self) -> None:
+        """Release every reference to the model: training has ended, normally or not."""

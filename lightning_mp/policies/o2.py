@@ -1,51 +1,64 @@
-"""O2: half-precision weights, fp32 master weights for the optimizer, normalisation layers in fp32.
+"""O2: the model keeps its fp32 weights; half copies of them exist only for the forward and backward pass.
 
-This is Apex's O2 on native torch. The model itself is cast to the half type, so the forward and backward run
-entirely in fp16 or bf16 without autocast; the optimizer never sees a half tensor.
+The module's own parameters stay fp32 and are the master weights: the optimizer, ``param_groups``,
+``add_param_group``, callbacks (BackboneFinetuning, StochasticWeightAveraging, EMA), ``grad_norm``,
+``load_state_dict`` and checkpoints all see the real fp32 parameters, at any time. What changes is what the forward
+computes with, as in FSDP's mixed precision without sharding:
 
-Conversion (``convert_module``, in place, before the model moves to its device):
+1. ``convert_module`` only records which parameters compute in half: the fp32 parameters of every module except
+   normalisation layers (BatchNorm, LayerNorm, GroupNorm, InstanceNorm, RMSNorm and any class whose name ends in
+   ``Norm``) and the subtrees that ``keep_fp32`` matches. Nothing is cast, no hook is attached; parameters of
+   other dtypes (fp64) and every buffer keep their dtype. In fp16 a weight beyond fp16's range (65504) is refused
+   by name here already.
+2. On entering the forward context (training, validation, test and predict steps, and Fabric's module forward),
+   each of those parameters is cast to the half type once (a tied parameter once for all its uses), and the half
+   copy takes the parameter's place in its module (``module._parameters[name]``). The cast is differentiable: in
+   backward, autograd carries each half gradient through the cast and accumulates it, in fp32, into the real
+   parameter's ``.grad``. DDP's reducer hooks on the fp32 parameters therefore fire as usual.
+3. On leaving the context, also on an exception, the real parameters go back in place. The half copies live on
+   only as long as the autograd graph saves them for backward, and are freed with it.
+4. ``torch.autocast`` stays on in the half type around the forward, as a safety net for what is not a parameter:
+   fp32 inputs of matrix products are cast to half, losses and softmax-like reductions run in fp32 (so the scaled
+   loss is fp32), and normalisation layers compute in fp32 (CUDA autocast upcasts them; on the CPU their kernels
+   take half inputs with fp32 weights and accumulate in fp32), handing half outputs on. Because the weights are
+   already half, autocast casts no weight; because embeddings are half, the residual stream and the activations
+   saved for backward are half too, which is where O2 saves memory over O1.
+5. ``keep_fp32`` subtrees keep fp32 weights and run in fp32 regions (:mod:`lightning_mp.overrides`), whose hooks
+   are attached on entering the context and removed on leaving it: after fit, or after a failed fit, the model is
+   exactly the fp32 model it was, with no hook left behind.
 
-1. Every parameter and floating buffer is cast to the half type, except in normalisation layers (BatchNorm,
-   LayerNorm, GroupNorm, InstanceNorm, RMSNorm and any module whose class name ends in ``Norm``, as Apex's
-   ``keep_batchnorm_fp32``) and in the subtrees that ``keep_fp32`` matches.
-2. The fp32 values the weights had before the cast become the **master weights**: nothing is rounded yet.
-3. Hooks make the dtypes meet: a module with half weights casts its floating inputs to the half type; a
-   normalisation layer computes in fp32 and hands its output back in the half type; a ``keep_fp32`` module runs in an
-   fp32 region and returns fp32 (:mod:`lightning_mp.overrides`); the root module returns fp32 outputs, so that the
-   loss, and the scaled loss, are computed in fp32.
+A fresh half copy is made for every forward, gradient-accumulation micro-batches included: the cast is one read of
+the weights against a forward that reads them once per token, and reusing copies across backward passes would need
+the autograd graph of the cast kept alive and the copies invalidated whenever a callback edits a weight. In manual
+optimization, an optimizer step inside ``training_step`` refreshes the copies, so a second forward sees the new
+weights.
 
-The step (the plugin calls these around its optimizer step)::
+Loss scaling and skipping are O1's: the gradients the scaler unscales and checks are the fp32 parameters' own, so
+foreach and fused optimizers work unchanged. A skipped fp16 step is also checked for weights beyond fp16's range
+(whose half copies are inf), and :class:`HalfOverflowError` names them. The optimizer holds 4 bytes of weight, 4 of
+gradient and its states per parameter, as in fp32; the half copies (2 bytes per parameter) exist only during the
+step.
 
-    connect:               optimizer.param_groups[...] = fp32 masters     (optimizer states are therefore fp32)
-    backward:              half gradients land on the half weights        (scaled by the loss scale in fp16)
-    prepare_gradients:     master.grad = half_weight.grad.float(); half_weight.grad = None
-    unscale_ (the scaler): master grads /= scale, and check them for inf/NaN
-    clipping, hooks:       see the fp32 master gradients
-    step (the scaler):     optimizer.step() on the masters, or nothing when a gradient is not finite
-    after_optimizer_step:  half_weight.copy_(master), unless the step was skipped
-
-A skipped step therefore leaves the masters, the optimizer states and the half weights exactly as they were.
-Parameters that stayed fp32 (norms, ``keep_fp32``) are their own masters. A checkpoint stores the fp32 masters in
-place of the half weights, so loading it anywhere gives full-precision weights, and resuming restores the masters
-exactly.
-
-In O2 the gradients live on the masters: read them from ``optimizer.param_groups``, not from the model's
-parameters, whose ``.grad`` is freed once copied.
+Private torch names used: ``nn.Module._parameters`` (the only way to put a plain tensor in a parameter's slot while
+keeping the module's parameter order; ``torch.nn.utils.stateless`` and ``torch.func.functional_call`` do the same,
+but they wrap one ``forward`` call, not a LightningModule's ``training_step``);
+``nn.modules.batchnorm._NormBase`` (the common base of the batch and instance norms).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from types import TracebackType
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_mp.overrides import Fp32Overrides, Fp32Region, cast_low_precision, has_fp32_region
+from lightning_mp.overrides import Fp32Overrides, Fp32Region, has_fp32_region, outermost
 from lightning_mp.policies.base import PrecisionPolicy
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -79,90 +92,112 @@ def check_half_dtype(owner: str, half_dtype: torch.dtype | None) -> torch.dtype:
     return half_dtype
 
 
-class MatchParameterDtype:
-    """Forward pre-hook: cast floating inputs to the dtype of the module's own weights (half in O2 and O3)."""
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-        weight = next((p for p in module.parameters(recurse=False) if p.is_floating_point()), None)
-        if weight is None:
-            return args, kwargs
-        return _cast_floating((args, kwargs), weight.dtype)
-
-
-class FloatOutputs:
-    """Forward hook: return the module's low-precision floating outputs as fp32."""
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        return cast_low_precision(output, torch.float32)
-
-
-def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
-def _has_hook(hooks: dict[int, Any], kind: type) -> bool:
-    return any(isinstance(hook, kind) for hook in hooks.values())
-
-
-def convert_to_half(
-    module: nn.Module,
-    dtype: torch.dtype,
-    overrides: Fp32Overrides,
-    keep_normalization_fp32: bool = True,
-    float_outputs: bool = True,
-    keep_batch_normalization_fp32: bool = False,
-) -> dict[str, Tensor]:
-    """Cast ``module`` to ``dtype`` in place, keeping ``keep_fp32`` subtrees (and normalisation layers) in fp32.
+class HalfOverflowError(RuntimeError):
+    """fp32 weights beyond the half type's range: their half copies would be inf, and every step would be skipped.
 
     Args:
-        module: the model; converted in place.
-        dtype: ``torch.float16`` or ``torch.bfloat16``.
-        overrides: the ``keep_fp32`` patterns.
-        keep_normalization_fp32: keep normalisation layers in fp32 (O2) or cast them too (O3).
-        float_outputs: make the root module return fp32 outputs.
-        keep_batch_normalization_fp32: keep batch norms (SyncBatchNorm included) in fp32 even when other
-            normalisation layers are cast: their running statistics accumulate over the whole run (O3).
-
-    Returns:
-        ``qualified parameter name -> its fp32 values before the cast`` for every parameter that was cast. The
-        module no longer references these tensors.
+        names: qualified names of the parameters.
+        largest: the largest magnitude found in each.
+        dtype: the half type.
 
     """
-    kept = overrides.kept_modules(module)
-    overrides.apply(module)
-    fp32_before: dict[str, Tensor] = {}
-    for module_name, child in module.named_modules():
-        if child in kept:
-            continue
-        if (keep_normalization_fp32 and is_normalization(child)) or (
-            keep_batch_normalization_fp32 and isinstance(child, nn.modules.batchnorm._BatchNorm)
-        ):
-            if not has_fp32_region(child):
-                Fp32Region(restore_output_dtype=True).attach(child)
-            continue
-        prefix = f"{module_name}." if module_name else ""
-        for name, parameter in child.named_parameters(recurse=False):
-            if parameter.is_floating_point() and parameter.dtype != dtype:
-                fp32_before[prefix + name] = parameter.data
-                parameter.data = parameter.data.to(dtype)
-                parameter.grad = None
-        for name, buffer in child.named_buffers(recurse=False):
-            if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
-                setattr(child, name, buffer.to(dtype))
-        has_floating_weights = any(p.is_floating_point() for p in child.parameters(recurse=False))
-        if has_floating_weights and not _has_hook(child._forward_pre_hooks, MatchParameterDtype):
-            child.register_forward_pre_hook(MatchParameterDtype(), with_kwargs=True)
-    if float_outputs and not _has_hook(module._forward_hooks, FloatOutputs):
-        module.register_forward_hook(FloatOutputs())
-    return fp32_before
+
+    def __init__(self, names: Sequence[str], largest: Sequence[float], dtype: torch.dtype) -> None:
+        self.names = list(names)
+        limit = torch.finfo(dtype).max
+        shown = ", ".join(f"{name} (max |w| = {value:.4g})" for name, value in zip(names, largest, strict=True))
+        super().__init__(
+            f"lightning_mp O2: weights beyond {dtype}'s largest value {limit:g} cannot be copied to {dtype} without"
+            f" becoming inf: {shown}. Train in bf16 (precision='bf16-mixed'), which has fp32's range, keep these"
+            " modules in fp32 (keep_fp32=[...]), or bring the weights into range (weight decay, a smaller init)."
+        )
+
+
+def overflowing_weights(named: Sequence[tuple[str, Tensor]], dtype: torch.dtype) -> tuple[list[str], list[float]]:
+    """The names and largest magnitudes of the tensors whose values exceed ``dtype``'s range.
+
+    .. warning:: Reads one value per call back to the host (a synchronisation on CUDA). O2 calls it at setup and
+        after a skipped step only.
+    """
+    if not named:
+        return [], []
+    largest = torch.stack([tensor.detach().abs().amax().float() for _, tensor in named]).tolist()
+    limit = torch.finfo(dtype).max
+    hits = [(name, value) for (name, _), value in zip(named, largest, strict=True) if value > limit]
+    return [name for name, _ in hits], [value for _, value in hits]
+
+
+class HalfWeights(AbstractContextManager):
+    """Context manager that puts differentiable half copies in place of chosen fp32 parameters, then restores them.
+
+    Re-entrant: a nested ``with`` (a forward context inside another) changes nothing. :meth:`refresh` recasts the
+    copies while the context is open, after the weights changed.
+
+    Args:
+        slots: ``(module, parameter name)`` of every parameter to replace; a parameter shared by several slots is
+            cast once.
+        dtype: the half type.
+        fp32_roots: modules to run in fp32 regions while the copies are in place (the ``keep_fp32`` subtrees).
+
+    """
+
+    def __init__(self, slots: Sequence[tuple[nn.Module, str]], dtype: torch.dtype, fp32_roots: Sequence[nn.Module]):
+        self.slots = list(slots)
+        self.dtype = dtype
+        self.fp32_roots = list(fp32_roots)
+        self._depth = 0
+        self._originals: list[Tensor] = []
+        self._hook_handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> HalfWeights:
+        self._depth += 1
+        if self._depth == 1:
+            self._swap_in()
+            for module in self.fp32_roots:
+                self._hook_handles += Fp32Region().attach(module)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._restore()
+            for handle in self._hook_handles:
+                handle.remove()
+            self._hook_handles = []
+
+    def refresh(self) -> None:
+        """Recast the copies from the current fp32 weights, if the context is open."""
+        if self._depth > 0:
+            self._restore()
+            self._swap_in()
+
+    def _swap_in(self) -> None:
+        copies: dict[int, Tensor] = {}
+        originals = self._originals
+        for module, name in self.slots:
+            parameter = module._parameters[name]
+            originals.append(parameter)
+            if parameter is None or parameter.dtype != torch.float32:
+                continue
+            copy = copies.get(id(parameter))
+            if copy is None:
+                copy = copies[id(parameter)] = parameter.to(self.dtype)
+            module._parameters[name] = copy
+
+    def _restore(self) -> None:
+        for (module, name), parameter in zip(self.slots, self._originals, strict=True):
+            module._parameters[name] = parameter
+        self._originals = []
 
 
 class O2Policy(PrecisionPolicy):
-    """Half weights, fp32 masters and optimizer states, fp32 normalisation layers.
+    """fp32 weights, gradients and optimizer states; half copies of the weights for the forward and backward pass.
 
     Args:
         half_dtype: ``torch.float16`` or ``torch.bfloat16``.
-        keep_fp32: module types, qualified names or ``re:`` patterns whose modules stay fp32.
+        keep_fp32: module types, qualified names or ``re:`` patterns whose modules compute in fp32.
 
     Raises:
         ValueError: if ``half_dtype`` is not a half type, or a ``keep_fp32`` entry is invalid.
@@ -170,123 +205,71 @@ class O2Policy(PrecisionPolicy):
     """
 
     opt_level = "O2"
-    uses_autocast = False
+    uses_autocast = True
 
     def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
         super().__init__(check_half_dtype(type(self).__name__, half_dtype), keep_fp32)
         self.overrides = Fp32Overrides(self.keep_fp32)
-        self._masters: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
-        """``name -> (half model parameter, fp32 master)``."""
-        self._model_parameter_of: dict[Tensor, nn.Parameter] = {}
-        """``master -> half model parameter``, for the masters handed to an optimizer."""
-
-    @property
-    def masters(self) -> dict[str, nn.Parameter]:
-        """The fp32 master weight of every half parameter, by qualified name."""
-        return {name: master for name, (_, master) in self._masters.items()}
+        self._half_weights: HalfWeights | None = None
+        self._half_parameters: list[tuple[str, nn.Parameter]] = []
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Cast the module to the half type in place and keep the fp32 values as masters."""
+        """Choose the parameters that compute in half; the module itself is left unchanged.
+
+        Raises:
+            HalfOverflowError: in fp16, if a chosen weight is beyond fp16's range.
+
+        """
         assert self.half_dtype is not None
-        fp32_before = convert_to_half(module, self.half_dtype, self.overrides, keep_normalization_fp32=True)
-        parameters = dict(module.named_parameters())
-        # Converting the same model again (fit, then validate) keeps its masters; another model's are dropped.
-        self._masters = {name: pair for name, pair in self._masters.items() if parameters.get(name) is pair[0]}
-        for name, before in fp32_before.items():
-            parameter = parameters[name]
-            if parameter.requires_grad:
-                self._masters[name] = (parameter, nn.Parameter(before.float()))
+        kept = self.overrides.kept_modules(module)
+        slots: list[tuple[nn.Module, str]] = []
+        named: dict[int, tuple[str, nn.Parameter]] = {}
+        for module_name, child in module.named_modules():
+            if child in kept or is_normalization(child):
+                continue
+            prefix = f"{module_name}." if module_name else ""
+            for name, parameter in child.named_parameters(recurse=False):
+                if parameter.dtype == torch.float32:
+                    slots.append((child, name))
+                    named.setdefault(id(parameter), (prefix + name, parameter))
+        self._half_parameters = list(named.values())
+        self._check_range()
+        roots = [module.get_submodule(name) for name in outermost(self.overrides.match(module))]
+        fp32_roots = [root for root in roots if not has_fp32_region(root)]
+        self._half_weights = HalfWeights(slots, self.half_dtype, fp32_roots)
         return module
 
     @override
-    def connect(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
-        """Put the fp32 masters in the optimizers' place of the half parameters, with fp32 states."""
-        by_parameter = {id(parameter): (name, master) for name, (parameter, master) in self._masters.items()}
-        names = {id(parameter): name for name, parameter in module.named_parameters()}
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                params = group["params"]
-                for index, parameter in enumerate(params):
-                    if parameter in self._model_parameter_of or parameter.dtype not in HALF_DTYPES:
-                        continue  # already a master, or an fp32 parameter that is its own master
-                    name, master = by_parameter.get(id(parameter), (names.get(id(parameter), ""), None))
-                    if master is None:
-                        # Frozen at conversion and trainable now: its master starts from the half values.
-                        master = nn.Parameter(parameter.detach().float())
-                        if name:
-                            self._masters[name] = (parameter, master)
-                    if master.device != parameter.device:
-                        master.data = master.data.to(parameter.device)
-                    params[index] = master  # in place: some optimizers keep references to the list
-                    self._model_parameter_of[master] = parameter
-                    if parameter in optimizer.state:
-                        optimizer.state[master] = cast_floating_state(optimizer.state.pop(parameter))
-        return optimizers
-
-    @override
-    def parameter_names(self, module: nn.Module) -> dict[int, str]:
-        """Names for the model's parameters and for the masters that stand in for them."""
-        names = super().parameter_names(module)
-        names.update({id(master): name for name, (_, master) in self._masters.items()})
-        return names
-
-    @override
-    def prepare_gradients(self, optimizer: Optimizer) -> None:
-        """Move the half gradients into the fp32 master gradients, still scaled; free the half ones."""
-        for group in optimizer.param_groups:
-            for master in group["params"]:
-                parameter = self._model_parameter_of.get(master)
-                if parameter is None:
-                    continue
-                if parameter.grad is None:
-                    master.grad = None
-                elif master.grad is None:
-                    master.grad = parameter.grad.to(torch.float32)
-                else:
-                    master.grad.copy_(parameter.grad)
-                parameter.grad = None
+    def forward_context(self) -> AbstractContextManager:
+        """Half copies of the weights in place for the duration of the forward."""
+        return self._half_weights if self._half_weights is not None else super().forward_context()
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
-        """Copy the stepped masters into the half weights; after a skipped step there is nothing to copy."""
+        """After a skipped fp16 step, name weights beyond fp16's range; after a step inside a forward, recast.
+
+        Raises:
+            HalfOverflowError: if the step was skipped because a weight's fp16 copy was inf.
+
+        """
         if skipped:
-            return
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for master in group["params"]:
-                    parameter = self._model_parameter_of.get(master)
-                    if parameter is not None:
-                        parameter.copy_(master)
+            self._check_range()
+        elif self._half_weights is not None:
+            self._half_weights.refresh()  # manual optimization: a step inside training_step
 
     @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store the fp32 masters as the model's weights."""
-        state_dict = checkpoint.get("state_dict")
-        if state_dict is None:
+    def teardown(self) -> None:
+        """Drop every reference to the model, so that a reused plugin keeps no old model alive."""
+        self._half_weights = None
+        self._half_parameters = []
+
+    def _check_range(self) -> None:
+        if self.half_dtype != torch.float16:
             return
-        for name, (_, master) in self._masters.items():
-            if name in state_dict:
-                state_dict[name] = master.detach()
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore the masters (and the half weights) from the checkpoint's full-precision weights."""
-        state_dict = checkpoint.get("state_dict", {})
-        with torch.no_grad():
-            for name, (parameter, master) in self._masters.items():
-                saved = state_dict.get(name)
-                if isinstance(saved, Tensor) and saved.shape == master.shape:
-                    master.copy_(saved)
-                    parameter.copy_(master)
+        names, largest = overflowing_weights(self._half_parameters, torch.float16)
+        if names:
+            raise HalfOverflowError(names, largest, torch.float16)
 
 
-def cast_floating_state(state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state with its floating tensors (moments, not the step count) in fp32."""
-    return {
-        key: value.float() if isinstance(value, Tensor) and value.is_floating_point() and key != "step" else value
-        for key, value in state.items()
-    }
-
-
-__all__ = ["O2Policy", "cast_floating_state", "convert_to_half", "is_normalization"]
+__all__ = ["HalfOverflowError", "HalfWeights", "O2Policy", "check_half_dtype", "is_normalization"]
