@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.advisor import FP16_MAX, GRADIENT_HEADROOM, Advice, advise
+from lightning_mp.policies.o2 import HalfOverflowError
 
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
 
@@ -86,9 +87,13 @@ def test_init_scale_puts_the_largest_gradient_well_inside_fp16(advice: Advice) -
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_applying_the_advice_makes_a_skipping_fp16_run_train_without_skips(advice: Advice, opt_level: str) -> None:
-    """The fp16 run skips every step; with the advisor's keep_fp32 and init_scale it skips none."""
-    skipping = fit_fp16(MixedPrecision("16-mixed", opt_level=opt_level))
-    assert skipping.stats.skipped_steps == skipping.stats.optimizer_steps == 5
+    """The fp16 run skips every step (O2 refuses the weights beyond fp16); with the advice it skips none."""
+    if opt_level == "O2":
+        with pytest.raises(HalfOverflowError, match=r"blowup\.weight"):
+            fit_fp16(MixedPrecision("16-mixed", opt_level=opt_level))
+    else:
+        skipping = fit_fp16(MixedPrecision("16-mixed", opt_level=opt_level))
+        assert skipping.stats.skipped_steps == skipping.stats.optimizer_steps == 5
     advised = fit_fp16(MixedPrecision(opt_level=opt_level, **advice.plugin_kwargs("16-mixed")))
     assert advised.stats.optimizer_steps == 5 and advised.stats.skipped_steps == 0
 

@@ -173,12 +173,10 @@ def test_keep_fp32_under_the_default_o1_plugin() -> None:
 
 
 def test_keep_fp32_under_o2_keeps_matched_weights_fp32() -> None:
-    """Under O2 the weights of kept modules stay fp32, and their outputs are fp32, while the rest is bf16."""
+    """Under O2 kept modules compute in fp32 and output fp32, while the rest computes and outputs bf16."""
     model = Classifier()
     fit(model, MixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["head", "re:block\\.attn.*"]))
-    assert model.head.weight.dtype == torch.float32
-    assert model.block.attn_proj.weight.dtype == torch.float32
-    assert model.stem.weight.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # O2's half copies exist only in the step
     assert model.output_dtypes["head"] == torch.float32
     assert model.output_dtypes["stem"] == torch.bfloat16
 

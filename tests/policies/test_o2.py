@@ -1,37 +1,46 @@
-"""O2: half weights, fp32 norms, fp32 masters and optimizer states, skip safety, checkpoints, a hand-written loop."""
+"""O2: the model's fp32 parameters are the masters, half copies exist only for the step, and every Lightning recipe
+that touches the weights (callbacks, param groups, checkpoints, a second stage) sees the real fp32 parameters."""
 
 from __future__ import annotations
 
-import copy
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from conftest import make_trainer
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
+from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
+from torch.func import functional_call
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
-from lightning_mp.policies.o2 import O2Policy
+from lightning_mp.inference import compare, to_inference
+from lightning_mp.policies.o2 import HalfOverflowError, O2Policy
 
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:lightning_mp. (fp16|this CPU)", "ignore:.*(does not have many workers|val_dataloader|training batches)"
+)
 
 HALF = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+PRECISIONS = ["bf16-mixed", "16-mixed"]
 STEPS = 4
 
 
-def loader() -> DataLoader:
+def loader(steps: int = STEPS) -> DataLoader:
     generator = torch.Generator().manual_seed(0)
-    features = torch.randn(STEPS * 8, 8, generator=generator)
-    target = torch.randint(0, 4, (STEPS * 8,), generator=generator)
+    features = torch.randn(steps * 8, 8, generator=generator)
+    target = torch.randint(0, 4, (steps * 8,), generator=generator)
     return DataLoader(TensorDataset(features, target), batch_size=8)
 
 
-class Net(LightningModule):
-    """Linear, LayerNorm, ReLU, BatchNorm, Linear; Adam by default; can inject an inf loss on chosen steps."""
+class Net(L.LightningModule):
+    """Linear, LayerNorm, ReLU, Linear with Adam; records the dtypes the weights had inside training_step."""
 
     def __init__(self, optimizer: str = "adam", inf_at: tuple[int, ...] = ()) -> None:
         super().__init__()
@@ -39,174 +48,497 @@ class Net(LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
         self.optimizer = optimizer
         self.inf_at = inf_at
-        self.snapshots: dict[int, dict[str, Any]] = {}
+        self.dtypes_in_step: dict[str, torch.dtype] = {}
+        self.output_dtype: torch.dtype | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.dtypes_in_step = {name: p.dtype for name, p in self.named_parameters()}
         features, target = batch
-        loss = F.cross_entropy(self(features), target)
+        logits = self(features)
+        self.output_dtype = logits.dtype
+        loss = F.cross_entropy(logits, target)
         return loss * float("inf") if batch_idx in self.inf_at else loss
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.snapshots[batch_idx] = {"before": self._state()}
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.snapshots[batch_idx]["after"] = self._state()
-
-    def _state(self) -> dict[str, Any]:
-        optimizer = self.trainer.optimizers[0]
-        masters = [p.detach().clone() for p in optimizer.param_groups[0]["params"]]
-        states = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in optimizer.param_groups[0]["params"]]
-        return {"weights": [p.detach().clone() for p in self.parameters()], "masters": masters, "states": states}
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        features, target = batch
+        self.log("val_loss", F.cross_entropy(self(features), target))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         factories = {
             "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
             "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
             "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
-            "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
-            "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2),
-            "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-1),
+            "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
         }
         return factories[self.optimizer](self.parameters())
 
     def train_dataloader(self) -> DataLoader:
         return loader()
 
+    def val_dataloader(self) -> DataLoader:
+        return loader(1)
 
-def trainer_for(plugin: MixedPrecision, max_steps: int = STEPS, **kwargs: Any) -> Trainer:
-    return make_trainer(plugin, max_steps=max_steps, **kwargs)
+
+def o2(precision: str = "bf16-mixed", **kwargs: Any) -> MixedPrecision:
+    if precision == "16-mixed":
+        kwargs.setdefault("init_scale", 2.0**10)
+    return MixedPrecision(precision, opt_level="O2", **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
-def test_o2_weights_are_half_norms_and_optimizer_states_fp32(precision: str) -> None:
-    """After O2 training the model is half except its norms, and the optimizer holds fp32 masters and states."""
+def fit(
+    model: L.LightningModule, plugin: Any = None, max_steps: int = STEPS, ckpt_path: Path | None = None, **kwargs: Any
+) -> L.Trainer:
+    trainer = make_trainer(plugin, max_steps=max_steps, **kwargs)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def snapshot(model: nn.Module) -> dict[str, Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+class StartWeights(L.Callback):
+    """Records the model's state_dict when training starts (after setup and checkpoint restore)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.weights = snapshot(pl_module)
+
+
+# ------------------------------------------------------------------------------------------------ the algorithm
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_computes_with_half_copies_and_keeps_fp32_parameters_grads_and_states(precision: str) -> None:
+    """Inside the step the weights are half (norms fp32); the parameters, gradients and Adam states stay fp32."""
     model = Net()
-    trainer = trainer_for(MixedPrecision(precision, opt_level="O2"), max_steps=2)
-    trainer.fit(model)
+    grads: list[torch.dtype] = []
+
+    class GradDtypes(L.Callback):
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+            grads.extend(p.grad.dtype for p in pl_module.parameters())
+
+    trainer = fit(model, o2(precision), max_steps=2, callbacks=[GradDtypes()])
     half = HALF[precision]
-    assert model.net[0].weight.dtype == half and model.net[3].bias.dtype == half
-    assert model.net[1].weight.dtype == torch.float32 and model.net[1].bias.dtype == torch.float32
+    assert model.dtypes_in_step["net.0.weight"] == model.dtypes_in_step["net.3.bias"] == half
+    assert model.dtypes_in_step["net.1.weight"] == torch.float32
+    assert model.output_dtype == half
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert set(grads) == {torch.float32} and len(grads) == 2 * 6
     optimizer = trainer.optimizers[0]
-    for master in optimizer.param_groups[0]["params"]:
-        assert master.dtype == torch.float32
-        assert optimizer.state[master]["exp_avg"].dtype == torch.float32
-        assert optimizer.state[master]["exp_avg_sq"].dtype == torch.float32
+    assert optimizer.param_groups[0]["params"] == list(model.parameters())  # no master copies
+    assert {v.dtype for p in model.parameters() for k, v in optimizer.state[p].items() if k != "step"} == {
+        torch.float32
+    }
     assert trainer.precision_plugin.stats.skipped_steps == 0
 
 
-def test_o2_keeps_batchnorm_parameters_and_running_stats_fp32() -> None:
-    """BatchNorm keeps fp32 weights and running statistics in O2, as Apex's keep_batchnorm_fp32, and still learns."""
+def hand_written_o2(dtype: torch.dtype, loss_scale: float) -> list[Tensor]:
+    """The O2 algorithm by hand with public torch APIs: fp32 parameters, half copies for the forward under autocast."""
+    model = Net()
+    half_names = {"net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"}
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for features, target in loader():
+        weights = {name: p.to(dtype) if name in half_names else p for name, p in model.named_parameters()}
+        with torch.autocast("cpu", dtype=dtype):
+            loss = F.cross_entropy(functional_call(model, weights, (features,)), target)
+        (loss * loss_scale).backward()
+        for parameter in model.parameters():
+            parameter.grad.mul_(1.0 / loss_scale)
+        optimizer.step()
+        optimizer.zero_grad()
+    return list(model.parameters())
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_matches_a_hand_written_o2_loop(precision: str) -> None:
+    """After N steps the plugin's fp32 parameters equal those of O2 written out by hand with functional_call."""
+    loss_scale = 2.0**10 if precision == "16-mixed" else 1.0
+    model = Net()
+    trainer = fit(model, o2(precision))
+    assert trainer.precision_plugin.stats.skipped_steps == 0
+    for got, want in zip(model.parameters(), hand_written_o2(HALF[precision], loss_scale), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_o2_keeps_batchnorm_fp32_and_its_running_statistics_learn() -> None:
+    """BatchNorm keeps fp32 weights and running statistics and computes from half inputs; the model trains."""
     model = Net()
     model.net[1] = nn.BatchNorm1d(16)
-    trainer_for(MixedPrecision("bf16-mixed", opt_level="O2"), max_steps=2).fit(model)
+    fit(model, o2(), max_steps=2)
     norm = model.net[1]
+    assert model.dtypes_in_step["net.1.weight"] == torch.float32
     assert norm.weight.dtype == norm.running_mean.dtype == norm.running_var.dtype == torch.float32
     assert not torch.equal(norm.running_mean, torch.zeros(16))
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
-def test_o2_skips_an_injected_overflow_leaving_masters_and_half_weights_unchanged(precision: str) -> None:
-    """An inf loss is skipped: masters, half weights and optimizer states are exactly as before; others step."""
+def test_o2_keep_fp32_module_computes_in_fp32_and_leaves_no_hook() -> None:
+    """A keep_fp32 layer keeps fp32 weights in the step and returns fp32; after fit no hook is left on the model."""
+    model = Net()
+    fit(model, o2(keep_fp32=["net.3"]), max_steps=2)
+    assert model.dtypes_in_step["net.3.weight"] == torch.float32
+    assert model.dtypes_in_step["net.0.weight"] == torch.bfloat16
+    assert model.output_dtype == torch.float32
+    assert hook_count(model) == 0
+
+
+class Accumulating(Net):
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.casts = getattr(self, "casts", 0) + 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_o2_gradient_accumulation_equals_one_big_batch_of_fp32_gradients() -> None:
+    """With accumulate_grad_batches=2 each micro-batch computes in half and the fp32 gradients add up; 2 steps run."""
+    model = Accumulating()
+    trainer = fit(model, o2(), max_steps=2, accumulate_grad_batches=2)
+    assert model.casts == 4 and trainer.global_step == 2
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+class TwoForwards(Net):
+    """Manual optimization: step, then a second forward that must see the stepped weights."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.automatic_optimization = False
+        self.second_forward_weight: Tensor | None = None
+        self.stepped_weight: Tensor | None = None
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        features, target = batch
+        optimizer.zero_grad()
+        self.manual_backward(F.cross_entropy(self(features), target))
+        optimizer.step()
+        self.stepped_weight = optimizer.optimizer.param_groups[0]["params"][0].detach().clone()
+        self.second_forward_weight = self.net[0].weight.detach().clone()
+
+
+def test_o2_manual_optimization_recasts_after_a_step_inside_training_step() -> None:
+    """In manual optimization a forward after optimizer.step() inside training_step sees the new weights."""
+    model = TwoForwards()
+    fit(model, o2(), max_steps=2)
+    assert model.second_forward_weight.dtype == torch.bfloat16
+    torch.testing.assert_close(model.second_forward_weight, model.stepped_weight.bfloat16(), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ loss scaling
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_skips_an_injected_overflow_leaving_weights_and_optimizer_states_unchanged(precision: str) -> None:
+    """An inf loss is skipped: fp32 weights and Adam states are as before; the other steps train."""
     model = Net(inf_at=(1,))
-    trainer = trainer_for(MixedPrecision(precision, opt_level="O2", init_scale=2.0**10), max_steps=3)
-    trainer.fit(model)
+    states: dict[int, tuple[dict[str, Tensor], list[Tensor]]] = {}
+
+    class Snapshots(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            optimizer = trainer.optimizers[0]
+            moments = [v.clone() for p in pl_module.parameters() for v in optimizer.state[p].values()]
+            states[batch_idx] = (snapshot(pl_module), moments)
+
+    trainer = fit(model, o2(precision), max_steps=3, callbacks=[Snapshots()])
     assert trainer.precision_plugin.stats.skipped_steps == 1
-    skipped = model.snapshots[1]
-    for key in ("weights", "masters"):
-        for before, after in zip(skipped["before"][key], skipped["after"][key], strict=True):
-            assert torch.equal(before, after), key
-    for before, after in zip(skipped["before"]["states"], skipped["after"]["states"], strict=True):
-        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    stepped = model.snapshots[2]
-    assert not torch.equal(stepped["before"]["masters"][0], stepped["after"]["masters"][0])
+    (before, moments_before), (after, moments_after) = states[1], states[2]
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert all(torch.equal(a, b) for a, b in zip(moments_before, moments_after, strict=True))
+    assert not torch.equal(after["net.0.weight"], snapshot(model)["net.0.weight"])
+
+
+@pytest.mark.parametrize("optimizer", ["adam_fused", "adamw_foreach", "sgd"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_trains_with_fused_and_foreach_optimizers(optimizer: str, precision: str) -> None:
+    """Fused and foreach optimizers step the fp32 parameters with fp32 gradients under O2, in fp16 and in bf16."""
+    model = Net(optimizer=optimizer)
+    initial = snapshot(model)
+    clip = None if optimizer == "adam_fused" else 0.5
+    trainer = fit(model, o2(precision), max_steps=2, gradient_clip_val=clip)
+    assert trainer.precision_plugin.stats.skipped_steps == 0
+    assert not torch.equal(model.net[0].weight, initial["net.0.weight"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def hand_written_o2(dtype: torch.dtype, loss_scale: float) -> list[Tensor]:
-    """The O2 algorithm written out by hand for Net, returning the fp32 masters after STEPS Adam steps."""
-    reference = Net().net
-    first, norm, second = copy.deepcopy(reference[0]), reference[1], copy.deepcopy(reference[3])
-    masters = [nn.Parameter(p.detach().clone()) for p in (*first.parameters(), *second.parameters())]
-    first.to(dtype)
-    second.to(dtype)
-    half_weights = [*first.parameters(), *second.parameters()]
-    optimizer = torch.optim.Adam([*masters[:2], *norm.parameters(), *masters[2:]], lr=1e-2)
-    for features, target in loader():
-        hidden = first(features.to(dtype))
-        hidden = F.layer_norm(hidden.float(), (16,), norm.weight, norm.bias).to(dtype)
-        logits = second(torch.relu(hidden)).float()
-        (F.cross_entropy(logits, target) * loss_scale).backward()
-        for master, weight in zip(masters, half_weights, strict=True):
-            master.grad = weight.grad.float()
-            weight.grad = None
-        for parameter in [*masters, *norm.parameters()]:
-            parameter.grad.mul_(1.0 / loss_scale)
-        assert all(torch.isfinite(p.grad).all() for p in [*masters, *norm.parameters()])
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for master, weight in zip(masters, half_weights, strict=True):
-                weight.copy_(master)
-    return [masters[0], masters[1], *norm.parameters(), masters[2], masters[3]]
+# ------------------------------------------------------------------------------------------------ what users rely on
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
-def test_o2_matches_a_hand_written_o2_loop(precision: str) -> None:
-    """The plugin's O2 masters after N steps equal those of the O2 algorithm written out by hand."""
-    loss_scale = 2.0**10 if precision == "16-mixed" else 1.0
-    model = Net()
-    trainer = trainer_for(MixedPrecision(precision, opt_level="O2", init_scale=loss_scale))
-    trainer.fit(model)
+class ZeroHead(L.Callback):
+    """Zeroes the head after the first batch, as a user's weight-editing callback would."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            with torch.no_grad():
+                pl_module.net[3].weight.zero_()
+                pl_module.net[3].bias.zero_()
+            self.zeroed = snapshot(pl_module)["net.3.weight"]
+
+
+def test_o2_keeps_weights_a_callback_edits_during_training() -> None:
+    """A callback that zeroes the head mid-training: the next step starts from the zeroed fp32 weights."""
+    model, callback = Net(optimizer="sgd"), ZeroHead()
+    fit(model, o2(), max_steps=2, callbacks=[callback])
+    # One SGD step from a zero head moves it by at most lr * |grad|: nowhere near the initial weights.
+    assert model.net[3].weight.abs().max() < 0.1
+    assert torch.equal(callback.zeroed, torch.zeros(4, 16))
+
+
+class LoadsOnFitStart(Net):
+    def __init__(self, weights: dict[str, Tensor]) -> None:
+        super().__init__(optimizer="sgd")
+        self.weights = weights
+        self.seen_in_first_step: Tensor | None = None
+
+    def on_fit_start(self) -> None:
+        self.load_state_dict(self.weights)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if batch_idx == 0:
+            self.seen_in_first_step = self.net[0].weight.detach().float().clone()
+        return super().training_step(batch, batch_idx)
+
+
+def test_o2_trains_from_weights_loaded_in_on_fit_start() -> None:
+    """load_state_dict in on_fit_start (after setup) decides the weights the first step computes with."""
+    weights = {name: torch.full_like(value, 0.5) for name, value in Net().state_dict().items()}
+    model = LoadsOnFitStart(weights)
+    fit(model, o2(), max_steps=1)
+    assert torch.equal(model.seen_in_first_step, torch.full((16, 8), 0.5))
+
+
+def test_o2_keeps_stochastic_weight_averaging_weights() -> None:
+    """StochasticWeightAveraging's averaged weights are what the model holds after fit, in fp32."""
+    model = Net(optimizer="sgd")
+    averaged: dict[str, Tensor] = {}
+
+    class Record(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+            swa = next(c for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging))
+            averaged.update({n: p.detach().clone() for n, p in swa._average_model.named_parameters()})
+
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+    fit(model, o2(), max_steps=3 * STEPS, max_epochs=3, callbacks=[swa, Record()])
+    for name, parameter in model.named_parameters():
+        assert parameter.dtype == torch.float32
+        torch.testing.assert_close(parameter, averaged[name], rtol=0, atol=0)
+
+
+class Backbone(Net):
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.backbone = self.net[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_backbone_finetuning_unfreezes_and_trains_the_backbone(precision: str) -> None:
+    """Lightning's BackboneFinetuning adds the backbone's group after setup; it trains in fp32 with no KeyError."""
+    model = Backbone()
+    initial = model.backbone.weight.detach().clone()
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=1.0)
+    trainer = fit(model, o2(precision), max_steps=2 * STEPS, max_epochs=2, callbacks=[finetuning])
+    groups = trainer.optimizers[0].param_groups
+    assert len(groups) == 2 and model.backbone.weight in groups[1]["params"]
+    assert model.backbone.weight.dtype == torch.float32
+    assert not torch.equal(model.backbone.weight, initial)
     assert trainer.precision_plugin.stats.skipped_steps == 0
-    expected = hand_written_o2(HALF[precision], loss_scale)
-    masters = trainer.optimizers[0].param_groups[0]["params"]
-    for got, want in zip(masters, expected, strict=True):
-        torch.testing.assert_close(got, want)
-    for weight, want in zip(model.parameters(), expected, strict=True):
-        torch.testing.assert_close(weight, want.to(weight.dtype), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("optimizer", ["adam_fused", "adamw_foreach", "sgd_momentum", "rmsprop", "adagrad"])
-def test_o2_works_with_every_optimizer_and_clipping(optimizer: str) -> None:
-    """Common optimizers, fused and foreach included, train under O2 (with clipping where O1 allows it), fp32 states."""
-    model = Net(optimizer=optimizer)
-    initial = model.net[0].weight.detach().clone()
-    clip = None if optimizer == "adam_fused" else 0.5  # fused optimizers unscale inside step: no clipping, as in O1
-    trainer = trainer_for(MixedPrecision("bf16-mixed", opt_level="O2"), max_steps=2, gradient_clip_val=clip)
-    trainer.fit(model)
-    optimizer_ = trainer.optimizers[0]
-    states = [v for p in optimizer_.param_groups[0]["params"] for k, v in optimizer_.state[p].items() if k != "step"]
-    assert states and all(state.dtype == torch.float32 for state in states if state.is_floating_point())
-    assert not torch.equal(model.net[0].weight.float(), initial)
+class AddsGroup(Net):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net[0].parameters(), lr=0.1)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.trainer.optimizers[0]
+        if batch_idx == 1:
+            optimizer.add_param_group({"params": [*self.net[1].parameters(), *self.net[3].parameters()]})
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_add_param_group_after_setup_trains_the_new_fp32_parameters(precision: str) -> None:
+    """optimizer.add_param_group after setup: the new parameters get fp32 gradients, are unscaled and step."""
+    model = AddsGroup()
+    head = model.net[3].weight.detach().clone()
+    trainer = fit(model, o2(precision), max_steps=3)
     assert trainer.precision_plugin.stats.skipped_steps == 0
+    assert model.net[3].weight.dtype == torch.float32
+    assert not torch.equal(model.net[3].weight, head)
+    assert torch.isfinite(model.net[3].weight).all()
 
 
-def test_o2_checkpoint_holds_fp32_masters_and_resume_restores_them(tmp_path: Path) -> None:
-    """A checkpoint stores the fp32 masters; loading it gives fp32 weights, and resuming restores exact masters."""
+class Ema(L.Callback):
+    """An exponential moving average of the weights, updated after every step."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        current = {name: p.detach() for name, p in pl_module.named_parameters()}
+        if not hasattr(self, "average"):
+            self.average = {name: p.clone() for name, p in current.items()}
+        for name, p in current.items():
+            self.average[name].lerp_(p, 0.5)
+
+
+def test_o2_ema_callback_averages_the_fp32_weights() -> None:
+    """An EMA-style callback reads fp32 weights that change every step, not frozen or half copies."""
+    model, ema = Net(), Ema()
+    fit(model, o2(), max_steps=3, callbacks=[ema])
+    assert {p.dtype for p in ema.average.values()} == {torch.float32}
+    assert not torch.equal(ema.average["net.0.weight"], model.net[0].weight)
+    assert (ema.average["net.0.weight"] - model.net[0].weight).abs().max() < 0.1
+
+
+def test_o2_grad_norm_sees_every_gradient() -> None:
+    """Lightning's grad_norm in on_before_optimizer_step sees all parameters' fp32 gradients."""
+    norms: dict[str, Tensor] = {}
+
+    class Norms(L.Callback):
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+            norms.update(grad_norm(pl_module, norm_type=2))
+
     model = Net()
-    trainer = trainer_for(MixedPrecision("bf16-mixed", opt_level="O2"), max_steps=STEPS)  # one whole epoch
-    trainer.fit(model)
+    fit(model, o2("16-mixed"), max_steps=1, callbacks=[Norms()])
+    assert len([key for key in norms if key != "grad_2.0_norm_total"]) == 6
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_checkpoint_holds_the_model_fp32_weights_and_resume_is_exact(precision: str, tmp_path: Path) -> None:
+    """A checkpoint holds the model's fp32 weights, unrounded; resuming continues from exactly them."""
+    model = Net()
+    trainer = fit(model, o2(precision), max_steps=STEPS)
     path = tmp_path / "o2.ckpt"
     trainer.save_checkpoint(path)
-    masters = [p.detach().clone() for p in trainer.optimizers[0].param_groups[0]["params"]]
     saved = torch.load(path, weights_only=False)["state_dict"]
     assert all(value.dtype == torch.float32 for value in saved.values())
-    torch.testing.assert_close(saved["net.0.weight"], masters[0], rtol=0, atol=0)
-    assert not torch.equal(saved["net.0.weight"], saved["net.0.weight"].bfloat16().float())  # not rounded
+    assert all(torch.equal(saved[name], value) for name, value in model.state_dict().items())
+    assert not torch.equal(saved["net.0.weight"], saved["net.0.weight"].to(HALF[precision]).float())
 
-    loaded = Net.load_from_checkpoint(path)
-    assert loaded.net[0].weight.dtype == torch.float32
-    torch.testing.assert_close(loaded.net[0].weight, masters[0], rtol=0, atol=0)
+    start = StartWeights()
+    fit(Net(), o2(precision), max_steps=STEPS + 1, ckpt_path=path, callbacks=[start])
+    assert all(torch.equal(start.weights[name], value) for name, value in saved.items())
 
-    resumed = Net()
-    resume = trainer_for(MixedPrecision("bf16-mixed", opt_level="O2"), max_steps=STEPS + 1)
-    resume.fit(resumed, ckpt_path=path)
-    first_step = resumed.snapshots[min(resumed.snapshots)]["before"]["masters"]  # before the resumed first step
-    for got, want in zip(first_step, masters, strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+class Explodes(Net):
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if batch_idx == 1:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_after_fit_and_after_a_crash_the_model_is_fp32_without_hooks(precision: str) -> None:
+    """After fit, or after an exception in fit, the model has fp32 parameters, fp32 state_dict and no hooks."""
+    finished = Net()
+    fit(finished, o2(precision, keep_fp32=["net.3"]), max_steps=2)
+    crashed = Explodes()
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(crashed, o2(precision, keep_fp32=["net.3"]), max_steps=3)
+    for model in (finished, crashed):
+        assert all(isinstance(p, nn.Parameter) and p.dtype == torch.float32 for p in model.parameters())
+        assert {value.dtype for value in model.state_dict().values()} == {torch.float32}
+        assert hook_count(model) == 0
+
+
+@pytest.mark.parametrize("second", ["O2", "O1", "none"])
+def test_o2_second_training_stage_starts_from_the_fp32_weights(second: str) -> None:
+    """A second stage (a new O2 plugin, O1, or no plugin) starts from the exact fp32 weights and trains cleanly."""
+    model = Net()
+    fit(model, o2("16-mixed"), max_steps=2)
+    after_first = snapshot(model)
+    plugin = {"O2": o2("16-mixed"), "O1": MixedPrecision("16-mixed", init_scale=2.0**10), "none": None}[second]
+    start = StartWeights()
+    trainer = fit(model, plugin, max_steps=2, callbacks=[start])
+    assert all(torch.equal(start.weights[name], after_first[name]) for name in after_first)
+    if plugin is not None:
+        assert trainer.precision_plugin.stats.skipped_steps == 0
+    assert model.dtypes_in_step["net.0.weight"] == (torch.float16 if second == "O2" else torch.float32)
+    assert not torch.equal(model.net[0].weight, after_first["net.0.weight"])
+
+
+def test_o2_compare_after_fit_measures_against_fp32() -> None:
+    """compare(model, to_inference(model), batch) after an O2 fit compares fp32 with fp16: the error is not 0."""
+    model = Net()
+    fit(model, o2("16-mixed"), max_steps=2)
+    features = next(iter(loader()))[0]
+    report = compare(model, to_inference(model, dtype=torch.float16), features, verbose=False)
+    assert 0 < report.max_rel_error < 0.05
+
+
+def test_o2_validation_uses_half_copies_and_leaves_fp32_parameters() -> None:
+    """Validation and trainer.validate compute with half copies and leave the fp32 parameters untouched."""
+    model = Net()
+    trainer = fit(model, o2(), max_steps=2, limit_val_batches=1, num_sanity_val_steps=0)
+    before = snapshot(model)
+    trainer.validate(model, verbose=False)
+    assert all(torch.equal(before[name], value) for name, value in snapshot(model).items())
+    assert hook_count(model) == 0
+
+
+class WithFp64(Net):
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.temperature = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x) / self.temperature.float()
+
+
+def test_o2_fp64_parameter_stays_fp64() -> None:
+    """An fp64 parameter is never cast to half: it stays fp64 inside the step and after, and it trains."""
+    model = WithFp64()
+    fit(model, o2("16-mixed"), max_steps=2)
+    assert model.dtypes_in_step["temperature"] == torch.float64
+    assert model.temperature.dtype == torch.float64
+    assert model.temperature.item() != 1.0
+
+
+def test_o2_fp16_refuses_a_weight_beyond_fp16_range_at_setup() -> None:
+    """A finite fp32 weight beyond 65504 is reported by name before training, instead of becoming an inf fp16 copy."""
+    model = Net()
+    with torch.no_grad():
+        model.net[3].weight[0, 0] = 1e5
+    with pytest.raises(HalfOverflowError, match=r"net\.3\.weight \(max \|w\| = 1e\+05\).*bf16"):
+        fit(model, o2("16-mixed"), max_steps=1)
+    assert model.net[3].weight.dtype == torch.float32 and hook_count(model) == 0
+
+
+class GrowsHead(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            with torch.no_grad():
+                pl_module.net[0].weight[0, 0] = 7e4
+
+
+def test_o2_fp16_names_a_weight_that_grows_beyond_fp16_range_during_training() -> None:
+    """A weight pushed beyond 65504 mid-training: the skipped step's report names it instead of blaming gradients."""
+    with pytest.raises(HalfOverflowError, match=r"net\.0\.weight") as error:
+        fit(Net(), o2("16-mixed"), max_steps=3, callbacks=[GrowsHead()])
+    assert error.value.names == ["net.0.weight"]
+
+
+def test_o2_bf16_accepts_large_weights() -> None:
+    """bf16 has fp32's range: a weight of 1e5 is no overflow and trains."""
+    model = Net()
+    with torch.no_grad():
+        model.net[3].weight[0, 0] = 1e5
+    assert fit(model, o2("bf16-mixed"), max_steps=1).precision_plugin.stats.skipped_steps == 0
+
+
+def test_o2_reused_plugin_holds_no_reference_to_the_previous_model() -> None:
+    """A plugin reused for a second model lets the first one be garbage-collected."""
+    plugin = o2()
+    first = Net()
+    fit(first, plugin, max_steps=1)
+    first_ref = weakref.ref(first)
+    fit(Net(), plugin, max_steps=1)
+    del first
+    gc.collect()
+    assert first_ref() is None
 
 
 def test_o2_policy_rejects_a_non_half_dtype() -> None:
