@@ -98,3 +98,41 @@ def test_o3_keeps_batch_norm_running_statistics_fp32(precision: str) -> None:
     assert int(norm.num_batches_tracked) == 4 and bool(torch.isfinite(norm.running_var).all())
     assert model.net[0].weight.dtype == model.net[3].weight.dtype == trainer.precision_plugin.half_dtype
     assert all(torch.isfinite(loss) for loss in map(torch.tensor, model.losses))
+
+
+class AdamWithDeadInput(Net):
+    """Adam with its default eps=1e-8; the first input feature is always 0, so its weights get exactly 0 gradients."""
+
+    def __init__(self, eps: float = 1e-8) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        features, target = batch
+        features = torch.cat([torch.zeros_like(features[:, :1]), features[:, 1:]], dim=1)
+        return super().training_step((features, target), batch_idx)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3, eps=self.eps)
+
+
+@pytest.mark.filterwarnings("ignore:lightning_mp. opt_level='O3'")
+def test_o3_fp16_adam_default_eps_is_corrected_with_a_warning_and_writes_no_nan() -> None:
+    """Adam's eps=1e-8 is 0 in fp16: O3 raises it to fp16's smallest normal, warns, and no weight becomes NaN."""
+    model = AdamWithDeadInput()
+    trainer = make_trainer(MixedPrecision("16-mixed", opt_level="O3"), max_steps=3)
+    with pytest.warns(UserWarning, match=r"Adam param group 0 has eps=1e-08, which is 0 in torch.float16"):
+        trainer.fit(model)
+    assert trainer.optimizers[0].param_groups[0]["eps"] == torch.finfo(torch.float16).tiny
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert trainer.precision_plugin.stats.skipped_steps == 0
+
+
+@pytest.mark.filterwarnings("ignore:lightning_mp. opt_level='O3'", "error:.*eps=")
+@pytest.mark.parametrize(("precision", "eps"), [("bf16-mixed", 1e-8), ("16-mixed", 1e-4)])
+def test_o3_keeps_an_eps_the_half_type_represents(precision: str, eps: float) -> None:
+    """An eps that is not 0 in the weights' dtype (any eps in bf16, 1e-4 in fp16) is left alone, without warning."""
+    model = AdamWithDeadInput(eps=eps)
+    trainer = make_trainer(MixedPrecision(precision, opt_level="O3"), max_steps=2)
+    trainer.fit(model)
+    assert trainer.optimizers[0].param_groups[0]["eps"] == eps
