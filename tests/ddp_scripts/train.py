@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--precision", default="16-mixed")
+    parser.add_argument("--opt-level", default="O1")
     parser.add_argument("--inject-rank", type=int, default=1)
     parser.add_argument("--inject-at", default="")
     parser.add_argument("--max-steps", type=int, default=8)
@@ -161,6 +162,7 @@ def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
 
     plugin = MixedPrecision(
         args.precision,
+        opt_level=args.opt_level,
         init_scale=args.init_scale,
         growth_interval=args.growth_interval,
         hysteresis=args.hysteresis,

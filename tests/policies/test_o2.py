@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import make_trainer
+from ddp_scripts.launch import reports, run
 from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
@@ -545,3 +546,13 @@ def test_o2_policy_rejects_a_non_half_dtype() -> None:
     """O2 needs a half type; fp32 is refused with a message naming the value and what is allowed."""
     with pytest.raises(ValueError, match=r"half_dtype=torch.float32\) is not allowed: .*float16 or torch.bfloat16"):
         O2Policy(torch.float32)
+
+
+def test_o2_under_real_ddp_skips_an_overflow_on_one_rank_and_keeps_the_ranks_identical(tmp_path: Path) -> None:
+    """Under strategy='ddp' an O2 fp16 overflow on rank 1 is skipped by both ranks, whose parameters stay equal."""
+    run(["--strategy", "ddp", "--out", str(tmp_path), "--opt-level", "O2", "--inject-rank", "1", "--inject-at", "2"])
+    ranks = reports(tmp_path)
+    assert [step - 1 for step, _, skipped in ranks[0]["steps"] if skipped] == [2]
+    assert ranks[0]["steps"] == ranks[1]["steps"]
+    assert ranks[0]["stats"]["skipped_steps"] == 1 and ranks[0]["stats"]["optimizer_steps"] == 8
+    assert len({checksum for rank in ranks for checksum in rank["checksums"]}) == 1
