@@ -15,6 +15,7 @@ from conftest import make_trainer
 from ddp_scripts.launch import reports, run
 from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
 from lightning.pytorch.utilities import grad_norm
+from test_parity import train_and_validate
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
@@ -556,3 +557,12 @@ def test_o2_under_real_ddp_skips_an_overflow_on_one_rank_and_keeps_the_ranks_ide
     assert ranks[0]["steps"] == ranks[1]["steps"]
     assert ranks[0]["stats"]["skipped_steps"] == 1 and ranks[0]["stats"]["optimizer_steps"] == 8
     assert len({checksum for rank in ranks for checksum in rank["checksums"]}) == 1
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_validation_loss_is_within_2_percent_of_o0_on_the_reference_task(precision: str) -> None:
+    """On the reference task O2 ends within 2% of the fp32 baseline's validation loss, without a skipped step."""
+    baseline = train_and_validate("32-true", "O0", steps=60)
+    mixed = train_and_validate(precision, "O2", steps=60)
+    assert abs(mixed["val_loss"] - baseline["val_loss"]) <= 0.02 * baseline["val_loss"]
+    assert mixed["skipped_steps"] == 0
