@@ -53,6 +53,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, Category, MemoryProfileTimeline
 from typing_extensions import override
 
 from lightning_mp._hardware import cpu_has_native_bf16, device_has_native_bf16
@@ -125,11 +126,12 @@ class ModelSize:
     n_heads: int
     seq_len: int
     batch_size: int
+    vocab_size: int = 64
 
     def describe(self) -> str:
         return (
-            f"d_model={self.d_model}, layers={self.n_layers}, heads={self.n_heads}, seq_len={self.seq_len},"
-            f" batch={self.batch_size}"
+            f"vocab={self.vocab_size}, d_model={self.d_model}, layers={self.n_layers}, heads={self.n_heads},"
+            f" seq_len={self.seq_len}, batch={self.batch_size}"
         )
 
 
@@ -137,6 +139,7 @@ SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=8),
     "small": ModelSize(d_model=64, n_layers=2, n_heads=4, seq_len=32, batch_size=16),
     "demo": ModelSize(d_model=128, n_layers=2, n_heads=4, seq_len=64, batch_size=32),
+    "medium": ModelSize(d_model=256, n_layers=2, n_heads=4, seq_len=128, batch_size=8, vocab_size=1024),
     "large": ModelSize(d_model=512, n_layers=4, n_heads=8, seq_len=128, batch_size=16),
 }
 
@@ -269,6 +272,26 @@ def _peak_rss_mib() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
+def _task(size: ModelSize, steps: int, seed: int) -> tuple[MarkovTextDataModule, TinyTransformerLM]:
+    """The data and the freshly initialised model of ``size``, for ``steps`` training batches."""
+    data = MarkovTextDataModule(
+        seq_len=size.seq_len,
+        batch_size=size.batch_size,
+        train_sequences=size.batch_size * steps,
+        vocab_size=size.vocab_size,
+        seed=seed,
+    )
+    model = TinyTransformerLM(
+        vocab_size=size.vocab_size,
+        d_model=size.d_model,
+        n_heads=size.n_heads,
+        n_layers=size.n_layers,
+        seq_len=size.seq_len,
+        warmup_steps=2,
+    )
+    return data, model
+
+
 def run_configuration(
     name: str, size: ModelSize, accelerator: str, warmup: int, steps: int, seed: int, profile: bool = False
 ) -> RunResult:
@@ -281,12 +304,7 @@ def run_configuration(
     on_cuda = accelerator == "gpu"
     L.seed_everything(seed, verbose=False)
     total_steps = warmup + steps
-    data = MarkovTextDataModule(
-        seq_len=size.seq_len, batch_size=size.batch_size, train_sequences=size.batch_size * total_steps, seed=seed
-    )
-    model = TinyTransformerLM(
-        d_model=size.d_model, n_heads=size.n_heads, n_layers=size.n_layers, seq_len=size.seq_len, warmup_steps=2
-    )
+    data, model = _task(size, total_steps, seed)
     timer = StepTimer(synchronize=on_cuda)
     profiler = StepProfiler(first_batch=warmup, last_batch=total_steps - 1)
     arguments = config.trainer_arguments()
@@ -588,6 +606,211 @@ def profile_lines(breakdowns: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------------------------------------ memory (--memory)
+
+MEMORY_CONFIGURATIONS = (FP32, "lightning-bf16", "O1-bf16", "O2-bf16", "O1-fp16", "O2-fp16")
+"""What ``--memory`` measures by default: the fp16 ones too, since byte counts need no fast fp16."""
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Tensor bytes of one steady-state training step, from the profiler's memory timeline.
+
+    Attributes:
+        configuration: the configuration's name.
+        parameters: the model's parameter count.
+        peak_bytes: the most tensor bytes alive at any moment of the step.
+        weights: bytes in parameters at the peak (O2's half copies included: they sit in the modules).
+        gradients: bytes in gradients at the peak.
+        optimizer_state: bytes in optimizer states at the peak.
+        activations: bytes in activations saved or produced by the forward at the peak.
+        other: inputs, temporaries, autograd details and unclassified tensors at the peak.
+        persistent_bytes: weights, gradients and optimizer states alive at the end of the step: what training keeps
+            between steps.
+
+    """
+
+    configuration: str
+    parameters: int
+    peak_bytes: int
+    weights: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    other: int
+    persistent_bytes: int
+
+    @property
+    def persistent_bytes_per_parameter(self) -> float:
+        return self.persistent_bytes / self.parameters
+
+
+_CATEGORY_FIELDS = {
+    Category.PARAMETER: "weights",
+    Category.GRADIENT: "gradients",
+    Category.OPTIMIZER_STATE: "optimizer_state",
+    Category.ACTIVATION: "activations",
+}
+
+
+_KEPT = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
+"""What a model keeps between steps: Lightning frees gradients at the next step's ``zero_grad``."""
+
+
+def breakdown_from_timeline(
+    times_and_sizes: tuple[list[int], list[list[int]]], configuration: str, parameters: int
+) -> MemoryBreakdown:
+    """The peak and its split by category from a coalesced memory timeline (one row of sizes per timestamp)."""
+    _, sizes = times_and_sizes
+    totals = [sum(row) for row in sizes]
+    at_peak = sizes[max(range(len(totals)), key=totals.__getitem__)]
+    split = dict.fromkeys(("weights", "gradients", "optimizer_state", "activations", "other"), 0)
+    for category, index in _CATEGORY_TO_INDEX.items():
+        split[_CATEGORY_FIELDS.get(category, "other")] += at_peak[index + 1]  # column 0 is unused by torch
+    split["other"] += at_peak[0]
+    at_end = sizes[-1]
+    persistent = sum(at_end[_CATEGORY_TO_INDEX[category] + 1] for category in _CATEGORY_FIELDS if category in _KEPT)
+    return MemoryBreakdown(configuration, parameters, max(totals), persistent_bytes=persistent, **split)
+
+
+class MemoryTimelineCallback(L.Callback):
+    """Profile the tensor memory of one training batch, forward to optimizer step, and keep the coalesced timeline."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.timeline: tuple[list[int], list[list[int]]] | None = None
+        self._profiler: torch.profiler.profile | None = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == self.batch:
+            # The timeline sees a tensor made before profiling only once an op touches it; Lightning frees the last
+            # step's gradients without touching them. Freeing them here makes every byte of the step visible.
+            for optimizer in trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            self._profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU],
+                profile_memory=True,
+                record_shapes=True,
+                with_stack=True,
+            )
+            self._profiler.__enter__()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx != self.batch or self._profiler is None:
+            return
+        self._profiler.__exit__(None, None, None)
+        timeline = MemoryProfileTimeline(self._profiler._memory_profile())
+        self.timeline = timeline._coalesce_timeline("cpu")
+        self._profiler = None
+
+
+def measure_memory(name: str, size: ModelSize, seed: int = 0, warmup: int = 1) -> MemoryBreakdown:
+    """Train ``warmup`` steps under configuration ``name`` on the CPU, then profile the memory of the next one."""
+    L.seed_everything(seed, verbose=False)
+    data, model = _task(size, warmup + 1, seed)
+    recorder = MemoryTimelineCallback(batch=warmup)
+    arguments = CONFIGURATIONS[name].trainer_arguments()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=warmup + 1,
+        logger=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{**arguments, "callbacks": [recorder, *arguments.get("callbacks", [])]},
+    )
+    trainer.fit(model, datamodule=data)
+    assert recorder.timeline is not None
+    return breakdown_from_timeline(recorder.timeline, name, sum(p.numel() for p in model.parameters()))
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:.2f}"
+
+
+def memory_table(results: Sequence[MemoryBreakdown]) -> str:
+    """One row per configuration: the peak, its split by category, its ratio to fp32, and bytes kept per parameter."""
+    fp32 = next((result for result in results if result.configuration == FP32), None)
+    lines = [
+        "| configuration | peak (MiB) | vs fp32 | weights | gradients | optimizer state | activations | other"
+        " | persistent (B/param) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        ratio = f"{r.peak_bytes / fp32.peak_bytes:.3f}" if fp32 is not None else "-"
+        lines.append(
+            f"| {r.configuration} | {_mib(r.peak_bytes)} | {ratio} | {_mib(r.weights)} | {_mib(r.gradients)}"
+            f" | {_mib(r.optimizer_state)} | {_mib(r.activations)} | {_mib(r.other)}"
+            f" | {r.persistent_bytes_per_parameter:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def memory_target_lines(results: Sequence[MemoryBreakdown]) -> list[str]:
+    """The issue's memory targets with their measured values, for the configurations that ran."""
+    by_name = {result.configuration: result for result in results}
+    lines = []
+
+    def verdict(met: bool) -> str:
+        return "met" if met else "MISSED"
+
+    def ratio(name: str, reference: str) -> float:
+        return by_name[name].peak_bytes / by_name[reference].peak_bytes
+
+    for o2, o1 in (("O2-bf16", "O1-bf16"), ("O2-fp16", "O1-fp16")):
+        if {o2, FP32} <= by_name.keys():
+            value = ratio(o2, FP32)
+            lines.append(f"{o2} peak <= 0.85x fp32: {value:.3f}x -> {verdict(value <= 0.85)}")
+        if {o2, o1} <= by_name.keys():
+            value = ratio(o2, o1)
+            lines.append(f"{o2} peak <= 0.95x {o1}: {value:.3f}x -> {verdict(value <= 0.95)}")
+        if o2 in by_name:
+            value = round(by_name[o2].persistent_bytes_per_parameter, 2)  # AdamW's step counters add 4 B per tensor
+            lines.append(f"{o2} persistent state <= 16 B/param: {value:.2f} -> {verdict(value <= 16)}")
+    if {"O1-bf16", "lightning-bf16"} <= by_name.keys():
+        value = ratio("O1-bf16", "lightning-bf16")
+        lines.append(f"O1-bf16 peak <= Lightning's bf16-mixed: {value:.3f}x -> {verdict(value <= 1)}")
+    return lines
+
+
+def memory_report(results: Sequence[MemoryBreakdown], size_name: str, size: ModelSize) -> str:
+    """The ``--memory`` report: the model, the table (MiB of tensor memory) and the targets."""
+    parameters = results[0].parameters if results else 0
+    parts = [
+        "### lightning_mp memory benchmark",
+        "",
+        f"- Model: TinyTransformerLM, size {size_name!r} ({size.describe()}), {parameters:,} parameters, AdamW",
+        "- Peak tensor bytes of one steady-state training step (forward, backward, optimizer step), from"
+        " torch.profiler's memory timeline; the split is the one at the peak. Independent of the machine.",
+        "",
+        memory_table(results),
+        "",
+        "Targets:",
+        "",
+        *(f"- {line}" for line in memory_target_lines(results)),
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def run_memory(args: argparse.Namespace) -> str:
+    """Measure every configuration of ``args.configs`` in this process and return the report."""
+    size = SIZES[args.size]
+    results = []
+    for name in args.configs:
+        results.append(measure_memory(name, size, args.seed))
+        print(f"[memory] {name}: peak {results[-1].peak_bytes / 2**20:.2f} MiB", file=sys.stderr, flush=True)
+    return memory_report(results, args.size, size)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_mp.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two configurations, tiny model, a few steps, 1 repeat")
@@ -606,6 +829,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile", action="store_true", help="add one torch.profiler run per configuration: where the time goes"
     )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="peak tensor memory of one step per configuration, split by category (CPU; default size medium)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", choices=list(CONFIGURATIONS), help=argparse.SUPPRESS)
     parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
@@ -614,14 +842,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         parser.error("--accelerator gpu needs a CUDA GPU, and torch sees none")
+    if args.memory and args.accelerator != "cpu":
+        parser.error("--memory measures on the CPU: use --accelerator cpu (or auto without a GPU)")
     if args.size == "auto":
-        args.size = "tiny" if args.quick else auto_size(args.accelerator)
+        args.size = "tiny" if args.quick else "medium" if args.memory else auto_size(args.accelerator)
     for flag, normal, quick in (("steps", 10, 3), ("warmup", 3, 1), ("repeats", 3, 1)):
         value = getattr(args, flag)
         if value is None:
             setattr(args, flag, quick if args.quick else normal)
         elif value < (0 if flag == "warmup" else 1):
             parser.error(f"--{flag} must be >= {0 if flag == 'warmup' else 1}, got {value}")
+    if args.configs is None and args.memory:
+        args.configs = list(MEMORY_CONFIGURATIONS)
     if args.configs is None:
         args.configs = list(QUICK_CONFIGURATIONS) if args.quick else default_configurations(args.accelerator)
     return args
@@ -637,6 +869,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.worker, size, args.accelerator, args.warmup, args.steps, args.seed, profile=args.profile
         )
         args.result_file.write_text(json.dumps(asdict(result)))
+        return 0
+    if args.memory:
+        warnings.filterwarnings("ignore")
+        text = run_memory(args)
+        print(text)
+        if args.out is not None:
+            args.out.write_text(text)
         return 0
     if args.accelerator == "cpu" and not device_has_native_bf16("cpu"):
         print(
