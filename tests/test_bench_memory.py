@@ -1,0 +1,87 @@
+"""`python -m lightning_mp.bench --memory`: peak tensor bytes of one training step, split by category.
+
+The byte counts come from the profiler's memory timeline and do not depend on the machine, so they are asserted
+exactly where the arithmetic is known: AdamW keeps 8 bytes per parameter and a 4-byte step counter per tensor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_mp.bench import (
+    MEMORY_CONFIGURATIONS,
+    SIZES,
+    MemoryBreakdown,
+    ModelSize,
+    main,
+    measure_memory,
+    memory_table,
+    parse_args,
+)
+from lightning_mp.tasks import TinyTransformerLM
+
+pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)", "ignore:The number of training batches")
+
+SMALL = ModelSize(d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=8, vocab_size=128)
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, MemoryBreakdown]:
+    return {name: measure_memory(name, SMALL) for name in ("fp32", "O1-bf16", "O2-bf16")}
+
+
+def parameter_tensors(size: ModelSize) -> int:
+    model = TinyTransformerLM(
+        vocab_size=size.vocab_size, d_model=size.d_model, n_heads=size.n_heads, n_layers=size.n_layers
+    )
+    return len(list(model.parameters()))
+
+
+def test_o2_keeps_exactly_what_fp32_keeps_between_steps(measured: dict[str, MemoryBreakdown]) -> None:
+    """fp32, O1 and O2 keep 4 B of weight, 4 of gradient and 8 of AdamW state per parameter; O2 keeps no half copy."""
+    tensors = parameter_tensors(SMALL)
+    for result in measured.values():
+        assert result.persistent_bytes == 16 * result.parameters + 4 * tensors
+    assert round(measured["O2-bf16"].persistent_bytes_per_parameter, 2) <= 16
+
+
+def test_o2_peak_is_below_o1_and_fp32(measured: dict[str, MemoryBreakdown]) -> None:
+    """O2's half activations make its step's peak lower than O1's and fp32's; its half copies count as weights."""
+    fp32, o1, o2 = measured["fp32"], measured["O1-bf16"], measured["O2-bf16"]
+    assert o2.peak_bytes < o1.peak_bytes < fp32.peak_bytes
+    assert o2.activations < o1.activations < fp32.activations
+    assert fp32.weights == o1.weights == 4 * fp32.parameters
+    assert 4 * o2.parameters < o2.weights <= 6 * o2.parameters
+    assert o2.optimizer_state == fp32.optimizer_state
+    total = o2.weights + o2.gradients + o2.optimizer_state + o2.activations + o2.other
+    assert total == o2.peak_bytes
+
+
+def test_memory_table_has_one_row_per_configuration_and_ratios_to_fp32(measured: dict[str, MemoryBreakdown]) -> None:
+    """The table lists each configuration with its peak, its ratio to fp32 and its bytes per parameter."""
+    rows = [line.split("|") for line in memory_table(list(measured.values())).splitlines()[2:]]
+    assert [row[1].strip() for row in rows] == ["fp32", "O1-bf16", "O2-bf16"]
+    assert rows[0][3].strip() == "1.000" and float(rows[2][3]) < 1
+    assert float(rows[2][-2]) == pytest.approx(measured["O2-bf16"].persistent_bytes_per_parameter, abs=0.01)
+
+
+def test_memory_flag_prints_and_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--memory --size tiny --configs O2-bf16 --out FILE` prints the table and the targets and writes them."""
+    out = tmp_path / "memory.md"
+    assert main(["--memory", "--size", "tiny", "--configs", "O2-bf16", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| O2-bf16 |" in printed and "O2-bf16 persistent state <= 16 B/param: 16.00 -> met" in printed
+    assert out.read_text() == printed.rstrip("\n") + "\n"
+
+
+def test_memory_mode_defaults_to_the_medium_size_and_every_configuration() -> None:
+    """--memory alone measures the medium model (about 2.1M parameters) in all six configurations."""
+    args = parse_args(["--memory", "--accelerator", "cpu"])
+    assert args.size == "medium" and args.configs == list(MEMORY_CONFIGURATIONS)
+    medium = SIZES["medium"]
+    model = TinyTransformerLM(
+        vocab_size=medium.vocab_size, d_model=medium.d_model, n_layers=medium.n_layers, seq_len=medium.seq_len
+    )
+    assert 2.0e6 < sum(p.numel() for p in model.parameters()) < 2.2e6
