@@ -26,6 +26,18 @@ How it measures:
 4. Ratios are speed-ups (above 1 is faster): the reference's median over the configuration's, against fp32 and
    against Lightning's built-in plugin at the same precision.
 
+``--memory`` measures tensor memory instead of time, in this process on the CPU (default size ``medium``, the fp16
+configurations included, since counting bytes needs no fast fp16): each configuration trains one warm-up step, then
+one step under ``torch.profiler`` with ``profile_memory``, ``record_shapes`` and ``with_stack`` (torch's memory
+profile requires all three: the Python tracer is what tells parameters and optimizer states apart). The memory
+timeline gives the peak of the tensor bytes alive, its split by category at that moment, and the weights, gradients
+and optimizer states kept at the end of the step. The last step's gradients are freed before profiling: the
+timeline only sees a tensor made before it started once an op touches it, and Lightning frees them untouched. The
+byte counts depend on the model and torch's kernels, not on the machine. Private torch names, because torch offers
+no public way to read the categorised timeline: ``torch.profiler.profile._memory_profile``,
+``torch.profiler._memory_profiler.MemoryProfileTimeline`` and its ``_coalesce_timeline``, ``Category`` and
+``_CATEGORY_TO_INDEX`` (the column of each category).
+
 The model's size is chosen for the hardware (``--size auto``): a smaller one on CPUs without AVX512-BF16 or AMX,
 where bf16 matrix products are emulated and about a hundred times slower than fp32, so that the full run still
 finishes in a few minutes. The output names the machine, the sizes and the load average, because timings from a

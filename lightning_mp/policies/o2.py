@@ -11,10 +11,13 @@ computes with, as in FSDP's mixed precision without sharding:
    other dtypes (fp64) and every buffer keep their dtype. In fp16 a weight beyond fp16's range (65504) is refused
    by name here already.
 2. On entering the forward context (training, validation, test and predict steps, and Fabric's module forward),
-   each of those parameters is cast to the half type once (a tied parameter once for all its uses), and the half
-   copy takes the parameter's place in its module (``module._parameters[name]``). The cast is differentiable: in
-   backward, autograd carries each half gradient through the cast and accumulates it, in fp32, into the real
-   parameter's ``.grad``. DDP's reducer hooks on the fp32 parameters therefore fire as usual.
+   one pass over those parameters casts each to the half type (a tied parameter once for all its uses), and the
+   half copy takes the parameter's place in its module (``module._parameters[name]``). The cast is differentiable:
+   in backward, autograd carries each half gradient through the cast and accumulates it, in fp32, into the real
+   parameter's ``.grad``. DDP's reducer hooks on the fp32 parameters therefore fire as usual. The pass costs one
+   ``_to_copy`` per parameter forward and one backward, the casts autocast makes per use in O1, and no Python call
+   per parameter. A single flat cast (concatenate, cast, split) would dispatch more ops, briefly need an fp32 copy
+   of every weight, and tie all copies to one storage, so that none is freed before the last.
 3. On leaving the context, also on an exception, the real parameters go back in place. The half copies live on
    only as long as the autograd graph saves them for backward, and are freed with it.
 4. ``torch.autocast`` stays on in the half type around the forward, as a safety net for what is not a parameter:
@@ -38,6 +41,10 @@ foreach and fused optimizers work unchanged. A skipped fp16 step is also checked
 (whose half copies are inf), and :class:`HalfOverflowError` names them. The optimizer holds 4 bytes of weight, 4 of
 gradient and its states per parameter, as in fp32; the half copies (2 bytes per parameter) exist only during the
 step.
+
+.. warning:: The fp16 range check reads values back to the host (a synchronisation on CUDA): once at setup and once
+    after each skipped step. Clean steps are not checked and make no extra synchronisation; a weight that outgrows
+    fp16 makes its copy inf, the gradients non-finite and the step skipped, and that skip names it.
 
 Private torch names used: ``nn.Module._parameters`` (the only way to put a plain tensor in a parameter's slot while
 keeping the module's parameter order; ``torch.nn.utils.stateless`` and ``torch.func.functional_call`` do the same,
