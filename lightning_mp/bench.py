@@ -219,7 +219,7 @@ class StepProfiler(L.Callback):
     """Run ``torch.profiler`` over the timed steps and split each step's CPU time into where it went.
 
     Matrix products include attention (``scaled_dot_product`` kernels); casts are ``copy_`` and ``_to_copy``
-    (autocast's casts, O2's master-weight copies). Times are self times, so nothing is counted twice.
+    (autocast's casts, O2's half copies of the weights). Times are self times, so nothing is counted twice.
     """
 
     def __init__(self, first_batch: int, last_batch: int) -> None:
