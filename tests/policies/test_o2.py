@@ -192,7 +192,7 @@ def test_o2_keep_fp32_module_computes_in_fp32_and_leaves_no_hook() -> None:
 
 class Accumulating(Net):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        self.casts = getattr(self, "casts", 0) + 1
+        self.half_micro_batches = getattr(self, "half_micro_batches", 0) + (self.net[0].weight.dtype == torch.bfloat16)
         return super().training_step(batch, batch_idx)
 
 
@@ -200,7 +200,7 @@ def test_o2_gradient_accumulation_equals_one_big_batch_of_fp32_gradients() -> No
     """With accumulate_grad_batches=2 each micro-batch computes in half and the fp32 gradients add up; 2 steps run."""
     model = Accumulating()
     trainer = fit(model, o2(), max_steps=2, accumulate_grad_batches=2)
-    assert model.casts == 4 and trainer.global_step == 2
+    assert model.half_micro_batches == 4 and trainer.global_step == 2
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
@@ -535,12 +535,14 @@ def test_o2_reused_plugin_holds_no_reference_to_the_previous_model() -> None:
     """A plugin reused for a second model lets the first one be garbage-collected."""
     plugin = o2()
     first = Net()
-    fit(first, plugin, max_steps=1)
-    first_ref = weakref.ref(first)
-    fit(Net(), plugin, max_steps=1)
-    del first
+    trainer = fit(first, plugin, max_steps=1)
+    references = [weakref.ref(first), weakref.ref(first.net[0]), weakref.ref(first.net[0].weight)]
+    del first, trainer  # the Trainer refers to the model; the plugin must not
     gc.collect()
-    assert first_ref() is None
+    assert [reference() for reference in references] == [None, None, None]
+    second = Net()
+    assert fit(second, plugin, max_steps=1).precision_plugin is plugin
+    assert second.dtypes_in_step["net.0.weight"] == torch.bfloat16
 
 
 def test_o2_policy_rejects_a_non_half_dtype() -> None:
