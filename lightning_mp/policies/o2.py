@@ -7,7 +7,9 @@ computes with, as in FSDP's mixed precision without sharding:
 
 1. ``convert_module`` only records which parameters compute in half: the fp32 parameters of every module except
    normalisation layers (BatchNorm, LayerNorm, GroupNorm, InstanceNorm, RMSNorm and any class whose name ends in
-   ``Norm``) and the subtrees that ``keep_fp32`` matches. Nothing is cast, no hook is attached; parameters of
+   ``Norm``), recurrent layers (their forward reads a cached list of their weights, not the module's slots, so
+   autocast casts those per call, as in O1) and the subtrees that ``keep_fp32`` matches. Nothing is cast, no hook
+   is attached; parameters of
    other dtypes (fp64) and every buffer keep their dtype. In fp16 a weight beyond fp16's range (65504) is refused
    by name here already.
 2. On entering the forward context (training, validation, test and predict steps, and Fabric's module forward),
@@ -233,7 +235,7 @@ class O2Policy(PrecisionPolicy):
         slots: list[tuple[nn.Module, str]] = []
         named: dict[int, tuple[str, nn.Parameter]] = {}
         for module_name, child in module.named_modules():
-            if child in kept or is_normalization(child):
+            if child in kept or is_normalization(child) or isinstance(child, nn.RNNBase):
                 continue
             prefix = f"{module_name}." if module_name else ""
             for name, parameter in child.named_parameters(recurse=False):

@@ -481,6 +481,39 @@ def test_o2_validation_uses_half_copies_and_leaves_fp32_parameters() -> None:
     assert hook_count(model) == 0
 
 
+class Recurrent(L.LightningModule):
+    """Embedding, LSTM, Linear: the LSTM reads its weights from a cached list, not from its parameter slots."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(10, 8)
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 10)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        tokens = batch[1].reshape(4, 2) % 10
+        hidden, _ = self.rnn(self.embedding(tokens))
+        self.hidden_dtype = hidden.dtype
+        return F.cross_entropy(self.head(hidden).reshape(-1, 10), tokens.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return loader()
+
+
+def test_o2_trains_a_recurrent_layer_in_half_with_fp32_weights() -> None:
+    """An LSTM computes in half under O2 (autocast casts its weights per call) and its fp32 weights train."""
+    model = Recurrent()
+    initial = model.rnn.weight_ih_l0.detach().clone()
+    trainer = fit(model, o2(), max_steps=2)
+    assert model.hidden_dtype == torch.bfloat16 and model.rnn.weight_ih_l0.dtype == torch.float32
+    assert not torch.equal(model.rnn.weight_ih_l0, initial)
+    assert trainer.precision_plugin.stats.skipped_steps == 0
+
+
 class WithFp64(Net):
     def __init__(self) -> None:
         super().__init__(optimizer="sgd")
