@@ -7,7 +7,7 @@ Pass it to the Trainer::
 What happens in a training step:
 
 1. The forward pass (training, validation, test and predict steps) runs under ``torch.autocast`` when the opt level
-   uses autocast (O1), in fp16 or bf16.
+   uses autocast (O1, and O2 around its half weight copies), in fp16 or bf16.
 2. ``pre_backward`` multiplies the loss by the loss scale (fp16 only), so that small gradients survive fp16.
 3. In ``optimizer_step`` the gradients are unscaled (one fused pass that also detects inf/NaN) *before* Lightning's
    ``on_before_optimizer_step`` hooks and gradient clipping, so both see true gradients.
