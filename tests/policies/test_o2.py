@@ -514,6 +514,30 @@ def test_o2_trains_a_recurrent_layer_in_half_with_fp32_weights() -> None:
     assert trainer.precision_plugin.stats.skipped_steps == 0
 
 
+class Tied(Recurrent):
+    """Embedding and head share one weight, as language models often do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        tokens = batch[1].reshape(4, 2) % 10
+        self.shared_copy_is_one_tensor = self.head.weight is self.embedding.weight
+        return F.cross_entropy(self.head(self.embedding(tokens)).reshape(-1, 10), tokens.reshape(-1))
+
+
+def test_o2_tied_weights_share_one_half_copy_and_stay_tied() -> None:
+    """A weight shared by two modules is cast once per step, and after fit the two modules still share it."""
+    model = Tied()
+    initial = model.embedding.weight.detach().clone()
+    fit(model, o2(), max_steps=2)
+    assert model.shared_copy_is_one_tensor
+    assert model.head.weight is model.embedding.weight and isinstance(model.head.weight, nn.Parameter)
+    assert not torch.equal(model.embedding.weight, initial)
+
+
 class WithFp64(Net):
     def __init__(self) -> None:
         super().__init__(optimizer="sgd")
