@@ -13,6 +13,7 @@ the scheduler it wraps: ``torch.save(self.lr_schedulers())`` writes a file that 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -54,8 +55,9 @@ class SkipAwareScheduler:
         setattr(self.scheduler, name, value)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # Pickle as the user's scheduler itself: the file loads in a process that never imported lightning_mp.
-        return self.scheduler.__reduce_ex__(protocol)
+        # Pickle as the user's scheduler itself, fetched by a standard-library callable (itemgetter(0) of a
+        # one-element list): the file loads in a process that never imported lightning_mp.
+        return operator.itemgetter(0), ([self.scheduler],)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.scheduler!r})"
