@@ -106,6 +106,14 @@ def _found_inf(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
     return any(bool(flag) for flag in flags)
 
 
+def _device_type(owner: str, device: Any) -> str:
+    """The device type of ``"cuda"``, ``"cuda:0"`` or ``torch.device("cuda", 0)``, checked against DEVICE_TYPES."""
+    with contextlib.suppress(RuntimeError, TypeError):
+        device = torch.device(device).type
+    check_choice(owner, "device", device, DEVICE_TYPES)
+    return device
+
+
 def _raw_optimizer(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
@@ -123,8 +131,8 @@ class MixedPrecision(LightningMixedPrecision):
     Args:
         precision: ``"auto"`` (bf16 where the device runs it natively, else fp16 on GPUs and fp32 on CPUs),
             ``"16-mixed"`` (fp16 with loss scaling; real fp16 on the CPU too), ``"bf16-mixed"`` or ``"32-true"``.
-        device: the autocast device type (``"cpu"``, ``"cuda"``, ...); None takes it from the Trainer's
-            accelerator at setup.
+        device: the autocast device type (``"cpu"``, ``"cuda"``, ...; an index as in ``"cuda:0"`` is ignored, as
+            autocast works per device type); None takes it from the Trainer's accelerator at setup.
         scaler: a ``torch.amp.GradScaler`` whose settings (scale, growth and backoff factors, growth interval,
             ``enabled``) the loss scaler takes over, as Lightning's plugin would use it; fp16 only. A
             :class:`~lightning_mp.LossScaler` is used as it is. Leave it None to set the knobs below.
@@ -181,7 +189,7 @@ class MixedPrecision(LightningMixedPrecision):
         check_choice(owner, "precision", precision, PRECISIONS, PRECISION_ALIASES)
         check_choice(owner, "opt_level", opt_level, POLICIES, OPT_LEVEL_ALIASES)
         if device is not None:
-            check_choice(owner, "device", device, DEVICE_TYPES)
+            device = _device_type(owner, device)
         consecutive_hysteresis = check_flag(owner, "consecutive_hysteresis", consecutive_hysteresis)
         skip_scheduler_on_overflow = check_flag(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         torch_knobs = {
@@ -492,6 +500,7 @@ class MixedPrecision(LightningMixedPrecision):
         # In automatic optimization a training_step that returned None ran no backward: there is nothing to step.
         if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)
+            self._prepared_optimizers.discard(id(optimizer))
             return closure_result
         self._prepare_gradients(optimizer, unscale=not _optimizer_handles_unscaling(optimizer))  # type: ignore[arg-type]
         self._after_closure(model, optimizer)
@@ -514,7 +523,10 @@ class MixedPrecision(LightningMixedPrecision):
         if id(optimizer) not in self._prepared_optimizers:
             self._policy.prepare_gradients(optimizer)
             self._prepared_optimizers.add(id(optimizer))
-        if unscale and not _is_unscaled(self._loss_scaler, optimizer):
+        has_gradients = any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+        # Without gradients (a training_step that returned None) there is nothing to unscale, and an unscale_
+        # recorded now would wrongly mark the next batch's gradients as already unscaled.
+        if unscale and has_gradients and not _is_unscaled(self._loss_scaler, optimizer):
             self._loss_scaler.unscale_(optimizer)
 
     def _end_iteration(self) -> None:
