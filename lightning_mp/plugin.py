@@ -118,6 +118,10 @@ def _raw_optimizer(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+def _has_gradients(optimizer: Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
 def _all_finite(loss: Any, parameters: Sequence[Tensor]) -> bool:
     checks = [torch.isfinite(p.grad).all() for p in parameters if p.grad is not None]
     if loss is not None:
@@ -504,6 +508,11 @@ class MixedPrecision(LightningMixedPrecision):
             return closure_result
         self._prepare_gradients(optimizer, unscale=not _optimizer_handles_unscaling(optimizer))  # type: ignore[arg-type]
         self._after_closure(model, optimizer)
+        if not _has_gradients(optimizer):  # type: ignore[arg-type]
+            # Nothing to check or unscale (torch's GradScaler would refuse such a step): step as Lightning would.
+            self._prepared_optimizers.discard(id(optimizer))
+            self._skipped_by_optimizer[id(optimizer)] = False
+            return optimizer.step(**kwargs)
         step_output = loss_scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
         self._prepared_optimizers.discard(id(optimizer))
         self._stepped_this_iteration = True
@@ -523,10 +532,9 @@ class MixedPrecision(LightningMixedPrecision):
         if id(optimizer) not in self._prepared_optimizers:
             self._policy.prepare_gradients(optimizer)
             self._prepared_optimizers.add(id(optimizer))
-        has_gradients = any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
         # Without gradients (a training_step that returned None) there is nothing to unscale, and an unscale_
         # recorded now would wrongly mark the next batch's gradients as already unscaled.
-        if unscale and has_gradients and not _is_unscaled(self._loss_scaler, optimizer):
+        if unscale and _has_gradients(optimizer) and not _is_unscaled(self._loss_scaler, optimizer):
             self._loss_scaler.unscale_(optimizer)
 
     def _end_iteration(self) -> None:

@@ -376,3 +376,67 @@ def test_static_loss_scale_with_auto_that_resolves_without_fp16_is_a_clear_error
     """'auto' never picks fp16 on a CPU, so a static loss_scale is refused at setup, naming the argument."""
     with pytest.raises(ValueError, match=r"loss_scale=128\.0.*needs fp16"):
         make_trainer(MixedPrecision(loss_scale=128.0), max_steps=1).fit(TinyRegressor(), loader())
+
+
+class DefaultsCompatible(TinyRegressor):
+    """One model for several Trainer recipes that work without the plugin."""
+
+    def __init__(self, recipe: str) -> None:
+        super().__init__(scheduler=recipe == "batchnorm_scheduler_accumulation")
+        self.recipe = recipe
+        self.automatic_optimization = recipe not in ("manual_clip", "manual_step_without_backward")
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        if self.recipe == "batchnorm_scheduler_accumulation":
+            hidden = self.norm(hidden)
+        return self.second(torch.relu(hidden))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.recipe == "returns_none_on_odd_batches" and batch_idx % 2:
+            return None
+        loss = super().training_step(batch, batch_idx)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        if self.recipe == "manual_clip":
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        elif batch_idx % 2 == 0:
+            self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return None
+
+    def configure_optimizers(self) -> Any:
+        if self.recipe == "fused_adam_clipping":
+            return torch.optim.Adam(self.parameters(), lr=1e-2, fused=True)
+        if self.recipe == "lbfgs":
+            return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
+        return super().configure_optimizers()
+
+
+RECIPES = {
+    "fused_adam_clipping": {"gradient_clip_val": 1.0},
+    "manual_clip": {},
+    "manual_step_without_backward": {},
+    "lbfgs": {},
+    "batchnorm_scheduler_accumulation": {"accumulate_grad_batches": 2},
+    "returns_none_on_odd_batches": {"gradient_clip_val": 0.5},
+}
+
+
+@pytest.mark.parametrize("precision", ["auto", "32-true"])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_adding_the_plugin_with_defaults_never_breaks_a_working_trainer(recipe, precision):
+    """Each recipe trains without the plugin; with MixedPrecision() added it trains too, to nearly the same weights."""
+    torch.manual_seed(0)
+    model, reference = DefaultsCompatible(recipe), DefaultsCompatible(recipe)
+    reference.load_state_dict(model.state_dict())
+    make_trainer(max_steps=4, **RECIPES[recipe]).fit(reference, loader())
+    plugin = MixedPrecision(precision)
+    make_trainer(plugin, max_steps=4, **RECIPES[recipe]).fit(model, loader())
+    tolerance = 1e-6 if plugin.precision == "32-true" else 5e-2
+    for ours, theirs in zip(model.state_dict().values(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=tolerance, atol=tolerance)
