@@ -42,6 +42,8 @@ Private names used, and why:
 * ``torch.amp.grad_scaler.OptState`` and ``GradScaler._per_optimizer_states``: whether an optimizer was already
   unscaled in this iteration (so that an explicit ``scaler.unscale_(opt)`` is not repeated) and its inf flag,
   which torch's ``step`` and ``update`` read the same way. Both are read in two small functions below.
+* ``LossScaler._record_outcome``, this package's own rule, counts a skipped LBFGS step: the scaler has a public
+  entry only for a step taken without a check (``record_unchecked_step``).
 """
 
 from __future__ import annotations
@@ -300,7 +302,10 @@ class MixedPrecision(LightningMixedPrecision):
 
     @property
     def stats(self) -> PrecisionStats:
-        """Counters at the end of the last optimizer step. Reading them never synchronises with the device."""
+        """Counters as of the last scale update (once per iteration, after its last optimizer step).
+
+        Reading them never synchronises with the device.
+        """
         if self._loss_scaler is None:
             scaled = self.precision == "16-mixed" or self.requested_precision == "16-mixed"
             initial = self._scaler_knobs["init_scale"] if self.loss_scale == "dynamic" else self.loss_scale

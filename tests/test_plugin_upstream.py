@@ -214,3 +214,31 @@ def test_manual_optimization_with_accumulated_gradients_steps_every_fourth_batch
     make_trainer(plugin, max_epochs=1, max_steps=-1, limit_train_batches=8).fit(model)
     assert model.weight_changed == [False, False, False, True] * 2
     assert plugin.stats.loss_scale == 2.0**10  # two optimizer steps, two iterations that grew the scale
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_gradient_accumulation_unscales_once_per_optimizer_step(manual):
+    """accumulate_grad_batches=4 (or stepping every 4th batch by hand): one unscale_, step and update per 4 batches."""
+
+    class Accumulating(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = not manual
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if not manual:
+                return super().training_step(batch, batch_idx)
+            opt = self.optimizers()
+            self.manual_backward(self.loss(self(batch)) / 4)
+            if (batch_idx + 1) % 4 == 0:
+                self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+                opt.step()
+                opt.zero_grad()
+            return None
+
+    scaler = CountingLossScaler("cpu", init_scale=2.0**8)
+    options = {} if manual else {"accumulate_grad_batches": 4, "gradient_clip_val": 1.0}
+    trainer = make_trainer(MixedPrecision("16-mixed", scaler=scaler), max_epochs=1, max_steps=-1, **options)
+    trainer.fit(Accumulating(), train_dataloaders=BoringModel().train_dataloader())
+    batches = len(BoringModel().train_dataloader())
+    assert scaler.calls == {"unscale_": batches // 4, "step": batches // 4, "update": batches // 4}
