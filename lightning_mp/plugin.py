@@ -41,7 +41,8 @@ Private names used, and why:
   unscale inside their own step (fused Adam/AdamW/SGD), the same test Lightning's plugin makes.
 * ``torch.amp.grad_scaler.OptState`` and ``GradScaler._per_optimizer_states``: whether an optimizer was already
   unscaled in this iteration (so that an explicit ``scaler.unscale_(opt)`` is not repeated) and its inf flag,
-  which torch's ``step`` and ``update`` read the same way. Both are read in two small functions below.
+  which torch's ``step`` and ``update`` read the same way; and, when that ``unscale_`` went through Lightning's
+  ``LightningOptimizer`` wrapper, moving its record to the wrapped optimizer. Three small functions below.
 * ``LossScaler._record_outcome``, this package's own rule, counts a skipped LBFGS step: the scaler has a public
   entry only for a step taken without a check (``record_unchecked_step``).
 """
@@ -97,6 +98,19 @@ _TORCH_SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_
 def _is_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
     """Whether ``unscale_(optimizer)`` already ran since the scaler's last ``update()``."""
     return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+
+def _adopt_wrapper_unscale(scaler: torch.amp.GradScaler, wrappers: Sequence[Any], optimizer: Optimizer) -> None:
+    """Record an ``unscale_`` the user made through a LightningOptimizer as made on the optimizer it wraps.
+
+    ``opt = self.optimizers()`` is a LightningOptimizer that shares its optimizer's ``param_groups``, so
+    ``scaler.unscale_(opt)`` unscaled the very gradients the plugin steps; without this the plugin, which sees the
+    wrapped optimizer, would unscale them a second time.
+    """
+    states = scaler._per_optimizer_states
+    for wrapper in wrappers:
+        if wrapper.optimizer is optimizer and states[id(wrapper)]["stage"] is OptState.UNSCALED:
+            states[id(optimizer)] = states.pop(id(wrapper))
 
 
 def _found_inf(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
@@ -511,6 +525,10 @@ class MixedPrecision(LightningMixedPrecision):
             self._after_closure(model, optimizer)
             self._prepared_optimizers.discard(id(optimizer))
             return closure_result
+        if not model.automatic_optimization:
+            wrappers = model.optimizers(use_pl_optimizer=True)
+            wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
+            _adopt_wrapper_unscale(loss_scaler, wrappers, optimizer)  # type: ignore[arg-type]
         self._prepare_gradients(optimizer, unscale=not _optimizer_handles_unscaling(optimizer))  # type: ignore[arg-type]
         self._after_closure(model, optimizer)
         if not _has_gradients(optimizer):  # type: ignore[arg-type]
@@ -622,7 +640,9 @@ class MixedPrecision(LightningMixedPrecision):
         A fused optimizer's step then sees the gradients already unscaled and does not unscale them again. In bf16
         and fp32 nothing is scaled, so a fused optimizer's gradients are clipped as they are.
         """
-        optimizer = _raw_optimizer(optimizer)
+        wrapper, optimizer = optimizer, _raw_optimizer(optimizer)
+        if isinstance(wrapper, LightningOptimizer) and self._loss_scaler is not None:
+            _adopt_wrapper_unscale(self._loss_scaler, [wrapper], optimizer)
         if clip_val > 0 and self._loss_scaler is not None:
             fused = _optimizer_handles_unscaling(optimizer)
             if self._loss_scaler.scales_loss or not fused:

@@ -53,7 +53,9 @@ class ManualRegressor(L.LightningModule):
             return
         if self.clip == "explicit_unscale":
             plugin.scaler.unscale_(opt.optimizer)
-        if self.clip != "none":
+        elif self.clip in ("explicit_unscale_of_the_wrapper", "explicit_unscale_without_clipping"):
+            plugin.scaler.unscale_(opt)
+        if self.clip not in ("none", "explicit_unscale_without_clipping"):
             self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
         before = [p.detach().clone() for p in self.parameters()]
         opt.step()
@@ -65,12 +67,23 @@ class ManualRegressor(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1.0)
 
 
-@pytest.mark.parametrize("clip", ["clip_gradients", "explicit_unscale"])
+@pytest.mark.parametrize("clip", ["clip_gradients", "explicit_unscale", "explicit_unscale_of_the_wrapper"])
 def test_clip_gradients_in_manual_optimization_clips_true_gradients(clip):
     """self.clip_gradients clips the unscaled gradients (the update has the clip norm), also after scaler.unscale_."""
     model = ManualRegressor(clip=clip)
     make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=3).fit(model, loader())
     assert model.update_norms == pytest.approx([CLIP] * 3, rel=1e-2)
+
+
+def test_an_explicit_unscale_of_self_optimizers_is_not_repeated_by_the_step():
+    """scaler.unscale_(self.optimizers()) then opt.step(): the update is the true gradient, unscaled once."""
+    torch.manual_seed(0)
+    model = ManualRegressor(clip="explicit_unscale_without_clipping")
+    reference = ManualRegressor()
+    reference.load_state_dict(model.state_dict())
+    make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=2).fit(model, loader())
+    make_trainer(MixedPrecision("32-true"), max_steps=2).fit(reference, loader())
+    assert model.update_norms == pytest.approx(reference.update_norms, rel=2e-2)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
