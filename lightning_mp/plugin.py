@@ -589,6 +589,8 @@ class MixedPrecision(LightningMixedPrecision):
 
         def checked_closure() -> Any:
             nonlocal all_finite
+            # Every evaluation brings new gradients for the opt level to move before clipping.
+            self._prepared_optimizers.discard(id(optimizer))
             loss = closure()
             all_finite = _all_finite(loss, parameters) and all_finite
             return loss
@@ -601,6 +603,7 @@ class MixedPrecision(LightningMixedPrecision):
             optimizer.load_state_dict(state_before)
             self._restore_running_stats()
         self._saved_running_stats = None
+        self._prepared_optimizers.discard(id(optimizer))
         self._skipped_by_optimizer[id(optimizer)] = not all_finite
         _count_closure_step(self._loss_scaler, skipped=not all_finite)
         self._policy.after_optimizer_step(optimizer, not all_finite)
@@ -638,15 +641,14 @@ class MixedPrecision(LightningMixedPrecision):
         """Clip true gradients: unscale first where that has not happened yet in this optimizer step.
 
         A fused optimizer's step then sees the gradients already unscaled and does not unscale them again. In bf16
-        and fp32 nothing is scaled, so a fused optimizer's gradients are clipped as they are.
+        and fp32 nothing is scaled, so the gradients are clipped as they are (the step still checks them).
         """
         wrapper, optimizer = optimizer, _raw_optimizer(optimizer)
         if isinstance(wrapper, LightningOptimizer) and self._loss_scaler is not None:
             _adopt_wrapper_unscale(self._loss_scaler, [wrapper], optimizer)
         if clip_val > 0 and self._loss_scaler is not None:
-            fused = _optimizer_handles_unscaling(optimizer)
-            if self._loss_scaler.scales_loss or not fused:
-                self._prepare_gradients(optimizer, unscale=True)
+            # In bf16 and fp32 nothing is scaled: the gradients only need to reach the optimizer's parameters (O2).
+            self._prepare_gradients(optimizer, unscale=self._loss_scaler.scales_loss)
         Precision.clip_gradients(
             self, optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm
         )

@@ -421,7 +421,7 @@ RECIPES = {
     "fused_adam_clipping": {"gradient_clip_val": 1.0},
     "manual_clip": {},
     "manual_step_without_backward": {},
-    "lbfgs": {},
+    "lbfgs": {"gradient_clip_val": 0.5},
     "batchnorm_scheduler_accumulation": {"accumulate_grad_batches": 2},
     "returns_none_on_odd_batches": {"gradient_clip_val": 0.5},
 }
