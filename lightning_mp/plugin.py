@@ -97,7 +97,8 @@ _TORCH_SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_
 
 def _is_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
     """Whether ``unscale_(optimizer)`` already ran since the scaler's last ``update()``."""
-    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"] is OptState.UNSCALED
 
 
 def _adopt_wrapper_unscale(scaler: torch.amp.GradScaler, wrappers: Sequence[Any], optimizer: Optimizer) -> None:
@@ -109,12 +110,12 @@ def _adopt_wrapper_unscale(scaler: torch.amp.GradScaler, wrappers: Sequence[Any]
     """
     states = scaler._per_optimizer_states
     for wrapper in wrappers:
-        if wrapper.optimizer is optimizer and states[id(wrapper)]["stage"] is OptState.UNSCALED:
+        if wrapper.optimizer is optimizer and _is_unscaled(scaler, wrapper):
             states[id(optimizer)] = states.pop(id(wrapper))
 
 
 def _found_inf(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
-    """Whether the last step of ``optimizer`` found an inf or NaN (and was skipped).
+    """Whether the last step of ``optimizer`` found an inf or NaN, and so was skipped.
 
     .. warning:: For fused optimizers the flag is still on the device: reading it synchronises.
     """
