@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import math
 import warnings
 from typing import Any
@@ -11,7 +12,8 @@ import lightning as L
 import pytest
 import torch
 from conftest import TinyRegressor, loader, make_trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -440,3 +442,25 @@ def test_adding_the_plugin_with_defaults_never_breaks_a_working_trainer(recipe, 
     tolerance = 1e-6 if plugin.precision == "32-true" else 5e-2
     for ours, theirs in zip(model.state_dict().values(), reference.state_dict().values(), strict=True):
         torch.testing.assert_close(ours.float(), theirs.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_skip_aware_scheduler_works_with_learning_rate_monitor_and_resume(tmp_path):
+    """LearningRateMonitor logs the held-back rate, and a checkpoint resumes the scheduler where it stood."""
+    logger = CSVLogger(tmp_path, name="lr")
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="scheduler")
+    make_trainer(
+        MixedPrecision("16-mixed", init_scale=2.0**8),
+        max_steps=4,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[LearningRateMonitor("step"), checkpoints],
+        enable_checkpointing=True,
+    ).fit(TinyRegressor(inject_at=(1,), scheduler=True), loader())
+    with open(f"{logger.log_dir}/metrics.csv") as file:
+        rates = [float(row["lr-SGD"]) for row in csv.DictReader(file) if row.get("lr-SGD")]
+    assert rates == [0.05, 0.025, 0.025, 0.0125]  # the skipped step 1 did not halve the rate
+    resumed = TinyRegressor(scheduler=True)
+    make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=6).fit(
+        resumed, loader(), ckpt_path=tmp_path / "scheduler.ckpt"
+    )
+    assert resumed.lr_schedulers().last_epoch == 5
