@@ -568,7 +568,8 @@ class MixedPrecision(LightningMixedPrecision):
         try:
             self._loss_scaler.update()
         finally:
-            if self._loss_scaler.last_step_skipped:
+            # Asked only when there are statistics to put back, so that models without them never read the verdict.
+            if self._saved_running_stats is not None and self._loss_scaler.last_step_skipped:
                 self._restore_running_stats()
             self._saved_running_stats = None
 
