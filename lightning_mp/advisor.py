@@ -462,6 +462,7 @@ __all__ = [
     "GRADIENT_HEADROOM",
     "UNDERFLOW_LIMIT",
     "Advice",
+    "DeviceCapabilities",
     "LayerReport",
     "advise",
     "recommend_precision",
