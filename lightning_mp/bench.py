@@ -773,12 +773,36 @@ def _run_worker(name: str, args: argparse.Namespace, scratch: str, tag: str, pro
     return RunResult(**json.loads(result_file.read_text()))
 
 
+def unresolved_comparisons(results: Sequence[RunResult], configurations: Sequence[str]) -> list[str]:
+    """The comparisons the report will make (against fp32 and the built-in) that the paired ratios do not resolve."""
+    unresolved = []
+    for name in configurations:
+        for reference in (FP32, CONFIGURATIONS[name].builtin):
+            if reference == name or reference not in configurations:
+                continue
+            if resolution(paired_ratios(results, reference, name)).startswith("NOT"):
+                unresolved.append(f"{name} vs {reference}")
+    return list(dict.fromkeys(unresolved))
+
+
 def run_all(args: argparse.Namespace, configurations: Sequence[str]) -> list[RunResult]:
-    """Run every configuration ``args.repeats`` times, alternating the order; in worker processes or in this one."""
-    results = []
-    total = len(configurations) * args.repeats
+    """Run every configuration in paired repeats, alternating the order; in worker processes or in this one.
+
+    After ``args.repeats`` repeats, it adds repeats while a comparison is not resolved, up to ``args.max_repeats``.
+    """
+    results: list[RunResult] = []
     with tempfile.TemporaryDirectory() as scratch:
-        for repeat in range(args.repeats):
+        for repeat in range(args.max_repeats):
+            if repeat >= args.repeats:
+                unresolved = unresolved_comparisons(results, configurations)
+                if not unresolved:
+                    break
+                print(
+                    f"not resolved after {repeat} repeats: {', '.join(unresolved)}; adding repeat {repeat + 1}"
+                    f" (at most {args.max_repeats})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             order = list(configurations) if repeat % 2 == 0 else list(reversed(configurations))
             for name in order:
                 start = time.perf_counter()
@@ -792,7 +816,7 @@ def run_all(args: argparse.Namespace, configurations: Sequence[str]) -> list[Run
                     result.repeat = repeat
                 results.append(result)
                 print(
-                    f"[{len(results)}/{total}] {name} (repeat {repeat + 1}/{args.repeats}):"
+                    f"[{len(results)}] {name} (repeat {repeat + 1}):"
                     f" median {statistics.median(result.step_seconds) * 1e3:.1f} ms/step,"
                     f" peak {result.peak_memory_mib:,.0f} MiB, final loss {result.final_loss:.4f}"
                     f" ({time.perf_counter() - start:.1f} s, CPU share {result.cpu_share:.0%}, run-queue wait"
@@ -840,6 +864,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 3, quick 2)")
     parser.add_argument("--repeats", type=int, default=None, help="paired runs per configuration (default 3)")
     parser.add_argument(
+        "--max-repeats",
+        type=int,
+        default=None,
+        help="add repeats while a difference is unresolved, up to this many (default: 6 with --quick, else --repeats)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads for training and matrix products (default: torch's)"
     )
     parser.add_argument(
@@ -871,6 +901,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             setattr(args, flag, quick if args.quick else normal)
         elif value < (0 if flag == "warmup" else 1):
             parser.error(f"--{flag} must be >= {0 if flag == 'warmup' else 1}, got {value}")
+    if args.max_repeats is None:
+        args.max_repeats = max(args.repeats, 6) if args.quick else args.repeats
+    elif args.max_repeats < args.repeats:
+        parser.error(f"--max-repeats must be >= --repeats ({args.repeats}), got {args.max_repeats}")
     if args.threads is None:
         args.threads = torch.get_num_threads()
     elif args.threads < 1:
@@ -918,7 +952,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.accelerator,
         args.warmup,
         args.steps,
-        args.repeats,
+        len({result.repeat for result in results}),
         machine,
         rates,
         matmul_size,

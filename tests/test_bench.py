@@ -8,15 +8,23 @@ import pytest
 import torch
 
 from lightning_mp import bench
-from lightning_mp.bench import RunResult, load_warnings, matmul_rates, paired_ratios, resolution
+from lightning_mp.bench import (
+    RunResult,
+    load_warnings,
+    matmul_rates,
+    paired_ratios,
+    resolution,
+    unresolved_comparisons,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 def test_quick_benchmark_runs_in_process_and_reports_paired_spread(tmp_path: Path, capsys) -> None:
-    """`--quick` trains fp32 and O1-bf16 in this process, 3 paired repeats, and says whether the ratio is resolved."""
+    """`--quick` trains fp32 and O1-bf16 in this process, adds paired repeats until resolved, and gives the spread."""
     out = tmp_path / "bench.md"
-    assert bench.main(["--quick", "--accelerator", "cpu", "--out", str(out)]) == 0
+    argv = ["--quick", "--accelerator", "cpu", "--repeats", "1", "--max-repeats", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
     captured = capsys.readouterr()
     rows = [line for line in captured.out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| configuration | median step (ms) |") and "CPU share | run-queue wait |" in rows[0]
@@ -24,11 +32,12 @@ def test_quick_benchmark_runs_in_process_and_reports_paired_spread(tmp_path: Pat
     bf16_vs_fp32 = rows[2].split("|")[6].strip()
     assert bf16_vs_fp32.endswith(")") and "x (" in bf16_vs_fp32  # the median paired ratio and its range
     difference = next(line for line in captured.out.splitlines() if line.startswith("- O1-bf16 vs fp32:"))
-    assert "over 3 repeat(s)" in difference and "resolved" in difference
+    assert "over 2 repeat(s)" in difference and "resolved" in difference
+    assert "not resolved after 1 repeats: O1-bf16 vs fp32; adding repeat 2" in captured.err
     assert f"with {torch.get_num_threads()} thread(s), as in training" in captured.out
     assert "Load average (1, 5, 15 min):" in captured.out and "all runs in this one process" in captured.out
     assert "avx512_bf16" in captured.out and "torch " in captured.out
-    assert "[6/6]" in captured.err
+    assert "[4] " in captured.err and "2 alternating repeats" in captured.out
     assert out.read_text() == captured.out.rstrip("\n") + "\n"
 
 
@@ -40,6 +49,14 @@ def test_ratios_are_paired_by_repeat() -> None:
     """Each repeat's reference median over the configuration's median is one paired speed-up."""
     results = [run("fp32", 0, 10), run("O1-bf16", 0, 20), run("O1-bf16", 1, 40), run("fp32", 1, 10)]
     assert paired_ratios(results, "fp32", "O1-bf16") == [0.5, 0.25]
+
+
+def test_unresolved_comparisons_name_what_needs_more_repeats() -> None:
+    """Pairs on both sides of 1.00x leave a comparison unresolved; pairs that agree resolve it."""
+    straddling = [run("fp32", 0, 10), run("O1-bf16", 0, 20), run("fp32", 1, 10), run("O1-bf16", 1, 5)]
+    assert unresolved_comparisons(straddling, ["fp32", "O1-bf16"]) == ["O1-bf16 vs fp32"]
+    agreeing = [run("fp32", 0, 10), run("O1-bf16", 0, 20), run("fp32", 1, 10), run("O1-bf16", 1, 30)]
+    assert unresolved_comparisons(agreeing, ["fp32", "O1-bf16"]) == []
 
 
 @pytest.mark.parametrize(
