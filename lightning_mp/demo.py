@@ -186,7 +186,7 @@ def summary(
     if scaled:
         scale = (
             f"{args.init_scale:g} -> {stats.loss_scale:g}: doubled {_times(stats.scale_growths)} (after each"
-            f" {args.growth_interval} clean steps), halved {_times(stats.scale_backoffs)} (once per overflow)"
+            f" {args.growth_interval} clean steps), halved {_times(stats.scale_backoffs)} (on each overflow)"
         )
     else:
         scale = f"{stats.loss_scale:g}: {plugin.precision} needs no loss scaling"
@@ -197,10 +197,11 @@ def summary(
     lines = [
         "",
         "lightning_mp demo summary",
-        f"  precision       : {plugin.precision} ({plugin.precision_reason}), opt level {opt_level}: {policy}",
+        f"  precision       : {plugin.precision}, opt level {opt_level} ({policy}); why: {plugin.precision_reason}",
         f"  device          : {plugin.device}",
         f"  optimizer steps : {stats.optimizer_steps} (steps attempted, skipped ones included)",
-        f"  skipped steps   : {stats.skipped_steps}: gradients held inf or NaN, so the weights were left alone{spike}",
+        f"  skipped steps   : {stats.skipped_steps} (a step whose gradients hold inf or NaN is skipped: the weights are"
+        f" left alone){spike}",
         f"  loss scale      : {scale}",
         f"  val loss        : {val_text} (chance is {TinyTransformerLM.chance_loss():.3f}: lower means it learned)",
         f"  time            : {seconds:.1f} s",

@@ -168,7 +168,7 @@ def test_advisor_measures_a_manual_optimization_module_without_touching_it() -> 
     assert advice.keep_fp32 == ("blowup", "norm")
     assert {layer.name for layer in advice.layers if layer.max_gradient > 0} >= {"stem", "blowup", "head"}
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
-    assert model._fabric is None and all(p.grad is None for p in model.parameters())
+    assert model.fabric is None and all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize(

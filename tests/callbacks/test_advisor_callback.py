@@ -144,3 +144,11 @@ def test_callback_works_with_manual_optimization() -> None:
     assert callback.advice is not None and callback.advice.keep_fp32 == ("blowup", "norm")
     for (name, a), b in zip(plain.state_dict().items(), advised.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_loss_fn_that_is_not_callable_is_refused_early() -> None:
+    """AdvisorCallback(loss_fn=5) fails in __init__ with a TypeError naming the argument and the value."""
+    with pytest.raises(
+        TypeError, match=r"AdvisorCallback\(loss_fn=5\) is not allowed: loss_fn must be None or a callable"
+    ):
+        AdvisorCallback(loss_fn=5)  # type: ignore[arg-type]
