@@ -298,7 +298,14 @@ def _attach_manual_optimization(model: LightningModule) -> None:
     The copy is set up in a single-device fp32 Fabric with the optimizers of its own ``configure_optimizers()``,
     which hold the copy's parameters, so stepping them leaves the user's model and optimizers untouched.
     """
-    configured = model.configure_optimizers()
+    try:
+        configured = model.configure_optimizers()
+    except Exception as error:  # e.g. it reads self.trainer, which the copy has not
+        raise ValueError(
+            f"advise(model={type(model).__name__}) uses manual optimization, and its configure_optimizers() failed on"
+            f" the advisor's copy, which has no Trainer ({type(error).__name__}: {error}). Pass"
+            " loss_fn=lambda model, batch: loss instead."
+        ) from error
     optimizers: list[Optimizer] = []
     apply_to_collection(configured, Optimizer, optimizers.append)
     if not optimizers:

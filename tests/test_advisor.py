@@ -242,3 +242,24 @@ def test_bad_callables_raise_type_error(kwargs: dict, error: type, message: str)
     """A loss_fn that is not callable, or returns no tensor, is refused with a message naming it."""
     with pytest.raises(error, match=message):
         advise(Planted(), loader(), batches=1, **kwargs)
+
+
+class ManualNeedsTrainer(ManualPlanted):
+    """A manual-optimization module whose configure_optimizers reads self.trainer."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05 / self.trainer.estimated_stepping_batches)
+
+
+def test_manual_module_that_needs_a_trainer_gets_a_clear_error_and_works_with_loss_fn() -> None:
+    """When the copy cannot configure its optimizers, the error says to pass loss_fn, and loss_fn works."""
+    with pytest.raises(ValueError, match=r"configure_optimizers\(\) failed on the advisor's copy.*Pass loss_fn="):
+        advise(ManualNeedsTrainer(), loader(), batches=1)
+    advice = advise(
+        ManualNeedsTrainer(),
+        loader(),
+        batches=1,
+        loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+        capabilities=NATIVE_CPU,
+    )
+    assert advice.keep_fp32 == ("blowup", "norm")
