@@ -319,8 +319,11 @@ def _layer_errors(fp32_model: nn.Module, converted: nn.Module, batch: Any) -> di
     for name, module in _recorded_layers(fp32_model):
 
         def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, name=name) -> None:
-            if name not in calls:
-                calls[name] = (args, kwargs, _flat_output(output).float())
+            reference = _floating_output(output)
+            if name in calls or reference is None:
+                return
+            # Copies: a later in-place op (ReLU(inplace=True), say) would otherwise change what was recorded.
+            calls[name] = (_detached_copy(args), _detached_copy(kwargs), reference.detach().float().clone())
 
         handles.append(module.register_forward_hook(record, with_kwargs=True))
     try:
@@ -335,10 +338,23 @@ def _layer_errors(fp32_model: nn.Module, converted: nn.Module, batch: Any) -> di
         if not any(parameter.dtype in HALF_DTYPES for parameter in layer.parameters(recurse=False)):
             continue  # kept in fp32 already (keep_fp32, normalisation): it has no half error of its own
         with torch.no_grad():
-            output = _flat_output(layer(*args, **kwargs)).float()
-        absolute, relative, nonfinite = _errors(reference, output)
+            output = _floating_output(layer(*args, **kwargs))
+        if output is None or output.shape != reference.shape:
+            continue  # nothing comparable came out: the end-to-end comparison still covers the layer
+        absolute, relative, nonfinite = _errors(reference, output.float())
         errors[name] = LayerParity(name, type(layer).__name__, absolute, relative, finite=nonfinite == 0)
     return errors
+
+
+def _detached_copy(data: Any) -> Any:
+    return apply_to_collection(data, Tensor, lambda tensor: tensor.detach().clone())
+
+
+def _floating_output(output: Any) -> Tensor | None:
+    """The floating tensors of a layer's output flattened into one, or None if it has none."""
+    tensors: list[Tensor] = []
+    apply_to_collection(output, Tensor, lambda t: tensors.append(t.flatten()) if t.is_floating_point() else None)
+    return torch.cat([t.float() for t in tensors]) if tensors else None
 
 
 def _errors(reference: Tensor, output: Tensor) -> tuple[float, float, int]:

@@ -287,3 +287,24 @@ def test_a_tight_budget_keeps_layers_until_the_whole_output_meets_it() -> None:
     assert set(table.kept_fp32) == {"net.0", "net.3"}
     loose = to_inference(model, dtype=torch.bfloat16, batch=x, max_rel_error=0.5, verbose=False).parity
     assert loose.kept_fp32 == () and loose.output.max_rel_error > 0
+
+
+class ReusesInPlace(nn.Module):
+    """Linear a, then b on a's output, which is then changed in place and fed to c (a ReLU(inplace=True) pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 4), nn.Linear(32, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.a(x)
+        out = self.b(hidden)
+        return out + self.c(hidden.relu_())
+
+
+def test_layer_errors_are_measured_on_inputs_that_later_in_place_ops_cannot_change() -> None:
+    """Each layer's own error is measured on the inputs it really saw, even when they were changed in place later."""
+    table = to_inference(ReusesInPlace(), dtype=torch.bfloat16, batch=features(32), verbose=False).parity
+    assert [layer.name for layer in table.layers] == ["a", "b", "c"]
+    assert all(layer.max_rel_error < 0.02 for layer in table.layers), str(table)
