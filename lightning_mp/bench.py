@@ -352,10 +352,21 @@ def run_configuration(
     """Train ``warmup + steps`` optimizer steps under configuration ``name`` in this process and measure them.
 
     With ``profile``, the timed steps also run under ``torch.profiler``, which slows them: use such a run for the
-    breakdown, not for the timings. ``threads`` sets torch's intra-op threads (None keeps the current number).
+    breakdown, not for the timings. ``threads`` sets torch's intra-op threads for the run (None keeps the current
+    number); the previous number is restored afterwards.
     """
+    previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    try:
+        return _train_and_measure(name, size, accelerator, warmup, steps, seed, profile, repeat)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _train_and_measure(
+    name: str, size: ModelSize, accelerator: str, warmup: int, steps: int, seed: int, profile: bool, repeat: int
+) -> RunResult:
     config = CONFIGURATIONS[name]
     on_cuda = accelerator == "gpu"
     L.seed_everything(seed, verbose=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,19 @@ def test_quick_benchmark_runs_in_process_and_reports_paired_spread(tmp_path: Pat
     assert "avx512_bf16" in captured.out and "torch " in captured.out
     assert "[4] " in captured.err and "2 alternating repeats" in captured.out
     assert out.read_text() == captured.out.rstrip("\n") + "\n"
+
+
+def test_worker_mode_writes_a_result_that_reads_back_with_its_load_measurements(tmp_path: Path) -> None:
+    """`--worker NAME` (what each full-benchmark process runs) writes step, CPU and run-queue times as JSON."""
+    result_file = tmp_path / "fp32.json"
+    threads_before = torch.get_num_threads()
+    argv = ["--worker", "fp32", "--result-file", str(result_file), "--accelerator", "cpu", "--size", "tiny"]
+    assert bench.main([*argv, "--steps", "3", "--warmup", "1", "--threads", "1"]) == 0
+    result = RunResult(**json.loads(result_file.read_text()))
+    assert result.configuration == "fp32" and len(result.step_seconds) == len(result.step_cpu_seconds) == 3
+    assert result.threads == 1 and result.cpu_share > 0
+    assert result.wait_share is None or 0 <= result.wait_share <= 1
+    assert torch.get_num_threads() == threads_before
 
 
 def run(name: str, repeat: int, median_ms: float) -> RunResult:
