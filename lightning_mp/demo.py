@@ -17,7 +17,10 @@ The model is small (one layer, width 32), because most CPUs emulate fp16 matrix 
 fp32: on a 2-core CPU the demo takes about half a minute. ``--precision bf16-mixed`` or ``auto`` shows the other
 path (no scaler needed) where the hardware runs bf16 natively.
 
-The summary lists only the TensorBoard tags that the run really wrote: it reads them back from the event files.
+The summary lists only the TensorBoard tags that the run really wrote: it reads them back from the event files. Its
+last line says what ``--precision auto`` would pick on this hardware, and why.
+
+The callbacks come from :func:`demo_callbacks`, the one place to add a monitor to the demo.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_mp._hardware import choose_precision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.policies import POLICIES
@@ -156,6 +160,15 @@ def logged_tags(log_dir: str | Path) -> list[str]:
     return sorted({tag for kind in ("scalars", "histograms", "tensors") for tag in tags.get(kind, [])})
 
 
+def _next_step(plugin: MixedPrecision) -> str:
+    """What to run next on this hardware: the precision "auto" would pick here, and why."""
+    device = plugin.device or "cpu"
+    auto, why = choose_precision(device, plugin.opt_level)
+    if plugin.requested_precision == "auto":
+        return "python -m lightning_mp.demo (fp16 with loss scaling, as on any machine)"
+    return f"python -m lightning_mp.demo --precision auto ({auto} here: {why})"
+
+
 def _times(count: int) -> str:
     return "once" if count == 1 else f"{count} times"
 
@@ -209,6 +222,7 @@ def summary(
         "  in TensorBoard  : (tags this run wrote)",
         *(f"    {tag:<{width}}  {_explain(tag)}" for tag in tags),
         f"  open them with  : tensorboard --logdir {trainer.logger.save_dir if trainer.logger else args.log_dir}",
+        f"  try next        : {_next_step(plugin)}",
     ]
     return "\n".join(lines)
 

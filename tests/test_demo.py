@@ -32,6 +32,7 @@ def test_demo_shows_scale_growth_and_a_caught_overflow_and_lists_only_logged_tag
     growths = int(re.search(r"doubled (\d+) times", out).group(1))  # type: ignore[union-attr]
     assert growths >= 3 and "halved once" in out
     assert f"tensorboard --logdir {log_dir}" in out
+    assert "try next        : python -m lightning_mp.demo --precision auto (" in out
     listed = re.findall(r"^    (\S+)  ", out, flags=re.MULTILINE)
     events = list(log_dir.rglob("events.out.tfevents.*"))
     accumulator = EventAccumulator(str(events[0].parent), size_guidance={"scalars": 0, "tensors": 0})
