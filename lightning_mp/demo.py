@@ -104,6 +104,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for flag, minimum in (("max_steps", 1), ("growth_interval", 1), ("spike_at_step", 0)):
         if getattr(args, flag) < minimum:
             parser.error(f"--{flag.replace('_', '-')} must be >= {minimum}, got {getattr(args, flag)}")
+    if args.opt_level == "O0" and args.precision in ("16-mixed", "bf16-mixed"):
+        parser.error(
+            f"--opt-level O0 is the fp32 baseline: use it with --precision 32-true or auto, not {args.precision}"
+        )
     if not args.init_scale > 0:
         parser.error(f"--init-scale must be > 0, got {args.init_scale}")
     return args

@@ -58,3 +58,6 @@ def test_demo_rejects_a_bad_flag(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         demo.parse_args(["--growth-interval", "0"])
     assert "--growth-interval must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--opt-level", "O0"])
+    assert "--opt-level O0 is the fp32 baseline" in capsys.readouterr().err
