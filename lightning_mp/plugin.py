@@ -357,15 +357,7 @@ class MixedPrecision(LightningMixedPrecision):
             )
         self.device = device_type
         if self.requested_precision == "auto":
-            if self.opt_level == "O0":
-                self.precision, self.precision_reason = "32-true", "opt_level='O0' is the fp32 baseline"
-            else:
-                self.precision, self.precision_reason = choose_precision(device_type)
-                if self.precision == "32-true" and self.opt_level != "O1":
-                    self.precision, self.precision_reason = (
-                        "bf16-mixed",
-                        f"opt_level={self.opt_level!r} needs a half type; bf16 needs no loss scaling",
-                    )
+            self.precision, self.precision_reason = choose_precision(device_type, self.opt_level)
             rank_zero_info(f"lightning_mp: precision='auto' chose {self.precision!r}: {self.precision_reason}.")
         if self.precision != "16-mixed" and (self.loss_scale != "dynamic" or self._given_scaler is not None):
             given = f"loss_scale={self.loss_scale!r}" if self.loss_scale != "dynamic" else "scaler=..."
@@ -409,9 +401,16 @@ class MixedPrecision(LightningMixedPrecision):
                 " with AVX512-BF16 or AMX."
             )
         elif not device_has_native_bf16("cpu"):
+            # Under "auto" the reason already says why bf16 was chosen anyway (O2/O3 need a half type) and how to
+            # get fp32's speed; repeat exactly that, so that no message contradicts the choice.
+            why = (
+                f"precision='auto' chose 'bf16-mixed' because {self.precision_reason}."
+                if self.requested_precision == "auto"
+                else "precision='auto' with opt_level='O1' trains in fp32 here."
+            )
             rank_zero_warn(
                 "lightning_mp: this CPU has no native bf16 (no AVX512-BF16 or AMX), so 'bf16-mixed' is emulated and"
-                " can be much slower than fp32. precision='auto' would pick '32-true' here."
+                f" can be 10-100x slower than fp32. {why}"
             )
 
     @override
