@@ -40,10 +40,11 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device
 from lightning_mp._hardware import choose_precision, device_has_native_bf16
 from lightning_mp._schedulers import make_skip_aware, mark_step
 from lightning_mp._validation import check_choice, check_number
-from lightning_mp.overrides import Fp32Overrides
+from lightning_mp.overrides import Fp32Overrides, cast_low_precision
 from lightning_mp.policies import POLICIES, PrecisionPolicy
 from lightning_mp.scaler import LossScaler, ScalingMode, validate_scaler_arguments
 from lightning_mp.stats import PrecisionStats
@@ -162,6 +163,7 @@ class MixedPrecision(Precision):
         self._loss_scaler: LossScaler | None = None
         self._policy: PrecisionPolicy | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._fabric: FabricSteps | None = None
 
     # ------------------------------------------------------------------------------------------------ properties
 
@@ -184,7 +186,12 @@ class MixedPrecision(Precision):
 
     @property
     def stats(self) -> PrecisionStats:
-        """Counters at the end of the last optimizer step. Reading them never synchronises with the device."""
+        """Counters at the end of the last optimizer step. Reading them never synchronises with the device.
+
+        Under Fabric, reading them applies the pending scale update (:mod:`lightning_mp._fabric`).
+        """
+        if self._fabric is not None:
+            self._fabric.settle()
         if self._loss_scaler is None:
             scaled = self.precision == "16-mixed" or self.requested_precision == "16-mixed"
             initial = self._scaler_knobs["init_scale"] if self.loss_scale == "dynamic" else self.loss_scale
@@ -275,6 +282,8 @@ class MixedPrecision(Precision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Resolve the precision from the Trainer's device, then let the opt level convert the module in place."""
+        if attached_trainer(module) is None:
+            return self._convert_for_fabric(module)
         self.setup_for_device(self._trainer_device_type(module))
         assert self._policy is not None
         return self._policy.convert_module(module)
@@ -320,6 +329,8 @@ class MixedPrecision(Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks."""
+        if attached_trainer(module) is None:
+            return tensor  # Fabric ignores what this returns: FabricSteps.backward scales the loss.
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
@@ -328,11 +339,14 @@ class MixedPrecision(Precision):
     def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Optimizable,
-        model: LightningModule,
-        closure: Callable[[], Any],
+        model: LightningModule | None = None,
+        closure: Callable[[], Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Backward, unscale, hooks and clipping on true gradients, then a step that is skipped on inf/NaN."""
+        if model is None:
+            return self._fabric_steps().optimizer_step(optimizer, closure, **kwargs)  # type: ignore[arg-type]
+        assert closure is not None
         loss_scaler, policy = self._loss_scaler, self._policy
         assert loss_scaler is not None and policy is not None, "MixedPrecision was not set up by a Trainer"
         if isinstance(optimizer, LBFGS):
@@ -379,6 +393,8 @@ class MixedPrecision(Precision):
     @override
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state (scale, trackers, counters), the precision and the opt level's own state."""
+        if self._fabric is not None:
+            self._fabric.settle()
         if self._loss_scaler is None or self._policy is None:
             return dict(self._pending_state or {})
         return {
@@ -442,6 +458,72 @@ class MixedPrecision(Precision):
                 self._warn_missing_scaler_state()
         if self._policy is not None:
             self._policy.on_load_checkpoint(checkpoint)
+
+    # ------------------------------------------------------------------------------------------------ Fabric
+    # Fabric drives the plugin through these hooks and the dispatch lines above (lightning_mp._fabric).
+
+    def _convert_for_fabric(self, module: nn.Module) -> nn.Module:
+        parameter = next(module.parameters(), None)
+        # Fabric converts before moving the model, so the parameters' device is not the run's: device= wins.
+        self.setup_for_device(self.device or (parameter.device.type if parameter is not None else "cpu"))
+        assert self._policy is not None and self._loss_scaler is not None
+        module = self._policy.convert_module(module)
+        self._fabric = FabricSteps(self._loss_scaler, self._policy, module)
+        return module
+
+    def _fabric_steps(self) -> FabricSteps:
+        if self._fabric is None:
+            raise RuntimeError(
+                "MixedPrecision was not set up by Fabric: call fabric.setup(model, optimizer) before"
+                " fabric.backward or optimizer.step."
+            )
+        return self._fabric
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """Leave the inputs as they are (autocast and the opt level cast them); under Fabric, check their device.
+
+        Raises:
+            ValueError: under Fabric, when the inputs live on another device type than the plugin's autocast.
+
+        """
+        if self._fabric is not None and self.device is not None:
+            check_input_device(data, self.device)
+        return data
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        """Under Fabric, return the forward's half-precision outputs in fp32, as Fabric's own mixed precision does."""
+        if self._fabric is None:
+            return data
+        return cast_low_precision(data, torch.get_default_dtype())
+
+    @override
+    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Under Fabric, apply the pending scale update and back-propagate the scaled loss; else Lightning's."""
+        if attached_trainer(model) is None:
+            self._fabric_steps().backward(tensor, *args, **kwargs)
+            return
+        super().backward(tensor, model, *args, **kwargs)  # type: ignore[arg-type]
+
+    @override
+    def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:  # type: ignore[override]
+        """Run Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
+        if attached_trainer(module) is None:
+            return tensor
+        return super().post_backward(tensor, module)  # type: ignore[arg-type]
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale (and, in O2, move to the masters) the gradients before ``fabric.clip_gradients`` clips them."""
+        self._fabric_steps().unscale_gradients(optimizer)
+
+    @override
+    def teardown(self) -> None:
+        """Apply a pending Fabric scale update, so that the counters include the last step."""
+        if self._fabric is not None:
+            self._fabric.settle()
+        super().teardown()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r}, opt_level={self.opt_level!r})"
