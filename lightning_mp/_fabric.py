@@ -9,6 +9,10 @@ Fabric calls a precision plugin at fewer points than the Trainer, and with other
     optimizer.step()                     optimizer_step(optimizer, **kwargs)
     fabric.save / fabric.load            state_dict / load_state_dict         when the plugin is in the state
 
+Fabric saves only what the user puts in the state, so the plugin goes there beside the model and the optimizer:
+``fabric.save(path, {"model": model, "optimizer": optimizer, "precision": plugin})``. Its state holds the scaler
+(scale, trackers, counters) and, in O2, the fp32 master weights that the model's own state dict rounds to half.
+
 :class:`FabricSteps` does, at those points, what the plugin does in the Trainer's optimizer step:
 
 1. ``backward`` first applies a pending scale update (rule below), then multiplies the loss by the scale and runs
@@ -101,6 +105,21 @@ class FabricSteps:
         self.update_pending = False
         self._stepped_since_update.clear()
         self.loss_scaler.update()
+
+    def full_precision_weights(self) -> dict[str, Tensor]:
+        """The weights the opt level saves in place of the model's (O2: the fp32 masters); empty for O0 and O1.
+
+        ``fabric.save`` stores the model's own state dict, which in O2 holds the rounded half weights; the plugin's
+        state carries these so that a resumed run continues from the exact fp32 masters.
+        """
+        weights = self.module.state_dict()
+        checkpoint = {"state_dict": dict(weights)}
+        self.policy.on_save_checkpoint(checkpoint)
+        return {name: value for name, value in checkpoint["state_dict"].items() if value is not weights.get(name)}
+
+    def load_full_precision_weights(self, weights: dict[str, Tensor]) -> None:
+        """Restore what :meth:`full_precision_weights` saved (O2: the masters, and the half weights from them)."""
+        self.policy.on_load_checkpoint({"state_dict": weights})
 
     def backward(self, tensor: Tensor, *args: Any, **kwargs: Any) -> None:
         """Settle the previous iteration's scale, then back-propagate the scaled loss."""

@@ -397,12 +397,15 @@ class MixedPrecision(Precision):
             self._fabric.settle()
         if self._loss_scaler is None or self._policy is None:
             return dict(self._pending_state or {})
-        return {
+        state = {
             "scaler": self._loss_scaler.state_dict(),
             "precision": self.precision,
             "opt_level": self._policy.opt_level,
             "policy": self._policy.state_dict(),
         }
+        if self._fabric is not None:
+            state["fabric_weights"] = self._fabric.full_precision_weights()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -431,6 +434,8 @@ class MixedPrecision(Precision):
         else:
             self._loss_scaler.load_state_dict(scaler_state)
         self._policy.load_state_dict(state_dict.get("policy", {}))
+        if self._fabric is not None and state_dict.get("fabric_weights"):
+            self._fabric.load_full_precision_weights(state_dict["fabric_weights"])
 
     def _warn_missing_scaler_state(self) -> None:
         if self.scaler is not None:
