@@ -69,7 +69,7 @@ def test_forward_autocasts_and_backward_scales_the_loss() -> None:
     nn.functional.mse_loss(expected_output.float(), y).backward()
     assert hidden_dtypes == [torch.float16]
     assert output.dtype == torch.float32  # as Fabric's own mixed precision returns it
-    for scaled, true in zip(model.parameters(), reference.parameters()):
+    for scaled, true in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(scaled.grad, true.grad * 2.0**10)
 
 
@@ -81,7 +81,7 @@ def test_nonfinite_step_is_skipped_without_touching_weights_or_moments() -> None
     weights = [p.detach().clone() for p in model.parameters()]
     moments = copy.deepcopy(optimizer.state_dict()["state"])
     train_step(fabric, model, optimizer, seed=1, inject=True)
-    for before, after in zip(weights, model.parameters()):
+    for before, after in zip(weights, model.parameters(), strict=True):
         assert torch.equal(before, after)
     for index, state in optimizer.state_dict()["state"].items():
         assert torch.equal(state["exp_avg"], moments[index]["exp_avg"])
@@ -165,7 +165,7 @@ def test_o3_trains_half_weights_under_fabric() -> None:
 
 @pytest.mark.parametrize("opt_level", ["O1"])
 def test_save_and_load_resume_at_the_same_scale(tmp_path: Path, opt_level: str) -> None:
-    """fabric.save with the plugin in the state, then fabric.load in a fresh run, continues exactly: same scale, counters, weights."""
+    """fabric.save and fabric.load with the plugin in the state: a fresh run continues at the same scale and weights."""
 
     def run(steps: range, checkpoint: Path | None = None, resume: Path | None = None) -> tuple[MixedPrecision, Any]:
         plugin = MixedPrecision("16-mixed", opt_level=opt_level, init_scale=2.0**8, growth_interval=2)
@@ -186,7 +186,7 @@ def test_save_and_load_resume_at_the_same_scale(tmp_path: Path, opt_level: str) 
     resumed, resumed_model = run(range(5, 8), resume=path)
     assert saved_scale == 2.0**9  # 2 growths, 1 backoff
     assert resumed.stats == straight.stats
-    for expected, actual in zip(straight_model.parameters(), resumed_model.parameters()):
+    for expected, actual in zip(straight_model.parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(expected, actual)
     if opt_level == "O2":
         for name, master in straight.policy.masters.items():
@@ -215,7 +215,7 @@ def test_one_scale_update_per_iteration_with_two_optimizers() -> None:
         with torch.no_grad():
             for parameter in reference.parameters():
                 parameter -= parameter.grad
-        for old, new, expected in zip(before, module.parameters(), reference.parameters()):
+        for old, new, expected in zip(before, module.parameters(), reference.parameters(), strict=True):
             assert not torch.equal(old, new)
             torch.testing.assert_close(new, expected)
         first.zero_grad()
@@ -253,7 +253,7 @@ def test_stats_as_dict_logs_through_fabric_log_dict(tmp_path: Path) -> None:
 
 def test_inputs_on_another_device_type_raise_value_error() -> None:
     """A plugin resolved for the CPU refuses inputs on another device type, naming the device= to pass."""
-    fabric, model, _ = setup(MixedPrecision("16-mixed"))
+    _, model, _ = setup(MixedPrecision("16-mixed"))
     with pytest.raises(ValueError, match="device='meta'"):
         model(torch.empty(2, 8, device="meta"))
 
