@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mp._compile import backward_outside_autocast
 from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device
 from lightning_mp._hardware import choose_precision, device_has_native_bf16
 from lightning_mp._schedulers import make_skip_aware, mark_step
@@ -323,7 +324,8 @@ class MixedPrecision(Precision):
             yield
             return
         assert self.device is not None
-        with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False):
+        # Compiled regions differentiate outside autocast, as eager autograd does (lightning_mp._compile).
+        with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False), backward_outside_autocast():
             yield
 
     @override
