@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import csv
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from ddp_scripts.launch import clean_environment, finish, reports
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from torch import nn
@@ -281,3 +283,26 @@ def test_example_script_trains_skips_and_resumes(tmp_path: Path) -> None:
     assert second["stats"]["precision/optimizer_steps"] == 10.0
     assert second["stats"]["precision/skipped_steps"] == 1.0
     assert second["stats"]["precision/loss_scale"] >= first["stats"]["precision/loss_scale"]
+
+
+def test_fabric_ddp_ranks_agree_on_skips(tmp_path: Path) -> None:
+    """Fabric's DDP strategy on 2 CPU processes: an overflow on rank 1 only is skipped by both ranks alike."""
+    script = Path(__file__).with_name("ddp_scripts") / "fabric_train.py"
+    process = subprocess.Popen(
+        [sys.executable, str(script), "--out", str(tmp_path), "--inject-rank", "1", "--inject-at", "2,5"],
+        env=clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    finish(process, timeout=90)
+    ranks = reports(tmp_path)
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert ranks[0]["steps"] == ranks[1]["steps"]
+    assert [step for step, _, skipped in ranks[0]["steps"] if skipped] == [2, 5]
+    assert ranks[0]["stats"] == ranks[1]["stats"]
+    assert ranks[0]["stats"]["precision/skipped_steps"] == 2.0
+    assert len({checksum for r in ranks for checksum in r["checksums"]}) == 1, "the parameters differ across ranks"
+    assert [r["local_overflows"] for r in ranks] == [0, 2]
+    assert ranks[0]["resumed_stats"] == ranks[0]["stats"]
