@@ -11,7 +11,8 @@ Fabric calls a precision plugin at fewer points than the Trainer, and with other
 
 Fabric saves only what the user puts in the state, so the plugin goes there beside the model and the optimizer:
 ``fabric.save(path, {"model": model, "optimizer": optimizer, "precision": plugin})``. Its state holds the scaler
-(scale, trackers, counters) and, in O2, the fp32 master weights that the model's own state dict rounds to half.
+(scale, trackers, counters) and, in O2, the fp32 master weights that the model's own state dict rounds to half and the
+optimizers' fp32 states (see :meth:`FabricSteps.state_dict`).
 
 :class:`FabricSteps` does, at those points, what the plugin does in the Trainer's optimizer step:
 
@@ -93,7 +94,9 @@ class FabricSteps:
         self.policy = policy
         self.module = module
         self.update_pending = False
-        self._connected: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self._connected: list[weakref.ReferenceType[Optimizer]] = []
+        """The optimizers the opt level has connected, in the order it first saw them."""
+        self._saved_optimizer_states: list[dict[str, Any]] = []
         self._unscaled: set[int] = set()
         self._stepped_since_update: set[int] = set()
         self._ran: set[int] = set()
@@ -106,20 +109,29 @@ class FabricSteps:
         self._stepped_since_update.clear()
         self.loss_scaler.update()
 
-    def full_precision_weights(self) -> dict[str, Tensor]:
-        """The weights the opt level saves in place of the model's (O2: the fp32 masters); empty for O0 and O1.
+    def state_dict(self) -> dict[str, Any]:
+        """What ``fabric.save`` cannot restore exactly from the model and optimizer alone; empty for O0 and O1.
 
-        ``fabric.save`` stores the model's own state dict, which in O2 holds the rounded half weights; the plugin's
-        state carries these so that a resumed run continues from the exact fp32 masters.
+        In O2 the model's own state dict holds the rounded half weights, and ``fabric.load`` fills an optimizer
+        before the opt level has pointed it at the fp32 masters, so torch casts its moments to the half dtype. The
+        plugin's state therefore carries the fp32 masters (``weights``) and the full-precision states of the
+        optimizers, in the order the plugin first saw them (``optimizers``).
         """
         weights = self.module.state_dict()
         checkpoint = {"state_dict": dict(weights)}
         self.policy.on_save_checkpoint(checkpoint)
-        return {name: value for name, value in checkpoint["state_dict"].items() if value is not weights.get(name)}
+        kept = {name: value for name, value in checkpoint["state_dict"].items() if value is not weights.get(name)}
+        if not kept:
+            return {}
+        optimizers = [optimizer.state_dict() for reference in self._connected if (optimizer := reference()) is not None]
+        return {"weights": kept, "optimizers": optimizers}
 
-    def load_full_precision_weights(self, weights: dict[str, Tensor]) -> None:
-        """Restore what :meth:`full_precision_weights` saved (O2: the masters, and the half weights from them)."""
-        self.policy.on_load_checkpoint({"state_dict": weights})
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the masters now, and each optimizer's full-precision state once the opt level connects it."""
+        if not state_dict:
+            return
+        self.policy.on_load_checkpoint({"state_dict": state_dict["weights"]})
+        self._saved_optimizer_states = list(state_dict["optimizers"])
 
     def backward(self, tensor: Tensor, *args: Any, **kwargs: Any) -> None:
         """Settle the previous iteration's scale, then back-propagate the scaled loss."""
@@ -188,12 +200,17 @@ class FabricSteps:
         self._unscaled.add(id(optimizer))
 
     def _connect(self, optimizer: Optimizer) -> None:
-        if optimizer in self._connected:
+        if any(reference() is optimizer for reference in self._connected):
             return
         self.policy.connect(self.module, [optimizer])
+        index = len(self._connected)
+        if index < len(self._saved_optimizer_states):
+            # fabric.load filled this optimizer before the opt level connected it, casting its state to the
+            # model's half dtype; now that it steps the fp32 masters, its state is loaded again at full precision.
+            optimizer.load_state_dict(self._saved_optimizer_states[index])
         self.loss_scaler.param_names.update(self.policy.parameter_names(self.module))
         optimizer.register_step_post_hook(self._record_step)
-        self._connected.add(optimizer)
+        self._connected.append(weakref.ref(optimizer))
 
     def _record_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._ran.add(id(optimizer))

@@ -406,7 +406,7 @@ class MixedPrecision(Precision):
             "policy": self._policy.state_dict(),
         }
         if self._fabric is not None:
-            state["fabric_weights"] = self._fabric.full_precision_weights()
+            state["fabric"] = self._fabric.state_dict()
         return state
 
     @override
@@ -436,8 +436,8 @@ class MixedPrecision(Precision):
         else:
             self._loss_scaler.load_state_dict(scaler_state)
         self._policy.load_state_dict(state_dict.get("policy", {}))
-        if self._fabric is not None and state_dict.get("fabric_weights"):
-            self._fabric.load_full_precision_weights(state_dict["fabric_weights"])
+        if self._fabric is not None:
+            self._fabric.load_state_dict(state_dict.get("fabric", {}))
 
     def _warn_missing_scaler_state(self) -> None:
         if self.scaler is not None:

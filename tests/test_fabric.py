@@ -165,7 +165,7 @@ def test_o3_trains_half_weights_under_fabric() -> None:
     assert plugin.stats.optimizer_steps == 3
 
 
-@pytest.mark.parametrize("opt_level", ["O1"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_save_and_load_resume_at_the_same_scale(tmp_path: Path, opt_level: str) -> None:
     """fabric.save and fabric.load with the plugin in the state: a fresh run continues at the same scale and weights."""
 
