@@ -37,6 +37,13 @@ applied lazily at the first of:
 
 Every optimizer therefore unscales by the scale its gradients were produced under, and the scale moves once per
 backward-and-steps iteration, gradient accumulation included. Read the stats after the iteration's last step.
+
+Private Lightning names used:
+
+- ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: whether an optimizer unscales inside its
+  own step (fused); Lightning's own AMP plugins decide with it, and the plugin must agree with them.
+- ``LightningModule._trainer`` (read with ``getattr``): whether the Trainer or Fabric drives a hook. The public
+  ``trainer`` property raises, or under Fabric returns a stand-in, when no Trainer is attached.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Pass it to the Trainer::
 
     trainer = Trainer(plugins=[MixedPrecision("16-mixed", growth_interval=1000, hysteresis=2)])
 
+or to Fabric, ``Fabric(plugins=[MixedPrecision(...)])``, whose loop it drives as :mod:`lightning_mp._fabric`
+describes.
+
 What happens in a training step:
 
 1. The forward pass (training, validation, test and predict steps) runs under ``torch.autocast`` when the opt level
