@@ -17,6 +17,7 @@ from lightning.fabric.loggers import CSVLogger
 from torch import nn
 
 from lightning_mp import MixedPrecision
+from lightning_mp.counting import count_syncs_and_ops
 
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)", "ignore:.*opt_level='O3'")
 
@@ -141,7 +142,12 @@ def test_lbfgs_with_a_scaled_loss_raises_type_error() -> None:
 
 @pytest.mark.parametrize(
     ("precision", "opt_level", "weight_dtype"),
-    [("32-true", "O0", torch.float32), ("16-mixed", "O1", torch.float32), ("16-mixed", "O2", torch.float16)],
+    [
+        ("32-true", "O0", torch.float32),
+        ("16-mixed", "O1", torch.float32),
+        ("bf16-mixed", "O1", torch.float32),
+        ("16-mixed", "O2", torch.float16),
+    ],
 )
 def test_opt_levels_train_under_fabric(precision: str, opt_level: str, weight_dtype: torch.dtype) -> None:
     """Each opt level trains under Fabric: the loss falls, and O2 steps fp32 masters while the model holds fp16."""
@@ -306,3 +312,21 @@ def test_fabric_ddp_ranks_agree_on_skips(tmp_path: Path) -> None:
     assert len({checksum for r in ranks for checksum in r["checksums"]}) == 1, "the parameters differ across ranks"
     assert [r["local_overflows"] for r in ranks] == [0, 2]
     assert ranks[0]["resumed_stats"] == ranks[0]["stats"]
+
+
+def test_a_fabric_step_syncs_the_host_once_and_reading_the_stats_never() -> None:
+    """A steady-state fp16 Fabric step syncs once (torch's skip decision); the lazy update and the stats add none."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0)
+    x, y = batch(1)
+    loss = nn.functional.mse_loss(model(x), y)
+    with count_syncs_and_ops() as step_counts:
+        fabric.backward(loss)  # applies the previous step's pending update first
+        optimizer.step()
+    with count_syncs_and_ops() as stats_counts:
+        logged = plugin.stats.as_dict()
+    assert step_counts.syncs == 1
+    assert stats_counts.syncs == 0
+    assert logged["precision/optimizer_steps"] == 2.0
+    assert logged["precision/loss_scale"] == 2.0**10
