@@ -33,7 +33,8 @@ applied lazily at the first of:
 
 - the next ``fabric.backward`` (before its loss is scaled),
 - a second step (or clip) of an optimizer that already stepped since the last update,
-- reading :attr:`~lightning_mp.MixedPrecision.stats`, or ``state_dict`` (``fabric.save``), or ``teardown``.
+- reading the plugin's :attr:`~lightning_mp.MixedPrecision.stats` or
+  :attr:`~lightning_mp.MixedPrecision.scaler`, its ``state_dict`` (``fabric.save``), or ``teardown``.
 
 Every optimizer therefore unscales by the scale its gradients were produced under, and the scale moves once per
 backward-and-steps iteration, gradient accumulation included. Read the stats after the iteration's last step.

@@ -178,7 +178,12 @@ class MixedPrecision(Precision):
 
     @property
     def scaler(self) -> LossScaler | None:
-        """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup."""
+        """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup.
+
+        Under Fabric, reading it applies the pending scale update (:mod:`lightning_mp._fabric`).
+        """
+        if self._fabric is not None:
+            self._fabric.settle()
         if self._loss_scaler is not None and self._loss_scaler.scales_loss:
             return self._loss_scaler
         return None

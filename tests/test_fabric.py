@@ -330,3 +330,13 @@ def test_a_fabric_step_syncs_the_host_once_and_reading_the_stats_never() -> None
     assert stats_counts.syncs == 0
     assert logged["precision/optimizer_steps"] == 2.0
     assert logged["precision/loss_scale"] == 2.0**10
+
+
+def test_the_scaler_read_after_a_skipped_step_shows_the_backed_off_scale() -> None:
+    """Right after a skipped optimizer.step(), plugin.scaler already reports the reduced scale and the skip."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0, inject=True)
+    assert plugin.scaler is not None
+    assert plugin.scaler.get_scale() == 2.0**7
+    assert plugin.scaler.state_dict()["scale"] == 2.0**7
