@@ -93,14 +93,15 @@ class FabricSteps:
     Args:
         loss_scaler: the plugin's scaler (in every precision: bf16 and fp32 use its check-only mode).
         policy: the opt level's policy.
-        module: the model Fabric set up, before any wrapper (DDP), as ``convert_module`` saw it.
+        module: the model Fabric set up, before any wrapper (DDP), as ``convert_module`` saw it. More models
+            (a GAN's two) join with :meth:`add_module`.
 
     """
 
     def __init__(self, loss_scaler: LossScaler, policy: PrecisionPolicy, module: nn.Module) -> None:
         self.loss_scaler = loss_scaler
         self.policy = policy
-        self.module = module
+        self.modules = [module]
         self.update_pending = False
         self._connected: list[weakref.ReferenceType[Optimizer]] = []
         """The optimizers the opt level has connected, in the order it first saw them."""
@@ -125,7 +126,8 @@ class FabricSteps:
         plugin's state therefore carries the fp32 masters (``weights``) and the full-precision states of the
         optimizers, in the order the plugin first saw them (``optimizers``).
         """
-        weights = self.module.state_dict()
+        # The opt level holds the masters of the model it converted last.
+        weights = self.modules[-1].state_dict()
         checkpoint = {"state_dict": dict(weights)}
         self.policy.on_save_checkpoint(checkpoint)
         kept = {name: value for name, value in checkpoint["state_dict"].items() if value is not weights.get(name)}
@@ -140,6 +142,16 @@ class FabricSteps:
             return
         self.policy.on_load_checkpoint({"state_dict": state_dict["weights"]})
         self._saved_optimizer_states = list(state_dict["optimizers"])
+
+    def add_module(self, module: nn.Module) -> None:
+        """Drive another model set up by the same Fabric (each optimizer is connected with the model it steps)."""
+        if all(known is not module for known in self.modules):
+            self.modules.append(module)
+
+    def _module_of(self, optimizer: Optimizer) -> nn.Module:
+        stepped = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        owners = [m for m in self.modules if any(id(parameter) in stepped for parameter in m.parameters())]
+        return owners[0] if owners else self.modules[-1]
 
     def backward(self, tensor: Tensor, *args: Any, **kwargs: Any) -> None:
         """Settle the previous iteration's scale, then back-propagate the scaled loss."""
@@ -210,13 +222,14 @@ class FabricSteps:
     def _connect(self, optimizer: Optimizer) -> None:
         if any(reference() is optimizer for reference in self._connected):
             return
-        self.policy.connect(self.module, [optimizer])
+        module = self._module_of(optimizer)
+        self.policy.connect(module, [optimizer])
         index = len(self._connected)
         if index < len(self._saved_optimizer_states):
             # fabric.load filled this optimizer before the opt level connected it, casting its state to the
             # model's half dtype; now that it steps the fp32 masters, its state is loaded again at full precision.
             optimizer.load_state_dict(self._saved_optimizer_states[index])
-        self.loss_scaler.param_names.update(self.policy.parameter_names(self.module))
+        self.loss_scaler.param_names.update(self.policy.parameter_names(module))
         optimizer.register_step_post_hook(self._record_step)
         self._connected.append(weakref.ref(optimizer))
 

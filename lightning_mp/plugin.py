@@ -483,7 +483,10 @@ class MixedPrecision(Precision):
         self.setup_for_device(self.device or (parameter.device.type if parameter is not None else "cpu"))
         assert self._policy is not None and self._loss_scaler is not None
         module = self._policy.convert_module(module)
-        self._fabric = FabricSteps(self._loss_scaler, self._policy, module)
+        if self._fabric is None:
+            self._fabric = FabricSteps(self._loss_scaler, self._policy, module)
+        else:
+            self._fabric.add_module(module)
         return module
 
     def _fabric_steps(self) -> FabricSteps:

@@ -340,3 +340,28 @@ def test_the_scaler_read_after_a_skipped_step_shows_the_backed_off_scale() -> No
     assert plugin.scaler is not None
     assert plugin.scaler.get_scale() == 2.0**7
     assert plugin.scaler.state_dict()["scale"] == 2.0**7
+
+
+def test_two_models_with_their_own_optimizers_train_like_a_gan() -> None:
+    """Two models set up separately, each stepped after its own backward, train and each skips only its own step."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    first_module, second_module = make_model(0), make_model(1)
+    first, first_optimizer = fabric.setup(first_module, torch.optim.SGD(first_module.parameters(), lr=1e-2))
+    second, second_optimizer = fabric.setup(second_module, torch.optim.SGD(second_module.parameters(), lr=1e-2))
+    for step in range(3):
+        x, y = batch(step)
+        fabric.backward(nn.functional.mse_loss(first(x), y))
+        first_optimizer.step()
+        first_optimizer.zero_grad()
+        before = [p.detach().clone() for p in second_module.parameters()]
+        fabric.backward(nn.functional.mse_loss(second(x), y))
+        if step == 1:
+            second_module[0].weight.grad[0, 0] = float("nan")
+        second_optimizer.step()
+        second_optimizer.zero_grad()
+        unchanged = all(torch.equal(b, a) for b, a in zip(before, second_module.parameters(), strict=True))
+        assert unchanged == (step == 1)
+    stats = plugin.stats
+    assert (stats.optimizer_steps, stats.skipped_steps) == (6, 1)
+    assert plugin.scaler is not None and set(plugin.scaler.param_names.values()) >= {"0.weight", "2.bias"}
