@@ -19,17 +19,26 @@ Private torch names used:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Generator
+from types import TracebackType
 
 import torch._functorch.config as functorch_config
 
 
-@contextlib.contextmanager
-def backward_outside_autocast() -> Generator[None, None, None]:
-    """Compile the regions first run inside this block with their backward traced outside autocast."""
-    with functorch_config.patch(backward_pass_autocast="off"):
-        yield
+class backward_outside_autocast:  # a class, not a generator: it runs on every forward, and this costs least
+    """Compile the regions first run inside this block with their backward traced outside autocast.
+
+    AOT autograd reads the setting only while it compiles, which happens inside the first forward of a compiled
+    region (and of any recompilation); outside the block the user's own setting holds.
+    """
+
+    def __enter__(self) -> None:
+        self._previous = functorch_config.backward_pass_autocast
+        functorch_config.backward_pass_autocast = "off"
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        functorch_config.backward_pass_autocast = self._previous
 
 
 __all__ = ["backward_outside_autocast"]
