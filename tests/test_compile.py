@@ -176,7 +176,9 @@ def test_compiled_training_matches_eager_in_fabric(opt_level: str, compile_what:
 
 def test_aot_autograd_o1_training_differentiates_fp32_regions_in_fp32() -> None:
     """With AOT autograd, an O1 Fabric run of a compiled model with keep_fp32 matches eager: its backward is fp32."""
+    user_setting = torch._functorch.config.backward_pass_autocast
     compiled_weights, seen = fabric_run("O1", "model", "aot_eager")
+    assert torch._functorch.config.backward_pass_autocast == user_setting  # changed only inside the forward
     assert graph_breaks() == 0, dict(counters["graph_break"])
     assert seen and set(seen) == {torch.float32}
     eager_weights, _ = fabric_run("O1", "nothing")
