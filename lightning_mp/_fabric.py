@@ -23,8 +23,10 @@ optimizers' fp32 states (see :meth:`FabricSteps.state_dict`).
    synchronisation, whether ``optimizer.step()`` really ran.
 3. ``unscale_gradients`` (Fabric calls it before clipping) and ``optimizer_step`` prepare the gradients (O2 moves
    them to the masters) and unscale them once per step, with the fused inf/NaN check; clipping therefore sees true
-   gradients. The step is skipped when a gradient is not finite (under DDP when one on any rank is not), and the
-   opt level then copies the masters back (O2).
+   gradients. On a step that will be skipped there is nothing to clip: ``main_params`` then gives no parameter,
+   so ``fabric.clip_gradients`` returns a zero norm instead of raising on the non-finite one.
+4. The step is skipped when a gradient is not finite (under DDP when one on any rank is not), and the opt level
+   then copies the masters back (O2).
 
 When the scale moves. Fabric has no end-of-iteration hook, and an iteration may step several optimizers on
 gradients produced by one backward. Updating the scale right after the first of those steps would unscale the
@@ -43,6 +45,8 @@ Private Lightning names used:
 
 - ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: whether an optimizer unscales inside its
   own step (fused); Lightning's own AMP plugins decide with it, and the plugin must agree with them.
+- ``torch.amp.GradScaler._found_inf_per_device``: the inf/NaN flags of an optimizer's unscaled gradients, which
+  torch's GradScaler keeps for its own ``step``; read at clipping time only (see :meth:`FabricSteps.main_params`).
 - ``LightningModule._trainer`` (read with ``getattr``): whether the Trainer or Fabric drives a hook. The public
   ``trainer`` property raises, or under Fabric returns a stand-in, when no Trainer is attached.
 """
@@ -172,6 +176,21 @@ class FabricSteps:
                 " cannot be clipped before it. Use the optimizer with fused=False to clip scaled fp16 gradients."
             )
         self._unscale(optimizer)
+
+    def main_params(self, optimizer: Optimizer) -> list[Tensor]:
+        """The parameters whose gradients Fabric clips; none on a step that will be skipped for inf/NaN gradients.
+
+        .. warning:: After the gradients were unscaled this reads the inf/NaN flag, which synchronises the host
+            with the device (the step reads the same flag anyway). Clipping a step that is skipped is pointless,
+            and with ``error_if_nonfinite=True`` (Fabric's default) it would raise.
+        """
+        if id(optimizer) in self._unscaled and self._found_inf(optimizer):
+            return []  # a list: torch warns about an empty generator, and nothing is wrong here
+        return [parameter for group in optimizer.param_groups for parameter in group["params"]]
+
+    def _found_inf(self, optimizer: Optimizer) -> bool:
+        flags = self.loss_scaler._found_inf_per_device(optimizer)
+        return any(bool(flag.item()) for flag in flags.values())
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         """Unscale, then step unless a gradient is inf or NaN; the scale update waits (module docstring).

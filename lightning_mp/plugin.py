@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -535,6 +535,17 @@ class MixedPrecision(Precision):
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale (and, in O2, move to the masters) the gradients before ``fabric.clip_gradients`` clips them."""
         self._fabric_steps().unscale_gradients(optimizer)
+
+    @override
+    def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:  # type: ignore[override]
+        """The parameters to clip; under Fabric none on a step that will be skipped (:meth:`FabricSteps.main_params`).
+
+        .. warning:: Under Fabric, after ``fabric.clip_gradients`` unscaled the gradients, this reads the inf/NaN
+            flag and synchronises the host with the device.
+        """
+        if self._fabric is not None:
+            return self._fabric.main_params(optimizer)
+        return super().main_params(optimizer)
 
     @override
     def teardown(self) -> None:

@@ -365,3 +365,18 @@ def test_two_models_with_their_own_optimizers_train_like_a_gan() -> None:
     stats = plugin.stats
     assert (stats.optimizer_steps, stats.skipped_steps) == (6, 1)
     assert plugin.scaler is not None and set(plugin.scaler.param_names.values()) >= {"0.weight", "2.bias"}
+
+
+def test_clipping_an_overflowing_step_clips_nothing_and_the_step_is_skipped() -> None:
+    """With Fabric's default error_if_nonfinite=True, clipping an inf step does not raise: it is skipped anyway."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    fabric, model, optimizer = setup(plugin)
+    weights = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(0)
+    fabric.backward(nn.functional.mse_loss(model(x), y))
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    total_norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.step()
+    assert float(total_norm) == 0.0
+    assert all(torch.equal(b, a) for b, a in zip(weights, model.parameters(), strict=True))
+    assert plugin.stats.skipped_steps == 1
