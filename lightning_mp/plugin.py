@@ -547,6 +547,16 @@ class MixedPrecision(Precision):
             return self._fabric.main_params(optimizer)
         return super().main_params(optimizer)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (and deep-copy) the settings and the state; under Fabric, after the pending scale update.
+
+        A copy keeps no tie to a running Fabric loop (its model and optimizers): it drives Fabric again once a
+        Fabric sets it up.
+        """
+        if self._fabric is not None:
+            self._fabric.settle()
+        return {**self.__dict__, "_fabric": None}
+
     @override
     def teardown(self) -> None:
         """Apply a pending Fabric scale update, so that the counters include the last step."""

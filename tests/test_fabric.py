@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -380,3 +381,15 @@ def test_clipping_an_overflowing_step_clips_nothing_and_the_step_is_skipped() ->
     assert float(total_norm) == 0.0
     assert all(torch.equal(b, a) for b, a in zip(weights, model.parameters(), strict=True))
     assert plugin.stats.skipped_steps == 1
+
+
+def test_the_plugin_pickles_and_deep_copies_mid_run() -> None:
+    """After a Fabric step the plugin still pickles and deep-copies, with the step's outcome in the copy."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0, inject=True)
+    for copied in (pickle.loads(pickle.dumps(plugin)), copy.deepcopy(plugin)):
+        assert copied.stats == plugin.stats
+        assert copied.stats.skipped_steps == 1
+    train_step(fabric, model, optimizer, seed=1)
+    assert plugin.stats.optimizer_steps == 2
