@@ -11,6 +11,19 @@ means the model no longer fits fp16's range: the run is silently not learning on
 
 Everything is read from ``plugin.stats``, a host-side snapshot the plugin refreshes after every optimizer step, so
 this callback never synchronises with the device on a single process.
+
+**Progress bar.** ``self.log("loss_scale", ..., prog_bar=True)`` would turn the float into a tensor on the model's
+device (a host-to-device copy) and Lightning would read it back with ``.item()`` for the bar, on every step. Instead
+the callback writes the Python float straight into ``trainer.progress_bar_metrics``, the dictionary the progress
+bar's ``get_metrics`` shows: no tensor, no copy, no synchronisation. Lightning runs user callbacks before its
+progress bar, so the bar shows the scale after this batch's step.
+
+**Cost under DDP**: one collective and one synchronisation per logging step. The four counters are stacked into one
+vector (this rank's overflow count stays a device tensor until then), gathered from every rank with a single
+``all_gather``, and read back with one ``.tolist()``; the maxima and the sum are taken on the host.
+
+Private names used: ``trainer._logger_connector`` through :mod:`lightning_mp.callbacks._logging`; the scaler's
+device overflow counter through :func:`lightning_mp.callbacks._scaler_view.scaler_view`.
 """
 
 from __future__ import annotations
@@ -29,7 +42,9 @@ from lightning_mp.callbacks._logging import (
     require_logger,
     require_mixed_precision,
     should_log,
+    validate_bool,
 )
+from lightning_mp.callbacks._scaler_view import scaler_view
 
 
 class LossScaleMonitor(Callback):
@@ -51,8 +66,11 @@ class LossScaleMonitor(Callback):
     **Distributed training.** The plugin all-reduces the found-inf flag before it decides to skip, so every rank
     skips the same steps and holds the same counters. The totals are therefore reduced across ranks with a maximum,
     not a sum: a step skipped on all ranks counts once, which is the number of optimizer updates the model lost.
-    ``precision/rank_overflows_total`` is the one total summed over ranks. These reductions cost two small collectives
-    per logging step; everything is written once, from rank zero.
+    ``precision/rank_overflows_total`` is the one total summed over ranks. All four are gathered in one collective per
+    logging step; everything is written once, from rank zero.
+
+    .. warning:: Under DDP a logging step synchronises the host once, to read the gathered counters. A single process
+        never synchronises, and the progress bar never does.
 
     Args:
         prog_bar: also show the loss scale on Lightning's progress bar, as ``loss_scale``.
@@ -72,9 +90,7 @@ class LossScaleMonitor(Callback):
     """
 
     def __init__(self, prog_bar: bool = False) -> None:
-        if not isinstance(prog_bar, bool):
-            raise ValueError(f"`prog_bar` must be True or False, got {prog_bar!r}.")
-        self.prog_bar = prog_bar
+        self.prog_bar = validate_bool("prog_bar", prog_bar)
         self._seen_optimizer_steps = 0
         self._seen_skipped_steps = 0
         self._window_start_optimizer_steps = 0
@@ -114,15 +130,16 @@ class LossScaleMonitor(Callback):
             return
 
         if self.prog_bar:
-            pl_module.log("loss_scale", stats.loss_scale, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            trainer.progress_bar_metrics["loss_scale"] = stats.loss_scale
 
         if not (should_log(trainer) or skipped):
             return
 
-        skipped_total, backoffs_total, growths_total = self._reduce_over_ranks(
-            trainer, (stats.skipped_steps, stats.scale_backoffs, stats.scale_growths), "max"
+        skipped_total, backoffs_total, growths_total, rank_overflows_total = _reduce_over_ranks(
+            trainer,
+            (stats.skipped_steps, stats.scale_backoffs, stats.scale_growths),
+            scaler_view(plugin).local_overflows,
         )
-        (rank_overflows_total,) = self._reduce_over_ranks(trainer, (plugin.local_overflows(),), "sum")
         window_steps = stats.optimizer_steps - self._window_start_optimizer_steps
         window_skips = stats.skipped_steps - self._window_start_skipped_steps
         self._window_start_optimizer_steps = stats.optimizer_steps
@@ -141,9 +158,21 @@ class LossScaleMonitor(Callback):
             step=logging_step(trainer),
         )
 
-    @staticmethod
-    def _reduce_over_ranks(trainer: pl.Trainer, counters: tuple[int, ...], reduce_op: str) -> tuple[int, ...]:
-        if trainer.world_size == 1:
-            return counters
-        values = torch.tensor(counters, dtype=torch.int64, device=trainer.strategy.root_device)
-        return tuple(int(value) for value in trainer.strategy.reduce(values, reduce_op=reduce_op).tolist())
+
+def _reduce_over_ranks(
+    trainer: pl.Trainer, shared_counters: tuple[int, ...], local_overflows: torch.Tensor | int
+) -> tuple[int, ...]:
+    """Maxima of ``shared_counters`` (skipped steps first) and the sum of ``local_overflows``, in one collective.
+
+    .. warning:: Under DDP this synchronises the host once (``.tolist()``); in a single process it never does.
+    """
+    if trainer.world_size == 1:
+        # One process: its own overflows are the skipped steps, and reading a device counter would synchronise.
+        return (*shared_counters, shared_counters[0])
+    device = trainer.strategy.root_device
+    local = torch.as_tensor(local_overflows, dtype=torch.float64, device=device).reshape(1)
+    # Counters stay far below 2**53, so float64 carries them exactly.
+    counters = torch.cat([torch.tensor(shared_counters, dtype=torch.float64).to(device, non_blocking=True), local])
+    per_rank = trainer.strategy.all_gather(counters).reshape(-1, counters.numel()).tolist()
+    maxima = [int(max(row[column] for row in per_rank)) for column in range(len(shared_counters))]
+    return (*maxima, int(sum(row[-1] for row in per_rank)))
