@@ -38,8 +38,9 @@ a clean step never reads anything.
 
 - a step that does not log: one op (the batched ``max |g|``), no synchronisation;
 - a logging step: one ``view`` per gradient, one ``cat`` into a flat float32 copy, then one op per statistic and
-  one ``histc`` for the whole histogram (:func:`lightning_mp._gradients.gradient_summary`), and one transfer of
-  the resulting vector to the host. The flat copy holds twice the gradients' size for the duration of the hook;
+  one ``histc`` for the whole histogram (:func:`lightning_mp._gradients.gradient_summary`). The resulting vector
+  is read at the end of the batch in the one transfer the monitors share (:mod:`lightning_mp.callbacks._host_reads`).
+  The flat copy holds twice the gradients' size for the duration of the hook;
 - a skipped step: one more transfer, of one number per parameter tensor.
 
 Private names used: ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``, to know whether a
@@ -63,6 +64,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp._gradients import LOG2_HISTOGRAM_RANGE, SUMMARY_FIELDS, gradient_summary, largest_magnitudes
+from lightning_mp.callbacks._host_reads import Consumer, host_reads
 from lightning_mp.callbacks._logging import (
     log_scalars,
     log_text,
@@ -136,6 +138,7 @@ class GradientHealthMonitor(Callback):
         self.log_histogram = validate_bool("log_histogram", log_histogram)
         self._skips_reported = 0
         self._capture: _Capture | None = None
+        self._summary: tuple[torch.Tensor, Consumer] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -143,6 +146,7 @@ class GradientHealthMonitor(Callback):
             return
         require_logger(trainer, type(self).__name__)
         require_mixed_precision(trainer, type(self).__name__)
+        host_reads(trainer).join(self)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -165,7 +169,7 @@ class GradientHealthMonitor(Callback):
         self._capture = _Capture(dense, largest_magnitudes([p.grad for p in dense]), plugin.stats.optimizer_steps)
         if should_log(trainer) and trainer.is_global_zero:
             grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in parameters]
-            self._log_summary(trainer, grads, optimizer)
+            self._summary = self._summarise(trainer, grads, optimizer)
 
     @override
     def on_train_batch_end(
@@ -177,31 +181,43 @@ class GradientHealthMonitor(Callback):
         batch_idx: int,
     ) -> None:
         self._report_if_skipped(trainer, pl_module)
+        summary, self._summary = self._summary, None
+        host_reads(trainer).submit(trainer, self, *(summary or (None, None)))
 
-    def _log_summary(self, trainer: pl.Trainer, grads: list[torch.Tensor], optimizer: Optimizer) -> None:
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        host_reads(trainer).leave(self)
+        self._summary = self._capture = None
+
+    def _summarise(
+        self, trainer: pl.Trainer, grads: list[torch.Tensor], optimizer: Optimizer
+    ) -> tuple[torch.Tensor, Consumer]:
+        """The gradient summary on the device, and the function that logs it once it has been read."""
         plugin = require_mixed_precision(trainer, type(self).__name__)
         loss_scale = plugin.stats.loss_scale if plugin.scaler is not None else 1.0
         # A fused optimizer unscales inside its own step, so its gradients still carry the scale here.
         scale_in_grads = loss_scale if _optimizer_handles_unscaling(optimizer) else 1.0
-        shift = math.log2(loss_scale / scale_in_grads)
-        values = gradient_summary(grads, log2_shift=shift).tolist()
-        head = dict(zip(SUMMARY_FIELDS, values, strict=False))
-        bucket_counts = values[len(SUMMARY_FIELDS) :]
-        if not math.isfinite(head["norm"]):
-            return
         elements = sum(grad.numel() for grad in grads)
-        metrics = {
-            "precision/grad_norm": head["norm"] / scale_in_grads,
-            "precision/grad_zero_fraction": 1.0 - head["nonzero"] / elements,
-        }
-        if plugin.half_dtype == torch.float16 and head["largest"] > 0:
-            largest_scaled = head["largest"] * loss_scale / scale_in_grads
-            metrics["precision/grad_headroom_log2"] = math.log2(_FP16_MAX / largest_scaled)
+        in_fp16 = plugin.half_dtype == torch.float16
         step = logging_step(trainer)
-        log_scalars(trainer, metrics, step=step)
         writers = tensorboard_writers(trainer) if self.log_histogram else []
-        if writers:
-            _log_magnitude_histogram(writers, bucket_counts, step)
+
+        def log(values: list[float]) -> None:
+            head = dict(zip(SUMMARY_FIELDS, values, strict=False))
+            if not math.isfinite(head["norm"]):
+                return
+            metrics = {
+                "precision/grad_norm": head["norm"] / scale_in_grads,
+                "precision/grad_zero_fraction": 1.0 - head["nonzero"] / elements,
+            }
+            if in_fp16 and head["largest"] > 0:
+                largest_scaled = head["largest"] * loss_scale / scale_in_grads
+                metrics["precision/grad_headroom_log2"] = math.log2(_FP16_MAX / largest_scaled)
+            log_scalars(trainer, metrics, step=step)
+            if writers:
+                _log_magnitude_histogram(writers, values[len(SUMMARY_FIELDS) :], step)
+
+        return gradient_summary(grads, log2_shift=math.log2(loss_scale / scale_in_grads)), log
 
     def _report_if_skipped(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         stats = require_mixed_precision(trainer, type(self).__name__).stats

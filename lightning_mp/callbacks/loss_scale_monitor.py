@@ -18,9 +18,10 @@ the callback writes the Python float straight into ``trainer.progress_bar_metric
 bar's ``get_metrics`` shows: no tensor, no copy, no synchronisation. Lightning runs user callbacks before its
 progress bar, so the bar shows the scale after this batch's step.
 
-**Cost under DDP**: one collective and one synchronisation per logging step. The four counters are stacked into one
-vector (this rank's overflow count stays a device tensor until then), gathered from every rank with a single
-``all_gather``, and read back with one ``.tolist()``; the maxima and the sum are taken on the host.
+**Cost under DDP**: one collective per logging step, and no synchronisation of its own. The four counters are
+stacked into one vector (this rank's overflow count stays a device tensor until then) and gathered from every rank
+with a single ``all_gather``; the result is read back in the one transfer the monitors share per batch
+(:mod:`lightning_mp.callbacks._host_reads`), and the maxima and the sum are taken on the host.
 
 Private names used: ``trainer._logger_connector`` through :mod:`lightning_mp.callbacks._logging`; the scaler's
 device overflow counter through :func:`lightning_mp.callbacks._scaler_view.scaler_view`.
@@ -36,6 +37,7 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
+from lightning_mp.callbacks._host_reads import host_reads
 from lightning_mp.callbacks._logging import (
     log_scalars,
     logging_step,
@@ -102,6 +104,7 @@ class LossScaleMonitor(Callback):
             return
         require_logger(trainer, type(self).__name__)
         require_mixed_precision(trainer, type(self).__name__)
+        host_reads(trainer).join(self)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -125,54 +128,72 @@ class LossScaleMonitor(Callback):
         skipped = stats.skipped_steps > self._seen_skipped_steps
         self._seen_optimizer_steps = stats.optimizer_steps
         self._seen_skipped_steps = stats.skipped_steps
-        if not stepped:
-            # Accumulating gradients: nothing changed since the last batch.
-            return
-
-        if self.prog_bar:
+        if stepped and self.prog_bar:
             trainer.progress_bar_metrics["loss_scale"] = stats.loss_scale
-
-        if not (should_log(trainer) or skipped):
+        # Accumulating gradients, nothing changed since the last batch; or not a step to log.
+        if not stepped or not (should_log(trainer) or skipped):
+            host_reads(trainer).submit(trainer, self)
             return
 
-        skipped_total, backoffs_total, growths_total, rank_overflows_total = _reduce_over_ranks(
-            trainer,
-            (stats.skipped_steps, stats.scale_backoffs, stats.scale_growths),
-            scaler_view(plugin).local_overflows,
-        )
         window_steps = stats.optimizer_steps - self._window_start_optimizer_steps
         window_skips = stats.skipped_steps - self._window_start_skipped_steps
         self._window_start_optimizer_steps = stats.optimizer_steps
         self._window_start_skipped_steps = stats.skipped_steps
+        step = logging_step(trainer)
+        shared_counters = (stats.skipped_steps, stats.scale_backoffs, stats.scale_growths)
 
-        log_scalars(
-            trainer,
-            {
-                "precision/loss_scale": stats.loss_scale,
-                "precision/skipped_steps_total": skipped_total,
-                "precision/skip_rate": window_skips / window_steps,
-                "precision/scale_backoffs_total": backoffs_total,
-                "precision/scale_growths_total": growths_total,
-                "precision/rank_overflows_total": rank_overflows_total,
-            },
-            step=logging_step(trainer),
-        )
+        def log(per_rank: list[float]) -> None:
+            skipped_total, backoffs_total, growths_total, rank_overflows_total = _reduce_over_ranks(
+                per_rank, len(shared_counters) + 1
+            )
+            log_scalars(
+                trainer,
+                {
+                    "precision/loss_scale": stats.loss_scale,
+                    "precision/skipped_steps_total": skipped_total,
+                    "precision/skip_rate": window_skips / window_steps,
+                    "precision/scale_backoffs_total": backoffs_total,
+                    "precision/scale_growths_total": growths_total,
+                    "precision/rank_overflows_total": rank_overflows_total,
+                },
+                step=step,
+            )
+
+        if trainer.world_size == 1:
+            # One process: its own overflows are the skipped steps, and reading a device counter would synchronise.
+            host_reads(trainer).submit(trainer, self)
+            log([*shared_counters, stats.skipped_steps])
+            return
+        gathered = _gather_counters(trainer, shared_counters, scaler_view(plugin).local_overflows)
+        host_reads(trainer).submit(trainer, self, gathered, log)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        host_reads(trainer).leave(self)
 
 
-def _reduce_over_ranks(
+def _gather_counters(
     trainer: pl.Trainer, shared_counters: tuple[int, ...], local_overflows: torch.Tensor | int
-) -> tuple[int, ...]:
-    """Maxima of ``shared_counters`` (skipped steps first) and the sum of ``local_overflows``, in one collective.
+) -> torch.Tensor:
+    """Every rank's counters, ``shared_counters`` then this rank's overflows, gathered in one collective.
 
-    .. warning:: Under DDP this synchronises the host once (``.tolist()``); in a single process it never does.
+    The result stays on the device, shaped ``(world_size * (len(shared_counters) + 1),)``; nothing is read here.
     """
-    if trainer.world_size == 1:
-        # One process: its own overflows are the skipped steps, and reading a device counter would synchronise.
-        return (*shared_counters, shared_counters[0])
     device = trainer.strategy.root_device
     local = torch.as_tensor(local_overflows, dtype=torch.float64, device=device).reshape(1)
     # Counters stay far below 2**53, so float64 carries them exactly.
     counters = torch.cat([torch.tensor(shared_counters, dtype=torch.float64).to(device, non_blocking=True), local])
-    per_rank = trainer.strategy.all_gather(counters).reshape(-1, counters.numel()).tolist()
-    maxima = [int(max(row[column] for row in per_rank)) for column in range(len(shared_counters))]
-    return (*maxima, int(sum(row[-1] for row in per_rank)))
+    return trainer.strategy.all_gather(counters).reshape(-1)
+
+
+def _reduce_over_ranks(per_rank: list[float], width: int) -> tuple[int, ...]:
+    """Maxima of the shared counters over the ranks, and the sum of the last column (each rank's own overflows).
+
+    Example:
+        >>> _reduce_over_ranks([2.0, 1.0, 0.0, 2.0, 2.0, 1.0, 0.0, 0.0], width=4)
+        (2, 1, 0, 2)
+
+    """
+    rows = [per_rank[start : start + width] for start in range(0, len(per_rank), width)]
+    maxima = [int(max(row[column] for row in rows)) for column in range(width - 1)]
+    return (*maxima, int(sum(row[-1] for row in rows)))

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+from ddp_scripts.launch import clean_environment, finish
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -107,3 +113,36 @@ def test_loss_scale_on_the_progress_bar_costs_no_sync_and_no_copy(tmp_path, lang
     assert "loss_scale=1024.0" in shown_bar.train_progress_bar.postfix
     assert shown_counts.syncs == hidden_counts.syncs
     assert shown_counts.host_to_device_copies == hidden_counts.host_to_device_copies
+
+
+DDP_SCRIPT = Path(__file__).with_name("ddp_monitor_costs.py")
+
+
+def start_ddp_costs(out: Path, monitors: bool) -> subprocess.Popen:
+    """Start ``ddp_monitor_costs.py`` on 2 gloo processes; it writes each rank's per-batch costs under ``out``."""
+    out.mkdir()
+    return subprocess.Popen(
+        [sys.executable, str(DDP_SCRIPT), "--out", str(out), *(["--monitors"] if monitors else [])],
+        env=clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_ddp_logging_step_reduces_every_counter_in_one_collective_and_one_sync(tmp_path):
+    """Under DDP (2 processes) a logging step adds 1 collective and 1 sync, and other steps add neither."""
+    # Both runs at once: the start-up of four interpreters, not the six steps, is what takes time.
+    runs = {name: start_ddp_costs(tmp_path / name, monitors=name == "monitored") for name in ("plain", "monitored")}
+    for process in runs.values():
+        finish(process, timeout=60)
+    plain, monitored = (
+        [json.loads((tmp_path / name / f"rank{rank}.json").read_text()) for rank in range(2)] for name in runs
+    )
+    for rank in range(2):
+        for batch, (before, after) in enumerate(zip(plain[rank], monitored[rank], strict=True)):
+            logging = batch in logging_batches()
+            assert after["collectives"] - before["collectives"] == int(logging), (rank, batch)
+            assert after["syncs"] - before["syncs"] == int(logging), (rank, batch, after["sync_ops"])
+            assert after["ops"] - before["ops"] <= (0.25 * before["ops"] if logging else 2), (rank, batch)
