@@ -4,7 +4,8 @@
 Watches for the precision failures that do not crash, do not produce a NaN and do not show in the loss curve for a
 long time, warns once about each with the fix, and draws per-layer heatmaps of them over the steps.
 
-**What it measures.** Every ``every_n_steps`` training steps (a *sampled* step) and on rank zero only:
+**What it measures.** On the first training step and then every ``every_n_steps`` steps (a *sampled* step, at the
+same steps as Lightning's ``log_every_n_steps=every_n_steps``), on rank zero only:
 
 - **Activation headroom**, per layer: ``log2(65504 / max |output|)``, the number of doublings left before the
   layer's output overflows fp16. Forward hooks on the leaf modules take one ``max |output|`` each (one op per layer)
@@ -134,7 +135,8 @@ class PrecisionSentinel(Callback):
     .. warning:: A sampled step synchronises the host once, in the transfer the monitors share. Other steps never do.
 
     Args:
-        every_n_steps: sample every this many training steps (the first step is always sampled).
+        every_n_steps: sample every this many training steps, at the steps ``log_every_n_steps`` would log (the
+            first step is always sampled, so that misconfigurations show at once).
         stale_update_share: warn when a layer's share of stale updates reaches this, in (0, 1].
         underflow_growth: warn when the share of zero gradients has grown by this much (in (0, 1]) while the loss
             scale is at its ceiling.
@@ -201,7 +203,8 @@ class PrecisionSentinel(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = logging_step(trainer)
-        self._sampling = trainer.is_global_zero and step % self.every_n_steps == 0
+        # The first step, then the steps Lightning logs at with log_every_n_steps=every_n_steps.
+        self._sampling = trainer.is_global_zero and (step == 0 or (step + 1) % self.every_n_steps == 0)
         if self.samples and self.samples[-1].step == step:
             self._sampling = False  # gradient accumulation: the step was sampled on its first batch
         if not self._sampling:
