@@ -364,7 +364,7 @@ class PrecisionSentinel(Callback):
             if tensor.dtype in _HALF_NAMES:
                 self._output_dtypes.add(_HALF_NAMES[tensor.dtype])
             with torch.no_grad():
-                largest = torch.linalg.vector_norm(tensor.detach(), ord=math.inf, dtype=torch.float32)
+                largest = torch.linalg.vector_norm(tensor, ord=math.inf, dtype=torch.float32)
             self._activation_maxima.append((layer, largest))
 
         return hook
@@ -401,7 +401,7 @@ def _update_counts(snapshots: list[_Snapshot]) -> torch.Tensor:
         parameters = [p for snapshot in snapshots for p in snapshot.parameters]
         before = [w for snapshot in snapshots for w in snapshot.weights_before]
         grad_signs = [s for snapshot in snapshots for s in snapshot.grad_signs]
-        moved = torch._foreach_sub([p.detach() for p in parameters], before)
+        moved = torch._foreach_sub(parameters, before)
         torch._foreach_sign_(moved)
         torch._foreach_mul_(moved, grad_signs)
         with_gradient = torch._foreach_norm(grad_signs, 0)

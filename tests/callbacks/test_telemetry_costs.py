@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_mp import MixedPrecision
-from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
 from lightning_mp.counting import StepCounts, count_syncs_and_ops
 
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
@@ -43,15 +43,21 @@ def per_batch_costs(
     return recorder.per_batch
 
 
-@pytest.fixture(scope="module", params=["adamw", "sgd"])
+@pytest.fixture(
+    scope="module", params=[("adamw", False), ("sgd", False), ("adamw", True)], ids=["adamw", "sgd", "with-sentinel"]
+)
 def plain_and_monitored(
     request, tmp_path_factory, language_model, cost_recorder
 ) -> tuple[list[StepCounts], list[StepCounts]]:
-    """The same fp16 O1 LM run twice, without and with all three monitors logging every third step."""
+    """The same fp16 O1 LM run twice, without and with all three monitors logging every third step (and, in one
+    variant, the precision sentinel sampling at the same steps)."""
+    optimizer, with_sentinel = request.param
     root = tmp_path_factory.mktemp("costs")
-    plain = per_batch_costs(root, [], "plain", request.param, language_model, cost_recorder)
+    plain = per_batch_costs(root, [], "plain", optimizer, language_model, cost_recorder)
     monitors = [LossScaleMonitor(), GradientHealthMonitor(), LayerDtypeMonitor(every_n_steps=LOG_EVERY)]
-    monitored = per_batch_costs(root, monitors, "monitored", request.param, language_model, cost_recorder)
+    if with_sentinel:
+        monitors.append(PrecisionSentinel(every_n_steps=LOG_EVERY))
+    monitored = per_batch_costs(root, monitors, "monitored", optimizer, language_model, cost_recorder)
     return plain, monitored
 
 
@@ -70,9 +76,10 @@ def test_monitors_add_no_sync_and_at_most_two_ops_between_logging_steps(plain_an
 
 
 def test_a_logging_step_adds_one_sync_and_a_quarter_of_a_step_at_most(plain_and_monitored):
-    """A logging step with all three monitors adds at most 1 sync and at most 25% of a plain step's ops."""
+    """A logging step with all three monitors (and the sentinel's sample, and its first-step sample) adds at most
+    1 sync and at most 25% of a plain step's ops."""
     plain, monitored = plain_and_monitored
-    for batch in sorted(logging_batches()):
+    for batch in sorted(logging_batches() | {0}):
         assert monitored[batch].syncs - plain[batch].syncs <= 1, monitored[batch].sync_ops
         added = monitored[batch].ops - plain[batch].ops
         assert added <= 0.25 * plain[batch].ops, monitored[batch].ops_by_name - plain[batch].ops_by_name
