@@ -25,8 +25,10 @@ stepped tensor, the sign of the gradient and a copy of the weight, taken in ``on
 the batch it takes the sign of ``w_after - w_before`` (exactly zero if and only if the stored value did not change:
 IEEE subtraction of two different floats is never zero). An element is *stale* if its gradient was non-zero and its
 weight did not move; per tensor that is ``count(sign(g) != 0) - count(sign(g) * sign(dw) != 0)``, two batched
-L0 norms. Groups with ``lr == 0`` are left out, and a step on which no element moved at all (a skipped step) is not
-counted. The whole measurement is a handful of ``torch._foreach_*`` ops whatever the number of tensors, and costs
+L0 norms. Groups with ``lr == 0`` are left out, and a skipped step is not counted:
+:class:`~lightning_mp.MixedPrecision` says which steps it skipped; under another plugin a step on which no element
+moved at all is taken as skipped (so there a model whose every update is lost reads as skipped, not as stale). The
+whole measurement is a handful of ``torch._foreach_*`` ops whatever the number of tensors, and costs
 one copy of the weights and one of the gradient signs, on sampled steps only. Optimizers that step fp32 master
 weights (opt level O2) show no stale updates, which is exactly why masters exist.
 
@@ -184,6 +186,7 @@ class PrecisionSentinel(Callback):
         self._handles: list[RemovableHandle] = []
         self._activation_maxima: list[tuple[str, torch.Tensor]] = []
         self._snapshots: list[_Snapshot] = []
+        self._skipped_before: int | None = None
 
     # ------------------------------------------------------------------------------------------------ hooks
 
@@ -209,6 +212,8 @@ class PrecisionSentinel(Callback):
             self._sampling = False  # gradient accumulation: the step was sampled on its first batch
         if not self._sampling:
             return
+        plugin = trainer.precision_plugin
+        self._skipped_before = plugin.stats.skipped_steps if isinstance(plugin, MixedPrecision) else None
         for name, module in pl_module.named_modules():
             is_leaf = next(module.children(), None) is None
             if is_leaf or next(module.parameters(recurse=False), None) is not None:
@@ -263,6 +268,12 @@ class PrecisionSentinel(Callback):
         names = _parameter_names(trainer, pl_module)
         parameter_layers = [_layer_of(names.get(id(p), "unnamed")) for p in parameters]
         sizes = [p.numel() for p in parameters]
+        plugin = trainer.precision_plugin
+        skipped = (
+            plugin.stats.skipped_steps > self._skipped_before
+            if isinstance(plugin, MixedPrecision) and self._skipped_before is not None
+            else None
+        )
         # The parameter dtypes are known on the host; collect them now, before an opt level can swap tensors.
         parameter_half = {_HALF_NAMES[p.dtype] for p in pl_module.parameters() if p.dtype in _HALF_NAMES}
 
@@ -272,7 +283,7 @@ class PrecisionSentinel(Callback):
                 sample.headroom[layer] = min(sample.headroom.get(layer, math.inf), headroom_log2(value))
             counts = values[len(layers) :]
             if counts:
-                _per_layer_shares(sample, parameter_layers, sizes, counts)
+                _per_layer_shares(sample, parameter_layers, sizes, counts, skipped)
             self._record(trainer, pl_module, sample, parameter_half)
 
         host_reads(trainer).submit(trainer, self, torch.cat([v.reshape(-1).float() for v in device_values]), consume)
@@ -409,10 +420,17 @@ def _update_counts(snapshots: list[_Snapshot]) -> torch.Tensor:
         return torch.stack([*with_gradient, *with_gradient_and_moved]).float()
 
 
-def _per_layer_shares(sample: _Sample, layers: list[str], sizes: list[int], counts: list[float]) -> None:
-    """Fill the underflow and stale shares per layer from the per-tensor counts; a skipped step gives no stale share."""
+def _per_layer_shares(
+    sample: _Sample, layers: list[str], sizes: list[int], counts: list[float], skipped: bool | None
+) -> None:
+    """Fill the underflow and stale shares per layer from the per-tensor counts; a skipped step gives no stale share.
+
+    ``skipped`` is None where the plugin does not say; a step on which no element moved is then taken as skipped.
+    """
     tensors = len(layers)
     with_gradient, moved = counts[:tensors], counts[tensors : 2 * tensors]
+    if skipped is None:
+        skipped = sum(moved) == 0
     totals: dict[str, list[float]] = {}
     for layer, size, active, changed in zip(layers, sizes, with_gradient, moved, strict=True):
         total = totals.setdefault(layer, [0.0, 0.0, 0.0])
@@ -421,7 +439,7 @@ def _per_layer_shares(sample: _Sample, layers: list[str], sizes: list[int], coun
         total[2] += changed
     for layer, (size, active, changed) in totals.items():
         sample.underflow[layer] = 1.0 - active / size
-        if sum(moved) > 0 and active > 0:
+        if not skipped and active > 0:
             sample.stale[layer] = (active - changed) / active
     sample.underflow[_ALL_LAYERS] = 1.0 - sum(with_gradient) / sum(sizes)
 
