@@ -17,8 +17,8 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from conftest import BatchCostRecorder, TinyLanguageModel
 from lightning.pytorch.loggers import TensorBoardLogger
+from telemetry_helpers import BatchCostRecorder, TinyLanguageModel
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor

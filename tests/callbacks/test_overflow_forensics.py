@@ -9,6 +9,7 @@ import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
+from telemetry_helpers import BatchCostRecorder, read_events
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -73,7 +74,7 @@ def fit_manual(tmp_path, zero_grad_first: bool, callbacks: list, name: str = "ru
 
 
 @pytest.mark.parametrize("zero_grad_first", [False, True], ids=["step-then-zero_grad", "zero_grad-first"])
-def test_manual_optimization_names_the_culprit_in_either_zero_grad_order(tmp_path, zero_grad_first, events):
+def test_manual_optimization_names_the_culprit_in_either_zero_grad_order(tmp_path, zero_grad_first):
     """With backward, opt.step(), opt.zero_grad() (Lightning's documented order) or zero_grad first, each skip
     names head.weight in the warning and in the precision/overflow text."""
     with warnings.catch_warnings(record=True) as caught:
@@ -82,15 +83,15 @@ def test_manual_optimization_names_the_culprit_in_either_zero_grad_order(tmp_pat
     messages = [str(w.message) for w in caught if "were not finite" in str(w.message)]
     assert len(messages) == len(INJECT_AT)
     assert all("Non-finite gradients: head.weight [1, 16]." in message for message in messages)
-    entries = events(logger.log_dir).Tensors("precision/overflow/text_summary")
+    entries = read_events(logger.log_dir).Tensors("precision/overflow/text_summary")
     assert len(entries) == len(INJECT_AT)
     assert all(b"`head.weight` | [1, 16]" in entry.tensor_proto.string_val[0] for entry in entries)
 
 
-def test_culprits_are_read_in_one_transfer_on_a_skipped_step_only(tmp_path, cost_recorder):
+def test_culprits_are_read_in_one_transfer_on_a_skipped_step_only(tmp_path):
     """Naming the culprits adds exactly one host sync to a skipped step, whatever the parameter count, and none to
     a clean step."""
-    plain, monitored = cost_recorder(), cost_recorder()
+    plain, monitored = BatchCostRecorder(), BatchCostRecorder()
     fit_manual(tmp_path, False, [plain.opener(), plain.closer()], name="plain")
     fit_manual(tmp_path, False, [monitored.opener(), GradientHealthMonitor(), monitored.closer()], name="monitored")
     for batch, (before, after) in enumerate(zip(plain.per_batch, monitored.per_batch, strict=True)):

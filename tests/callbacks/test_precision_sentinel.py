@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from matplotlib.image import imread
+from telemetry_helpers import read_events
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -192,12 +193,12 @@ def test_fp16_without_a_loss_scaler_is_a_misconfiguration(tmp_path):
     assert "dynamic loss scale" in found["fp16_without_scaling"]
 
 
-def test_heatmaps_are_written_to_tensorboard_as_images(tmp_path, events):
+def test_heatmaps_are_written_to_tensorboard_as_images(tmp_path):
     """Three per-layer heatmaps come back from the event file as images, redrawn every 2 samples and at the end."""
     _, sentinel, logger = sentinel_warnings(
         tmp_path, Regressor(lr=1e-4), MixedPrecision("bf16-mixed", opt_level="O3"), max_steps=5
     )
-    accumulator = events(logger.log_dir)
+    accumulator = read_events(logger.log_dir)
     assert set(HEATMAP_TAGS) <= set(accumulator.Tags()["images"])
     for tag in HEATMAP_TAGS:
         images = accumulator.Images(tag)

@@ -12,6 +12,7 @@ from ddp_scripts.launch import clean_environment, finish
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
+from telemetry_helpers import BatchCostRecorder, TinyLanguageModel
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
@@ -23,10 +24,8 @@ LOG_EVERY = 3
 MAX_STEPS = 6
 
 
-def per_batch_costs(
-    tmp_path, monitors: list, name: str, optimizer: str, language_model, cost_recorder
-) -> list[StepCounts]:
-    recorder = cost_recorder()
+def per_batch_costs(tmp_path, monitors: list, name: str, optimizer: str) -> list[StepCounts]:
+    recorder = BatchCostRecorder()
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -39,25 +38,23 @@ def per_batch_costs(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(language_model(optimizer=optimizer))
+    trainer.fit(TinyLanguageModel(optimizer=optimizer))
     return recorder.per_batch
 
 
 @pytest.fixture(
     scope="module", params=[("adamw", False), ("sgd", False), ("adamw", True)], ids=["adamw", "sgd", "with-sentinel"]
 )
-def plain_and_monitored(
-    request, tmp_path_factory, language_model, cost_recorder
-) -> tuple[list[StepCounts], list[StepCounts]]:
+def plain_and_monitored(request, tmp_path_factory) -> tuple[list[StepCounts], list[StepCounts]]:
     """The same fp16 O1 LM run twice, without and with all three monitors logging every third step (and, in one
     variant, the precision sentinel sampling at the same steps)."""
     optimizer, with_sentinel = request.param
     root = tmp_path_factory.mktemp("costs")
-    plain = per_batch_costs(root, [], "plain", optimizer, language_model, cost_recorder)
+    plain = per_batch_costs(root, [], "plain", optimizer)
     monitors = [LossScaleMonitor(), GradientHealthMonitor(), LayerDtypeMonitor(every_n_steps=LOG_EVERY)]
     if with_sentinel:
         monitors.append(PrecisionSentinel(every_n_steps=LOG_EVERY))
-    monitored = per_batch_costs(root, monitors, "monitored", optimizer, language_model, cost_recorder)
+    monitored = per_batch_costs(root, monitors, "monitored", optimizer)
     return plain, monitored
 
 
@@ -94,7 +91,7 @@ def test_gradient_histogram_is_one_batched_op(plain_and_monitored):
     assert sum(count for name, count in added.items() if "scatter" in name or "log2" in name) == 1
 
 
-def fit_with_progress_bar(tmp_path, prog_bar: bool, language_model) -> tuple[StepCounts, TQDMProgressBar]:
+def fit_with_progress_bar(tmp_path, prog_bar: bool) -> tuple[StepCounts, TQDMProgressBar]:
     bar = TQDMProgressBar(refresh_rate=1)
     trainer = Trainer(
         accelerator="cpu",
@@ -107,16 +104,16 @@ def fit_with_progress_bar(tmp_path, prog_bar: bool, language_model) -> tuple[Ste
         enable_checkpointing=False,
         enable_model_summary=False,
     )
-    model = language_model(optimizer="sgd")
+    model = TinyLanguageModel(optimizer="sgd")
     with count_syncs_and_ops() as counts:
         trainer.fit(model)
     return counts, bar
 
 
-def test_loss_scale_on_the_progress_bar_costs_no_sync_and_no_copy(tmp_path, language_model):
+def test_loss_scale_on_the_progress_bar_costs_no_sync_and_no_copy(tmp_path):
     """prog_bar=True shows the scale on a real TQDM bar without one more sync or host-to-device copy in the run."""
-    shown_counts, shown_bar = fit_with_progress_bar(tmp_path, True, language_model)
-    hidden_counts, _ = fit_with_progress_bar(tmp_path, False, language_model)
+    shown_counts, shown_bar = fit_with_progress_bar(tmp_path, True)
+    hidden_counts, _ = fit_with_progress_bar(tmp_path, False)
     assert "loss_scale=1024.0" in shown_bar.train_progress_bar.postfix
     assert shown_counts.syncs == hidden_counts.syncs
     assert shown_counts.host_to_device_copies == hidden_counts.host_to_device_copies

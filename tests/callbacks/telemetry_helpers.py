@@ -1,4 +1,8 @@
-"""Helpers the telemetry tests share: a tiny language model, a per-batch cost recorder and an event-file reader."""
+"""Helpers the telemetry tests share: a tiny language model, a per-batch cost recorder and an event-file reader.
+
+A module of its own rather than a ``conftest.py``: the tests' root ``conftest`` module name is taken, and the DDP
+script imports these helpers too.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
@@ -90,21 +93,3 @@ def read_events(log_dir: str | Path) -> event_accumulator.EventAccumulator:
     )
     accumulator.Reload()
     return accumulator
-
-
-@pytest.fixture(scope="session")
-def language_model() -> type[TinyLanguageModel]:
-    """The tiny LM class; call it with ``optimizer="adamw"`` or ``"sgd"``."""
-    return TinyLanguageModel
-
-
-@pytest.fixture(scope="session")
-def cost_recorder() -> type[BatchCostRecorder]:
-    """The per-batch cost recorder class; one instance per run."""
-    return BatchCostRecorder
-
-
-@pytest.fixture(scope="session")
-def events() -> Any:
-    """The TensorBoard event reader, ``events(log_dir)``."""
-    return read_events
