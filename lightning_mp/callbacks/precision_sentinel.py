@@ -48,7 +48,8 @@ weights (opt level O2) show no stale updates, which is exactly why masters exist
 sampled steps across) go to every TensorBoard logger as images: ``precision_sentinel/activation_headroom_log2``,
 ``precision_sentinel/grad_underflow_share`` and ``precision_sentinel/stale_update_share``. Three scalars summarise
 each sample for every logger: ``precision_sentinel/min_activation_headroom_log2``,
-``precision_sentinel/grad_underflow_share`` and ``precision_sentinel/max_stale_update_share``.
+``precision_sentinel/total_grad_underflow_share`` and ``precision_sentinel/max_stale_update_share``. (A scalar and an
+image must not share a tag: TensorBoard's server would show only one of them.)
 
 **Cost.** A step that is not sampled costs nothing: no hook is attached and no op runs. A sampled step costs one op
 per leaf module, about ten batched ops for the gradients and weights, and its values join the one device-to-host
@@ -450,7 +451,7 @@ def _summary_scalars(sample: _Sample) -> dict[str, float]:
     if finite_headroom:
         scalars["precision_sentinel/min_activation_headroom_log2"] = min(finite_headroom)
     if _ALL_LAYERS in sample.underflow:
-        scalars["precision_sentinel/grad_underflow_share"] = sample.underflow[_ALL_LAYERS]
+        scalars["precision_sentinel/total_grad_underflow_share"] = sample.underflow[_ALL_LAYERS]
     if sample.stale:
         scalars["precision_sentinel/max_stale_update_share"] = max(sample.stale.values())
     return scalars

@@ -210,6 +210,8 @@ def test_heatmaps_are_written_to_tensorboard_as_images(tmp_path):
     scalars = accumulator.Tags()["scalars"]
     assert "precision_sentinel/max_stale_update_share" in scalars
     assert "precision_sentinel/min_activation_headroom_log2" in scalars
+    assert "precision_sentinel/total_grad_underflow_share" in scalars
+    assert not set(scalars) & set(accumulator.Tags()["images"]), "TensorBoard shows one plugin per tag"
 
 
 def test_rules_are_pure_functions_of_the_measurements():
