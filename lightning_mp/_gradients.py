@@ -1,4 +1,12 @@
-"""Gradient inspection shared by the scaler's error messages and the telemetry callbacks."""
+"""Gradient inspection shared by the scaler's error messages and the telemetry callbacks.
+
+:func:`nonfinite_gradients` reads each gradient (one sync per tensor) and is meant for rare paths such as an error
+message. The telemetry uses the batched functions: :func:`gradient_summary` turns all gradients into one device vector
+with a fixed number of ops, and :func:`largest_magnitudes` takes ``max |g|`` of every gradient in one op.
+
+Private torch name used: ``torch._foreach_norm``, the batched norm behind ``torch.nn.utils.clip_grad_norm_``'s foreach
+path (one dispatched op for any number of tensors; there is no public batched norm).
+"""
 
 from __future__ import annotations
 
@@ -61,7 +69,7 @@ def gradient_summary(grads: list[torch.Tensor], log2_shift: float = 0.0) -> torc
     ignores values outside its range, which drops exactly the zeros (``log2 0 = -inf``) and the infs and NaNs.
 
     Args:
-        grads: dense gradients on one device, of any floating dtype.
+        grads: dense gradients of any floating dtype; gradients on other devices are first copied to the first one's.
         log2_shift: added to every exponent before binning, e.g. ``log2(loss_scale)`` to show the scaled gradients.
 
     Returns:
@@ -75,6 +83,9 @@ def gradient_summary(grads: list[torch.Tensor], log2_shift: float = 0.0) -> torc
 
     """
     low, high = LOG2_HISTOGRAM_RANGE
+    device = grads[0].device
+    if any(grad.device != device for grad in grads):
+        grads = [grad.to(device) for grad in grads]
     with torch.no_grad():
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         if flat.dtype != torch.float32:

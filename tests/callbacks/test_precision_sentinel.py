@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import pickle
 import warnings
 from typing import Any
 
@@ -243,3 +244,11 @@ def test_every_argument_is_checked(argument, value, allowed):
     """A bad argument is rejected with its name, the value and what is allowed."""
     with pytest.raises(ValueError, match=rf"`{argument}` must be (an? )?{allowed}, got {value!r}"):
         PrecisionSentinel(**{argument: value})
+
+
+def test_sentinel_pickles_after_a_run(tmp_path):
+    """After fit the sentinel pickles (ddp_spawn and checkpoints need it) and keeps its samples and warnings."""
+    _, sentinel, _ = sentinel_warnings(tmp_path, Regressor(lr=1e-4), MixedPrecision("bf16-mixed", opt_level="O3"))
+    restored = pickle.loads(pickle.dumps(sentinel))
+    assert restored.warned == {"stale_updates"}
+    assert [sample.step for sample in restored.samples] == [sample.step for sample in sentinel.samples]
