@@ -58,8 +58,9 @@ host from numbers already read.
 
 Private names used: ``torch._foreach_sign``, ``torch._foreach_mul``, ``torch._foreach_sub``,
 ``torch._foreach_mul_``, ``torch._foreach_sign_`` and ``torch._foreach_norm``, the batched ops behind
-``torch.optim``'s foreach implementations (one dispatched op for all tensors); ``trainer._logger_connector`` and
-``trainer.fit_loop`` through the shared helpers.
+``torch.optim``'s foreach implementations (one dispatched op for all tensors);
+``trainer.fit_loop.epoch_loop._should_accumulate()``, to carry a sample over the micro-batches of an accumulated
+step; ``trainer._logger_connector`` and ``trainer.fit_loop`` through the shared helpers.
 """
 
 from __future__ import annotations
@@ -206,11 +207,11 @@ class PrecisionSentinel(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._sampling:
+            return  # still sampling the optimizer step that gradient accumulation delays
         step = logging_step(trainer)
         # The first step, then the steps Lightning logs at with log_every_n_steps=every_n_steps.
         self._sampling = trainer.is_global_zero and (step == 0 or (step + 1) % self.every_n_steps == 0)
-        if self.samples and self.samples[-1].step == step:
-            self._sampling = False  # gradient accumulation: the step was sampled on its first batch
         if not self._sampling:
             return
         plugin = trainer.precision_plugin
@@ -253,8 +254,12 @@ class PrecisionSentinel(Callback):
         if not self._sampling:
             host_reads(trainer).submit(trainer, self)
             return
-        self._sampling = False
         self._remove_hooks()
+        if not self._snapshots and trainer.fit_loop.epoch_loop._should_accumulate():
+            # Accumulating gradients: one micro-batch's activations are enough; the step comes on a later batch.
+            host_reads(trainer).submit(trainer, self)
+            return
+        self._sampling = False
         maxima, self._activation_maxima = self._activation_maxima, []
         snapshots, self._snapshots = self._snapshots, []
         parameters = [p for snapshot in snapshots for p in snapshot.parameters]

@@ -252,3 +252,16 @@ def test_sentinel_pickles_after_a_run(tmp_path):
     restored = pickle.loads(pickle.dumps(sentinel))
     assert restored.warned == {"stale_updates"}
     assert [sample.step for sample in restored.samples] == [sample.step for sample in sentinel.samples]
+
+
+def test_accumulated_steps_are_sampled_once_with_their_optimizer_step(tmp_path):
+    """With accumulate_grad_batches=2 each sampled optimizer step gives one sample, stale shares included."""
+    _, sentinel, _ = sentinel_warnings(
+        tmp_path,
+        Regressor(lr=1e-4),
+        MixedPrecision("bf16-mixed", opt_level="O3"),
+        max_steps=3,
+        accumulate_grad_batches=2,
+    )
+    assert [sample.step for sample in sentinel.samples] == [0, 1, 2]
+    assert all(sample.stale and sample.headroom for sample in sentinel.samples)
