@@ -1,6 +1,6 @@
 """Train the tiny LM under strategy="ddp" on 2 CPU processes and write each rank's per-batch costs as JSON.
 
-Run by ``test_telemetry_costs.py`` in a subprocess, once without and once with the three monitors::
+Run by ``test_telemetry_costs.py`` in a subprocess, once without and once with the three monitors and the sentinel::
 
     python ddp_monitor_costs.py --out DIR [--monitors]
 
@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from telemetry_helpers import BatchCostRecorder, TinyLanguageModel
 
 from lightning_mp import MixedPrecision
-from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
 
 LOG_EVERY = 3
 MAX_STEPS = 6
@@ -35,7 +35,12 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     recorder = BatchCostRecorder()
-    monitors = [LossScaleMonitor(), GradientHealthMonitor(), LayerDtypeMonitor(every_n_steps=LOG_EVERY)]
+    monitors = [
+        LossScaleMonitor(),
+        GradientHealthMonitor(),
+        LayerDtypeMonitor(every_n_steps=LOG_EVERY),
+        PrecisionSentinel(every_n_steps=LOG_EVERY),
+    ]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

@@ -136,7 +136,8 @@ def start_ddp_costs(out: Path, monitors: bool) -> subprocess.Popen:
 
 
 def test_ddp_logging_step_reduces_every_counter_in_one_collective_and_one_sync(tmp_path):
-    """Under DDP (2 processes) a logging step adds 1 collective and 1 sync, and other steps add neither."""
+    """Under DDP (2 processes) with the three monitors and the sentinel, a logging step adds 1 collective and at most
+    1 sync per rank, other steps add no collective and no sync (but the sentinel's first sample on rank 0)."""
     # Both runs at once: the start-up of four interpreters, not the six steps, is what takes time.
     runs = {name: start_ddp_costs(tmp_path / name, monitors=name == "monitored") for name in ("plain", "monitored")}
     for process in runs.values():
@@ -147,6 +148,8 @@ def test_ddp_logging_step_reduces_every_counter_in_one_collective_and_one_sync(t
     for rank in range(2):
         for batch, (before, after) in enumerate(zip(plain[rank], monitored[rank], strict=True)):
             logging = batch in logging_batches()
+            sentinel_sample = rank == 0 and batch == 0
             assert after["collectives"] - before["collectives"] == int(logging), (rank, batch)
-            assert after["syncs"] - before["syncs"] == int(logging), (rank, batch, after["sync_ops"])
-            assert after["ops"] - before["ops"] <= (0.25 * before["ops"] if logging else 2), (rank, batch)
+            assert after["syncs"] - before["syncs"] == int(logging or sentinel_sample), (rank, batch, after["sync_ops"])
+            budget = 0.25 * before["ops"] if logging or sentinel_sample else 2
+            assert after["ops"] - before["ops"] <= budget, (rank, batch)
