@@ -160,7 +160,7 @@ class StochasticRoundingStep:
     """
 
     def __init__(
-        self, optimizer: Optimizer, kahan: bool = False, seed: int | None = None, chunk_numel: int = 1 << 18
+        self, optimizer: Optimizer, kahan: bool = False, seed: int | None = None, chunk_numel: int = 1 << 19
     ) -> None:
         if not isinstance(optimizer, SUPPORTED_OPTIMIZERS):
             raise TypeError(
@@ -251,12 +251,12 @@ class StochasticRoundingStep:
         return chunks
 
     def _step_chunk(self, optimizer: Optimizer, group: dict[str, Any], chunk: _Chunk) -> None:
-        state_names, update = _update_rule(optimizer, group)
-        states = [self._state_of(optimizer, parameter, state_names, group) for parameter in chunk.params]
-        # Rows of the workspace: weights and states (rounded back to bf16), then gradients, then compensation.
+        device = chunk.params[0].device
+        state_names, update = _update_rule(optimizer, group, device)
+        states = [self._state_of(optimizer, parameter, state_names, self.kahan) for parameter in chunk.params]
+        # Workspace rows: the weights and states (rounded back to bf16 together), the gradients, the compensation.
         rounded_rows = 1 + len(state_names)
         rows = rounded_rows + 1 + (1 if self.kahan else 0)
-        device = chunk.params[0].device
         workspace = torch.empty(rows, chunk.numel, dtype=torch.float32, device=device)
         sizes = [parameter.numel() for parameter in chunk.params]
         shapes = [parameter.shape for parameter in chunk.params]
@@ -264,32 +264,26 @@ class StochasticRoundingStep:
         def views(row: int) -> list[Tensor]:
             return [piece.view(shape) for piece, shape in zip(workspace[row].split(sizes), shapes, strict=True)]
 
-        weights = views(0)
+        weights, grads = views(0), views(rounded_rows)
         state_views = {name: views(1 + index) for index, name in enumerate(state_names)}
-        grads = views(rounded_rows)
         torch._foreach_copy_(weights, chunk.params)
         torch._foreach_copy_(grads, chunk.grads)
-        fresh: dict[str, list[int]] = {}
         for name in state_names:
             saved = [state[name] for state in states]
             present = [index for index, tensor in enumerate(saved) if tensor is not None]
-            fresh[name] = [index for index, tensor in enumerate(saved) if tensor is None]
+            if len(present) < len(saved):
+                self._first_momentum(
+                    group,
+                    [state_views[name][i] for i in range(len(saved)) if i not in present],
+                    [grads[i] for i in range(len(saved)) if i not in present],
+                )
             if present:
                 torch._foreach_copy_([state_views[name][i] for i in present], [saved[i] for i in present])
         if self.kahan:
             compensation = [state[COMPENSATION_KEY] for state in states]
             torch._foreach_copy_(views(rows - 1), compensation)
             workspace[0].add_(workspace[rows - 1])
-        steps = [state["step"] for state in states if "step" in state]
-        inputs = {
-            name: [None if i in fresh[name] else state_views[name][i] for i in range(len(states))]
-            for name in state_names
-        }
-        update(weights, grads, inputs, steps, optimizer)
-        for name in state_names:
-            for index in fresh[name]:
-                # torch's rule created this state (SGD's first momentum buffer): bring it into the workspace.
-                state_views[name][index].copy_(inputs[name][index])
+        update(weights, grads, state_views, [state["step"] for state in states if "step" in state], optimizer)
         if self.kahan:
             workspace[rows - 1].copy_(workspace[0])
         stochastic_round_(workspace[:rounded_rows], self.generator(device))
@@ -297,26 +291,36 @@ class StochasticRoundingStep:
         for name in state_names:
             for index, state in enumerate(states):
                 if state[name] is None:
-                    state[name] = torch.empty_like(chunk.params[index])
+                    state[name] = torch.empty_like(chunk.params[index], memory_format=torch.preserve_format)
             torch._foreach_copy_([state[name] for state in states], state_views[name])
         if self.kahan:
             workspace[rows - 1].sub_(workspace[0])
             torch._foreach_copy_(compensation, views(rows - 1))
 
-    def _state_of(
-        self, optimizer: Optimizer, parameter: Tensor, state_names: Sequence[str], group: dict[str, Any]
-    ) -> dict[str, Any]:
+    @staticmethod
+    def _first_momentum(group: dict[str, Any], buffers: list[Tensor], grads: list[Tensor]) -> None:
+        """Start SGD momentum buffers so that torch's rule makes them equal to the gradient, as on its first step.
+
+        The rule computes ``momentum * buffer + (1 - dampening) * grad``; a buffer of ``grad * dampening /
+        momentum`` gives ``grad``, torch's first-step value, while other parameters of the chunk are past theirs.
+        """
+        torch._foreach_copy_(buffers, grads)
+        torch._foreach_mul_(buffers, group["dampening"] / group["momentum"])
+
+    @staticmethod
+    def _state_of(optimizer: Optimizer, parameter: Tensor, state_names: Sequence[str], kahan: bool) -> dict[str, Any]:
         state = optimizer.state[parameter]
-        if not state:
-            if isinstance(optimizer, Adam):
-                on_device = group.get("fused") or group.get("capturable")
-                state["step"] = torch.zeros((), dtype=torch.float32, device=parameter.device if on_device else None)
+        if isinstance(optimizer, Adam):
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=parameter.device)
                 for name in state_names:
                     state[name] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-            else:
-                for name in state_names:
-                    state[name] = None
-        if self.kahan and COMPENSATION_KEY not in state:
+            elif state["step"].device != parameter.device:
+                # torch loads a non-fused optimizer's step count onto the CPU; the fused rule needs it on the device.
+                state["step"] = state["step"].to(parameter.device)
+        for name in state_names:
+            state.setdefault(name, None)
+        if kahan and COMPENSATION_KEY not in state:
             state[COMPENSATION_KEY] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
         return state
 
@@ -338,20 +342,24 @@ class StochasticRoundingStep:
         return state_dict
 
 
-UpdateRule = Callable[[list[Tensor], list[Tensor], dict[str, list[Any]], list[Tensor], Optimizer], None]
+UpdateRule = Callable[[list[Tensor], list[Tensor], dict[str, list[Tensor]], list[Tensor], Optimizer], None]
+_FUSED_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia")
+"""Device types with torch's fused Adam/AdamW/SGD kernels (``torch.utils._foreach_utils``'s list, kept here)."""
 
 
-def _update_rule(optimizer: Optimizer, group: dict[str, Any]) -> tuple[list[str], UpdateRule]:
-    """The state tensors the optimizer keeps per parameter, and its torch update rule on fp32 workspaces."""
-    fused = bool(group.get("fused"))
-    # torch's foreach rules refuse a tensor learning rate unless capturable; its single-tensor rules take one.
-    foreach = None if fused else not (isinstance(group["lr"], Tensor) and not group.get("capturable", False))
+def _update_rule(optimizer: Optimizer, group: dict[str, Any], device: torch.device) -> tuple[list[str], UpdateRule]:
+    """The state tensors the optimizer keeps per parameter, and torch's update rule for the fp32 workspace.
+
+    torch's fused kernel where it has one for the device (one op for the whole chunk, no host sync), else foreach.
+    """
+    fused = device.type in _FUSED_DEVICE_TYPES
+    kernel = {"fused": True} if fused else {"foreach": True}
     if isinstance(optimizer, Adam):
         names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
         beta1, beta2 = group["betas"]
 
         def adam_rule(
-            weights: list[Tensor], grads: list[Tensor], states: dict[str, list[Any]], steps: list[Tensor], opt: Any
+            weights: list[Tensor], grads: list[Tensor], states: dict[str, list[Tensor]], steps: list[Tensor], opt: Any
         ) -> None:
             adam_rule_of_torch(
                 weights,
@@ -360,9 +368,7 @@ def _update_rule(optimizer: Optimizer, group: dict[str, Any]) -> tuple[list[str]
                 states["exp_avg_sq"],
                 states.get("max_exp_avg_sq", []),
                 steps,
-                foreach=foreach,
-                capturable=group.get("capturable", False),
-                fused=fused or None,
+                capturable=group.get("capturable", False) and not fused,
                 grad_scale=getattr(opt, "grad_scale", None) if fused else None,
                 decoupled_weight_decay=group.get("decoupled_weight_decay", False),
                 amsgrad=group["amsgrad"],
@@ -372,6 +378,7 @@ def _update_rule(optimizer: Optimizer, group: dict[str, Any]) -> tuple[list[str]
                 weight_decay=group["weight_decay"],
                 eps=group["eps"],
                 maximize=group["maximize"],
+                **kernel,
             )
 
         return names, adam_rule
@@ -380,15 +387,12 @@ def _update_rule(optimizer: Optimizer, group: dict[str, Any]) -> tuple[list[str]
     names = ["momentum_buffer"] if momentum != 0 else []
 
     def sgd_rule(
-        weights: list[Tensor], grads: list[Tensor], states: dict[str, list[Any]], steps: list[Tensor], opt: Any
+        weights: list[Tensor], grads: list[Tensor], states: dict[str, list[Tensor]], steps: list[Tensor], opt: Any
     ) -> None:
-        buffers = states.get("momentum_buffer", [None] * len(weights))
         sgd_rule_of_torch(
             weights,
             grads,
-            buffers,
-            foreach=foreach,
-            fused=fused or None,
+            states.get("momentum_buffer", [None] * len(weights)),  # type: ignore[arg-type]
             grad_scale=getattr(opt, "grad_scale", None) if fused else None,
             weight_decay=group["weight_decay"],
             momentum=momentum,
@@ -396,6 +400,7 @@ def _update_rule(optimizer: Optimizer, group: dict[str, Any]) -> tuple[list[str]
             dampening=group["dampening"],
             nesterov=group["nesterov"],
             maximize=group["maximize"],
+            **kernel,
         )
 
     return names, sgd_rule
