@@ -131,6 +131,34 @@ def stale_update_share(before: Tensor, after: Tensor, intended: Tensor) -> float
     return int((meant & (after == before)).sum()) / total
 
 
+def kept_update_share(before: Tensor, after: Tensor, intended: Tensor) -> float:
+    """How much of an update the stored values received: 1.0 when it is kept in expectation, 0.0 when all is lost.
+
+    ``sum((after - before) * sign(intended)) / sum(|intended|)``, in float64. Stochastic rounding keeps updates in
+    expectation (about 1.0 over many elements); round-to-nearest loses those below half a bf16 gap.
+
+    Args:
+        before: the stored values before the update.
+        after: the stored values after the update; same shape.
+        intended: the update that was meant; same shape.
+
+    Returns:
+        The share of the intended update that was applied; 0.0 when nothing was meant to change.
+
+    .. warning:: Returns a Python float: on an accelerator this synchronises with the device.
+
+    Example:
+        >>> kept_update_share(torch.zeros(2), torch.tensor([1.0, 0.0]), torch.ones(2))
+        0.5
+
+    """
+    magnitude = float(intended.double().abs().sum())
+    if magnitude == 0.0:
+        return 0.0
+    moved = (after.double() - before.double()) * intended.double().sign()
+    return float(moved.sum()) / magnitude
+
+
 @dataclass(frozen=True)
 class _Chunk:
     """Parameters updated together in one fp32 workspace, with their gradients and state tensors."""
@@ -268,21 +296,20 @@ class StochasticRoundingStep:
         state_views = {name: views(1 + index) for index, name in enumerate(state_names)}
         torch._foreach_copy_(weights, chunk.params)
         torch._foreach_copy_(grads, chunk.grads)
-        for name in state_names:
-            saved = [state[name] for state in states]
-            present = [index for index, tensor in enumerate(saved) if tensor is not None]
-            if len(present) < len(saved):
-                self._first_momentum(
-                    group,
-                    [state_views[name][i] for i in range(len(saved)) if i not in present],
-                    [grads[i] for i in range(len(saved)) if i not in present],
-                )
-            if present:
-                torch._foreach_copy_([state_views[name][i] for i in present], [saved[i] for i in present])
         if self.kahan:
             compensation = [state[COMPENSATION_KEY] for state in states]
             torch._foreach_copy_(views(rows - 1), compensation)
             workspace[0].add_(workspace[rows - 1])
+        for name in state_names:
+            saved = [state[name] for state in states]
+            fresh = [index for index, tensor in enumerate(saved) if tensor is None]
+            if fresh:
+                self._first_momentum(
+                    group, [state_views[name][i] for i in fresh], [grads[i] for i in fresh], [weights[i] for i in fresh]
+                )
+            if len(fresh) < len(saved):
+                present = [index for index, tensor in enumerate(saved) if tensor is not None]
+                torch._foreach_copy_([state_views[name][i] for i in present], [saved[i] for i in present])
         update(weights, grads, state_views, [state["step"] for state in states if "step" in state], optimizer)
         if self.kahan:
             workspace[rows - 1].copy_(workspace[0])
@@ -298,13 +325,23 @@ class StochasticRoundingStep:
             torch._foreach_copy_(compensation, views(rows - 1))
 
     @staticmethod
-    def _first_momentum(group: dict[str, Any], buffers: list[Tensor], grads: list[Tensor]) -> None:
-        """Start SGD momentum buffers so that torch's rule makes them equal to the gradient, as on its first step.
+    def _first_momentum(
+        group: dict[str, Any], buffers: list[Tensor], grads: list[Tensor], weights: list[Tensor]
+    ) -> None:
+        """Start SGD momentum buffers so that torch's rule makes them its first-step value, ``d_p``.
 
-        The rule computes ``momentum * buffer + (1 - dampening) * grad``; a buffer of ``grad * dampening /
-        momentum`` gives ``grad``, torch's first-step value, while other parameters of the chunk are past theirs.
+        The rule computes ``buffer = momentum * buffer + (1 - dampening) * d_p`` with ``d_p = ±grad + weight_decay *
+        weight``; starting from ``d_p * dampening / momentum`` gives ``d_p``, as torch's first step does, while other
+        parameters of the chunk are past theirs.
         """
+        if group["dampening"] == 0:
+            torch._foreach_zero_(buffers)
+            return
         torch._foreach_copy_(buffers, grads)
+        if group["maximize"]:
+            torch._foreach_neg_(buffers)
+        if group["weight_decay"] != 0:
+            torch._foreach_add_(buffers, weights, alpha=group["weight_decay"])
         torch._foreach_mul_(buffers, group["dampening"] / group["momentum"])
 
     @staticmethod
@@ -430,6 +467,7 @@ __all__ = [
     "STATE_KEY",
     "SUPPORTED_OPTIMIZERS",
     "StochasticRoundingStep",
+    "kept_update_share",
     "stale_update_share",
     "stochastic_round_",
 ]
