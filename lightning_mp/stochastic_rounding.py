@@ -27,9 +27,10 @@ torch's public optimizer hooks, so schedulers, ``param_groups`` and checkpoints 
    parameters (normalisation layers, ``keep_fp32`` modules) with their fp32 states, exactly as without this mode.
 2. The step post-hook updates the bf16 parameters in chunks of at most ``chunk_numel`` elements. For each chunk it
    copies weights, moment estimates and gradients into one fp32 workspace (one ``_foreach_copy_`` per quantity),
-   runs **torch's own update rule** on it (``torch.optim.adam.adam`` or ``torch.optim.sgd.sgd``, the fused kernel
-   when the optimizer was built with ``fused=True``, else foreach), then writes weights and states back to bf16 with
-   stochastic rounding, and puts the gradients back in place.
+   runs **torch's own update rule** on it (``torch.optim.adam.adam`` or ``torch.optim.sgd.sgd``: the fused kernel
+   wherever torch has one for the device, CPU and CUDA included, whatever the optimizer was built with, since it
+   is one op per chunk and reads no step count on the host; foreach elsewhere), then writes weights and states back
+   to bf16 with stochastic rounding, and puts the gradients back in place.
 3. The random numbers come from a ``torch.Generator`` per device, seeded from ``torch.initial_seed()`` (rank 0's
    under ``torch.distributed``, so that every rank rounds alike). Its state is saved in the optimizer's own
    ``state_dict`` under :data:`STATE_KEY`, so a resumed run draws the same numbers as an uninterrupted one.
@@ -44,8 +45,9 @@ from the optimizer state alone), and replace the user's optimizer rather than fi
 as three tensor ops on top of torch's own update rules keeps every torch option (fused, foreach, ``amsgrad``,
 ``nesterov``, ``maximize``) and adds no dependency.
 
-Private torch names used: ``torch._foreach_copy_`` (one dispatched op to cast a list of tensors; the public
-alternative is one ``copy_`` per tensor).
+Private torch names used: ``torch._foreach_copy_``, ``_foreach_zero_``, ``_foreach_neg_``, ``_foreach_add_`` and
+``_foreach_mul_`` (one dispatched op for a list of tensors, as torch's own optimizers use them; the public
+alternative is one op per tensor).
 """
 
 from __future__ import annotations
@@ -178,8 +180,12 @@ class StochasticRoundingStep:
         optimizer: a ``torch.optim.Adam``, ``AdamW`` or ``SGD``; its bf16 states are created in bf16.
         kahan: also keep a bf16 Kahan compensation buffer per bf16 parameter.
         seed: seed of the rounding's generators; None takes ``torch.initial_seed()`` (rank 0's under DDP).
-        chunk_numel: the most elements per fp32 workspace; bounds the step's transient memory to about
-            ``4 * (3 + number of state tensors) * chunk_numel`` bytes.
+        chunk_numel: the most elements per fp32 workspace (a larger parameter gets a chunk of its own); bounds the
+            step's transient memory to about ``4 * (3 + 2 * states + kahan) * chunk_numel`` bytes, with ``states``
+            the optimizer's tensors per parameter (2 for Adam and AdamW): 14 MiB for AdamW by default.
+
+    .. warning:: With ``seed=None`` under ``torch.distributed``, the constructor broadcasts rank 0's seed and reads
+        it on the host: one synchronisation, once.
 
     Raises:
         TypeError: if ``optimizer`` is not one of the supported types.
@@ -239,13 +245,13 @@ class StochasticRoundingStep:
 
     def _take_bf16_gradients(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._set_aside.clear()
-        for group in optimizer.param_groups:
-            for parameter in group["params"]:
-                if parameter.grad is not None and parameter.dtype is torch.bfloat16:
-                    if parameter.grad.is_sparse:
-                        raise ValueError("StochasticRoundingStep does not support sparse gradients.")
-                    self._set_aside[parameter] = parameter.grad
-                    parameter.grad = None
+        bf16 = [p for group in optimizer.param_groups for p in group["params"] if p.dtype is torch.bfloat16]
+        if any(parameter.grad is not None and parameter.grad.is_sparse for parameter in bf16):
+            raise ValueError("StochasticRoundingStep does not support sparse gradients: use a dense embedding.")
+        for parameter in bf16:
+            if parameter.grad is not None:
+                self._set_aside[parameter] = parameter.grad
+                parameter.grad = None
 
     def _step_bf16_parameters(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         grads, self._set_aside = self._set_aside, {}
