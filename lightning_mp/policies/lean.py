@@ -34,6 +34,7 @@ another optimizer is refused at setup with a :class:`TypeError`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -75,7 +76,9 @@ class LeanPolicy(PrecisionPolicy):
             )
         super().__init__(half_dtype, keep_fp32)
         self.overrides = Fp32Overrides(self.keep_fp32)
-        self._steps: dict[int, StochasticRoundingStep] = {}
+        # Weak: each step lives as long as its optimizer (whose hooks hold it), so a plugin reused for another model
+        # keeps nothing of the previous one alive.
+        self._steps: weakref.WeakValueDictionary[int, StochasticRoundingStep] = weakref.WeakValueDictionary()
 
     def rounding_step(self, optimizer: Optimizer) -> StochasticRoundingStep | None:
         """The stochastic-rounding step attached to ``optimizer``, if it was connected."""
@@ -92,18 +95,15 @@ class LeanPolicy(PrecisionPolicy):
     def connect(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
         """Make each optimizer step its bf16 parameters with stochastic rounding; the optimizers stay the same objects.
 
+        Connecting an optimizer again is a no-op, and optimizers may be connected one at a time (Fabric does).
+
         Raises:
             TypeError: if an optimizer is not ``Adam``, ``AdamW`` or ``SGD``.
 
         """
-        steps: dict[int, StochasticRoundingStep] = {}
         for optimizer in optimizers:
-            step = self.rounding_step(optimizer)
-            steps[id(optimizer)] = step if step is not None else StochasticRoundingStep(optimizer, kahan=self.kahan)
-        for key, step in self._steps.items():
-            if steps.get(key) is not step:
-                step.detach()  # an optimizer of an earlier run: this plugin no longer steps it
-        self._steps = steps
+            if self.rounding_step(optimizer) is None:
+                self._steps[id(optimizer)] = StochasticRoundingStep(optimizer, kahan=self.kahan)
         return optimizers
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +209,33 @@ def test_the_policy_hooks_drive_lean_without_a_trainer() -> None:
     optimizer.step()
     assert model[0].weight.dtype is torch.bfloat16 and not torch.equal(before, model[0].weight)
     assert STATE_KEY in optimizer.state_dict()
+
+
+def test_optimizers_connected_one_at_a_time_all_keep_stochastic_rounding() -> None:
+    """Two optimizers connected separately, as Fabric connects a GAN's, both round stochastically."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean")
+    plugin.setup_for_device("cpu")
+    assert plugin.policy is not None
+    weights = [nn.Parameter(torch.ones(1000, dtype=torch.bfloat16)) for _ in range(2)]
+    optimizers = [torch.optim.SGD([weight], lr=1e-4) for weight in weights]
+    for optimizer in optimizers:
+        plugin.policy.connect(nn.Module(), [optimizer])
+    plugin.policy.connect(nn.Module(), optimizers)  # again: no second set of hooks
+    for weight, optimizer in zip(weights, optimizers, strict=True):
+        weight.grad = -torch.ones_like(weight)
+        optimizer.step()
+        # 1e-4 is 1.3% of the bf16 gap above 1.0: round-to-nearest would move nothing, a double step twice as much.
+        assert weight.double().mean().item() - 1.0 == pytest.approx(1e-4, rel=0.5)
+
+
+def test_a_reused_plugin_keeps_no_reference_to_the_previous_model() -> None:
+    """After a fit, dropping the model and optimizer frees them even though the plugin lives on."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean")
+    model = LeanNet()
+    trainer = make_trainer(plugin, max_steps=2)
+    trainer.fit(model, classification_loader())
+    model_reference = weakref.ref(model.body[0].weight)
+    optimizer_reference = weakref.ref(trainer.optimizers[0])
+    del model, trainer
+    gc.collect()
+    assert model_reference() is None and optimizer_reference() is None
