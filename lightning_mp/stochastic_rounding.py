@@ -369,19 +369,26 @@ class StochasticRoundingStep:
 
     # ------------------------------------------------------------------------------------------------ state dict
 
-    def _add_rounding_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def rounding_state(self) -> dict[str, Any]:
+        """The seed and the generators' states: what a resumed run needs to draw the same random numbers."""
         generators = {str(device): generator.get_state() for device, generator in self._generators.items()}
-        generators = {**self._pending_generator_states, **generators}
-        state_dict[STATE_KEY] = {"seed": self.seed, "kahan": self.kahan, "generators": generators}
+        return {"seed": self.seed, "kahan": self.kahan, "generators": {**self._pending_generator_states, **generators}}
+
+    def load_rounding_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`rounding_state` returned; each generator resumes at its saved position."""
+        self.seed = int(state["seed"])
+        self._generators.clear()
+        self._pending_generator_states = {name: value.clone() for name, value in state["generators"].items()}
+
+    def _add_rounding_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict[STATE_KEY] = self.rounding_state()
         return state_dict
 
     def _load_rounding_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         state_dict = dict(state_dict)
         saved = state_dict.pop(STATE_KEY, None)
         if saved is not None:
-            self.seed = int(saved["seed"])
-            self._generators.clear()
-            self._pending_generator_states = {name: state.clone() for name, state in saved["generators"].items()}
+            self.load_rounding_state(saved)
         return state_dict
 
 

@@ -25,7 +25,10 @@ The pieces:
    through torch's optimizer hooks. The optimizer object stays the user's: schedulers, ``param_groups`` and
    ``add_param_group`` work, and its ``state_dict`` holds the bf16 states in torch's own format plus the rounding
    generator's state, so a resumed run continues exactly. fp32 parameters are stepped by the optimizer itself.
-3. A skipped step (non-finite gradients) never calls the optimizer, so nothing changes and no random numbers are
+   Optimizers may be connected one at a time and in any number (Fabric connects each at its first step).
+3. The policy's own state (saved with the plugin's) repeats each connected optimizer's rounding state, in connection
+   order, for loops that load an optimizer's state before the policy has connected it (Fabric's ``load``).
+4. A skipped step (non-finite gradients) never calls the optimizer, so nothing changes and no random numbers are
    drawn.
 
 Only ``torch.optim.Adam``, ``AdamW`` and ``SGD`` are supported (their ``fused`` and ``foreach`` forms included);
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -79,6 +82,9 @@ class LeanPolicy(PrecisionPolicy):
         # Weak: each step lives as long as its optimizer (whose hooks hold it), so a plugin reused for another model
         # keeps nothing of the previous one alive.
         self._steps: weakref.WeakValueDictionary[int, StochasticRoundingStep] = weakref.WeakValueDictionary()
+        self._connected: list[weakref.ReferenceType[StochasticRoundingStep]] = []
+        """The steps in the order their optimizers were connected: the order of :meth:`state_dict`."""
+        self._saved_rounding: list[dict[str, Any]] = []
 
     def rounding_step(self, optimizer: Optimizer) -> StochasticRoundingStep | None:
         """The stochastic-rounding step attached to ``optimizer``, if it was connected."""
@@ -103,8 +109,30 @@ class LeanPolicy(PrecisionPolicy):
         """
         for optimizer in optimizers:
             if self.rounding_step(optimizer) is None:
-                self._steps[id(optimizer)] = StochasticRoundingStep(optimizer, kahan=self.kahan)
+                step = StochasticRoundingStep(optimizer, kahan=self.kahan)
+                index = len(self._connected)
+                if index < len(self._saved_rounding):
+                    step.load_rounding_state(self._saved_rounding[index])
+                self._steps[id(optimizer)] = step
+                self._connected.append(weakref.ref(step))
         return optimizers
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The rounding state of each connected optimizer, in connection order.
+
+        The optimizers' own ``state_dict`` holds the same; this copy serves loops that load optimizer states before
+        the policy connects (Fabric connects at the first step).
+        """
+        return {"rounding": [step.rounding_state() for reference in self._connected if (step := reference())]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the rounding state of connected optimizers now, and of the others when they connect."""
+        self._saved_rounding = list(state_dict.get("rounding", []))
+        steps = [step for reference in self._connected if (step := reference()) is not None]
+        for step, saved in zip(steps, self._saved_rounding, strict=False):
+            step.load_rounding_state(saved)
 
 
 class LeanKahanPolicy(LeanPolicy):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from pathlib import Path
@@ -239,3 +240,42 @@ def test_a_reused_plugin_keeps_no_reference_to_the_previous_model() -> None:
     del model, trainer
     gc.collect()
     assert model_reference() is None and optimizer_reference() is None
+
+
+def test_an_optimizer_loaded_before_it_is_connected_resumes_exactly_from_the_plugin_state() -> None:
+    """Loops that load optimizer states before the first step (Fabric) resume exactly from the plugin's state."""
+
+    def setup(plugin: MixedPrecision) -> tuple[nn.Module, torch.optim.Optimizer]:
+        plugin.setup_for_device("cpu")
+        assert plugin.policy is not None
+        torch.manual_seed(0)
+        model = plugin.policy.convert_module(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1)))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+        optimizer.zero_grad()
+        model(torch.randn(8, 4, generator=torch.Generator().manual_seed(seed))).float().square().mean().backward()
+        optimizer.step()
+
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean-kahan")
+    model, optimizer = setup(plugin)
+    plugin.policy.connect(model, [optimizer])
+    step(model, optimizer, 0)
+    saved = (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        copy.deepcopy(optimizer.state_dict()),
+        copy.deepcopy(plugin.state_dict()),
+    )
+    step(model, optimizer, 1)
+    step(model, optimizer, 2)
+
+    resumed_plugin = MixedPrecision("bf16-mixed", opt_level="lean-kahan")
+    resumed, resumed_optimizer = setup(resumed_plugin)
+    resumed.load_state_dict(saved[0])
+    resumed_optimizer.load_state_dict(saved[1])  # before connect: torch ignores the rounding entry
+    resumed_plugin.load_state_dict(saved[2])
+    resumed_plugin.policy.connect(resumed, [resumed_optimizer])
+    step(resumed, resumed_optimizer, 1)
+    step(resumed, resumed_optimizer, 2)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
