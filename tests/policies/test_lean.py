@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import make_trainer
 from lightning.pytorch import Callback, LightningModule, Trainer
+from test_parity import train_and_validate
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -279,3 +280,20 @@ def test_an_optimizer_loaded_before_it_is_connected_resumes_exactly_from_the_plu
     step(resumed, resumed_optimizer, 2)
     for name, value in model.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[name]), name
+
+
+@pytest.fixture(scope="module")
+def reference_losses() -> dict[str, float]:
+    return {
+        level: train_and_validate(precision, level, steps=60)["val_loss"]
+        for precision, level in (("32-true", "O0"), ("bf16-mixed", "O1"))
+    }
+
+
+@pytest.mark.parametrize("opt_level", ["lean", "lean-kahan"])
+def test_lean_reaches_the_validation_loss_of_o0_and_o1(reference_losses: dict[str, float], opt_level: str) -> None:
+    """On the reference task (60 steps), lean ends within 2% of O0's and 1% of O1's validation loss, never skipping."""
+    lean = train_and_validate("bf16-mixed", opt_level, steps=60)
+    assert abs(lean["val_loss"] - reference_losses["O0"]) <= 0.02 * reference_losses["O0"]
+    assert abs(lean["val_loss"] - reference_losses["O1"]) <= 0.01 * reference_losses["O1"]
+    assert lean["skipped_steps"] == 0
