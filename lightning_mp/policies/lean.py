@@ -107,6 +107,7 @@ class LeanPolicy(PrecisionPolicy):
             TypeError: if an optimizer is not ``Adam``, ``AdamW`` or ``SGD``.
 
         """
+        self._connected = [reference for reference in self._connected if reference() is not None]
         for optimizer in optimizers:
             if self.rounding_step(optimizer) is None:
                 step = StochasticRoundingStep(optimizer, kahan=self.kahan)
