@@ -118,6 +118,7 @@ CONFIGURATIONS: dict[str, Configuration] = {
         ),
         Configuration("O1-bf16", "MixedPrecision bf16, O1", _plugin("bf16-mixed", "O1"), "lightning-bf16"),
         Configuration("O2-bf16", "MixedPrecision bf16, O2", _plugin("bf16-mixed", "O2"), "lightning-bf16"),
+        Configuration("lean-bf16", "MixedPrecision bf16, lean", _plugin("bf16-mixed", "lean"), "lightning-bf16"),
         Configuration(
             "O1-bf16+monitors",
             "O1-bf16 with the three monitors",
