@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -41,11 +42,12 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_mp._hardware import choose_precision, device_has_native_bf16
+from lightning_mp._scale_rules import COLLAPSE_FLOOR, FLOAT32_MAX
 from lightning_mp._schedulers import make_skip_aware, mark_step
 from lightning_mp._validation import check_choice, check_number
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies import POLICIES, PrecisionPolicy
-from lightning_mp.scaler import LossScaler, ScalingMode, validate_scaler_arguments
+from lightning_mp.scaler import LossScaler, ScalerSettings, ScalingMode
 from lightning_mp.stats import PrecisionStats
 
 PrecisionName = Literal["auto", "16-mixed", "bf16-mixed", "32-true"]
@@ -109,8 +111,8 @@ class MixedPrecision(Precision):
         check_choice(owner, "opt_level", opt_level, POLICIES)
         if device is not None:
             check_choice(owner, "device", device, DEVICE_TYPES)
-        validate_scaler_arguments(
-            owner,
+        self._scaler_settings = ScalerSettings(
+            owner=owner,
             init_scale=init_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -118,11 +120,12 @@ class MixedPrecision(Precision):
             hysteresis=hysteresis,
             min_scale=min_scale,
             max_scale=max_scale,
+            consecutive_hysteresis=consecutive_hysteresis,
             on_min_scale=on_min_scale,
             max_consecutive_skips=max_consecutive_skips,
         )
         if loss_scale != "dynamic":
-            check_number(owner, "loss_scale", loss_scale, above=0)
+            loss_scale = check_number(owner, "loss_scale", loss_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX)
             if precision == "bf16-mixed":
                 raise ValueError(
                     f"{owner}(precision='bf16-mixed', loss_scale={loss_scale!r}) is not allowed: bf16 has fp32's"
@@ -147,18 +150,6 @@ class MixedPrecision(Precision):
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.keep_fp32 = Fp32Overrides(keep_fp32).patterns
         self.precision_reason = "asked for" if precision != "auto" else ""
-        self._scaler_knobs: dict[str, Any] = {
-            "init_scale": init_scale,
-            "growth_factor": growth_factor,
-            "backoff_factor": backoff_factor,
-            "growth_interval": growth_interval,
-            "hysteresis": hysteresis,
-            "consecutive_hysteresis": consecutive_hysteresis,
-            "min_scale": min_scale,
-            "max_scale": max_scale,
-            "on_min_scale": on_min_scale,
-            "max_consecutive_skips": max_consecutive_skips,
-        }
         self._loss_scaler: LossScaler | None = None
         self._policy: PrecisionPolicy | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -187,7 +178,7 @@ class MixedPrecision(Precision):
         """Counters at the end of the last optimizer step. Reading them never synchronises with the device."""
         if self._loss_scaler is None:
             scaled = self.precision == "16-mixed" or self.requested_precision == "16-mixed"
-            initial = self._scaler_knobs["init_scale"] if self.loss_scale == "dynamic" else self.loss_scale
+            initial = self._scaler_settings.init_scale if self.loss_scale == "dynamic" else self.loss_scale
             return PrecisionStats(loss_scale=float(initial) if scaled else 1.0)
         return self._loss_scaler.stats()
 
@@ -247,13 +238,15 @@ class MixedPrecision(Precision):
 
     def _build_loss_scaler(self, device_type: str, policy_class: type[PrecisionPolicy]) -> LossScaler:
         mode: ScalingMode = "check"
-        knobs = dict(self._scaler_knobs)
+        settings = self._scaler_settings
         if self.precision == "16-mixed":
             if self.loss_scale != "dynamic":
-                mode, knobs["init_scale"] = "static", float(self.loss_scale)
+                settings = replace(settings, mode="static", init_scale=self.loss_scale)
             elif policy_class.scales_by_default:
                 mode = "dynamic"
-        scaler = LossScaler(device_type, mode=mode, **knobs)
+        if settings.mode != "static":
+            settings = replace(settings, mode=mode)
+        scaler = LossScaler.from_settings(settings, device_type)
         scaler.allow_fp16_gradients = policy_class.half_gradients
         return scaler
 
