@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from lightning_mp._gradients import nonfinite_gradients
+from lightning_mp._host_mirror import HostMirror, Reader
 from lightning_mp._scale_rules import (
     COLLAPSE_FLOOR,
     FLOAT32_MAX,
@@ -95,11 +96,6 @@ def _check_device(owner: str, device: Any) -> str:
     return device_type
 
 
-def _read_on_host(tensor: torch.Tensor) -> float:
-    # Only for CPU tensors, which need no synchronisation: tolist() reads the memory without dispatching an op.
-    return float(tensor.tolist())
-
-
 class _IterationRecord:
     """The inf flags of one iteration, kept until the host can read them without a sync."""
 
@@ -109,6 +105,10 @@ class _IterationRecord:
         self.host_flags: dict[int, float] = {}
         """Optimizer index -> its inf flag, where the step already read it."""
         self.stepped: set[int] = set()
+        self.flag_slots: dict[int, list[Any]] = {}
+        """Optimizer index -> the preallocated flags it used."""
+        self.readers: dict[int, Reader] = {}
+        """Optimizer index -> a reader of its flag's host copy, once published."""
         self.new_scale: float | None = None
         self.device_ruled = False
         self.ready: torch.cuda.Event | None = None
@@ -125,7 +125,7 @@ class _IterationRecord:
     def read(self) -> dict[int, bool]:
         if self.ready is not None:
             self.ready.synchronize()
-        flags = {index: bool(_read_on_host(flag)) for index, flag in self.device_flags.items()}
+        flags = {index: bool(read()) for index, read in self.readers.items()}
         flags.update((index, bool(flag)) for index, flag in self.host_flags.items())
         return flags
 
@@ -228,13 +228,17 @@ class LossScaler(torch.amp.GradScaler):
         self._streaks: dict[int, int] = {}
         self._optimizers: list[torch.optim.Optimizer] = []
         self._index_by_id: dict[int, int] = {}
-        self._flags: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._flags: dict[tuple[int, torch.device, int], torch.Tensor] = {}
+        self._clean_flags: set[tuple[int, torch.device, int]] = set()
+        """Flags known to hold 0 (read by the host since their last use): reused without a ``zero_`` op."""
+        self._parity = 0
         self._inv_scale: torch.Tensor | None = None
         self._one: torch.Tensor | None = None
         self._hysteresis_tensor: torch.Tensor | None = None
         self._device_trackers_current = True
         self._iteration = _IterationRecord()
         self._pending: _IterationRecord | None = None
+        self._mirror = HostMirror()
         self._local_overflows: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------------ knobs
@@ -392,11 +396,16 @@ class LossScaler(torch.amp.GradScaler):
                 grads[grad.device][grad.dtype].append(grad)
         per_device: dict[torch.device, torch.Tensor] = {}
         for device, per_dtype in grads.items():
-            flag = self._flags.get((index, device))
+            # On an accelerator the host reads a flag one iteration late, so two alternate.
+            slot = (index, device, self._parity if device.type != "cpu" else 0)
+            flag = self._flags.get(slot)
             if flag is None:
-                flag = self._flags[(index, device)] = torch.zeros((), dtype=torch.float32, device=device)
+                flag = self._flags[slot] = torch.zeros((), dtype=torch.float32, device=device)
+            elif slot in self._clean_flags:
+                self._clean_flags.discard(slot)
             else:
                 flag.zero_()
+            self._iteration.flag_slots.setdefault(index, []).append(slot)
             inv_scale, one = self._inv_scale, self._one
             assert inv_scale is not None and one is not None
             for tensors in per_dtype.values():
@@ -481,6 +490,7 @@ class LossScaler(torch.amp.GradScaler):
 
         """
         record, self._iteration = self._iteration, _IterationRecord()
+        self._parity ^= 1
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         if new_scale is not None:
             record.new_scale = self._checked_new_scale(new_scale)
@@ -489,12 +499,11 @@ class LossScaler(torch.amp.GradScaler):
         if not record.on_host and record.new_scale is None and self.mode == "dynamic":
             self._update_on_device(list(record.device_flags.values()))
             record.device_ruled = True
-        on_accelerator = self._scale is not None and self._scale.device.type != "cpu"
-        if not record.on_host and on_accelerator:
-            record.device_flags = {i: f.to("cpu", non_blocking=True) for i, f in record.device_flags.items()}
-            if self._scale.device.type == "cuda":
-                record.ready = torch.cuda.Event()
-                record.ready.record()
+        if not record.on_host:
+            record.readers = {i: self._mirror.publish(i, f) for i, f in record.device_flags.items()}
+            record.ready = self._mirror.end_iteration(next(iter(record.device_flags.values())).device)
+        if record.ready is not None:
+            # An accelerator: read the previous iteration now, this one at the next update.
             previous, self._pending = self._pending, record
             if previous is not None:
                 self._replay(previous)
@@ -554,6 +563,9 @@ class LossScaler(torch.amp.GradScaler):
     def _replay(self, record: _IterationRecord) -> None:
         """Apply the host rules and the per-optimizer counters to an iteration whose flags can be read now."""
         flags = record.read()
+        for index, slots in record.flag_slots.items():
+            if not flags.get(index, True):
+                self._clean_flags.update(slots)
         found_inf = any(flags.values())
         skipped = [index for index in sorted(record.stepped) if flags.get(index)]
         self.optimizer_steps += len(record.stepped)
