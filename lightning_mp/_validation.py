@@ -25,6 +25,10 @@ def check_choice(owner: str, name: str, value: Any, allowed: Iterable[Any]) -> N
         raise ValueError(f"{owner}({name}={value!r}) is not supported: {name} must be one of {allowed}.")
 
 
+def _is_numpy_bool(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
 def _as_python_number(value: Any, integer: bool) -> int | float | None:
     """``value`` as a Python int (``integer``) or float, or None when it is not a number of that kind."""
     if isinstance(value, torch.Tensor):
@@ -33,7 +37,7 @@ def _as_python_number(value: Any, integer: bool) -> int | float | None:
         if integer and value.is_floating_point():
             return None
         value = value.item()
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, bool) or _is_numpy_bool(value):
         return None
     if integer:
         return int(value) if isinstance(value, numbers.Integral) else None
@@ -93,6 +97,6 @@ def check_number(
 
 def check_bool(owner: str, name: str, value: Any) -> bool:
     """Raise unless ``value`` is ``True`` or ``False`` (a Python or numpy bool): ``'no'`` is not a boolean."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, bool) or _is_numpy_bool(value):
         return bool(value)
     raise ValueError(f"{owner}({name}={value!r}) is not allowed: {name} must be True or False.")
