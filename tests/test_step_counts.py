@@ -72,3 +72,19 @@ def test_a_fused_step_and_update_never_sync_and_still_skip(optimizer_name, mode)
     assert torch.equal(model.weight, before)
     assert scaler.stats().skipped_steps == 1 and scaler.stats().last_step_skipped
     assert scaler.get_scale() == (256.0 * 2**3 / 2 if mode == "dynamic" else 1.0)  # three growths, one backoff
+
+
+def test_bench_counts_prints_a_markdown_table_of_syncs_and_ops(capsys):
+    """python -m lightning_mp.bench --counts --quick prints one row per configuration with each contestant's counts."""
+    from lightning_mp import bench
+
+    assert bench.main(["--counts", "--quick"]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "| precision | optimizer | torch loop: syncs / ops | Lightning: syncs / ops | lightning_mp: syncs / ops |"
+        in printed
+    )
+    row = next(line for line in printed.splitlines() if line.startswith("| 16-mixed | fused Adam |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")][2:]
+    syncs = [int(cell.split("/")[0]) for cell in cells]
+    assert syncs == [0, 0, 0]
