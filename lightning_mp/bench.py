@@ -641,10 +641,9 @@ def counts_report(quick: bool) -> str:
         table = counts_table(("16-mixed",), ("fused Adam",), vocab_size=8, d_model=8, seq_len=4, batch_size=1)
     else:
         table = counts_table(PRECISIONS, tuple(OPTIMIZERS))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     return (
-        f"Host syncs / compute ops per training iteration (TinyTransformerLM, 2 layers, steady state, counted on"
-        f" the CPU with lightning_mp.counting; the {device!r} device is not used):\n\n{table}"
+        "Host syncs / compute ops per training iteration (TinyTransformerLM, 2 layers, steady state, counted on the"
+        f" CPU with lightning_mp.counting):\n\n{table}"
     )
 
 
