@@ -28,10 +28,12 @@ another one steps cleanly, and the error names it.
 
 Private torch names used, and why:
 
-* ``torch.amp.grad_scaler.OptState`` and ``_refresh_per_optimizer_state``, and the GradScaler attributes ``_scale``,
-  ``_growth_tracker``, ``_per_optimizer_states``: this class is a ``GradScaler`` (code that checks
-  ``isinstance(scaler, GradScaler)``, Lightning's included, keeps working) and keeps torch's bookkeeping so that
-  torch's methods it inherits see a consistent object.
+* ``torch.amp.grad_scaler.OptState`` and ``_refresh_per_optimizer_state``, the GradScaler attributes ``_scale``,
+  ``_growth_tracker``, ``_init_scale``, ``_device``, ``_growth_factor``, ``_backoff_factor``, ``_growth_interval``
+  and ``_per_optimizer_states``, and the overridden ``_lazy_init_scale_growth_tracker`` and
+  ``_get_growth_tracker``: this class is a ``GradScaler`` (code that checks ``isinstance(scaler, GradScaler)``,
+  Lightning's included, keeps working) and keeps torch's bookkeeping so that the methods it inherits (``scale``,
+  the getters) see a consistent object.
 * ``torch._amp_foreach_non_finite_check_and_unscale_``: the fused unscale-and-check kernel (no public equivalent).
 * ``torch._amp_update_scale_``: torch's device-side scale rule, used when the flag is not on the host.
 * ``torch._foreach_norm``: one kernel for the inf-norms of all gradients in check mode.
@@ -674,6 +676,28 @@ class LossScaler(torch.amp.GradScaler):
         )
 
     # ------------------------------------------------------------------------------------------------ state
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the settings, the host state and the counters; device tensors and optimizers are rebuilt lazily."""
+        if self._pending is not None:
+            previous, self._pending = self._pending, None
+            self._replay(previous)
+        state = super().__getstate__()
+        state.update(
+            _init_scale=self._state.scale,
+            _inv_scale=None,
+            _one=None,
+            _hysteresis_tensor=None,
+            _flags={},
+            _clean_flags=set(),
+            _optimizers=[],
+            _index_by_id={},
+            _iteration=_IterationRecord(),
+            _mirror=HostMirror(),
+            _local_overflows=None,
+            _device_trackers_current=False,
+        )
+        return state
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: torch's five keys, then trackers, bounds, mode and counters.

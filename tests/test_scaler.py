@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -354,3 +355,15 @@ def test_settings_are_one_validated_object_shared_by_the_plugin_and_the_scaler()
     assert scaler is not None and scaler.settings.growth_interval == 7 and scaler.settings.hysteresis == 3
     rules = ScalerSettings(growth_interval=7, hysteresis=3)
     assert LossScaler.from_settings(rules, "cpu").settings is rules
+
+
+def test_a_scaler_pickles_after_training_and_continues_exactly(model_and_optimizer):
+    """A pickled scaler (as ddp_spawn does) keeps its scale, trackers and counters, and can keep training."""
+    model, optimizer = model_and_optimizer
+    scaler = LossScaler("cpu", init_scale=256.0, growth_interval=2, hysteresis=2)
+    for overflow in (False, True, False):
+        _step(scaler, model, optimizer, overflow)
+    restored = pickle.loads(pickle.dumps(scaler))
+    assert restored.state_dict() == scaler.state_dict()
+    _step(restored, model, optimizer, overflow=False)
+    assert restored.get_scale() == 512.0 and restored.stats().optimizer_steps == 4
