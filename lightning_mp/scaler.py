@@ -80,6 +80,10 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _check_device(owner: str, device: Any) -> str:
     """The device type of ``device`` (a string or a ``torch.device``); ValueError if unknown or unavailable."""
     try:
@@ -365,7 +369,7 @@ class LossScaler(torch.amp.GradScaler):
         self._ensure_device_state(optimizer)
         index = self._optimizer_index(optimizer)
         per_device = self._check_gradients(optimizer, index)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _distributed():
             for flag in per_device.values():
                 self._count_local_overflow(flag)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -398,16 +402,7 @@ class LossScaler(torch.amp.GradScaler):
                 grads[grad.device][grad.dtype].append(grad)
         per_device: dict[torch.device, torch.Tensor] = {}
         for device, per_dtype in grads.items():
-            # On an accelerator the host reads a flag one iteration late, so two alternate.
-            slot = (index, device, self._parity if device.type != "cpu" else 0)
-            flag = self._flags.get(slot)
-            if flag is None:
-                flag = self._flags[slot] = torch.zeros((), dtype=torch.float32, device=device)
-            elif slot in self._clean_flags:
-                self._clean_flags.discard(slot)
-            else:
-                flag.zero_()
-            self._iteration.flag_slots.setdefault(index, []).append(slot)
+            flag = per_device[device] = self._zeroed_flag(index, device)
             inv_scale, one = self._inv_scale, self._one
             assert inv_scale is not None and one is not None
             for tensors in per_dtype.values():
@@ -417,8 +412,25 @@ class LossScaler(torch.amp.GradScaler):
                     # Check mode reads the gradients: inf-norms in one kernel, then the flag from those norms.
                     norms = torch._foreach_norm(tensors, math.inf)
                     torch._amp_foreach_non_finite_check_and_unscale_(norms, flag, one.to(device))
-            per_device[device] = flag
+        if not per_device and _distributed():
+            # Every rank must join the all-reduce, even one whose optimizer has no gradient this iteration.
+            assert self._scale is not None
+            per_device[self._scale.device] = self._zeroed_flag(index, self._scale.device)
         return per_device
+
+    def _zeroed_flag(self, index: int, device: torch.device) -> torch.Tensor:
+        """The preallocated inf flag of this optimizer on ``device``, holding 0 (zeroed only if it may not)."""
+        # On an accelerator the host reads a flag one iteration late, so two alternate.
+        slot = (index, device, self._parity if device.type != "cpu" else 0)
+        flag = self._flags.get(slot)
+        if flag is None:
+            flag = self._flags[slot] = torch.zeros((), dtype=torch.float32, device=device)
+        elif slot in self._clean_flags:
+            self._clean_flags.discard(slot)
+        else:
+            flag.zero_()
+        self._iteration.flag_slots.setdefault(index, []).append(slot)
+        return flag
 
     def _count_local_overflow(self, flag: torch.Tensor) -> None:
         # Kept on the device (no sync); read only when telemetry asks for it.
