@@ -16,8 +16,9 @@ One iteration (any number of optimizers, torch's contract: ``update()`` once, af
   which torch's recipe makes too) and skips ``optimizer.step()`` when it is set.
 * ``update`` moves the scale by the pure rules of :mod:`lightning_mp._scale_rules` (hysteresis, growth capped at
   ``max_scale``, backoff, collapse at the floor). Where every flag of the iteration is already on the host they run
-  there and the device scale is rewritten only when it changes; otherwise (fused optimizers) they run on the device:
-  torch's ``_amp_update_scale_`` and a clamp to ``[floor, max_scale]`` (a few more ops with ``hysteresis > 1``).
+  there and the device scale is rewritten only when it changes; otherwise (fused optimizers) they run on the device
+  (:mod:`lightning_mp._device_rules`: torch's ``_amp_update_scale_``, a clamp to ``[floor, max_scale]`` and the
+  new ``1/scale``; a few more ops with ``hysteresis > 1``).
   The host replays the same rules on the flags once it can read them without waiting: at once on the CPU, one
   iteration late on an accelerator (a non-blocking copy). That replay keeps :meth:`LossScaler.get_scale` and
   :meth:`LossScaler.stats` free, and raises :class:`~lightning_mp.errors.LossScaleCollapseError` and
@@ -53,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from lightning_mp._device_rules import update_scale_on_device
 from lightning_mp._gradients import nonfinite_gradients
 from lightning_mp._host_mirror import HostMirror, Reader
 from lightning_mp._scale_rules import (
@@ -538,41 +540,11 @@ class LossScaler(torch.amp.GradScaler):
     def _update_on_device(self, device_flags: list[torch.Tensor]) -> None:
         """The rules of :func:`~lightning_mp._scale_rules.next_state`, as device ops on a device flag."""
         self._write_trackers()
-        settings = self.settings
         assert self._scale is not None and self._inv_scale is not None and self._hysteresis_tensor is not None
         found_inf = device_flags[0] if len(device_flags) == 1 else torch.stack(device_flags).amax()
-        # A growth whose float32 result is inf is refused by torch's kernel: cap the factor so that it reaches the
-        # ceiling instead (the clamp below then keeps the scale at max_scale).
-        growth_factor = min(settings.growth_factor, FLOAT32_MAX / settings.max_scale)
-        if settings.hysteresis == 1:
-            torch._amp_update_scale_(
-                self._scale,
-                self._growth_tracker,
-                found_inf,
-                growth_factor,
-                settings.backoff_factor,
-                settings.growth_interval,
-            )
-        else:
-            hysteresis = self._hysteresis_tensor
-            hysteresis.sub_(found_inf).clamp_(min=0)
-            backs_off = found_inf * (hysteresis == 0)
-            # An absorbed overflow still restarts the growth window: -1 becomes 0 in the kernel's clean branch.
-            self._growth_tracker.masked_fill_(found_inf > 0, -1)
-            torch._amp_update_scale_(
-                self._scale,
-                self._growth_tracker,
-                backs_off,
-                growth_factor,
-                settings.backoff_factor,
-                settings.growth_interval,
-            )
-            refill = found_inf == 0
-            if not settings.consecutive_hysteresis:
-                refill &= self._growth_tracker == 0
-            hysteresis.masked_fill_(refill, float(settings.hysteresis))
-        self._scale.clamp_(settings.floor_float32, settings.ceiling_float32)
-        torch.reciprocal(self._scale, out=self._inv_scale)
+        update_scale_on_device(
+            self._scale, self._growth_tracker, self._hysteresis_tensor, self._inv_scale, found_inf, self.settings
+        )
 
     def _replay(self, record: _IterationRecord) -> None:
         """Apply the host rules and the per-optimizer counters to an iteration whose flags can be read now."""
