@@ -45,7 +45,8 @@ class HostMirror:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
             self._buffers[slot] = (host, host.numpy())
         host, view = self._buffers[slot]
-        host.copy_(tensor, non_blocking=True)
+        # Only CUDA gets an event to wait on; other accelerators copy synchronously.
+        host.copy_(tensor, non_blocking=tensor.device.type == "cuda")
         return lambda: float(view)
 
     def end_iteration(self, device: torch.device) -> torch.cuda.Event | None:
