@@ -20,6 +20,7 @@ SETTINGS = {"init_scale": 128.0, "growth_factor": 2.0, "backoff_factor": 0.5, "g
 ITERATIONS = 6
 OVERFLOW_AT = (2,)
 
+
 def _models(count: int) -> list[nn.Module]:
     torch.manual_seed(0)
     return [nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)) for _ in range(count)]
