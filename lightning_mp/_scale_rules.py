@@ -29,6 +29,8 @@ from typing import Any, Literal
 
 from lightning_mp._validation import INT32_MAX, check_bool, check_choice, check_number
 
+__all__ = ["COLLAPSE_FLOOR", "FLOAT32_MAX", "ScaleState", "ScalerSettings", "Transition", "next_state"]
+
 ScalingMode = Literal["dynamic", "static", "check"]
 OnMinScale = Literal["raise", "warn"]
 Event = Literal["none", "grew", "backed_off", "held_at_floor", "collapsed"]

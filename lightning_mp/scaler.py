@@ -258,18 +258,22 @@ class LossScaler(torch.amp.GradScaler):
 
     @property
     def hysteresis(self) -> int:
+        """Overflows tolerated before the scale backs off."""
         return self.settings.hysteresis
 
     @property
     def min_scale(self) -> float | None:
+        """The floor asked for; None means ``2**-24``."""
         return self.settings.min_scale
 
     @property
     def max_scale(self) -> float:
+        """The ceiling."""
         return self.settings.max_scale
 
     @property
     def max_consecutive_skips(self) -> int | None:
+        """Skipped steps in a row of one optimizer that stop the run; None never stops."""
         return self.settings.max_consecutive_skips
 
     @property
