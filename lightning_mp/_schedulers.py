@@ -2,49 +2,62 @@
 
 When the loss scaler skips a step, Lightning still calls ``scheduler.step()`` for ``interval="step"`` schedulers.
 The schedule then runs ahead of the optimizer, and torch warns "Detected call of lr_scheduler.step() before
-optimizer.step()" when the very first step was skipped. The plugin marks the optimizer after each step with
-:data:`SKIPPED_FLAG`; a scheduler made skip-aware here reads that mark and does nothing on a skipped step.
+optimizer.step()" when the very first step was skipped.
 
-Only the scheduler's class is swapped for a subclass with a guarded ``step``: its ``state_dict`` (instance
-attributes) is unchanged, ``isinstance`` checks still hold, and checkpoints stay loadable without lightning_mp.
+The plugin puts a :class:`SkipAwareScheduler` in front of each such scheduler, in Lightning's scheduler
+configuration (so ``self.lr_schedulers()`` returns it too). The wrapper asks the plugin whether the optimizer's last
+step was skipped and, if so, does nothing; otherwise it calls the scheduler. The user's scheduler keeps its class
+and its state, nothing is written on the optimizer, every other attribute is forwarded, and the wrapper pickles as
+the scheduler it wraps: ``torch.save(self.lr_schedulers())`` writes a file that loads without lightning_mp.
 """
 
 from __future__ import annotations
 
-import sys
+import operator
+from collections.abc import Callable
 from typing import Any
 
-SKIPPED_FLAG = "_lightning_mp_last_step_skipped"
-"""Attribute set on an optimizer: True when its most recent step was skipped for non-finite gradients."""
 
-_SKIP_AWARE_MARK = "_lightning_mp_skip_aware"
+class SkipAwareScheduler:
+    """Forward everything to ``scheduler``, except ``step()`` after a skipped optimizer step.
 
+    Args:
+        scheduler: a torch learning-rate scheduler (anything with ``step()``).
+        step_was_skipped: answers whether the most recent step of the scheduler's optimizer was skipped.
 
-def _skip_aware_class(scheduler_class: type) -> type:
-    name = f"SkipAware{scheduler_class.__name__}"
-    module = sys.modules[__name__]
-    existing = getattr(module, name, None)
-    if isinstance(existing, type) and existing.__bases__ == (scheduler_class,):
-        return existing
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        >>> skipped = [True]
+        >>> scheduler = SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), lambda: skipped[0])
+        >>> scheduler.step()
+        >>> scheduler.get_last_lr()
+        [1.0]
 
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self.optimizer, SKIPPED_FLAG, False):
+    """
+
+    __slots__ = ("scheduler", "step_was_skipped")
+
+    def __init__(self, scheduler: Any, step_was_skipped: Callable[[], bool]) -> None:
+        object.__setattr__(self, "scheduler", scheduler)
+        object.__setattr__(self, "step_was_skipped", step_was_skipped)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """Advance the wrapped scheduler, unless its optimizer's last step was skipped."""
+        if self.step_was_skipped():
             return None
-        return scheduler_class.step(self, *args, **kwargs)
+        return self.scheduler.step(*args, **kwargs)
 
-    aware = type(name, (scheduler_class,), {"step": step, _SKIP_AWARE_MARK: True, "__module__": __name__})
-    # Registered under its name so that the scheduler stays picklable in this process.
-    setattr(module, name, aware)
-    return aware
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.scheduler, name, value)
 
-def make_skip_aware(scheduler: Any) -> None:
-    """Make ``scheduler.step()`` a no-op while its optimizer's last step was skipped. Idempotent."""
-    if getattr(type(scheduler), _SKIP_AWARE_MARK, False) or not hasattr(scheduler, "optimizer"):
-        return
-    scheduler.__class__ = _skip_aware_class(type(scheduler))
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickle as the user's scheduler itself, fetched by a standard-library callable (itemgetter(0) of a
+        # one-element list): the file loads in a process that never imported lightning_mp.
+        return operator.itemgetter(0), ([self.scheduler],)
 
-
-def mark_step(optimizer: Any, skipped: bool) -> None:
-    """Record on ``optimizer`` whether its most recent step was skipped."""
-    setattr(optimizer, SKIPPED_FLAG, skipped)
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.scheduler!r})"

@@ -7,9 +7,11 @@ check returns the value as a plain Python ``int``, ``float`` or ``bool``, so tha
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -18,11 +20,80 @@ INT32_MAX = 2**31 - 1
 """The largest count the scaler keeps in an int32 device tensor (torch's growth tracker is int32)."""
 
 
-def check_choice(owner: str, name: str, value: Any, allowed: Iterable[Any]) -> None:
-    """Raise unless ``value`` is one of ``allowed``."""
+def suggest(value: Any, allowed: Iterable[Any], aliases: Mapping[Any, Any] | None = None) -> Any | None:
+    """The allowed value closest to ``value``, or None when nothing is close.
+
+    A near miss is, in this order: an alias (``aliases`` maps common spellings such as ``"fp16"`` or ``16`` to the
+    allowed value), the same text in another case (``"o2"`` for ``"O2"``), or a close spelling (``"16-mxied"``).
+
+    Example:
+        >>> suggest("o2", ["O0", "O1", "O2"])
+        'O2'
+        >>> suggest(16, ["16-mixed", "bf16-mixed"], {"16": "16-mixed"})
+        '16-mixed'
+
+    """
+    allowed = [choice for choice in allowed if isinstance(choice, str)]
+    text = str(value)
+    for key in (value, text, text.lower()):
+        with contextlib.suppress(TypeError):
+            if aliases and key in aliases:
+                return aliases[key]
+    for choice in allowed:
+        if choice.lower() == text.lower():
+            return choice
+    close = difflib.get_close_matches(text, allowed, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def check_choice(
+    owner: str, name: str, value: Any, allowed: Iterable[Any], aliases: Mapping[Any, Any] | None = None
+) -> None:
+    """Raise unless ``value`` is one of ``allowed``; the message says "did you mean" for a near miss.
+
+    Raises:
+        ValueError: naming the argument, the value given, what is allowed and, where one exists, the near miss.
+
+    """
     allowed = list(allowed)
-    if value not in allowed:
-        raise ValueError(f"{owner}({name}={value!r}) is not supported: {name} must be one of {allowed}.")
+    try:
+        ok = value in allowed
+    except TypeError:  # an unhashable value compared with a mapping's keys
+        ok = False
+    if not ok:
+        guess = suggest(value, allowed, aliases)
+        hint = f" Did you mean {name}={guess!r}?" if guess is not None else ""
+        raise ValueError(f"{owner}({name}={value!r}) is not supported: {name} must be one of {allowed}.{hint}")
+
+
+def check_flag(owner: str, name: str, value: Any) -> bool:
+    """Return ``value`` as a bool; accept only True/False (also as numpy or 0-d tensor booleans).
+
+    Strings are refused: ``"no"`` is truthy in Python and would turn a feature on.
+
+    Raises:
+        ValueError: naming the argument and the value.
+
+    """
+    value = plain_scalar(value)
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}({name}={value!r}) is not allowed: {name} must be True or False.")
+    return value
+
+
+def plain_scalar(value: Any) -> Any:
+    """A numpy scalar or a 0-d tensor as the Python bool, int or float it holds; anything else unchanged.
+
+    Reading a 0-d tensor on an accelerator synchronises with it, which is harmless in a constructor.
+    """
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_complex():
+        return value.item()
+    item = getattr(type(value), "item", None)
+    if type(value).__module__ == "numpy" and callable(item) and getattr(value, "ndim", None) == 0:
+        python_value = value.item()
+        if isinstance(python_value, (bool, int, float)):
+            return python_value
+    return value
 
 
 def _is_numpy_bool(value: Any) -> bool:

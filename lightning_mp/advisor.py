@@ -23,8 +23,16 @@ From the table it recommends:
   cannot help activations: it only scales gradients;
 - ``init_scale``: the largest power of two that keeps the largest gradient outside the kept layers a factor
   :data:`GRADIENT_HEADROOM` below 65504, so the first steps neither overflow nor waste range;
-- the precision: bf16 when some layer is at risk in fp16, or when the device runs bf16 natively (or is a CPU, where
-  fp16 is slow); otherwise fp16 with the scale and layers above.
+- the precision, for the hardware (:func:`recommend_precision`, a pure function of the device's capabilities):
+  bf16 where the device multiplies it natively (bf16 has fp32's range, so the layers at risk need nothing); fp16
+  with the ``keep_fp32`` layers and ``init_scale`` above on a GPU without fast bf16; and fp32 on a CPU that emulates
+  both half types, where either would be slower than fp32. It never recommends emulated bf16. The advice also says
+  what it would recommend on a GPU (:attr:`Advice.on_gpu`), so that a measurement on a laptop serves the cluster.
+
+A LightningModule with manual optimization (``automatic_optimization = False``) calls ``self.optimizers()`` and
+``self.manual_backward()`` in its ``training_step``; the deep copy has no Trainer, so the advisor sets the copy up
+in a single-device :class:`~lightning.fabric.Fabric` (Lightning's documented way to run a LightningModule without
+a Trainer) with the optimizers of the copy's own ``configure_optimizers()``. The copy's steps change only the copy.
 
 Example:
     >>> import torch
@@ -33,8 +41,8 @@ Example:
     >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     >>> data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=8)
     >>> advice = advise(model, data, batches=2, loss_fn=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
-    >>> advice.keep_fp32, advice.precision
-    ((), 'bf16-mixed')
+    >>> advice.keep_fp32, advice.precision in ("bf16-mixed", "32-true")  # bf16 only where the CPU runs it natively
+    ((), True)
 
 """
 
@@ -43,17 +51,19 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from lightning.fabric import Fabric
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
-from lightning_mp._hardware import device_has_native_bf16
+from lightning_mp._hardware import AMPERE, DeviceCapabilities
 
 FP16_MAX = 65504.0
 FP16_SMALLEST_SUBNORMAL = 2.0**-24
@@ -67,6 +77,7 @@ GRADIENT_HEADROOM = 64.0
 MIN_INIT_SCALE, MAX_INIT_SCALE = 2.0**-24, 2.0**24
 
 LossFunction = Callable[[nn.Module, Any], Tensor]
+RecommendedPrecision = Literal["bf16-mixed", "16-mixed", "32-true"]
 
 
 @dataclass(frozen=True)
@@ -105,22 +116,24 @@ class Advice:
 
     Attributes:
         layers: one :class:`LayerReport` per recorded module, in the order they first ran.
-        precision: the recommended ``MixedPrecision`` precision.
+        precision: the recommended ``MixedPrecision`` precision for the measured device.
         keep_fp32: qualified names of the modules to keep in fp32 when training in fp16.
         init_scale: the recommended first loss scale for fp16.
         batches: how many batches were measured.
         reason: why this precision.
+        on_gpu: what the advisor would recommend on a GPU, with and without native bf16.
 
     """
 
     layers: tuple[LayerReport, ...]
-    precision: Literal["bf16-mixed", "16-mixed"]
+    precision: RecommendedPrecision
     keep_fp32: tuple[str, ...]
     init_scale: float
     batches: int
     reason: str
+    on_gpu: str = ""
 
-    def plugin_kwargs(self, precision: Literal["bf16-mixed", "16-mixed"] | None = None) -> dict[str, Any]:
+    def plugin_kwargs(self, precision: RecommendedPrecision | None = None) -> dict[str, Any]:
         """Keyword arguments for :class:`~lightning_mp.MixedPrecision` that apply this advice.
 
         Args:
@@ -133,11 +146,13 @@ class Advice:
 
         """
         chosen = precision or self.precision
-        if chosen not in ("bf16-mixed", "16-mixed"):
+        if chosen not in ("bf16-mixed", "16-mixed", "32-true"):
             raise ValueError(
                 f"Advice.plugin_kwargs(precision={precision!r}) is not allowed: precision must be 'bf16-mixed',"
-                " '16-mixed' or None."
+                " '16-mixed', '32-true' or None."
             )
+        if chosen == "32-true":
+            return {"precision": "32-true"}
         kwargs: dict[str, Any] = {"precision": chosen, "keep_fp32": list(self.keep_fp32)}
         if chosen == "16-mixed":
             kwargs["init_scale"] = self.init_scale
@@ -165,6 +180,7 @@ class Advice:
             f"**Recommended precision:** `{self.precision}` ({self.reason}).",
             f"**For fp16:** `MixedPrecision('16-mixed', keep_fp32={list(self.keep_fp32)!r},"
             f" init_scale={self.init_scale:g})`.",
+            *([f"**On a GPU:** {self.on_gpu}."] if self.on_gpu else []),
             f"Measured in fp32 over {self.batches} batch{'es' if self.batches != 1 else ''}.",
         ]
 
@@ -247,11 +263,17 @@ def _recorded_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def _training_loss(model: nn.Module, batch: Any, batch_idx: int, loss_fn: LossFunction | None) -> Tensor:
+def _training_loss(model: nn.Module, batch: Any, batch_idx: int, loss_fn: LossFunction | None) -> Tensor | None:
+    """The loss to back-propagate; None when a manual-optimization ``training_step`` ran its own backward."""
     if loss_fn is not None:
-        return loss_fn(model, batch)
+        loss = loss_fn(model, batch)
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"advise(loss_fn=...) must return a loss tensor, got {type(loss).__name__}.")
+        return loss
     assert isinstance(model, LightningModule)
     output = model.training_step(batch, batch_idx)
+    if not model.automatic_optimization:
+        return None
     loss = output.get("loss") if isinstance(output, dict) else output
     if not isinstance(loss, Tensor):
         raise ValueError(
@@ -270,11 +292,73 @@ def _loader_generators(dataloader: Iterable) -> list[torch.Generator]:
     return [generator for generator in candidates if isinstance(generator, torch.Generator)]
 
 
+def _attach_manual_optimization(model: LightningModule) -> None:
+    """Give a manual-optimization copy what its ``training_step`` calls: ``optimizers()`` and ``manual_backward``.
+
+    The copy is set up in a single-device fp32 Fabric with the optimizers of its own ``configure_optimizers()``,
+    which hold the copy's parameters, so stepping them leaves the user's model and optimizers untouched.
+    """
+    try:
+        configured = model.configure_optimizers()
+    except Exception as error:  # e.g. it reads self.trainer, which the copy has not
+        raise ValueError(
+            f"advise(model={type(model).__name__}) uses manual optimization, and its configure_optimizers() failed on"
+            f" the advisor's copy, which has no Trainer ({type(error).__name__}: {error}). Pass"
+            " loss_fn=lambda model, batch: loss instead."
+        ) from error
+    optimizers: list[Optimizer] = []
+    apply_to_collection(configured, Optimizer, optimizers.append)
+    if not optimizers:
+        raise ValueError(
+            f"advise(model={type(model).__name__}) uses manual optimization, but its configure_optimizers() returned"
+            " no optimizer to give its training_step. Pass loss_fn=lambda model, batch: loss instead."
+        )
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    devices = [device.index or 0] if device.type == "cuda" else 1
+    fabric = Fabric(accelerator=device.type, devices=devices, precision="32-true", loggers=[])
+    fabric.setup(model, *optimizers, move_to_device=False)
+
+
+def recommend_precision(
+    capabilities: DeviceCapabilities, keep_fp32: Sequence[str], init_scale: float
+) -> tuple[RecommendedPrecision, str, str]:
+    """The precision to recommend on a device, why, and what a GPU would get: a pure function.
+
+    Args:
+        capabilities: the device's (see :meth:`~lightning_mp._hardware.DeviceCapabilities.detect`).
+        keep_fp32: the layers at risk in fp16.
+        init_scale: the recommended first fp16 loss scale.
+
+    Returns:
+        ``(precision, reason, on_gpu)``.
+
+    Example:
+        >>> recommend_precision(DeviceCapabilities("cpu", native_bf16=False), (), 1024.0)[0]
+        '32-true'
+
+    """
+    device = capabilities.describe()
+    at_risk = f"{len(keep_fp32)} layer(s) leave fp16's range" if keep_fp32 else "nothing leaves fp16's range"
+    fp16 = f"'16-mixed' with keep_fp32={list(keep_fp32)!r}, init_scale={init_scale:g}"
+    ampere = ".".join(map(str, AMPERE))
+    on_gpu = f"'bf16-mixed' on a GPU of compute capability {ampere} or higher, {fp16} on an older one"
+    precision: RecommendedPrecision
+    if capabilities.native_bf16:
+        precision, reason = "bf16-mixed", f"{at_risk}; {device} runs bf16 natively, and bf16 has fp32's range"
+    elif capabilities.device_type in ("cuda", "mps"):
+        precision, reason = "16-mixed", f"{at_risk}; {device} has no fast bf16, so fp16 with the settings below"
+    else:
+        precision = "32-true"
+        reason = f"{at_risk}; {device} emulates bf16 and fp16, and both are slower than fp32 there"
+    return precision, reason, on_gpu
+
+
 def advise(
     model: nn.Module,
     dataloader: Iterable,
     batches: int = 8,
     loss_fn: LossFunction | None = None,
+    capabilities: DeviceCapabilities | None = None,
 ) -> Advice:
     """Measure ``batches`` batches in fp32 and recommend a precision, ``keep_fp32`` layers and an ``init_scale``.
 
@@ -286,17 +370,29 @@ def advise(
         model: a ``LightningModule`` (its ``training_step`` gives the loss) or any ``nn.Module`` with ``loss_fn``.
         dataloader: yields training batches, as ``training_step`` receives them.
         batches: how many batches to measure; at least 1.
-        loss_fn: ``loss_fn(model, batch) -> loss``; required for a plain ``nn.Module``.
+        loss_fn: ``loss_fn(model, batch) -> loss``; required for a plain ``nn.Module``. A LightningModule with
+            manual optimization needs none: its ``training_step`` runs on the copy (see the module docstring).
+        capabilities: the hardware to advise for; None detects the device the model is on.
 
     Returns:
         The :class:`Advice`: a table (``advice.layers``, ``advice.to_markdown()``) and the recommendation.
 
     Raises:
+        TypeError: if ``loss_fn`` is not callable or does not return a tensor, or ``capabilities`` is of another type.
         ValueError: if an argument is invalid, or the data loader yields no batch.
 
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"advise(model={type(model).__name__}) is not allowed: model must be an nn.Module.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"advise(loss_fn={loss_fn!r}) is not allowed: loss_fn must be None or a callable"
+            " loss_fn(model, batch) -> loss tensor."
+        )
+    if capabilities is not None and not isinstance(capabilities, DeviceCapabilities):
+        raise TypeError(
+            f"advise(capabilities={capabilities!r}) is not allowed: it must be None (detect) or a DeviceCapabilities."
+        )
     if not isinstance(dataloader, Iterable):
         raise ValueError(
             f"advise(dataloader={dataloader!r}) is not allowed: dataloader must be an iterable of batches."
@@ -310,6 +406,8 @@ def advise(
         )
     work = copy.deepcopy(model).float().train()
     device = next((p.device for p in work.parameters()), torch.device("cpu"))
+    if loss_fn is None and isinstance(work, LightningModule) and not work.automatic_optimization:
+        _attach_manual_optimization(work)
     tallies = {module: _Tally(name, module) for name, module in _recorded_modules(work)}
 
     def record_forward(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -337,7 +435,9 @@ def advise(
                 if batch_idx == batches:
                     break
                 work.zero_grad(set_to_none=True)
-                _training_loss(work, move_data_to_device(batch, device), batch_idx, loss_fn).backward()
+                loss = _training_loss(work, move_data_to_device(batch, device), batch_idx, loss_fn)
+                if loss is not None:
+                    loss.backward()
                 for module, tally in tallies.items():
                     for parameter in module.parameters(recurse=False):
                         if parameter.grad is not None:
@@ -348,10 +448,10 @@ def advise(
             generator.set_state(state)
     if seen == 0:
         raise ValueError("advise(dataloader=...) is not allowed: the data loader yielded no batch.")
-    return _recommend(list(tallies.values()), seen, device.type)
+    return _recommend(list(tallies.values()), seen, capabilities or DeviceCapabilities.detect(device.type))
 
 
-def _recommend(tallies: list[_Tally], batches: int, device_type: str) -> Advice:
+def _recommend(tallies: list[_Tally], batches: int, capabilities: DeviceCapabilities) -> Advice:
     layers = tuple(tally.report() for tally in tallies if tally.totals["activation"])
     keep = tuple(layer.name for layer in layers if layer.keep_fp32)
     largest_gradient = max((layer.max_gradient for layer in layers if not layer.keep_fp32), default=0.0)
@@ -360,16 +460,8 @@ def _recommend(tallies: list[_Tally], batches: int, device_type: str) -> Advice:
         init_scale = min(max(2.0**exponent, MIN_INIT_SCALE), MAX_INIT_SCALE)
     else:
         init_scale = 2.0**16
-    precision: Literal["bf16-mixed", "16-mixed"]
-    if keep:
-        precision, reason = "bf16-mixed", f"{len(keep)} layer(s) leave fp16's range; bf16 has fp32's range"
-    elif device_has_native_bf16(device_type):
-        precision, reason = "bf16-mixed", f"nothing leaves fp16's range and the {device_type} runs bf16 natively"
-    elif device_type == "cpu":
-        precision, reason = "bf16-mixed", "nothing leaves fp16's range, but fp16 is slower than bf16 on CPUs"
-    else:
-        precision, reason = "16-mixed", f"nothing leaves fp16's range and the {device_type} has no fast bf16"
-    return Advice(layers, precision, keep, init_scale, batches, reason)
+    precision, reason, on_gpu = recommend_precision(capabilities, keep, init_scale)
+    return Advice(layers, precision, keep, init_scale, batches, reason, on_gpu)
 
 
 __all__ = [
@@ -377,6 +469,8 @@ __all__ = [
     "GRADIENT_HEADROOM",
     "UNDERFLOW_LIMIT",
     "Advice",
+    "DeviceCapabilities",
     "LayerReport",
     "advise",
+    "recommend_precision",
 ]

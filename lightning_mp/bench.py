@@ -24,7 +24,22 @@ How it measures:
    ``--warmup`` steps of each run are dropped; the table gives the median of the rest, pooled over the repeats,
    and the mean, which also counts the occasional expensive logging step.
 4. Ratios are speed-ups (above 1 is faster): the reference's median over the configuration's, against fp32 and
-   against Lightning's built-in plugin at the same precision.
+   against Lightning's built-in plugin at the same precision. They are **paired**: each repeat runs every
+   configuration back to back, and the ratio of their medians in that repeat is one paired ratio. The table gives
+   the median of the paired ratios and their range (min-max); a difference is *resolved* only when every paired
+   ratio falls on the same side of 1.00x, and the report says so, or says that more repeats are needed.
+5. Load. A benchmark on a shared machine measures the other users too, so the report gives the load average
+   before and after, each run's CPU share (the CPU time the process got over ``wall time x threads``) and, on
+   Linux, its run-queue wait share: the time its threads were ready to run but waited for a core, over the time
+   they were runnable (``/proc/self/task/*/schedstat``). Above :data:`HIGH_WAIT_SHARE` (or, without schedstat, a
+   CPU share below :data:`LOW_CPU_SHARE`), or with a load average above half the cores before the start, it warns
+   loudly that the timings are distorted, on stderr and in the report.
+6. Matrix-product rates are measured with the same number of threads as the training runs (``--threads``, by
+   default torch's), each rate the best of several timed rounds of at least :data:`MATMUL_MIN_SECONDS`.
+
+``--quick`` runs in this process (no worker processes, so its memory columns are the whole process's), with the
+tiny model and three paired repeats: a smoke test of the whole pipeline that still reports honestly whether its
+difference is resolved.
 
 The model's size is chosen for the hardware (``--size auto``): a smaller one on CPUs without AVX512-BF16 or AMX,
 where bf16 matrix products are emulated and about a hundred times slower than fp32, so that the full run still
@@ -46,7 +61,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +76,13 @@ from lightning_mp.plugin import MixedPrecision
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
 
 FP32 = "fp32"
+LOW_CPU_SHARE = 0.5
+"""Where the scheduler's wait times cannot be read: a run whose process got less than this share of ``wall time x
+threads`` in CPU time probably competed for the cores (single-threaded Python overhead alone keeps it below 1)."""
+HIGH_WAIT_SHARE = 0.2
+"""A run whose threads spent more than this share of their runnable time waiting for a core competed for the cores."""
+MATMUL_MIN_SECONDS = 0.05
+"""Each timed round of matrix products runs at least this long, so that the timer's resolution does not matter."""
 
 
 @dataclass(frozen=True)
@@ -156,8 +178,29 @@ def default_configurations(accelerator: str) -> list[str]:
 # ------------------------------------------------------------------------------------------------ one run (worker)
 
 
+def scheduler_seconds() -> tuple[float, float] | None:
+    """``(running, waiting for a core)`` seconds summed over this process's threads; None where unavailable.
+
+    Reads ``/proc/self/task/<tid>/schedstat`` (Linux with scheduler statistics): its first two fields are the
+    nanoseconds a thread ran and waited on a run queue. Threads that ended are no longer counted, so use differences
+    over a span in which the thread pool stays the same (the timed steps).
+    """
+    running = waiting = 0
+    try:
+        for task in Path("/proc/self/task").iterdir():
+            fields = (task / "schedstat").read_text().split()
+            running += int(fields[0])
+            waiting += int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return running / 1e9, waiting / 1e9
+
+
 class StepTimer(L.Callback):
     """Record the wall time between the ends of consecutive training batches, and the last batch's loss.
+
+    Each step's process CPU time and the scheduler's run and wait times (:func:`scheduler_seconds`) are recorded
+    beside it, so that a run can say how much of its time it spent waiting for a core.
 
     The loss stays a tensor until training ends, so that reading it adds no host synchronisation to the steps.
     """
@@ -165,8 +208,11 @@ class StepTimer(L.Callback):
     def __init__(self, synchronize: bool) -> None:
         self.synchronize = synchronize
         self.step_seconds: list[float] = []
+        self.step_cpu_seconds: list[float] = []
         self.last_loss: torch.Tensor | None = None
         self._last_end: float | None = None
+        self._last_cpu: float | None = None
+        self.scheduler_by_step: list[tuple[float, float] | None] = []
 
     def _now(self) -> float:
         if self.synchronize:
@@ -179,16 +225,28 @@ class StepTimer(L.Callback):
     ) -> None:
         if self._last_end is None:
             self._last_end = self._now()
+            self._last_cpu = time.process_time()
+            self.scheduler_by_step.append(scheduler_seconds())
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        now = self._now()
-        assert self._last_end is not None
+        now, cpu = self._now(), time.process_time()
+        assert self._last_end is not None and self._last_cpu is not None
         self.step_seconds.append(now - self._last_end)
-        self._last_end = now
+        self.step_cpu_seconds.append(cpu - self._last_cpu)
+        self._last_end, self._last_cpu = now, cpu
+        self.scheduler_by_step.append(scheduler_seconds())
         self.last_loss = outputs["loss"].detach()
+
+    def wait_share(self, first_step: int) -> float | None:
+        """Share of runnable time spent waiting for a core, from the start of step ``first_step`` to the last end."""
+        start, end = self.scheduler_by_step[first_step], self.scheduler_by_step[-1]
+        if start is None or end is None:
+            return None
+        running, waiting = end[0] - start[0], end[1] - start[1]
+        return waiting / (running + waiting) if running + waiting > 0 else None
 
     @property
     def final_loss(self) -> float:
@@ -253,6 +311,17 @@ class RunResult:
     peak_memory_mib: float
     pre_fit_memory_mib: float
     profile: dict[str, Any] | None = None
+    step_cpu_seconds: list[float] = field(default_factory=list)
+    threads: int = 1
+    repeat: int = 0
+    wait_share: float | None = None
+    """Share of the threads' runnable time spent waiting for a core (None where it cannot be read)."""
+
+    @property
+    def cpu_share(self) -> float:
+        """CPU time over ``wall time x threads`` in the timed steps: 1.0 when the run had its cores to itself."""
+        wall = sum(self.step_seconds) * self.threads
+        return sum(self.step_cpu_seconds) / wall if wall > 0 else float("nan")
 
 
 def _current_rss_mib() -> float:
@@ -270,13 +339,34 @@ def _peak_rss_mib() -> float:
 
 
 def run_configuration(
-    name: str, size: ModelSize, accelerator: str, warmup: int, steps: int, seed: int, profile: bool = False
+    name: str,
+    size: ModelSize,
+    accelerator: str,
+    warmup: int,
+    steps: int,
+    seed: int,
+    profile: bool = False,
+    threads: int | None = None,
+    repeat: int = 0,
 ) -> RunResult:
     """Train ``warmup + steps`` optimizer steps under configuration ``name`` in this process and measure them.
 
     With ``profile``, the timed steps also run under ``torch.profiler``, which slows them: use such a run for the
-    breakdown, not for the timings.
+    breakdown, not for the timings. ``threads`` sets torch's intra-op threads for the run (None keeps the current
+    number); the previous number is restored afterwards.
     """
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _train_and_measure(name, size, accelerator, warmup, steps, seed, profile, repeat)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _train_and_measure(
+    name: str, size: ModelSize, accelerator: str, warmup: int, steps: int, seed: int, profile: bool, repeat: int
+) -> RunResult:
     config = CONFIGURATIONS[name]
     on_cuda = accelerator == "gpu"
     L.seed_everything(seed, verbose=False)
@@ -312,7 +402,18 @@ def run_configuration(
             pre_fit = _current_rss_mib()
         trainer.fit(model, datamodule=data)
         peak = torch.cuda.max_memory_allocated() / 2**20 if on_cuda else _peak_rss_mib()
-    return RunResult(name, timer.step_seconds[warmup:], timer.final_loss, peak, pre_fit, profiler.breakdown)
+    return RunResult(
+        name,
+        timer.step_seconds[warmup:],
+        timer.final_loss,
+        peak,
+        pre_fit,
+        profiler.breakdown,
+        timer.step_cpu_seconds[warmup:],
+        torch.get_num_threads(),
+        repeat,
+        timer.wait_share(warmup),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ the machine
@@ -345,23 +446,40 @@ def machine_description(accelerator: str) -> list[str]:
     return lines
 
 
-def matmul_rates(accelerator: str, n: int = 512) -> dict[str, float]:
-    """GFLOP/s of an ``n x n`` matrix product in fp32, bf16 and fp16 on the device: what each dtype can reach."""
+def matmul_rates(accelerator: str, n: int = 512, threads: int | None = None, rounds: int = 3) -> dict[str, float]:
+    """GFLOP/s of an ``n x n`` matrix product in fp32, bf16 and fp16 on the device: what each dtype can reach.
+
+    Measured with ``threads`` intra-op threads (None: torch's current number), the number the training runs use;
+    each rate is the best of ``rounds`` rounds of at least :data:`MATMUL_MIN_SECONDS`, so a busy moment on a shared
+    machine lowers one round, not the rate.
+    """
     device = "cuda" if accelerator == "gpu" else "cpu"
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     rates = {}
-    for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
-        a @ b
-        repeats = 20 if device == "cuda" or dtype == torch.float32 else 2
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
+    try:
+        for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
             a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        rates[label] = 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
+            best = 0.0
+            for _ in range(rounds):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                products, start = 0, time.perf_counter()
+                while True:
+                    a @ b
+                    products += 1
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - start
+                    if elapsed >= MATMUL_MIN_SECONDS:
+                        break
+                best = max(best, 2 * n**3 * products / elapsed / 1e9)
+            rates[label] = best
+    finally:
+        torch.set_num_threads(previous_threads)
     return rates
 
 
@@ -381,8 +499,12 @@ class Summary:
     final_loss: float
     run_medians_seconds: list[float]
     step_count: int
+    cpu_share: float = float("nan")
+    wait_share: float | None = None
     vs_fp32: float | None = None
     vs_builtin: float | None = None
+    paired_vs_fp32: list[float] = field(default_factory=list)
+    paired_vs_builtin: list[float] = field(default_factory=list)
 
 
 def summarize(results: Sequence[RunResult], size: ModelSize) -> dict[str, Summary]:
@@ -402,18 +524,107 @@ def summarize(results: Sequence[RunResult], size: ModelSize) -> dict[str, Summar
             final_loss=statistics.median(run.final_loss for run in runs),
             run_medians_seconds=[statistics.median(run.step_seconds) for run in runs],
             step_count=len(seconds),
+            cpu_share=min(run.cpu_share for run in runs),
+            wait_share=None if any(run.wait_share is None for run in runs) else max(run.wait_share for run in runs),
         )
     for summary in summaries.values():
         if FP32 in summaries:
-            summary.vs_fp32 = summaries[FP32].median_seconds / summary.median_seconds
-        builtin = summaries.get(CONFIGURATIONS[summary.name].builtin)
-        if builtin is not None:
-            summary.vs_builtin = builtin.median_seconds / summary.median_seconds
+            summary.paired_vs_fp32 = paired_ratios(results, FP32, summary.name)
+            summary.vs_fp32 = statistics.median(summary.paired_vs_fp32)
+        builtin = CONFIGURATIONS[summary.name].builtin
+        if builtin in summaries:
+            summary.paired_vs_builtin = paired_ratios(results, builtin, summary.name)
+            summary.vs_builtin = statistics.median(summary.paired_vs_builtin)
     return summaries
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+def paired_ratios(results: Sequence[RunResult], reference: str, name: str) -> list[float]:
+    """Per repeat, the reference's median step time over the configuration's: one speed-up per pair of runs.
+
+    The two runs of a pair ran back to back in the same repeat, so a machine that speeds up or slows down between
+    repeats moves both; the spread of the paired ratios is the uncertainty of the speed-up.
+    """
+    medians: dict[tuple[str, int], float] = {
+        (run.configuration, run.repeat): statistics.median(run.step_seconds) for run in results
+    }
+    repeats = sorted({run.repeat for run in results})
+    return [
+        medians[reference, repeat] / medians[name, repeat]
+        for repeat in repeats
+        if (reference, repeat) in medians and (name, repeat) in medians
+    ]
+
+
+def resolution(ratios: Sequence[float]) -> str:
+    """Whether paired speed-ups resolve a difference: all on one side of 1.00x, over at least two pairs.
+
+    Example:
+        >>> resolution([0.05, 0.06, 0.04]), resolution([0.9, 1.1, 1.0]), resolution([1.9])
+        ('resolved: slower', 'NOT resolved: the paired ratios straddle 1.00x', 'NOT resolved: one pair has no spread')
+
+    """
+    if len(ratios) < 2:
+        return "NOT resolved: one pair has no spread" if ratios else "NOT resolved: no pairs"
+    if min(ratios) > 1:
+        return "resolved: faster"
+    if max(ratios) < 1:
+        return "resolved: slower"
+    return "NOT resolved: the paired ratios straddle 1.00x"
+
+
+def load_warnings(
+    load_start: Sequence[float],
+    load_end: Sequence[float],
+    cpu_shares: dict[str, float],
+    cores: int,
+    wait_shares: dict[str, float | None] | None = None,
+) -> list[str]:
+    """Loud warnings when the machine was busy: a pure function of the loads, the runs' shares and the cores.
+
+    The load average before the start counts other users only (the benchmark had not started). A run-queue wait
+    share above :data:`HIGH_WAIT_SHARE` means a run waited for the cores; where it is unknown (None), a CPU share
+    below :data:`LOW_CPU_SHARE` is taken as the sign instead.
+
+    Example:
+        >>> load_warnings((0.1, 0.1, 0.1), (1.0, 0.5, 0.2), {"fp32": 0.6}, cores=2, wait_shares={"fp32": 0.02})
+        []
+        >>> len(load_warnings((3.5, 2.0, 1.0), (4.0, 3.0, 1.0), {"fp32": 0.45}, cores=2, wait_shares={"fp32": 0.6}))
+        2
+
+    """
+    wait_shares = wait_shares or {}
+    warnings_found = []
+    if load_start[0] > cores / 2:
+        warnings_found.append(
+            f"WARNING: the machine was busy before the benchmark started (load average {load_start[0]:.2f} on"
+            f" {cores} cores, {load_end[0]:.2f} at the end): other processes share the cores, so step times and"
+            " ratios are distorted. Rerun on an idle machine."
+        )
+    waited = {name: share for name, share in wait_shares.items() if share is not None and share > HIGH_WAIT_SHARE}
+    if waited:
+        shown = ", ".join(f"{name} {share:.0%}" for name, share in waited.items())
+        warnings_found.append(
+            f"WARNING: runs spent more than {HIGH_WAIT_SHARE:.0%} of their runnable time waiting for a core ({shown}):"
+            " their step times measure the load as much as the configuration."
+        )
+    starved = {
+        name: share for name, share in cpu_shares.items() if wait_shares.get(name) is None and share < LOW_CPU_SHARE
+    }
+    if starved:
+        shown = ", ".join(f"{name} {share:.0%}" for name, share in starved.items())
+        warnings_found.append(
+            f"WARNING: runs got less than {LOW_CPU_SHARE:.0%} of the CPU time their threads asked for ({shown}):"
+            " they probably waited for the cores, so their step times measure the load too."
+        )
+    return warnings_found
+
+
+def _ratio(value: float | None, paired: Sequence[float] = ()) -> str:
+    if value is None:
+        return "-"
+    if len(paired) < 2:
+        return f"{value:.2f}x"
+    return f"{value:.2f}x ({min(paired):.2f}-{max(paired):.2f})"
 
 
 def markdown_table(summaries: dict[str, Summary], accelerator: str) -> str:
@@ -421,17 +632,18 @@ def markdown_table(summaries: dict[str, Summary], accelerator: str) -> str:
     memory = "peak CUDA alloc (MiB)" if accelerator == "gpu" else "peak RSS (MiB)"
     training = "peak over pre-fit (MiB)"
     header = (
-        "| configuration | median step (ms) | mean step (ms) | run medians (ms) | tokens/s | vs fp32"
-        f" | vs Lightning built-in | {memory} | {training} | final loss |"
+        "| configuration | median step (ms) | mean step (ms) | run medians (ms) | tokens/s | vs fp32 (paired range)"
+        f" | vs Lightning built-in (paired range) | {memory} | {training} | final loss | CPU share | run-queue wait |"
     )
-    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summaries.values():
         spread = f"{min(s.run_medians_seconds) * 1e3:.1f}-{max(s.run_medians_seconds) * 1e3:.1f}"
         lines.append(
             f"| {s.name} | {s.median_seconds * 1e3:.1f} | {s.mean_seconds * 1e3:.1f} | {spread}"
             f" | {s.tokens_per_second:,.0f}"
-            f" | {_ratio(s.vs_fp32)} | {_ratio(s.vs_builtin)} | {s.peak_memory_mib:,.0f} | {s.training_memory_mib:,.1f}"
-            f" | {s.final_loss:.4f} |"
+            f" | {_ratio(s.vs_fp32, s.paired_vs_fp32)} | {_ratio(s.vs_builtin, s.paired_vs_builtin)}"
+            f" | {s.peak_memory_mib:,.0f} | {s.training_memory_mib:,.1f} | {s.final_loss:.4f} | {s.cpu_share:.0%}"
+            f" | {'n/a' if s.wait_share is None else format(s.wait_share, '.0%')} |"
         )
     return "\n".join(lines)
 
@@ -491,20 +703,34 @@ def report(
     matmul_size: int,
     load: tuple[tuple[float, ...], tuple[float, ...]],
     breakdowns: dict[str, dict[str, Any]],
+    threads: int | None = None,
+    in_process: bool = False,
 ) -> str:
-    """The whole Markdown report: machine, sizes, table, targets."""
+    """The whole Markdown report: machine, load and its warnings, sizes, table, resolved differences, targets."""
     rate_text = ", ".join(f"{label} {rate:,.1f}" for label, rate in rates.items())
+    threads = threads or torch.get_num_threads()
+    cpu_shares = {name: summary.cpu_share for name, summary in summaries.items()}
+    wait_shares = {name: summary.wait_share for name, summary in summaries.items()}
+    loud = load_warnings(load[0], load[1], cpu_shares, os.cpu_count() or 1, wait_shares)
+    where = "all runs in this one process" if in_process else "each run in its own process"
     parts = [
         "### lightning_mp benchmark",
         "",
+        *(f"**{line}**" + "\n" for line in loud),
         *(f"- {line}" for line in machine),
-        f"- Matrix product {matmul_size}x{matmul_size}, GFLOP/s: {rate_text}",
-        f"- Load average (1, 5, 15 min): {_load_text(load[0])} at the start, {_load_text(load[1])} at the end",
+        f"- Matrix product {matmul_size}x{matmul_size} with {threads} thread(s), as in training, GFLOP/s: {rate_text}",
+        f"- Load average (1, 5, 15 min): {_load_text(load[0])} at the start, {_load_text(load[1])} at the end;"
+        " per configuration in the table: CPU share (CPU time over wall time x threads, the lowest run) and run-queue"
+        " wait (time ready to run but waiting for a core, over runnable time, the highest run)",
         f"- Model: TinyTransformerLM, size {size_name!r} ({size.describe()}); {warmup} warm-up and {steps} timed"
-        f" steps per run, {repeats} alternating repeats per configuration, each run in its own process",
+        f" steps per run, {repeats} alternating repeats per configuration, {where}",
         "- Configurations: " + "; ".join(f"{name}: {CONFIGURATIONS[name].description}" for name in summaries),
         "",
         markdown_table(summaries, accelerator),
+        "",
+        "Differences (median of the paired speed-ups, their range, and whether they are resolved):",
+        "",
+        *(f"- {line}" for line in difference_lines(summaries)),
     ]
     targets = target_lines(summaries, accelerator)
     if targets:
@@ -513,6 +739,23 @@ def report(
         parts += ["", "Where the time goes (torch.profiler, one extra run each):", ""]
         parts += [f"- {line}" for line in profile_lines(breakdowns)]
     return "\n".join(parts) + "\n"
+
+
+def difference_lines(summaries: dict[str, Summary]) -> list[str]:
+    """One line per comparison the table reports: the paired speed-up, its range and whether it is resolved."""
+    lines = []
+    for s in summaries.values():
+        comparisons = ((FP32, s.paired_vs_fp32), (CONFIGURATIONS[s.name].builtin, s.paired_vs_builtin))
+        for reference, paired in comparisons:
+            if reference == s.name or not paired:
+                continue
+            verdict = resolution(paired)
+            advice = "; run more --repeats or on an idle machine" if verdict.startswith("NOT") else ""
+            lines.append(
+                f"{s.name} vs {reference}: {statistics.median(paired):.2f}x, paired range {min(paired):.2f}-"
+                f"{max(paired):.2f} over {len(paired)} repeat(s): {verdict}{advice}"
+            )
+    return lines
 
 
 def _load_text(load: tuple[float, ...]) -> str:
@@ -525,7 +768,7 @@ def _load_text(load: tuple[float, ...]) -> str:
 def _worker_command(name: str, args: argparse.Namespace, result_file: Path, profile: bool) -> list[str]:
     command = [sys.executable, "-m", "lightning_mp.bench", "--worker", name, "--result-file", str(result_file)]
     command += ["--accelerator", args.accelerator, "--size", args.size, "--warmup", str(args.warmup)]
-    command += ["--steps", str(args.steps), "--seed", str(args.seed)]
+    command += ["--steps", str(args.steps), "--seed", str(args.seed), "--threads", str(args.threads)]
     return [*command, "--profile"] if profile else command
 
 
@@ -541,22 +784,55 @@ def _run_worker(name: str, args: argparse.Namespace, scratch: str, tag: str, pro
     return RunResult(**json.loads(result_file.read_text()))
 
 
+def unresolved_comparisons(results: Sequence[RunResult], configurations: Sequence[str]) -> list[str]:
+    """The comparisons the report will make (against fp32 and the built-in) that the paired ratios do not resolve."""
+    unresolved = []
+    for name in configurations:
+        for reference in (FP32, CONFIGURATIONS[name].builtin):
+            if reference == name or reference not in configurations:
+                continue
+            if resolution(paired_ratios(results, reference, name)).startswith("NOT"):
+                unresolved.append(f"{name} vs {reference}")
+    return list(dict.fromkeys(unresolved))
+
+
 def run_all(args: argparse.Namespace, configurations: Sequence[str]) -> list[RunResult]:
-    """Run every configuration ``args.repeats`` times, each in its own process, alternating the order."""
-    results = []
-    total = len(configurations) * args.repeats
+    """Run every configuration in paired repeats, alternating the order; in worker processes or in this one.
+
+    After ``args.repeats`` repeats, it adds repeats while a comparison is not resolved, up to ``args.max_repeats``.
+    """
+    results: list[RunResult] = []
     with tempfile.TemporaryDirectory() as scratch:
-        for repeat in range(args.repeats):
+        for repeat in range(args.max_repeats):
+            if repeat >= args.repeats:
+                unresolved = unresolved_comparisons(results, configurations)
+                if not unresolved:
+                    break
+                print(
+                    f"not resolved after {repeat} repeats: {', '.join(unresolved)}; adding repeat {repeat + 1}"
+                    f" (at most {args.max_repeats})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             order = list(configurations) if repeat % 2 == 0 else list(reversed(configurations))
             for name in order:
                 start = time.perf_counter()
-                result = _run_worker(name, args, scratch, str(repeat))
+                if args.in_process:
+                    result = run_configuration(
+                        name, SIZES[args.size], args.accelerator, args.warmup, args.steps, args.seed,
+                        threads=args.threads, repeat=repeat,
+                    )  # fmt: skip
+                else:
+                    result = _run_worker(name, args, scratch, str(repeat))
+                    result.repeat = repeat
                 results.append(result)
                 print(
-                    f"[{len(results)}/{total}] {name} (repeat {repeat + 1}/{args.repeats}):"
+                    f"[{len(results)}] {name} (repeat {repeat + 1}):"
                     f" median {statistics.median(result.step_seconds) * 1e3:.1f} ms/step,"
                     f" peak {result.peak_memory_mib:,.0f} MiB, final loss {result.final_loss:.4f}"
-                    f" ({time.perf_counter() - start:.1f} s, load {os.getloadavg()[0]:.2f})",
+                    f" ({time.perf_counter() - start:.1f} s, CPU share {result.cpu_share:.0%}, run-queue wait"
+                    f" {'n/a' if result.wait_share is None else format(result.wait_share, '.0%')},"
+                    f" load {os.getloadavg()[0]:.2f})",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -590,12 +866,26 @@ def profile_lines(breakdowns: dict[str, dict[str, Any]]) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_mp.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two configurations, tiny model, a few steps, 1 repeat")
+    parser.add_argument(
+        "--quick", action="store_true", help="two configurations, tiny model, in this process, 3 paired repeats"
+    )
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "gpu"], help="default: auto")
     parser.add_argument("--size", default="auto", choices=["auto", *SIZES], help="model size (default: auto)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 10, quick 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 3, quick 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per configuration (default 3, quick 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 20, quick 8)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 3, quick 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="paired runs per configuration (default 3)")
+    parser.add_argument(
+        "--max-repeats",
+        type=int,
+        default=None,
+        help="add repeats while a difference is unresolved, up to this many (default: 6 with --quick, else --repeats)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads for training and matrix products (default: torch's)"
+    )
+    parser.add_argument(
+        "--in-process", action="store_true", help="run every configuration in this process (the default with --quick)"
+    )
     parser.add_argument(
         "--configs",
         nargs="+",
@@ -619,12 +909,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--accelerator gpu needs a CUDA GPU, and torch sees none")
     if args.size == "auto":
         args.size = "tiny" if args.quick else auto_size(args.accelerator)
-    for flag, normal, quick in (("steps", 10, 3), ("warmup", 3, 1), ("repeats", 3, 1)):
+    for flag, normal, quick in (("steps", 20, 8), ("warmup", 3, 2), ("repeats", 3, 3)):
         value = getattr(args, flag)
         if value is None:
             setattr(args, flag, quick if args.quick else normal)
         elif value < (0 if flag == "warmup" else 1):
             parser.error(f"--{flag} must be >= {0 if flag == 'warmup' else 1}, got {value}")
+    if args.max_repeats is None:
+        args.max_repeats = max(args.repeats, 6) if args.quick else args.repeats
+    elif args.max_repeats < args.repeats:
+        parser.error(f"--max-repeats must be >= --repeats ({args.repeats}), got {args.max_repeats}")
+    if args.threads is None:
+        args.threads = torch.get_num_threads()
+    elif args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    args.in_process = args.in_process or (args.quick and args.worker is None and not args.profile)
     if args.configs is None:
         args.configs = list(QUICK_CONFIGURATIONS) if args.quick else default_configurations(args.accelerator)
     return args
@@ -657,7 +956,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The worker's own warnings (bf16 emulated on this CPU, few dataloader workers) are known and said once below.
         warnings.filterwarnings("ignore")
         result = run_configuration(
-            args.worker, size, args.accelerator, args.warmup, args.steps, args.seed, profile=args.profile
+            args.worker, size, args.accelerator, args.warmup, args.steps, args.seed, args.profile, args.threads
         )
         args.result_file.write_text(json.dumps(asdict(result)))
         return 0
@@ -668,9 +967,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     load_start = os.getloadavg()
+    if load_start[0] > (os.cpu_count() or 1) / 2:
+        print(
+            f"WARNING: load average {load_start[0]:.2f} on {os.cpu_count()} cores before the benchmark starts: other"
+            " processes compete for the CPU and the timings will be distorted.",
+            file=sys.stderr,
+        )
     machine = machine_description(args.accelerator)
     matmul_size = 256 if args.quick else 512
-    rates = matmul_rates(args.accelerator, matmul_size)
+    rates = matmul_rates(args.accelerator, matmul_size, threads=args.threads)
     results = run_all(args, args.configs)
     breakdowns = profile_all(args, args.configs) if args.profile else {}
     summaries = summarize(results, size)
@@ -681,13 +986,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.accelerator,
         args.warmup,
         args.steps,
-        args.repeats,
+        len({result.repeat for result in results}),
         machine,
         rates,
         matmul_size,
         (load_start, os.getloadavg()),
         breakdowns,
+        threads=args.threads,
+        in_process=args.in_process,
     )
+    for line in text.splitlines():
+        if line.startswith("**WARNING"):
+            print(line.strip("*"), file=sys.stderr)
     print(text)
     if args.out is not None:
         args.out.write_text(text)

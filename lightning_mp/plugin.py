@@ -1,29 +1,55 @@
 """The MixedPrecision plugin: autocast around every step, a loss scaler around backward and the optimizer step.
 
-Pass it to the Trainer::
+Pass it to the Trainer, exactly where Lightning's own ``MixedPrecision(precision, device, scaler=None)`` goes (every
+call that one accepts, this one accepts with the same meaning; the scaler's knobs are keyword-only)::
 
     trainer = Trainer(plugins=[MixedPrecision("16-mixed", growth_interval=1000, hysteresis=2)])
 
-What happens in a training step:
+What happens in a training iteration:
 
 1. The forward pass (training, validation, test and predict steps) runs under ``torch.autocast`` when the opt level
-   uses autocast (O1), in fp16 or bf16.
-2. ``pre_backward`` multiplies the loss by the loss scale (fp16 only), so that small gradients survive fp16.
-3. In ``optimizer_step`` the gradients are unscaled (one fused pass that also detects inf/NaN) *before* Lightning's
-   ``on_before_optimizer_step`` hooks and gradient clipping, so both see true gradients.
-4. The optimizer step runs only if every gradient is finite. A skipped step changes no parameter and no optimizer
-   state, and ``interval="step"`` learning-rate schedulers do not advance on it.
-5. The scaler updates the scale (:mod:`lightning_mp.scaler`), and :attr:`MixedPrecision.stats` is refreshed from
-   host-side counters, with no extra device synchronisation.
+   uses autocast (O1), in fp16 or bf16. Before the first forward after an optimizer step, the running statistics
+   of the normalisation layers that track them (BatchNorm, InstanceNorm with ``track_running_stats``) are copied.
+2. ``pre_backward`` multiplies the loss by the loss scale (fp16 only). Every backward of the iteration uses the
+   same scale, also under gradient accumulation and with several optimizers.
+3. The gradients are unscaled once per optimizer step (one fused pass that also detects inf/NaN) *before*
+   Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, so both see true gradients. In manual
+   optimization ``self.clip_gradients(opt, ...)`` unscales first; an explicit ``scaler.unscale_(opt)`` before it is
+   respected, not repeated. Fused optimizers unscale inside their own step, unless clipping needed the true
+   gradients first; their step then does not unscale again.
+4. The optimizer step runs only if every gradient is finite. A skipped step changes no parameter, no optimizer
+   state and no running statistic, and ``interval="step"`` learning-rate schedulers do not advance on it.
+5. The scale moves once per iteration (:mod:`lightning_mp.scaler`), so ``growth_interval`` counts iterations: in
+   automatic optimization right after the step, in manual optimization when the training step returns, if any
+   optimizer stepped. :attr:`MixedPrecision.stats` then holds the counters.
+
+LBFGS evaluates its closure several times per step, so a loss scale cannot be checked between backward and step:
+fp16 refuses it. In bf16 and fp32 the plugin copies the weights and the optimizer state before the step and puts
+them back when a loss or a gradient was inf or NaN, which counts as a skipped step.
 
 In bf16 and fp32 nothing is scaled, but non-finite steps are still detected and skipped, so no precision ever
 writes a NaN into the weights. The scaler's state and the counters are saved in Lightning checkpoints and restored
-exactly on resume.
+exactly on resume. The checkpoint entry also holds torch's five GradScaler keys, so Lightning's own plugin resumes
+from it (or, after a bf16/fp32 run, starts from the initial scale).
+
+The plugin subclasses Lightning's ``MixedPrecision`` so that Lightning's ``ThroughputMonitor`` counts FLOPs in the
+half dtype, and so that Lightning itself restores the legacy ``native_amp_scaling_state`` checkpoint key.
+
+Private names used, and why:
+
+* ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: Lightning's test for optimizers that
+  unscale inside their own step (fused Adam/AdamW/SGD), the same test Lightning's plugin makes.
+* ``torch.amp.grad_scaler.OptState`` and ``GradScaler._per_optimizer_states``: whether an optimizer was already
+  unscaled in this iteration (so that an explicit ``scaler.unscale_(opt)`` is not repeated) and its inf flag,
+  which torch's ``step`` and ``update`` read the same way; and, when that ``unscale_`` went through Lightning's
+  ``LightningOptimizer`` wrapper, moving its record to the wrapped optimizer. Three small functions below.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import warnings
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import replace
@@ -33,40 +59,109 @@ import torch
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.plugins.precision.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
+from torch.amp.grad_scaler import OptState
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_mp._hardware import choose_precision, device_has_native_bf16
 from lightning_mp._scale_rules import COLLAPSE_FLOOR, FLOAT32_MAX
-from lightning_mp._schedulers import make_skip_aware, mark_step
-from lightning_mp._validation import check_choice, check_number
+from lightning_mp._schedulers import SkipAwareScheduler
+from lightning_mp._validation import check_choice, check_flag, check_number, plain_scalar
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies import POLICIES, PrecisionPolicy
 from lightning_mp.scaler import LossScaler, ScalerSettings, ScalingMode
 from lightning_mp.stats import PrecisionStats
 
 PrecisionName = Literal["auto", "16-mixed", "bf16-mixed", "32-true"]
+PRECISIONS: tuple[str, ...] = ("auto", "16-mixed", "bf16-mixed", "32-true")
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
+PRECISION_ALIASES: dict[Any, str] = {
+    **dict.fromkeys((16, "16", "fp16", "float16", "half", "16-true", "mixed", "amp"), "16-mixed"),
+    **dict.fromkeys(("bf16", "bfloat16", "bf16-true"), "bf16-mixed"),
+    **dict.fromkeys((32, "32", "fp32", "float32", "full"), "32-true"),
+}
+"""Common spellings of the precisions, for the "did you mean" of an error message."""
+OPT_LEVEL_ALIASES: dict[Any, str] = {level: f"O{level}" for level in range(4)}
+TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+"""The keys of ``torch.amp.GradScaler.state_dict()``: Lightning's own plugin loads exactly these."""
 _HALF_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+_TORCH_SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
 
-class MixedPrecision(Precision):
+def _is_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
+    """Whether ``unscale_(optimizer)`` already ran since the scaler's last ``update()``."""
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"] is OptState.UNSCALED
+
+
+def _adopt_wrapper_unscale(scaler: torch.amp.GradScaler, wrappers: Sequence[Any], optimizer: Optimizer) -> None:
+    """Record an ``unscale_`` the user made through a LightningOptimizer as made on the optimizer it wraps.
+
+    ``opt = self.optimizers()`` is a LightningOptimizer that shares its optimizer's ``param_groups``, so
+    ``scaler.unscale_(opt)`` unscaled the very gradients the plugin steps; without this the plugin, which sees the
+    wrapped optimizer, would unscale them a second time.
+    """
+    states = scaler._per_optimizer_states
+    for wrapper in wrappers:
+        if wrapper.optimizer is optimizer and _is_unscaled(scaler, wrapper):
+            states[id(optimizer)] = states.pop(id(wrapper))
+
+
+def _found_inf(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
+    """Whether the last step of ``optimizer`` found an inf or NaN, and so was skipped.
+
+    .. warning:: For fused optimizers the flag is still on the device: reading it synchronises.
+    """
+    flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+    return any(bool(flag) for flag in flags)
+
+
+def _device_type(owner: str, device: Any) -> str:
+    """The device type of ``"cuda"``, ``"cuda:0"`` or ``torch.device("cuda", 0)``, checked against DEVICE_TYPES."""
+    with contextlib.suppress(RuntimeError, TypeError):
+        device = torch.device(device).type
+    check_choice(owner, "device", device, DEVICE_TYPES)
+    return device
+
+
+def _raw_optimizer(optimizer: Any) -> Any:
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _has_gradients(optimizer: Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+def _all_finite(loss: Any, parameters: Sequence[Tensor]) -> bool:
+    checks = [torch.isfinite(p.grad).all() for p in parameters if p.grad is not None]
+    if loss is not None:
+        checks.append(torch.isfinite(torch.as_tensor(loss)).all())
+    return bool(torch.stack(checks).all()) if checks else True
+
+
+class MixedPrecision(LightningMixedPrecision):
     """Mixed-precision training for Lightning: autocast, a dynamic loss scaler that goes past torch's, and counters.
 
     Args:
         precision: ``"auto"`` (bf16 where the device runs it natively, else fp16 on GPUs and fp32 on CPUs),
             ``"16-mixed"`` (fp16 with loss scaling; real fp16 on the CPU too), ``"bf16-mixed"`` or ``"32-true"``.
+        device: the autocast device type (``"cpu"``, ``"cuda"``, ...; an index as in ``"cuda:0"`` is ignored, as
+            autocast works per device type); None takes it from the Trainer's accelerator at setup.
+        scaler: a ``torch.amp.GradScaler`` whose settings (scale, growth and backoff factors, growth interval,
+            ``enabled``) the loss scaler takes over, as Lightning's plugin would use it; fp16 only. A
+            :class:`~lightning_mp.LossScaler` is used as it is. Leave it None to set the knobs below.
         opt_level: ``"O0"`` (fp32 baseline) or ``"O1"`` (autocast, fp32 weights), and any other registered level.
-        device: the autocast device type; None takes it from the Trainer's accelerator at setup.
-        init_scale: the first loss scale (fp16).
-        growth_factor: scale multiplier after ``growth_interval`` clean steps; > 1.
-        backoff_factor: scale multiplier on overflow; in (0, 1).
-        growth_interval: clean steps in a row before the scale grows; >= 1.
+        init_scale: the first loss scale (fp16); None means torch's ``2**16``.
+        growth_factor: scale multiplier after ``growth_interval`` clean iterations; > 1; None means 2.
+        backoff_factor: scale multiplier on overflow; in (0, 1); None means 0.5.
+        growth_interval: clean iterations in a row before the scale grows; >= 1; None means 2000.
         hysteresis: overflows tolerated before the scale backs off (DeepSpeed's and Megatron's meaning);
             1 is torch's behaviour.
         consecutive_hysteresis: refill the hysteresis after every clean step instead of only after a growth.
@@ -81,21 +176,26 @@ class MixedPrecision(Precision):
         max_consecutive_skips: stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
             steps in a row, in every precision; None never stops.
 
+    Numbers may be Python, numpy or 0-d tensor scalars; booleans must be ``True`` or ``False``.
+
     Raises:
         ValueError: for any argument outside what is allowed; the message names the argument, the value given and
-            what is allowed.
+            what is allowed, with a "did you mean" for a near miss such as ``"fp16"`` or ``"o2"``.
+        TypeError: if ``scaler`` is not a ``torch.amp.GradScaler``.
 
     """
 
     def __init__(
         self,
         precision: PrecisionName = "auto",
-        opt_level: str = "O1",
         device: str | None = None,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        opt_level: str = "O1",
+        init_scale: float | None = None,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        growth_interval: int | None = None,
         hysteresis: int = 1,
         consecutive_hysteresis: bool = False,
         min_scale: float | None = None,
@@ -107,29 +207,38 @@ class MixedPrecision(Precision):
         max_consecutive_skips: int | None = 100,
     ) -> None:
         owner = type(self).__name__
-        check_choice(owner, "precision", precision, ("auto", "16-mixed", "bf16-mixed", "32-true"))
-        check_choice(owner, "opt_level", opt_level, POLICIES)
+        check_choice(owner, "precision", precision, PRECISIONS, PRECISION_ALIASES)
+        check_choice(owner, "opt_level", opt_level, POLICIES, OPT_LEVEL_ALIASES)
         if device is not None:
-            check_choice(owner, "device", device, DEVICE_TYPES)
+            device = _device_type(owner, device)
+        consecutive_hysteresis = check_flag(owner, "consecutive_hysteresis", consecutive_hysteresis)
+        skip_scheduler_on_overflow = check_flag(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
+        torch_knobs = {
+            "init_scale": plain_scalar(init_scale),
+            "growth_factor": plain_scalar(growth_factor),
+            "backoff_factor": plain_scalar(backoff_factor),
+            "growth_interval": plain_scalar(growth_interval),
+        }
+        if scaler is not None:
+            torch_knobs = self._knobs_of(owner, scaler, precision, loss_scale, torch_knobs)
+        torch_knobs = {name: _TORCH_SCALER_DEFAULTS[name] if v is None else v for name, v in torch_knobs.items()}
         self._scaler_settings = ScalerSettings(
             owner=owner,
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
+            **torch_knobs,
             hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
             min_scale=min_scale,
             max_scale=max_scale,
-            consecutive_hysteresis=consecutive_hysteresis,
             on_min_scale=on_min_scale,
             max_consecutive_skips=max_consecutive_skips,
         )
+        loss_scale = plain_scalar(loss_scale)
         if loss_scale != "dynamic":
             loss_scale = check_number(owner, "loss_scale", loss_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX)
-            if precision == "bf16-mixed":
+            if precision in ("bf16-mixed", "32-true"):
                 raise ValueError(
-                    f"{owner}(precision='bf16-mixed', loss_scale={loss_scale!r}) is not allowed: bf16 has fp32's"
-                    " exponent range and is never scaled. Use loss_scale='dynamic' (the default) with bf16, or"
+                    f"{owner}(precision={precision!r}, loss_scale={loss_scale!r}) is not allowed: only fp16 is"
+                    " scaled (bf16 has fp32's exponent range). Use loss_scale='dynamic' (the default) here, or"
                     " precision='16-mixed' for a static fp16 scale."
                 )
         if precision == "32-true" and opt_level not in ("O0", "O1"):
@@ -150,9 +259,41 @@ class MixedPrecision(Precision):
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.keep_fp32 = Fp32Overrides(keep_fp32).patterns
         self.precision_reason = "asked for" if precision != "auto" else ""
+        self._given_scaler = scaler
         self._loss_scaler: LossScaler | None = None
         self._policy: PrecisionPolicy | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._normalization_layers: list[nn.Module] = []
+        self._saved_running_stats: list[Tensor] | None = None
+        self._prepared_optimizers: set[int] = set()
+        self._skipped_by_optimizer: dict[int, bool] = {}
+        self._stepped_this_iteration = False
+
+    @staticmethod
+    def _knobs_of(owner: str, scaler: Any, precision: str, loss_scale: Any, knobs: dict[str, Any]) -> dict[str, Any]:
+        """The torch knobs of a GradScaler given as ``scaler``, after checking it may be given here."""
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"{owner}(scaler={scaler!r}) is not allowed: scaler must be a torch.amp.GradScaler.")
+        if precision in ("bf16-mixed", "32-true"):
+            raise ValueError(
+                f"{owner}(precision={precision!r}, scaler={type(scaler).__name__}) is not allowed:"
+                f" `precision={precision!r}` does not use a scaler. Pass scaler=None, or precision='16-mixed'."
+            )
+        given = [name for name, value in knobs.items() if value is not None]
+        if given or loss_scale != "dynamic":
+            names = ", ".join([*given, *(["loss_scale"] if loss_scale != "dynamic" else [])])
+            raise ValueError(
+                f"{owner}(scaler=..., {names}=...) is not allowed: the scaler's own settings are used. Set them on"
+                " the GradScaler, or pass the knobs without a scaler."
+            )
+        if not scaler.is_enabled() or isinstance(scaler, LossScaler):
+            return knobs
+        return {
+            "init_scale": scaler.get_scale(),
+            "growth_factor": scaler.get_growth_factor(),
+            "backoff_factor": scaler.get_backoff_factor(),
+            "growth_interval": scaler.get_growth_interval(),
+        }
 
     # ------------------------------------------------------------------------------------------------ properties
 
@@ -175,7 +316,10 @@ class MixedPrecision(Precision):
 
     @property
     def stats(self) -> PrecisionStats:
-        """Counters at the end of the last optimizer step. Reading them never synchronises with the device."""
+        """Counters as of the last scale update (once per iteration, after its last optimizer step).
+
+        Reading them never synchronises with the device.
+        """
         if self._loss_scaler is None:
             scaled = self.precision == "16-mixed" or self.requested_precision == "16-mixed"
             initial = self._scaler_settings.init_scale if self.loss_scale == "dynamic" else self.loss_scale
@@ -212,20 +356,13 @@ class MixedPrecision(Precision):
             )
         self.device = device_type
         if self.requested_precision == "auto":
-            if self.opt_level == "O0":
-                self.precision, self.precision_reason = "32-true", "opt_level='O0' is the fp32 baseline"
-            else:
-                self.precision, self.precision_reason = choose_precision(device_type)
-                if self.precision == "32-true" and self.opt_level != "O1":
-                    self.precision, self.precision_reason = (
-                        "bf16-mixed",
-                        f"opt_level={self.opt_level!r} needs a half type; bf16 needs no loss scaling",
-                    )
+            self.precision, self.precision_reason = choose_precision(device_type, self.opt_level)
             rank_zero_info(f"lightning_mp: precision='auto' chose {self.precision!r}: {self.precision_reason}.")
-        if self.precision != "16-mixed" and self.loss_scale != "dynamic":
+        if self.precision != "16-mixed" and (self.loss_scale != "dynamic" or self._given_scaler is not None):
+            given = f"loss_scale={self.loss_scale!r}" if self.loss_scale != "dynamic" else "scaler=..."
             raise ValueError(
-                f"MixedPrecision(loss_scale={self.loss_scale!r}) needs fp16, but the precision is {self.precision!r}"
-                f" ({self.precision_reason}). Use precision='16-mixed' for a static scale."
+                f"MixedPrecision({given}) needs fp16, but the precision is {self.precision!r}"
+                f" ({self.precision_reason}). Use precision='16-mixed' for a static scale or a GradScaler."
             )
         self._warn_about_slow_half(device_type)
         opt_level = "O0" if self.precision == "32-true" else self.opt_level
@@ -237,9 +374,14 @@ class MixedPrecision(Precision):
             self.load_state_dict(pending)
 
     def _build_loss_scaler(self, device_type: str, policy_class: type[PrecisionPolicy]) -> LossScaler:
+        if isinstance(self._given_scaler, LossScaler):
+            scaler = self._given_scaler
+            scaler.allow_fp16_gradients = policy_class.half_gradients
+            return scaler
         mode: ScalingMode = "check"
         settings = self._scaler_settings
-        if self.precision == "16-mixed":
+        scaling_disabled = self._given_scaler is not None and not self._given_scaler.is_enabled()
+        if self.precision == "16-mixed" and not scaling_disabled:
             if self.loss_scale != "dynamic":
                 settings = replace(settings, mode="static", init_scale=self.loss_scale)
             elif policy_class.scales_by_default:
@@ -260,9 +402,16 @@ class MixedPrecision(Precision):
                 " with AVX512-BF16 or AMX."
             )
         elif not device_has_native_bf16("cpu"):
+            # Under "auto" the reason already says why bf16 was chosen anyway (O2/O3 need a half type) and how to
+            # get fp32's speed; repeat exactly that, so that no message contradicts the choice.
+            why = (
+                f"precision='auto' chose 'bf16-mixed' because {self.precision_reason}."
+                if self.requested_precision == "auto"
+                else "precision='auto' with opt_level='O1' trains in fp32 here."
+            )
             rank_zero_warn(
                 "lightning_mp: this CPU has no native bf16 (no AVX512-BF16 or AMX), so 'bf16-mixed' is emulated and"
-                " can be much slower than fp32. precision='auto' would pick '32-true' here."
+                f" can be 10-100x slower than fp32. {why}"
             )
 
     @override
@@ -284,18 +433,45 @@ class MixedPrecision(Precision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        """Hand the optimizers to the opt level, name the parameters and make step schedulers skip-aware."""
+        """Hand the optimizers to the opt level, find the running statistics and make step schedulers skip-aware.
+
+        Raises:
+            MisconfigurationException: for LBFGS in fp16, where a step cannot be checked before it is taken.
+
+        """
         if self._policy is None:
             self.setup_for_device(self._trainer_device_type(model))
         assert self._policy is not None and self._loss_scaler is not None
+        if self._loss_scaler.scales_loss and any(isinstance(o, LBFGS) for o in optimizers):
+            raise MisconfigurationException(self._lbfgs_refusal())
         optimizers = self._policy.connect(model, optimizers)
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         self._loss_scaler.param_names = self._policy.parameter_names(module)
+        self._normalization_layers = [
+            layer
+            for layer in module.modules()
+            if getattr(layer, "track_running_stats", False) and getattr(layer, "running_mean", None) is not None
+        ]
         if self.skip_scheduler_on_overflow:
             for config in lr_schedulers:
-                if getattr(config, "interval", None) == "step":
-                    make_skip_aware(config.scheduler)
+                scheduler = getattr(config, "scheduler", None)
+                steps_per_batch = getattr(config, "interval", None) == "step" and hasattr(scheduler, "optimizer")
+                if steps_per_batch and not isinstance(scheduler, SkipAwareScheduler):
+                    asks = functools.partial(self.last_step_skipped, scheduler.optimizer)
+                    config.scheduler = SkipAwareScheduler(scheduler, asks)
         return model, optimizers, lr_schedulers
+
+    def last_step_skipped(self, optimizer: Optimizer) -> bool:
+        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one."""
+        return self._skipped_by_optimizer.get(id(_raw_optimizer(optimizer)), False)
+
+    def _lbfgs_refusal(self) -> str:
+        return (
+            f"MixedPrecision(precision={self.precision!r}) cannot train with LBFGS: LBFGS evaluates its closure"
+            " several times within one step, so the loss scale cannot be checked and adjusted between backward"
+            " and step (torch's GradScaler refuses closures too). Use precision='bf16-mixed' or '32-true' with LBFGS,"
+            " where a non-finite loss or gradient leaves the weights as they were and counts as a skipped step."
+        )
 
     # ------------------------------------------------------------------------------------------------ steps
 
@@ -311,11 +487,25 @@ class MixedPrecision(Precision):
             yield
 
     @override
+    @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        """Save the running statistics before the iteration's first forward; end a manual iteration that stepped.
+
+        In manual optimization the training step takes the optimizer steps itself, so the scale moves here, once,
+        after the last of them. In automatic optimization the step comes after this context, and moves it there.
+        """
+        self._save_running_stats()
+        with self.forward_context():
+            yield
+        if self._stepped_this_iteration:
+            self._end_iteration()
+
+    @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks."""
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
-        return super().pre_backward(tensor, module)
+        return Precision.pre_backward(self, tensor, module)
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -329,28 +519,119 @@ class MixedPrecision(Precision):
         loss_scaler, policy = self._loss_scaler, self._policy
         assert loss_scaler is not None and policy is not None, "MixedPrecision was not set up by a Trainer"
         if isinstance(optimizer, LBFGS):
-            if loss_scaler.scales_loss:
-                raise MisconfigurationException("AMP and the LBFGS optimizer are not compatible.")
-            # LBFGS re-evaluates the closure itself, so the step cannot be checked before it runs.
-            output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-            loss_scaler.record_unchecked_step()
-            return output
+            return self._checked_closure_step(optimizer, model, closure, **kwargs)
         closure_result = closure()
         # In automatic optimization a training_step that returned None ran no backward: there is nothing to step.
-        no_backward = closure_result is None and model.automatic_optimization
-        if no_backward:
+        if closure_result is None and model.automatic_optimization:
             self._after_closure(model, optimizer)
+            self._prepared_optimizers.discard(id(optimizer))
             return closure_result
-        policy.prepare_gradients(optimizer)  # type: ignore[arg-type]
-        if not _optimizer_handles_unscaling(optimizer):
-            loss_scaler.unscale_(optimizer)  # type: ignore[arg-type]
+        if not model.automatic_optimization:
+            wrappers = model.optimizers(use_pl_optimizer=True)
+            wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
+            _adopt_wrapper_unscale(loss_scaler, wrappers, optimizer)  # type: ignore[arg-type]
+        self._prepare_gradients(optimizer, unscale=not _optimizer_handles_unscaling(optimizer))  # type: ignore[arg-type]
         self._after_closure(model, optimizer)
+        if not _has_gradients(optimizer):  # type: ignore[arg-type]
+            # Nothing to check or unscale (torch's GradScaler would refuse such a step): step as Lightning would.
+            self._prepared_optimizers.discard(id(optimizer))
+            self._skipped_by_optimizer[id(optimizer)] = False
+            return optimizer.step(**kwargs)
         step_output = loss_scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
-        loss_scaler.update()
-        skipped = loss_scaler.last_step_skipped
-        mark_step(optimizer, skipped)
+        self._prepared_optimizers.discard(id(optimizer))
+        self._stepped_this_iteration = True
+        if model.automatic_optimization:
+            self._end_iteration()
+            skipped = loss_scaler.last_step_skipped
+        else:
+            # The scale moves when the training step returns; this optimizer's own verdict is needed now.
+            skipped = _found_inf(loss_scaler, optimizer)  # type: ignore[arg-type]
+        self._skipped_by_optimizer[id(optimizer)] = skipped
         policy.after_optimizer_step(optimizer, skipped)  # type: ignore[arg-type]
         return step_output
+
+    def _prepare_gradients(self, optimizer: Optimizer, unscale: bool) -> None:
+        """Let the opt level move the gradients, then unscale them; each at most once per optimizer step."""
+        assert self._loss_scaler is not None and self._policy is not None
+        if id(optimizer) not in self._prepared_optimizers:
+            self._policy.prepare_gradients(optimizer)
+            self._prepared_optimizers.add(id(optimizer))
+        # Without gradients (a training_step that returned None) there is nothing to unscale, and an unscale_
+        # recorded now would wrongly mark the next batch's gradients as already unscaled.
+        if unscale and _has_gradients(optimizer) and not _is_unscaled(self._loss_scaler, optimizer):
+            self._loss_scaler.unscale_(optimizer)
+
+    def _end_iteration(self) -> None:
+        """Move the scale once; put the running statistics back when the iteration's step was skipped."""
+        assert self._loss_scaler is not None
+        self._stepped_this_iteration = False
+        try:
+            self._loss_scaler.update()
+        finally:
+            # Asked only when there are statistics to put back, so that models without them never read the verdict.
+            if self._saved_running_stats is not None and self._loss_scaler.last_step_skipped:
+                self._restore_running_stats()
+            self._saved_running_stats = None
+
+    def _checked_closure_step(
+        self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """Step an optimizer that evaluates its closure itself (LBFGS); undo the step if anything was non-finite.
+
+        .. warning:: Checks every loss and gradient the closure produces, which synchronises with the device each
+            time (LBFGS reads its loss on the host anyway).
+        """
+        assert self._loss_scaler is not None and self._policy is not None
+        if self._loss_scaler.scales_loss:
+            raise MisconfigurationException(self._lbfgs_refusal())
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        weights_before = [p.detach().clone() for p in parameters]
+        state_before = copy.deepcopy(optimizer.state_dict())
+        all_finite = True
+
+        def checked_closure() -> Any:
+            nonlocal all_finite
+            # Every evaluation brings new gradients for the opt level to move before clipping.
+            self._prepared_optimizers.discard(id(optimizer))
+            loss = closure()
+            all_finite = _all_finite(loss, parameters) and all_finite
+            return loss
+
+        output = Precision.optimizer_step(self, optimizer, model=model, closure=checked_closure, **kwargs)
+        if not all_finite:
+            with torch.no_grad():
+                for parameter, weight in zip(parameters, weights_before, strict=True):
+                    parameter.copy_(weight)
+            optimizer.load_state_dict(state_before)
+            self._restore_running_stats()
+        self._saved_running_stats = None
+        self._prepared_optimizers.discard(id(optimizer))
+        self._skipped_by_optimizer[id(optimizer)] = not all_finite
+        _count_closure_step(self._loss_scaler, skipped=not all_finite)
+        self._policy.after_optimizer_step(optimizer, not all_finite)
+        return output
+
+    def _save_running_stats(self) -> None:
+        """Copy the normalisation layers' running statistics before the first forward after a step."""
+        if not self._normalization_layers or self._saved_running_stats is not None:
+            return
+        self._saved_running_stats = [buffer.detach().clone() for buffer in self._running_stat_buffers()]
+
+    def _restore_running_stats(self) -> None:
+        if self._saved_running_stats is None:
+            return
+        with torch.no_grad():
+            for buffer, saved in zip(self._running_stat_buffers(), self._saved_running_stats, strict=True):
+                buffer.copy_(saved)
+
+    def _running_stat_buffers(self) -> list[Tensor]:
+        names = ("running_mean", "running_var", "num_batches_tracked")
+        return [
+            buffer
+            for layer in self._normalization_layers
+            for buffer in (getattr(layer, name, None) for name in names)
+            if buffer is not None
+        ]
 
     @override
     def clip_gradients(
@@ -359,23 +640,40 @@ class MixedPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Clip the (already unscaled) gradients. Fused optimizers unscale inside their step, so they cannot clip."""
-        if clip_val > 0 and _optimizer_handles_unscaling(optimizer):
-            raise RuntimeError(
-                f"The current optimizer, {type(optimizer).__qualname__}, does not allow for gradient clipping"
-                " because it performs unscaling of gradients internally. HINT: Are you using a 'fused' optimizer?"
-            )
-        super().clip_gradients(optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+        """Clip true gradients: unscale first where that has not happened yet in this optimizer step.
+
+        A fused optimizer's step then sees the gradients already unscaled and does not unscale them again. In bf16
+        and fp32 nothing is scaled, so the gradients are clipped as they are (the step still checks them).
+        """
+        wrapper, optimizer = optimizer, _raw_optimizer(optimizer)
+        if isinstance(wrapper, LightningOptimizer) and self._loss_scaler is not None:
+            _adopt_wrapper_unscale(self._loss_scaler, [wrapper], optimizer)
+        if clip_val > 0 and self._loss_scaler is not None:
+            # In bf16 and fp32 nothing is scaled: the gradients only need to reach the optimizer's parameters (O2).
+            self._prepare_gradients(optimizer, unscale=self._loss_scaler.scales_loss)
+        Precision.clip_gradients(
+            self, optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm
+        )
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state (scale, trackers, counters), the precision and the opt level's own state."""
+        """The scaler's state (scale, trackers, counters), the precision and the opt level's own state.
+
+        The top level also holds torch's five ``GradScaler`` keys, so Lightning's own ``MixedPrecision`` (which reads
+        this entry under the same class name) resumes from it. After a bf16 or fp32 run, which has no fp16 scale,
+        they describe a fresh fp16 scaler.
+        """
         if self._loss_scaler is None or self._policy is None:
             return dict(self._pending_state or {})
+        scaler_state = self._loss_scaler.state_dict()
+        torch_state = {key: scaler_state[key] for key in TORCH_SCALER_KEYS if key in scaler_state}
+        if not self._loss_scaler.scales_loss:
+            torch_state.update(scale=float(self._scaler_settings.init_scale), _growth_tracker=0)
         return {
-            "scaler": self._loss_scaler.state_dict(),
+            **torch_state,
+            "scaler": scaler_state,
             "precision": self.precision,
             "opt_level": self._policy.opt_level,
             "policy": self._policy.state_dict(),
@@ -426,18 +724,22 @@ class MixedPrecision(Precision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Load the scaler state of old Lightning checkpoints, warn when there is none; let the opt level inspect it."""
-        if type(self).__qualname__ not in checkpoint:
-            if "native_amp_scaling_state" in checkpoint:
-                # Lightning restores this legacy key only into its own MixedPrecision class, so this plugin must.
-                self.load_state_dict(checkpoint["native_amp_scaling_state"])
-            else:
-                self._warn_missing_scaler_state()
+        """Warn when the checkpoint holds no scaler state; let the opt level inspect it.
+
+        Lightning itself then loads this plugin's entry, or the legacy ``native_amp_scaling_state`` key.
+        """
+        if type(self).__qualname__ not in checkpoint and "native_amp_scaling_state" not in checkpoint:
+            self._warn_missing_scaler_state()
         if self._policy is not None:
             self._policy.on_load_checkpoint(checkpoint)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r}, opt_level={self.opt_level!r})"
+
+
+def _count_closure_step(loss_scaler: LossScaler, skipped: bool) -> None:
+    """Count a step whose check happened outside ``unscale_``/``step`` (LBFGS) as taken or skipped."""
+    loss_scaler.record_unchecked_step(skipped)
 
 
 __all__ = ["MixedPrecision"]

@@ -350,11 +350,14 @@ class LossScaler(torch.amp.GradScaler):
         return self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
 
     def _optimizer_index(self, optimizer: torch.optim.Optimizer) -> int:
-        index = self._index_by_id.get(id(optimizer))
-        if index is None or self._optimizers[index] is not optimizer:
+        # Keyed by the param_groups list, which a wrapper (Lightning's LightningOptimizer) shares with the optimizer
+        # it wraps: an unscale_ through the wrapper and a step of the optimizer are the same optimizer here.
+        key = id(optimizer.param_groups)
+        index = self._index_by_id.get(key)
+        if index is None or self._optimizers[index].param_groups is not optimizer.param_groups:
             index = len(self._optimizers)
             self._optimizers.append(optimizer)
-            self._index_by_id[id(optimizer)] = index
+            self._index_by_id[key] = index
         return index
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -601,6 +604,7 @@ class LossScaler(torch.amp.GradScaler):
         for index, streak in self._streaks.items():
             if streak >= limit:
                 optimizer = self._optimizers[index] if 0 <= index < len(self._optimizers) else None
+                optimizer = getattr(optimizer, "optimizer", optimizer)  # name the optimizer, not its wrapper
                 raise NonFiniteStepsError(
                     step=self.optimizer_steps,
                     consecutive_skips=streak,
@@ -619,10 +623,16 @@ class LossScaler(torch.amp.GradScaler):
         )
         return nonfinite_gradients(named)
 
-    def record_unchecked_step(self) -> None:
-        """Count a clean step taken without the inf check (an optimizer that needs a closure, such as LBFGS)."""
+    def record_unchecked_step(self, skipped: bool = False) -> None:
+        """End an iteration whose one step was checked outside this scaler (LBFGS evaluates its own closure).
+
+        Args:
+            skipped: whether the caller found a non-finite loss or gradient and undid the step; it counts as a
+                skipped step (and towards ``max_consecutive_skips``) like any other.
+
+        """
         self._iteration.stepped.add(_UNCHECKED)
-        self._iteration.host_flags[_UNCHECKED] = 0.0
+        self._iteration.host_flags[_UNCHECKED] = float(skipped)
         self.update()
 
     # ------------------------------------------------------------------------------------------------ reading

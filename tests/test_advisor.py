@@ -14,7 +14,11 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
+from lightning_mp._hardware import DeviceCapabilities, native_bf16, precision_for
 from lightning_mp.advisor import FP16_MAX, GRADIENT_HEADROOM, Advice, advise
+
+NATIVE_CPU = DeviceCapabilities("cpu", native_bf16=True)
+EMULATING_CPU = DeviceCapabilities("cpu", native_bf16=False)
 
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
 
@@ -61,11 +65,11 @@ def fit_fp16(plugin: MixedPrecision, max_steps: int = 5) -> MixedPrecision:
 
 @pytest.fixture(scope="module")
 def advice() -> Advice:
-    return advise(Planted(), loader(), batches=4)
+    return advise(Planted(), loader(), batches=4, capabilities=NATIVE_CPU)
 
 
 def test_advisor_names_the_planted_overflow_layer(advice: Advice) -> None:
-    """The table flags the layer whose outputs overflow fp16 and its consumer, and recommends bf16 and keep_fp32."""
+    """On a CPU with native bf16 the table flags the overflowing layer and its consumer, and recommends bf16."""
     layers = {layer.name: layer for layer in advice.layers}
     assert list(layers) == ["stem", "blowup", "norm", "dropout", "head"]
     assert layers["blowup"].max_activation > FP16_MAX and layers["blowup"].overflows_fp16
@@ -136,3 +140,126 @@ def test_bad_arguments_raise_value_error(kwargs: dict, message: str) -> None:
     arguments = {"model": Planted(), "dataloader": loader(), "batches": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         advise(**arguments)
+
+
+class ManualPlanted(Planted):
+    """Planted with manual optimization: its training_step calls self.optimizers() and self.manual_backward()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        features, target = batch
+        loss = F.cross_entropy(self(features), target)
+        self.manual_backward(loss)
+        optimizer.step()
+        self.log("train_loss", loss)
+        return loss.detach()
+
+
+def test_advisor_measures_a_manual_optimization_module_without_touching_it() -> None:
+    """A manual-optimization module is measured through its own training_step; the model keeps its weights."""
+    model = ManualPlanted()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    advice = advise(model, loader(), batches=2, capabilities=NATIVE_CPU)
+    assert advice.keep_fp32 == ("blowup", "norm")
+    assert {layer.name for layer in advice.layers if layer.max_gradient > 0} >= {"stem", "blowup", "head"}
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    assert model.fabric is None and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("capabilities", "precision"),
+    [
+        (NATIVE_CPU, "bf16-mixed"),
+        (EMULATING_CPU, "32-true"),
+        (DeviceCapabilities("cuda", native_bf16=True, compute_capability=(8, 0)), "bf16-mixed"),
+        (DeviceCapabilities("cuda", native_bf16=False, compute_capability=(7, 5)), "16-mixed"),
+    ],
+)
+def test_advice_matches_the_hardware(capabilities: DeviceCapabilities, precision: str) -> None:
+    """Emulated bf16 is never recommended: fp32 on a CPU without native bf16, fp16 on a pre-Ampere GPU."""
+    model = nn.Sequential(nn.Linear(8, 4))
+    advice = advise(
+        model, loader(), batches=1, loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), capabilities=capabilities
+    )
+    assert advice.precision == precision
+    assert "'bf16-mixed' on a GPU of compute capability 8.0 or higher" in advice.on_gpu
+    assert "'16-mixed' with keep_fp32=[], init_scale=" in advice.on_gpu
+    assert "On a GPU:" in str(advice)
+    assert advice.plugin_kwargs()["precision"] == precision
+    MixedPrecision(**advice.plugin_kwargs())
+
+
+def test_emulated_bf16_advice_explains_itself_and_still_names_the_fp16_settings() -> None:
+    """On a CPU that emulates bf16 with layers at risk: fp32 here, with the GPU and fp16 advice spelled out."""
+    advice = advise(Planted(), loader(), batches=2, capabilities=EMULATING_CPU)
+    assert advice.precision == "32-true" and "emulates bf16 and fp16" in advice.reason
+    assert advice.keep_fp32 == ("blowup", "norm")
+    assert "keep_fp32=['blowup', 'norm']" in advice.on_gpu
+
+
+@pytest.mark.parametrize(
+    ("capabilities", "opt_level", "precision"),
+    [
+        (EMULATING_CPU, "O0", "32-true"),
+        (EMULATING_CPU, "O1", "32-true"),
+        (EMULATING_CPU, "O2", "bf16-mixed"),
+        (EMULATING_CPU, "O3", "bf16-mixed"),
+        (NATIVE_CPU, "O1", "bf16-mixed"),
+        (DeviceCapabilities("cuda", False, (7, 0)), "O2", "16-mixed"),
+        (DeviceCapabilities("cuda", True, (9, 0)), "O1", "bf16-mixed"),
+    ],
+)
+def test_auto_precision_is_a_function_of_the_hardware(
+    capabilities: DeviceCapabilities, opt_level: str, precision: str
+) -> None:
+    """precision="auto" picks bf16 only where it is native, except where O2/O3 need a half type (and says so)."""
+    chosen, reason = precision_for(capabilities, opt_level)
+    assert chosen == precision
+    if capabilities is EMULATING_CPU and opt_level in ("O2", "O3"):
+        assert "slower than fp32" in reason and "opt_level='O1'" in reason
+
+
+def test_native_bf16_reads_compute_capability_and_cpu_flags() -> None:
+    """CUDA needs compute capability 8.0; a CPU needs avx512_bf16 or amx_bf16."""
+    assert native_bf16("cuda", (8, 0)) and not native_bf16("cuda", (7, 5)) and not native_bf16("cuda", None)
+    assert native_bf16("cpu", flags={"avx2", "amx_bf16"}) and not native_bf16("cpu", flags={"avx512f"})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"loss_fn": 5}, TypeError, r"advise\(loss_fn=5\) is not allowed: loss_fn must be None or a callable"),
+        ({"loss_fn": lambda m, b: 1.0}, TypeError, r"loss_fn=\.\.\.\) must return a loss tensor, got float"),
+        ({"capabilities": "cpu"}, TypeError, r"advise\(capabilities='cpu'\) is not allowed"),
+    ],
+)
+def test_bad_callables_raise_type_error(kwargs: dict, error: type, message: str) -> None:
+    """A loss_fn that is not callable, or returns no tensor, is refused with a message naming it."""
+    with pytest.raises(error, match=message):
+        advise(Planted(), loader(), batches=1, **kwargs)
+
+
+class ManualNeedsTrainer(ManualPlanted):
+    """A manual-optimization module whose configure_optimizers reads self.trainer."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05 / self.trainer.estimated_stepping_batches)
+
+
+def test_manual_module_that_needs_a_trainer_gets_a_clear_error_and_works_with_loss_fn() -> None:
+    """When the copy cannot configure its optimizers, the error says to pass loss_fn, and loss_fn works."""
+    with pytest.raises(ValueError, match=r"configure_optimizers\(\) failed on the advisor's copy.*Pass loss_fn="):
+        advise(ManualNeedsTrainer(), loader(), batches=1)
+    advice = advise(
+        ManualNeedsTrainer(),
+        loader(),
+        batches=1,
+        loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+        capabilities=NATIVE_CPU,
+    )
+    assert advice.keep_fp32 == ("blowup", "norm")

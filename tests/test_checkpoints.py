@@ -193,3 +193,41 @@ def test_bf16_checkpoint_into_fp16_warns(tmp_path):
         )
     assert first.scale == 2.0**9
     assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps) == (6, 1)
+
+
+def _our_checkpoint(tmp_path: Path, precision: str) -> Path:
+    """A lightning_mp checkpoint; in fp16 the scaler backed off once from 2**9 to 2**8."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename=f"ours-{precision}")
+    knobs = {"init_scale": 2.0**9, "growth_interval": 100} if precision == "16-mixed" else {}
+    make_trainer(
+        MixedPrecision(precision, **knobs), max_steps=3, callbacks=[checkpoints], enable_checkpointing=True
+    ).fit(TinyRegressor(inject_at=(1,)), loader())
+    return tmp_path / f"ours-{precision}.ckpt"
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+def test_torchs_gradscaler_loads_our_checkpoint_entry(tmp_path, precision):
+    """torch.amp.GradScaler.load_state_dict accepts the plugin's entry: our scale in fp16, a fresh one otherwise."""
+    entry = torch.load(_our_checkpoint(tmp_path, precision), weights_only=False)["MixedPrecision"]
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict(entry)
+    assert scaler.get_scale() == (2.0**8 if precision == "16-mixed" else 2.0**16)
+    assert scaler.get_growth_interval() == (100 if precision == "16-mixed" else 2000)
+
+
+def test_lightnings_bf16_plugin_resumes_from_our_fp16_checkpoint(tmp_path):
+    """Lightning's bf16 MixedPrecision (no scaler) resumes from our fp16 checkpoint and trains on."""
+    path = _our_checkpoint(tmp_path, "16-mixed")
+    model = TinyRegressor()
+    make_trainer(LightningMixedPrecision("bf16-mixed", "cpu"), max_steps=5).fit(model, loader(), ckpt_path=path)
+    assert model.global_step == 5
+
+
+def test_our_resume_from_our_checkpoint_with_torchs_keys_still_restores_everything(tmp_path):
+    """The top-level torch keys do not shadow our state: counters and scale come back exactly."""
+    path = _our_checkpoint(tmp_path, "16-mixed")
+    first = FirstScale()
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**9, growth_interval=100)
+    make_trainer(plugin, max_steps=5, callbacks=[first]).fit(TinyRegressor(), loader(), ckpt_path=path)
+    assert first.scale == 2.0**8
+    assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps) == (5, 1)

@@ -1,39 +1,63 @@
-"""The main job, run as a user runs it."""
+"""The demo, run as a user runs it: fp16 loss scaling at work, and a summary that matches the TensorBoard logs."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import re
 from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lightning_mp import demo
 
-def test_demo_runs_and_writes_tensorboard_events(tmp_path: Path):
-    """`python -m lightning_mp.demo --max-steps 20` exits 0, prints its summary and writes event files."""
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_mp.demo", "--max-steps", "20", "--log-dir", str(tmp_path / "logs")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "lightning_mp demo summary" in result.stdout
-    assert "optimizer steps: 20" in result.stdout
-    assert f"tensorboard --logdir {tmp_path / 'logs'}" in result.stdout
-    assert "precision/loss_scale" in result.stdout and "precision/layer_dtypes" in result.stdout
-    events = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
-    assert events
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def run_demo(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    assert demo.main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_demo_shows_scale_growth_and_a_caught_overflow_and_lists_only_logged_tags(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The fp16 demo grows the scale, skips the planted overflow, and every tag its summary lists is in the logs."""
+    log_dir = tmp_path / "logs"
+    argv = ["--max-steps", "24", "--growth-interval", "4", "--spike-at-step", "12", "--log-dir", str(log_dir)]
+    out = run_demo([*argv, "--accelerator", "cpu"], capsys)
+    assert "lightning_mp demo summary" in out
+    assert "precision       : 16-mixed" in out
+    assert "optimizer steps : 24" in out
+    assert re.search(r"skipped steps   : 1 .*planted at step 12", out)
+    growths = int(re.search(r"doubled (\d+) times", out).group(1))  # type: ignore[union-attr]
+    assert growths >= 3 and "halved once" in out
+    assert f"tensorboard --logdir {log_dir}" in out
+    assert "try next        : python -m lightning_mp.demo --precision auto (" in out
+    listed = re.findall(r"^    (\S+)  ", out, flags=re.MULTILINE)
+    events = list(log_dir.rglob("events.out.tfevents.*"))
     accumulator = EventAccumulator(str(events[0].parent), size_guidance={"scalars": 0, "tensors": 0})
     accumulator.Reload()
-    assert "precision/loss_scale" in accumulator.Tags()["scalars"]
-    assert "precision/layer_dtypes/text_summary" in accumulator.Tags()["tensors"]
-
-
-def test_demo_rejects_a_bad_flag(tmp_path: Path):
-    """A bad flag value is refused with a message naming it."""
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_mp.demo", "--max-steps", "0"], capture_output=True, text=True, cwd=tmp_path
+    tags = accumulator.Tags()
+    written = {*tags["scalars"], *tags["tensors"], *tags["histograms"]}
+    assert listed and set(listed) <= written
+    assert {"precision/loss_scale", "precision/overflow/text_summary", "precision/layer_dtypes/text_summary"} <= set(
+        listed
     )
-    assert result.returncode != 0 and "--max-steps" in result.stderr
+    scale = [event.value for event in accumulator.Scalars("precision/loss_scale")]
+    assert max(scale) > scale[0]
+    assert accumulator.Scalars("precision/scale_backoffs_total")[-1].value == 1
+    skipped = [event.value for event in accumulator.Scalars("precision/skipped_steps_total")]
+    assert skipped[-1] == 1
+
+
+def test_demo_rejects_a_bad_flag(capsys: pytest.CaptureFixture) -> None:
+    """A bad flag value is refused with a message naming it."""
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--max-steps", "0"])
+    assert "--max-steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--growth-interval", "0"])
+    assert "--growth-interval must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--opt-level", "O0"])
+    assert "--opt-level O0 is the fp32 baseline" in capsys.readouterr().err

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import csv
 import math
 import random
+import re
+import subprocess
+import sys
 import warnings
 from typing import Any
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from conftest import TinyRegressor, loader, make_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from torch import nn
 
 from lightning_mp import LossScaleCollapseError, MixedPrecision
@@ -137,3 +146,266 @@ def test_nonfinite_input_in_one_layer_never_reaches_the_weights():
     plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
     make_trainer(plugin, max_steps=5, callbacks=[watch]).fit(model, loader())
     assert watch.skipped_steps == [2]
+
+
+# ------------------------------------------------------------------------ the defects of issue 9, plugin side
+
+PRECISIONS = ["16-mixed", "bf16-mixed", "32-true"]
+
+
+def _plugin(precision: str, **knobs: Any) -> MixedPrecision:
+    """fp16 starts from a scale the tiny models never overflow at; bf16 and fp32 have no scale."""
+    if precision == "16-mixed":
+        knobs.setdefault("init_scale", 2.0**8)
+    return MixedPrecision(precision, **knobs)
+
+
+class StepWatch(L.Callback):
+    """Copies the parameters before each batch and records, per step, whether they changed."""
+
+    def __init__(self) -> None:
+        self.changed: list[bool] = []
+        self._before: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._before = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        now = list(pl_module.parameters())
+        self.changed.append(not all(torch.equal(a, b) for a, b in zip(self._before, now, strict=True)))
+        assert all(torch.isfinite(p).all() for p in now)
+
+
+class ManualClipper(TinyRegressor):
+    """Manual optimization with self.clip_gradients; plain SGD with lr=1 so the update is the clipped gradient."""
+
+    def __init__(self, inject_at: tuple[int, ...] = ()) -> None:
+        super().__init__(lr=1.0, inject_at=inject_at)
+        self.automatic_optimization = False
+        self.update_norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        if batch_idx in self.inject_at:
+            self.first.weight.grad[0, 0] = math.inf
+        self.clip_gradients(opt, gradient_clip_val=1e-3, gradient_clip_algorithm="norm")
+        before = torch.cat([p.detach().flatten().clone() for p in self.parameters()])
+        opt.step()
+        self.update_norms.append(float((torch.cat([p.detach().flatten() for p in self.parameters()]) - before).norm()))
+
+    def on_after_backward(self) -> None:
+        """Injection happens in training_step, where the batch index is known."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def test_defect_5_manual_clip_gradients_clips_true_gradients_and_skips_overflows():
+    """Manual optimization: clip_gradients gives updates of the clip norm (not 1/256 of it); an inf step is skipped."""
+    model = ManualClipper(inject_at=(1,))
+    plugin = _plugin("16-mixed")
+    make_trainer(plugin, max_steps=4).fit(model, loader())
+    assert model.update_norms[0] == pytest.approx(1e-3, rel=1e-2)
+    assert model.update_norms[1] == 0.0
+    assert model.update_norms[2:] == pytest.approx([1e-3] * 2, rel=1e-2)
+    assert plugin.stats.skipped_steps == 1
+
+
+class FusedAdam(TinyRegressor):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2, fused=True)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_defect_6_fused_optimizer_with_gradient_clipping_trains_like_without_the_plugin(precision):
+    """A Trainer with a fused optimizer and gradient_clip_val that works without the plugin works with it."""
+    torch.manual_seed(0)
+    model = FusedAdam()
+    reference = FusedAdam()
+    reference.load_state_dict(model.state_dict())
+    make_trainer(max_steps=4, gradient_clip_val=0.1).fit(reference, loader())
+    make_trainer(_plugin(precision), max_steps=4, gradient_clip_val=0.1).fit(model, loader())
+    tolerance = {"16-mixed": 5e-3, "bf16-mixed": 2e-2, "32-true": 1e-6}[precision]
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
+
+
+class LBFGSRegressor(TinyRegressor):
+    """LBFGS with a NaN loss or a NaN gradient at one chosen step (in every closure evaluation of that step)."""
+
+    def __init__(self, fault: str, fault_step: int = 1) -> None:
+        super().__init__()
+        self.fault, self.fault_step = fault, fault_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * math.nan if self.fault == "loss" and self.global_step == self.fault_step else loss
+
+    def on_after_backward(self) -> None:
+        if self.fault == "grad" and self.global_step == self.fault_step:
+            self.second.bias.grad[0] = math.nan
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+@pytest.mark.parametrize("fault", ["loss", "grad"])
+def test_defect_8_lbfgs_leaves_the_weights_on_a_nonfinite_step_and_counts_it(precision, fault):
+    """LBFGS meeting a NaN loss or gradient keeps the weights and its state, and the step counts as skipped."""
+    model, watch = LBFGSRegressor(fault), StepWatch()
+    plugin = _plugin(precision)
+    make_trainer(plugin, max_steps=3, callbacks=[watch]).fit(model, loader())
+    assert watch.changed == [True, False, True]
+    assert plugin.stats.skipped_steps == 1
+    assert plugin.stats.optimizer_steps == 3
+
+
+def test_defect_8_lbfgs_in_fp16_is_refused_at_setup_with_the_reason():
+    """fp16 cannot check an LBFGS step before it is taken: the run stops before training, saying what to use."""
+    model = LBFGSRegressor("none")
+    with pytest.raises(Exception, match=r"cannot train with LBFGS.*bf16-mixed") as caught:
+        make_trainer(_plugin("16-mixed"), max_steps=1).fit(model, loader())
+    assert model.global_step == 0
+    assert "LBFGS" in str(caught.value)
+
+
+class BatchNormRegressor(TinyRegressor):
+    """A BatchNorm between the layers; a NaN input at one step makes that step's loss and gradients NaN."""
+
+    def __init__(self, nan_at: int) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+        self.nan_at = nan_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.norm(self.first(x))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.global_step == self.nan_at:
+            x = x.clone()
+            x[0, 0] = math.nan
+        return nn.functional.mse_loss(self(x).float(), y)
+
+
+class RunningStatsWatch(L.Callback):
+    """The BatchNorm's running statistics before and after each step."""
+
+    def __init__(self) -> None:
+        self.before: list[list[torch.Tensor]] = []
+        self.after: list[list[torch.Tensor]] = []
+
+    @staticmethod
+    def _stats(module: BatchNormRegressor) -> list[torch.Tensor]:
+        norm = module.norm
+        return [norm.running_mean.clone(), norm.running_var.clone(), norm.num_batches_tracked.clone()]
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        self.before.append(self._stats(pl_module))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        self.after.append(self._stats(pl_module))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_defect_9_a_skipped_step_leaves_batchnorm_running_statistics_as_they_were(precision):
+    """A step skipped for a NaN input leaves running_mean/var/num_batches_tracked unchanged; eval stays finite."""
+    model, watch = BatchNormRegressor(nan_at=2), RunningStatsWatch()
+    plugin = _plugin(precision)
+    make_trainer(plugin, max_steps=4, callbacks=[watch]).fit(model, loader())
+    assert plugin.stats.skipped_steps == 1
+    for before, after in zip(watch.before[2], watch.after[2], strict=True):
+        assert torch.equal(before, after)
+    assert not torch.equal(watch.before[3][0], watch.after[3][0])  # clean steps still update them
+    assert int(model.norm.num_batches_tracked) == 3
+    model.eval()
+    assert torch.isfinite(model(torch.randn(4, 8))).all()
+
+
+def test_defect_9_with_accumulation_the_statistics_return_to_before_the_first_micro_batch():
+    """With accumulate_grad_batches=2, a skipped step restores the statistics from before both micro-batches."""
+    model, watch = BatchNormRegressor(nan_at=1), RunningStatsWatch()
+    plugin = _plugin("16-mixed")
+    make_trainer(plugin, max_steps=3, accumulate_grad_batches=2, callbacks=[watch]).fit(model, loader())
+    # Batches 2 and 3 form optimizer step 1, which the NaN in batch 2 or 3 makes skip.
+    assert plugin.stats.skipped_steps == 1
+    for before, after in zip(watch.before[2], watch.after[3], strict=True):
+        assert torch.equal(before, after)
+
+
+def test_defect_11_a_skip_aware_scheduler_saved_whole_loads_in_a_fresh_process(tmp_path):
+    """torch.save of the step scheduler (as Lightning hands it out) loads where lightning_mp was never imported."""
+    model = TinyRegressor(inject_at=(0,), scheduler=True)
+    make_trainer(_plugin("16-mixed"), max_steps=3).fit(model, loader())
+    scheduler = model.lr_schedulers()
+    assert scheduler.last_epoch == 2  # three steps, the first skipped
+    torch.save(scheduler, tmp_path / "scheduler.pt")
+    torch.save(scheduler.optimizer, tmp_path / "optimizer.pt")
+    script = (
+        "import sys, torch\n"
+        f"scheduler = torch.load({str(tmp_path / 'scheduler.pt')!r}, weights_only=False)\n"
+        f"torch.load({str(tmp_path / 'optimizer.pt')!r}, weights_only=False)\n"
+        "assert not any(name.startswith('lightning') for name in sys.modules), sorted(sys.modules)\n"
+        "print(type(scheduler).__name__, scheduler.last_epoch, scheduler.get_last_lr()[0])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["StepLR", "2", str(model.lr * 0.25)]
+    assert type(model.trainer.lr_scheduler_configs[0].scheduler).__name__ == "SkipAwareScheduler"
+    assert not any("lightning_mp" in name for name in vars(scheduler.optimizer))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"skip_scheduler_on_overflow": "no"}, "skip_scheduler_on_overflow='no'"),
+        ({"growth_interval": np.int64(10), "init_scale": torch.tensor(8.0)}, None),
+        ({"precision": "fp16"}, "Did you mean precision='16-mixed'"),
+        ({"precision": "32-true", "loss_scale": 128.0}, "loss_scale=128.0"),
+    ],
+)
+def test_defect_12_arguments_are_checked_when_the_plugin_is_built(kwargs, match):
+    """'no' for a bool, a near-miss precision and a static scale in fp32 fail at construction; numpy/0-d pass."""
+    if match is None:
+        plugin = MixedPrecision("16-mixed", **kwargs)
+        make_trainer(plugin, max_steps=1).fit(TinyRegressor(), loader())
+        assert plugin.stats.loss_scale == 8.0
+        return
+    with pytest.raises(ValueError, match=re.escape(match)):
+        MixedPrecision(**kwargs)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_defect_13_lightnings_own_plugin_resumes_from_our_checkpoint(tmp_path, precision):
+    """Lightning's MixedPrecision resuming from a lightning_mp checkpoint continues (fp16) or starts cleanly (bf16)."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="ours")
+    make_trainer(
+        _plugin(precision, growth_interval=100), max_steps=3, callbacks=[checkpoints], enable_checkpointing=True
+    ).fit(TinyRegressor(inject_at=(1,)), loader())
+    theirs = LightningMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**4))
+    resumed_scales: list[float] = []
+    record = L.Callback()
+    record.on_train_start = lambda trainer, module: resumed_scales.append(trainer.precision_plugin.scaler.get_scale())
+    make_trainer(theirs, max_steps=5, callbacks=[record]).fit(
+        TinyRegressor(), loader(), ckpt_path=tmp_path / "ours.ckpt"
+    )
+    expected = 2.0**7 if precision == "16-mixed" else 2.0**16  # our backed-off scale, or a fresh fp16 scaler's
+    assert resumed_scales == [expected]
+    assert theirs.scaler.get_scale() > 0  # and it trained on from there
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("16-mixed", torch.float16), ("bf16-mixed", torch.bfloat16)])
+def test_defect_13_throughput_monitor_counts_the_half_dtype(tmp_path, precision, dtype):
+    """Lightning's ThroughputMonitor, in a real run, maps the plugin to its half dtype (not fp32) and logs."""
+    monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0], window_size=2)
+    logger = CSVLogger(tmp_path, name="throughput")
+    trainer = make_trainer(_plugin(precision), max_steps=4, callbacks=[monitor], logger=logger, log_every_n_steps=1)
+    trainer.fit(TinyRegressor(), loader())
+    # The private function is the one ThroughputMonitor.setup calls to pick the dtype of the device's peak FLOPs.
+    assert _plugin_to_compute_dtype(trainer.precision_plugin) is dtype
+    with open(f"{logger.log_dir}/metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert any(row.get("train/samples") for row in rows)

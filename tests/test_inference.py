@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
-from lightning_mp.inference import ParityReport, compare, to_inference
+from lightning_mp.inference import ParityReport, ParityTable, compare, to_inference
 
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
 
@@ -157,7 +157,6 @@ def test_compare_takes_positional_and_keyword_batches() -> None:
         (lambda: to_inference(Classifier(), dtype=torch.float32), r"dtype=torch.float32\) is not allowed"),
         (lambda: to_inference("model"), r"to_inference\(model=str\) is not allowed: model must be an nn.Module"),
         (lambda: to_inference(Classifier(), keep_fp32="head"), r"keep_fp32='head' is not allowed"),
-        (lambda: compare(Classifier(), Classifier(), "x"), r"compare\(batch=str\) is not allowed"),
         (lambda: compare(Classifier(), None, features()), r"compare\(converted=NoneType\) is not allowed"),
     ],
 )
@@ -171,3 +170,141 @@ def test_trainer_predict_with_the_plugin_runs_under_autocast() -> None:
     """Trainer.predict with MixedPrecision returns bf16 logits: the predict step ran under autocast."""
     predictions = trainer(MixedPrecision("bf16-mixed")).predict(Classifier(), loader())
     assert predictions is not None and all(p.dtype == torch.bfloat16 for p in predictions)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: compare(Classifier(), Classifier(), b"abc"), TypeError, r"compare\(batch=b'abc'\) is not allowed"),
+        (lambda: compare(Classifier(), Classifier(), "x"), TypeError, r"compare\(batch='x'\) is not allowed"),
+        (lambda: compare(Classifier(), Classifier(), ()), TypeError, r"holding at least one tensor"),
+        (
+            lambda: compare(Classifier(), Classifier(), features(), classifier="yes"),
+            TypeError,
+            r"compare\(classifier='yes'\) is not allowed: classifier must be True or False",
+        ),
+        (
+            lambda: compare(Classifier(), Classifier(), features(), verbose=1),
+            TypeError,
+            r"compare\(verbose=1\) is not allowed: verbose must be True or False",
+        ),
+        (
+            lambda: to_inference(Classifier(), keep_normalization_fp32="yes"),
+            TypeError,
+            r"to_inference\(keep_normalization_fp32='yes'\) is not allowed: .* must be True or False",
+        ),
+        (
+            lambda: to_inference(Classifier(), max_rel_error=0.01),
+            ValueError,
+            r"to_inference\(max_rel_error=0.01, batch=None\) is not allowed",
+        ),
+        (
+            lambda: to_inference(Classifier(), batch=features(), max_rel_error=-1.0),
+            ValueError,
+            r"to_inference\(max_rel_error=-1.0\) is not allowed: max_rel_error must be None or a finite number > 0",
+        ),
+        (lambda: to_inference(Classifier(), batch=b"abc"), TypeError, r"to_inference\(batch=b'abc'\) is not allowed"),
+    ],
+)
+def test_bad_argument_types_and_values_are_refused(call: object, error: type, message: str) -> None:
+    """Every argument is checked: the error names it, the value and what is allowed."""
+    with pytest.raises(error, match=message):
+        call()  # type: ignore[operator]
+
+
+def test_all_nan_half_model_fails_parity() -> None:
+    """An fp16 model whose outputs are all NaN reports inf errors and every output as non-finite, never -inf."""
+    model = Classifier()
+    broken = to_inference(model, dtype=torch.float16)
+    with torch.no_grad():
+        broken.net[0].weight.fill_(float("nan"))
+    report = compare(model, broken, features(16), verbose=False)
+    assert report.max_abs_error == report.max_rel_error == float("inf")
+    assert report.nonfinite_outputs == 16 * 4 and not report.finite
+    assert "FAILED: 64 output value(s)" in str(report)
+
+
+def test_one_nan_sample_in_sixteen_fails_parity() -> None:
+    """A single NaN sample among 16 makes the relative error inf, not a tiny number."""
+
+    class NanOnNegativeFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            out = self.proj(x)
+            if out.dtype == torch.float16:
+                out = out.clone()
+                out[0] = float("nan")
+            return out
+
+    model = NanOnNegativeFirst()
+    report = compare(model, to_inference(model, dtype=torch.float16), features(16), verbose=False)
+    assert report.max_rel_error == float("inf") and report.nonfinite_outputs == 4
+
+
+class Overflowing(nn.Module):
+    """stem -> blowup (outputs ~1e5, beyond fp16's 65504) -> scaled back down -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(8, 16)
+        self.blowup = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        with torch.no_grad():
+            self.blowup.weight.mul_(3e5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.blowup(self.stem(x)) * 1e-5))
+
+
+def test_error_budget_keeps_the_overflowing_layer_in_fp32_and_meets_the_budget(capsys: pytest.CaptureFixture) -> None:
+    """fp16 with a budget keeps the layer whose output overflows in fp32, says so, and the output is in budget."""
+    model, x = Overflowing(), features(32)
+    plain = to_inference(model, dtype=torch.float16)
+    assert plain.parity is None and not compare(model, plain, x, verbose=False).finite
+    budgeted = to_inference(model, dtype=torch.float16, batch=x, max_rel_error=0.01)
+    table = budgeted.parity
+    assert isinstance(table, ParityTable)
+    assert [layer.name for layer in table.layers] == ["stem", "blowup", "head"]
+    blowup = table.layers[1]
+    assert not blowup.finite and blowup.kept_fp32 and blowup.why_kept == "non-finite output"
+    assert table.kept_fp32 == ("blowup",)
+    assert budgeted.blowup.weight.dtype == torch.float32 and budgeted.head.weight.dtype == torch.float16
+    assert table.within_budget and table.output.finite and table.output.max_rel_error <= 0.01
+    assert compare(model, budgeted, x, verbose=False) == table.output
+    printed = capsys.readouterr().out
+    assert "Kept in fp32 for the budget: ['blowup']" in printed and "blowup" in printed
+
+
+def test_a_tight_budget_keeps_layers_until_the_whole_output_meets_it() -> None:
+    """A budget below bf16's rounding error keeps layers, worst first, until the end-to-end error is within it."""
+    model, x = Classifier(), features(32)
+    table = to_inference(model, dtype=torch.bfloat16, batch=x, max_rel_error=1e-6, verbose=False).parity
+    assert table.within_budget and table.output.max_rel_error <= 1e-6
+    assert set(table.kept_fp32) == {"net.0", "net.3"}
+    loose = to_inference(model, dtype=torch.bfloat16, batch=x, max_rel_error=0.5, verbose=False).parity
+    assert loose.kept_fp32 == () and loose.output.max_rel_error > 0
+
+
+class ReusesInPlace(nn.Module):
+    """Linear a, then b on a's output, which is then changed in place and fed to c (a ReLU(inplace=True) pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 4), nn.Linear(32, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.a(x)
+        out = self.b(hidden)
+        return out + self.c(hidden.relu_())
+
+
+def test_layer_errors_are_measured_on_inputs_that_later_in_place_ops_cannot_change() -> None:
+    """Each layer's own error is measured on the inputs it really saw, even when they were changed in place later."""
+    table = to_inference(ReusesInPlace(), dtype=torch.bfloat16, batch=features(32), verbose=False).parity
+    assert [layer.name for layer in table.layers] == ["a", "b", "c"]
+    assert all(layer.max_rel_error < 0.02 for layer in table.layers), str(table)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import math
 import warnings
 from typing import Any
@@ -11,7 +12,8 @@ import lightning as L
 import pytest
 import torch
 from conftest import TinyRegressor, loader, make_trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -225,7 +227,9 @@ def test_manual_optimization_with_two_optimizers():
     start_d = model.discriminator.weight.detach().clone()
     plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=100)
     make_trainer(plugin, max_steps=8).fit(model, loader())
-    assert plugin.stats.optimizer_steps == 8 and plugin.stats.skipped_steps == 1
+    # One iteration overflowed: it is skipped once and the scale backs off once, not once per optimizer.
+    assert plugin.stats.skipped_steps == 1 and plugin.stats.scale_backoffs == 1
+    assert plugin.stats.loss_scale == 2.0**7
     assert model.generator_unchanged_on_injection is True
     assert not torch.equal(start_d, model.discriminator.weight)
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -281,17 +285,23 @@ def test_lbfgs_with_fp16_is_rejected_but_runs_in_bf16():
     assert plugin.stats.optimizer_steps == 2
 
 
-def test_clipping_with_a_fused_optimizer_is_a_clear_error():
-    """A fused optimizer unscales inside its step, so clipping with it raises a clear error."""
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+def test_clipping_with_a_fused_optimizer_clips_true_gradients(precision):
+    """A fused optimizer with gradient_clip_val trains in every precision, and its update is clipped."""
 
     class Fused(TinyRegressor):
         def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-3, fused=True)
+            return torch.optim.SGD(self.parameters(), lr=1.0, fused=True)
 
-    with pytest.raises(RuntimeError, match="fused"):
-        make_trainer(MixedPrecision("16-mixed"), max_steps=1, gradient_clip_val=1.0).fit(Fused(), loader())
-    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
-    make_trainer(plugin, max_steps=3).fit(Fused(inject_at=(1,)), loader())
+    knobs = {"init_scale": 2.0**8} if precision == "16-mixed" else {}
+    model = Fused()
+    before = [p.detach().clone() for p in model.parameters()]
+    make_trainer(MixedPrecision(precision, **knobs), max_steps=1, gradient_clip_val=1e-3).fit(model, loader())
+    # Plain SGD with lr=1 moves the weights by exactly the clipped gradient: its norm is the clip value.
+    update = torch.cat([(a - b).flatten() for a, b in zip(before, model.parameters(), strict=True)])
+    assert float(update.norm()) == pytest.approx(1e-3, rel=1e-2)
+    plugin = MixedPrecision(precision, **knobs)
+    make_trainer(plugin, max_steps=3, gradient_clip_val=1.0).fit(Fused(inject_at=(1,)), loader())
     assert plugin.stats.skipped_steps == 1
 
 
@@ -368,3 +378,89 @@ def test_static_loss_scale_with_auto_that_resolves_without_fp16_is_a_clear_error
     """'auto' never picks fp16 on a CPU, so a static loss_scale is refused at setup, naming the argument."""
     with pytest.raises(ValueError, match=r"loss_scale=128\.0.*needs fp16"):
         make_trainer(MixedPrecision(loss_scale=128.0), max_steps=1).fit(TinyRegressor(), loader())
+
+
+class DefaultsCompatible(TinyRegressor):
+    """One model for several Trainer recipes that work without the plugin."""
+
+    def __init__(self, recipe: str) -> None:
+        super().__init__(scheduler=recipe == "batchnorm_scheduler_accumulation")
+        self.recipe = recipe
+        self.automatic_optimization = recipe not in ("manual_clip", "manual_step_without_backward")
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        if self.recipe == "batchnorm_scheduler_accumulation":
+            hidden = self.norm(hidden)
+        return self.second(torch.relu(hidden))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.recipe == "returns_none_on_odd_batches" and batch_idx % 2:
+            return None
+        loss = super().training_step(batch, batch_idx)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        if self.recipe == "manual_clip":
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        elif batch_idx % 2 == 0:
+            self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return None
+
+    def configure_optimizers(self) -> Any:
+        if self.recipe == "fused_adam_clipping":
+            return torch.optim.Adam(self.parameters(), lr=1e-2, fused=True)
+        if self.recipe == "lbfgs":
+            return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
+        return super().configure_optimizers()
+
+
+RECIPES = {
+    "fused_adam_clipping": {"gradient_clip_val": 1.0},
+    "manual_clip": {},
+    "manual_step_without_backward": {},
+    "lbfgs": {"gradient_clip_val": 0.5},
+    "batchnorm_scheduler_accumulation": {"accumulate_grad_batches": 2},
+    "returns_none_on_odd_batches": {"gradient_clip_val": 0.5},
+}
+
+
+@pytest.mark.parametrize("precision", ["auto", "32-true"])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_adding_the_plugin_with_defaults_never_breaks_a_working_trainer(recipe, precision):
+    """Each recipe trains without the plugin; with MixedPrecision() added it trains too, to nearly the same weights."""
+    torch.manual_seed(0)
+    model, reference = DefaultsCompatible(recipe), DefaultsCompatible(recipe)
+    reference.load_state_dict(model.state_dict())
+    make_trainer(max_steps=4, **RECIPES[recipe]).fit(reference, loader())
+    plugin = MixedPrecision(precision)
+    make_trainer(plugin, max_steps=4, **RECIPES[recipe]).fit(model, loader())
+    tolerance = 1e-6 if plugin.precision == "32-true" else 5e-2
+    for ours, theirs in zip(model.state_dict().values(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_skip_aware_scheduler_works_with_learning_rate_monitor_and_resume(tmp_path):
+    """LearningRateMonitor logs the held-back rate, and a checkpoint resumes the scheduler where it stood."""
+    logger = CSVLogger(tmp_path, name="lr")
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="scheduler")
+    make_trainer(
+        MixedPrecision("16-mixed", init_scale=2.0**8),
+        max_steps=4,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[LearningRateMonitor("step"), checkpoints],
+        enable_checkpointing=True,
+    ).fit(TinyRegressor(inject_at=(1,), scheduler=True), loader())
+    with open(f"{logger.log_dir}/metrics.csv") as file:
+        rates = [float(row["lr-SGD"]) for row in csv.DictReader(file) if row.get("lr-SGD")]
+    assert rates == [0.05, 0.025, 0.025, 0.0125]  # the skipped step 1 did not halve the rate
+    resumed = TinyRegressor(scheduler=True)
+    make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=6).fit(
+        resumed, loader(), ckpt_path=tmp_path / "scheduler.ckpt"
+    )
+    assert resumed.lr_schedulers().last_epoch == 5

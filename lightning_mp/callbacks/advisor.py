@@ -14,6 +14,9 @@ same order of batches. The advisor's table and recommendation are
 When the run trains in fp16 with :class:`~lightning_mp.MixedPrecision` and the advisor finds layers that leave fp16's
 range which ``keep_fp32`` does not cover, it warns, naming them, the ``keep_fp32`` and the ``init_scale`` to pass.
 Apply the advice on the next run: the plugin is already set up when training starts.
+
+A module with manual optimization is measured through its own ``training_step`` (see :mod:`lightning_mp.advisor`):
+the copy gets its own optimizers, so the run's optimizers, step counters and scaler are untouched.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class AdvisorCallback(Callback):
 
     Raises:
         ValueError: if ``batches`` is not an integer >= 1.
+        TypeError: if ``loss_fn`` is neither None nor callable.
 
     Example::
 
@@ -51,6 +55,11 @@ class AdvisorCallback(Callback):
 
     def __init__(self, batches: int = 8, loss_fn: LossFunction | None = None) -> None:
         self.batches = validate_positive_int("batches", batches)
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(
+                f"AdvisorCallback(loss_fn={loss_fn!r}) is not allowed: loss_fn must be None or a callable"
+                " loss_fn(model, batch) -> loss tensor."
+            )
         self.loss_fn = loss_fn
         self.advice: Advice | None = None
 

@@ -114,3 +114,41 @@ def test_bad_batches_raise_value_error(batches: object) -> None:
     """batches must be an integer >= 1; the error names it and the value."""
     with pytest.raises(ValueError, match=rf"`batches` must be an integer >= 1, got {batches!r}"):
         AdvisorCallback(batches=batches)  # type: ignore[arg-type]
+
+
+class ManualPlanted(Planted):
+    """Planted with manual optimization: training_step calls self.optimizers() and self.manual_backward()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        features, target = batch
+        self.seen.append(features)
+        self.manual_backward(F.cross_entropy(self(features), target))
+        optimizer.step()
+
+
+def test_callback_works_with_manual_optimization() -> None:
+    """A manual-optimization module fits with the advisor, gets advice, and trains exactly as without it."""
+    plain = ManualPlanted()
+    make_trainer(None, max_steps=3).fit(plain)
+    advised = ManualPlanted()
+    callback = AdvisorCallback(batches=2)
+    trainer = make_trainer(None, max_steps=3, callbacks=[callback])
+    trainer.fit(advised)
+    assert trainer.global_step == 3
+    assert callback.advice is not None and callback.advice.keep_fp32 == ("blowup", "norm")
+    for (name, a), b in zip(plain.state_dict().items(), advised.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_loss_fn_that_is_not_callable_is_refused_early() -> None:
+    """AdvisorCallback(loss_fn=5) fails in __init__ with a TypeError naming the argument and the value."""
+    with pytest.raises(
+        TypeError, match=r"AdvisorCallback\(loss_fn=5\) is not allowed: loss_fn must be None or a callable"
+    ):
+        AdvisorCallback(loss_fn=5)  # type: ignore[arg-type]

@@ -1,0 +1,180 @@
+"""Manual optimization with MixedPrecision follows Lightning's recipes: true gradients, one scale per iteration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from conftest import loader, make_trainer
+from torch import nn
+
+from lightning_mp import MixedPrecision
+
+CLIP = 1e-3
+
+
+class ManualRegressor(L.LightningModule):
+    """One linear layer, plain SGD with lr=1: a step moves the weights by exactly the (clipped) gradient."""
+
+    def __init__(self, clip: str = "none", accumulate: int = 1, use_closure: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = nn.Linear(8, 1)
+        self.clip = clip
+        self.accumulate = accumulate
+        self.use_closure = use_closure
+        self.update_norms: list[float] = []
+        self.scales_at_backward: list[float] = []
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x).float(), y) / self.accumulate
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        plugin = self.trainer.precision_plugin
+        self.scales_at_backward.append(plugin.stats.loss_scale)
+        if self.use_closure:
+
+            def closure() -> torch.Tensor:
+                loss = self._loss(batch)
+                opt.zero_grad()
+                self.manual_backward(loss)
+                return loss
+
+            before = self.layer.weight.detach().clone()
+            opt.step(closure=closure)
+            self.update_norms.append(float((self.layer.weight - before).norm()))
+            return
+        self.manual_backward(self._loss(batch))
+        if (batch_idx + 1) % self.accumulate:
+            return
+        if self.clip == "explicit_unscale":
+            plugin.scaler.unscale_(opt.optimizer)
+        elif self.clip in ("explicit_unscale_of_the_wrapper", "explicit_unscale_without_clipping"):
+            plugin.scaler.unscale_(opt)
+        if self.clip not in ("none", "explicit_unscale_without_clipping"):
+            self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        before = [p.detach().clone() for p in self.parameters()]
+        opt.step()
+        opt.zero_grad()
+        update = torch.cat([(p - b).flatten() for p, b in zip(self.parameters(), before, strict=True)])
+        self.update_norms.append(float(update.norm()))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+@pytest.mark.parametrize("clip", ["clip_gradients", "explicit_unscale", "explicit_unscale_of_the_wrapper"])
+def test_clip_gradients_in_manual_optimization_clips_true_gradients(clip):
+    """self.clip_gradients clips the unscaled gradients (the update has the clip norm), also after scaler.unscale_."""
+    model = ManualRegressor(clip=clip)
+    make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=3).fit(model, loader())
+    assert model.update_norms == pytest.approx([CLIP] * 3, rel=1e-2)
+
+
+def test_an_explicit_unscale_of_self_optimizers_is_not_repeated_by_the_step():
+    """scaler.unscale_(self.optimizers()) then opt.step(): the update is the true gradient, unscaled once."""
+    torch.manual_seed(0)
+    model = ManualRegressor(clip="explicit_unscale_without_clipping")
+    reference = ManualRegressor()
+    reference.load_state_dict(model.state_dict())
+    make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=2).fit(model, loader())
+    make_trainer(MixedPrecision("32-true"), max_steps=2).fit(reference, loader())
+    assert model.update_norms == pytest.approx(reference.update_norms, rel=2e-2)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_clip_gradients_in_manual_optimization_unscaled_precisions(precision):
+    """In bf16 and fp32 self.clip_gradients clips as it does without the plugin."""
+    model = ManualRegressor(clip="clip_gradients")
+    make_trainer(MixedPrecision(precision), max_steps=2).fit(model, loader())
+    assert model.update_norms == pytest.approx([CLIP] * 2, rel=1e-2)
+
+
+def test_manual_accumulation_uses_one_scale_until_the_step():
+    """Stepping every 2 batches: both backwards use the same scale, which moves once per optimizer step."""
+    model = ManualRegressor(accumulate=2)
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
+    make_trainer(plugin, max_steps=3).fit(model, loader())
+    assert model.scales_at_backward == [2.0**8, 2.0**8, 2.0**9, 2.0**9, 2.0**10, 2.0**10]
+    assert plugin.stats.loss_scale == 2.0**11
+
+
+def test_manual_step_with_a_closure_is_unscaled():
+    """opt.step(closure=...) in manual optimization runs the closure once and steps on unscaled gradients."""
+    torch.manual_seed(0)
+    model = ManualRegressor(use_closure=True)
+    reference = ManualRegressor(use_closure=True)
+    reference.load_state_dict(model.state_dict())
+    make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=2).fit(model, loader())
+    make_trainer(MixedPrecision("32-true"), max_steps=2).fit(reference, loader())
+    # fp16 and fp32 updates agree to fp16's precision; a scaled update would be 256 times larger.
+    assert model.update_norms == pytest.approx(reference.update_norms, rel=2e-2)
+
+
+class ToggledGAN(L.LightningModule):
+    """Lightning's GAN recipe: toggle_optimizer, manual_backward, step, zero_grad, untoggle_optimizer."""
+
+    def __init__(self, overflow_discriminator_at: int = -1) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Linear(8, 8)
+        self.discriminator = nn.Linear(8, 1)
+        self.overflow_discriminator_at = overflow_discriminator_at
+        self.generator_grad_norms: list[float] = []
+        self.generator_true_grad_norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        x, _ = batch
+        self.toggle_optimizer(opt_g)
+        g_loss = -self.discriminator(self.generator(x)).float().mean()
+        self.manual_backward(g_loss)
+        self.clip_gradients(opt_g, gradient_clip_val=1e6, gradient_clip_algorithm="norm")
+        self.generator_grad_norms.append(
+            float(torch.cat([p.grad.flatten() for p in self.generator.parameters()]).norm())
+        )
+        with torch.enable_grad():
+            true_loss = -self.discriminator(self.generator(x).float()).float().mean()
+            grads = torch.autograd.grad(true_loss, list(self.generator.parameters()))
+        self.generator_true_grad_norms.append(float(torch.cat([g.flatten() for g in grads]).norm()))
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+
+        self.toggle_optimizer(opt_d)
+        d_loss = self.discriminator(self.generator(x).detach()).float().mean() - self.discriminator(x).float().mean()
+        self.manual_backward(d_loss)
+        if batch_idx == self.overflow_discriminator_at:
+            self.discriminator.weight.grad[0, 0] = float("inf")
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.generator.parameters(), lr=1e-3), torch.optim.SGD(
+            self.discriminator.parameters(), lr=1e-3
+        )
+
+
+def test_two_optimizers_share_one_scale_and_growth_interval_counts_iterations():
+    """With two optimizers per batch the scale moves once per batch: growth_interval=2 grows every 2nd batch."""
+    model = ToggledGAN()
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2)
+    make_trainer(plugin, max_steps=8).fit(model, loader())  # Lightning counts both optimizers' steps: 4 batches
+    assert plugin.stats.loss_scale == 2.0**10
+    assert model.generator_grad_norms == pytest.approx(model.generator_true_grad_norms, rel=2e-2)
+
+
+def test_an_overflow_of_the_second_optimizer_backs_off_once_after_the_batch():
+    """The generator steps with the batch's scale; the discriminator's overflow halves the scale once, afterwards."""
+    model = ToggledGAN(overflow_discriminator_at=1)
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=100)
+    make_trainer(plugin, max_steps=6).fit(model, loader())
+    assert plugin.stats.loss_scale == 2.0**7
+    assert plugin.stats.scale_backoffs == 1
+    # Every generator step saw true gradients, before and after the backoff.
+    assert model.generator_grad_norms == pytest.approx(model.generator_true_grad_norms, rel=2e-2)
