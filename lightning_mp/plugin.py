@@ -46,8 +46,6 @@ Private names used, and why:
   unscaled in this iteration (so that an explicit ``scaler.unscale_(opt)`` is not repeated) and its inf flag,
   which torch's ``step`` and ``update`` read the same way; and, when that ``unscale_`` went through Lightning's
   ``LightningOptimizer`` wrapper, moving its record to the wrapped optimizer. Three small functions below.
-* ``LossScaler._record_outcome``, this package's own rule, counts a skipped LBFGS step: the scaler has a public
-  entry only for a step taken without a check (``record_unchecked_step``).
 """
 
 from __future__ import annotations
@@ -57,6 +55,7 @@ import copy
 import functools
 import warnings
 from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -77,11 +76,12 @@ from typing_extensions import override
 from lightning_mp._compile import backward_outside_autocast
 from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device
 from lightning_mp._hardware import choose_precision, device_has_native_bf16
+from lightning_mp._scale_rules import COLLAPSE_FLOOR, FLOAT32_MAX
 from lightning_mp._schedulers import SkipAwareScheduler
 from lightning_mp._validation import check_choice, check_flag, check_number, plain_scalar
 from lightning_mp.overrides import Fp32Overrides, cast_low_precision
 from lightning_mp.policies import POLICIES, PrecisionPolicy
-from lightning_mp.scaler import LossScaler, ScalingMode, validate_scaler_arguments
+from lightning_mp.scaler import LossScaler, ScalerSettings, ScalingMode
 from lightning_mp.stats import PrecisionStats
 
 PrecisionName = Literal["auto", "16-mixed", "bf16-mixed", "32-true"]
@@ -227,19 +227,19 @@ class MixedPrecision(LightningMixedPrecision):
         if scaler is not None:
             torch_knobs = self._knobs_of(owner, scaler, precision, loss_scale, torch_knobs)
         torch_knobs = {name: _TORCH_SCALER_DEFAULTS[name] if v is None else v for name, v in torch_knobs.items()}
-        knobs: dict[str, Any] = {
+        self._scaler_settings = ScalerSettings(
+            owner=owner,
             **torch_knobs,
-            "hysteresis": plain_scalar(hysteresis),
-            "consecutive_hysteresis": consecutive_hysteresis,
-            "min_scale": plain_scalar(min_scale),
-            "max_scale": plain_scalar(max_scale),
-            "on_min_scale": on_min_scale,
-            "max_consecutive_skips": plain_scalar(max_consecutive_skips),
-        }
-        validate_scaler_arguments(owner, **{k: v for k, v in knobs.items() if k != "consecutive_hysteresis"})
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            on_min_scale=on_min_scale,
+            max_consecutive_skips=max_consecutive_skips,
+        )
         loss_scale = plain_scalar(loss_scale)
         if loss_scale != "dynamic":
-            check_number(owner, "loss_scale", loss_scale, above=0)
+            loss_scale = check_number(owner, "loss_scale", loss_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX)
             if precision in ("bf16-mixed", "32-true"):
                 raise ValueError(
                     f"{owner}(precision={precision!r}, loss_scale={loss_scale!r}) is not allowed: only fp16 is"
@@ -264,7 +264,6 @@ class MixedPrecision(LightningMixedPrecision):
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.keep_fp32 = Fp32Overrides(keep_fp32).patterns
         self.precision_reason = "asked for" if precision != "auto" else ""
-        self._scaler_knobs = knobs
         self._given_scaler = scaler
         self._loss_scaler: LossScaler | None = None
         self._policy: PrecisionPolicy | None = None
@@ -338,7 +337,7 @@ class MixedPrecision(LightningMixedPrecision):
             self._fabric.settle()
         if self._loss_scaler is None:
             scaled = self.precision == "16-mixed" or self.requested_precision == "16-mixed"
-            initial = self._scaler_knobs["init_scale"] if self.loss_scale == "dynamic" else self.loss_scale
+            initial = self._scaler_settings.init_scale if self.loss_scale == "dynamic" else self.loss_scale
             return PrecisionStats(loss_scale=float(initial) if scaled else 1.0)
         return self._loss_scaler.stats()
 
@@ -395,14 +394,16 @@ class MixedPrecision(LightningMixedPrecision):
             scaler.allow_fp16_gradients = policy_class.half_gradients
             return scaler
         mode: ScalingMode = "check"
-        knobs = dict(self._scaler_knobs)
+        settings = self._scaler_settings
         scaling_disabled = self._given_scaler is not None and not self._given_scaler.is_enabled()
         if self.precision == "16-mixed" and not scaling_disabled:
             if self.loss_scale != "dynamic":
-                mode, knobs["init_scale"] = "static", float(self.loss_scale)
+                settings = replace(settings, mode="static", init_scale=self.loss_scale)
             elif policy_class.scales_by_default:
                 mode = "dynamic"
-        scaler = LossScaler(device_type, mode=mode, **knobs)
+        if settings.mode != "static":
+            settings = replace(settings, mode=mode)
+        scaler = LossScaler.from_settings(settings, device_type)
         scaler.allow_fp16_gradients = policy_class.half_gradients
         return scaler
 
@@ -694,7 +695,7 @@ class MixedPrecision(LightningMixedPrecision):
         scaler_state = self._loss_scaler.state_dict()
         torch_state = {key: scaler_state[key] for key in TORCH_SCALER_KEYS if key in scaler_state}
         if not self._loss_scaler.scales_loss:
-            torch_state.update(scale=float(self._scaler_knobs["init_scale"]), _growth_tracker=0)
+            torch_state.update(scale=float(self._scaler_settings.init_scale), _growth_tracker=0)
         state = {
             **torch_state,
             "scaler": scaler_state,
@@ -858,10 +859,7 @@ class MixedPrecision(LightningMixedPrecision):
 
 def _count_closure_step(loss_scaler: LossScaler, skipped: bool) -> None:
     """Count a step whose check happened outside ``unscale_``/``step`` (LBFGS) as taken or skipped."""
-    if skipped:
-        loss_scaler._record_outcome(True)
-    else:
-        loss_scaler.record_unchecked_step()
+    loss_scaler.record_unchecked_step(skipped)
 
 
 __all__ = ["MixedPrecision"]

@@ -1,8 +1,9 @@
 """A read-only snapshot of the loss scaler's counters, for callbacks and users.
 
-The plugin builds a :class:`PrecisionStats` from host-side counters after every optimizer step, so reading it
-never synchronises with the device: the flag that says whether a step overflowed is already on the host, because
-``GradScaler.step`` had to read it to decide whether to run ``optimizer.step()``.
+The scaler builds a :class:`PrecisionStats` from host-side counters, so reading it never synchronises with the
+device. How fresh they are: where a step read the inf flag to decide the skip (optimizers that are not fused), or
+on the CPU, exact after every ``update``; where the flag stayed on the device (fused optimizers on a GPU), as of
+the previous iteration, since the host reads a non-blocking copy of the flag one iteration later.
 """
 
 from __future__ import annotations

@@ -230,7 +230,8 @@ def test_one_scale_update_per_iteration_with_two_optimizers() -> None:
         first.zero_grad()
         second.zero_grad()
     stats = plugin.stats
-    assert (stats.optimizer_steps, stats.scale_growths, stats.loss_scale) == (3, 3, 2.0**7)
+    # Steps are counted per optimizer (two per iteration); the scale grew once per iteration.
+    assert (stats.optimizer_steps, stats.scale_growths, stats.loss_scale) == (6, 3, 2.0**7)
 
 
 def test_gradient_accumulation_keeps_one_scale_until_the_step() -> None:
