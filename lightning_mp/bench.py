@@ -131,6 +131,7 @@ CONFIGURATIONS: dict[str, Configuration] = {
         ),
         Configuration("O1-bf16", "MixedPrecision bf16, O1", _plugin("bf16-mixed", "O1"), "lightning-bf16"),
         Configuration("O2-bf16", "MixedPrecision bf16, O2", _plugin("bf16-mixed", "O2"), "lightning-bf16"),
+        Configuration("lean-bf16", "MixedPrecision bf16, lean", _plugin("bf16-mixed", "lean"), "lightning-bf16"),
         Configuration(
             "O1-bf16+monitors",
             "O1-bf16 with the three monitors",
@@ -1137,6 +1138,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="peak tensor memory of one step per configuration, split by category (CPU; default size medium)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--counts", action="store_true", help="host syncs and compute ops per iteration, per precision and optimizer"
+    )
     parser.add_argument("--worker", choices=list(CONFIGURATIONS), help=argparse.SUPPRESS)
     parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1170,8 +1174,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def counts_report(quick: bool) -> str:
+    """The ``--counts`` table: syncs and compute ops of one iteration for the torch loop, Lightning and lightning_mp.
+
+    Counts do not depend on the machine or its load. ``quick`` counts only fp16 with fused Adam, on a smaller model.
+    """
+    from lightning_mp._step_counts import OPTIMIZERS, PRECISIONS, counts_table
+
+    if quick:
+        table = counts_table(("16-mixed",), ("fused Adam",), vocab_size=8, d_model=8, seq_len=4, batch_size=1)
+    else:
+        table = counts_table(PRECISIONS, tuple(OPTIMIZERS))
+    return (
+        "Host syncs / compute ops per training iteration (TinyTransformerLM, 2 layers, steady state, counted on the"
+        f" CPU with lightning_mp.counting):\n\n{table}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.counts:
+        print(counts_report(args.quick))
+        return 0
     size = SIZES[args.size]
     if args.worker is not None:
         # The worker's own warnings (bf16 emulated on this CPU, few dataloader workers) are known and said once below.

@@ -38,7 +38,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_mp._hardware import choose_precision
-from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.policies import POLICIES
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
@@ -60,6 +60,12 @@ TAG_EXPLANATIONS: dict[str, str] = {
     "precision/overflow/text_summary": "on each skipped step, the parameters whose gradients were inf or NaN",
     "precision/layer_dtypes/text_summary": "table of every layer's output dtype under autocast",
     "precision/layers/": "number of layers whose output has that dtype",
+    "precision_sentinel/activation_headroom_log2": "heatmap, layers by steps: doublings left before fp16 overflows",
+    "precision_sentinel/grad_underflow_share": "heatmap, layers by steps: share of gradients that are exactly zero",
+    "precision_sentinel/stale_update_share": "heatmap, layers by steps: share of updates rounded away (below ulp/2)",
+    "precision_sentinel/min_activation_headroom_log2": "the smallest activation headroom of any layer, per sample",
+    "precision_sentinel/total_grad_underflow_share": "share of all gradient elements that are exactly zero",
+    "precision_sentinel/max_stale_update_share": "the largest per-layer share of updates rounded away",
     "train_loss": "training loss",
     "val_loss": "validation loss",
 }
@@ -114,8 +120,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def demo_callbacks() -> list[L.Callback]:
-    """The callbacks the demo attaches: loss scale (also on the progress bar), gradient health, layer dtypes."""
-    return [LossScaleMonitor(prog_bar=True), GradientHealthMonitor(), LayerDtypeMonitor(every_n_steps=50)]
+    """The demo's callbacks: loss scale (also on the progress bar), gradient health, layer dtypes, the sentinel."""
+    return [
+        LossScaleMonitor(prog_bar=True),
+        GradientHealthMonitor(),
+        LayerDtypeMonitor(every_n_steps=50),
+        PrecisionSentinel(),
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,10 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def logged_tags(log_dir: str | Path) -> list[str]:
     """Every tag in the TensorBoard event files under ``log_dir``, as TensorBoard names them (sorted)."""
-    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 1, "tensors": 1, "histograms": 1})
+    guidance = {"scalars": 1, "tensors": 1, "histograms": 1, "images": 1}
+    accumulator = EventAccumulator(str(log_dir), size_guidance=guidance)
     accumulator.Reload()
     tags = accumulator.Tags()
-    return sorted({tag for kind in ("scalars", "histograms", "tensors") for tag in tags.get(kind, [])})
+    return sorted({tag for kind in ("scalars", "histograms", "tensors", "images") for tag in tags.get(kind, [])})
 
 
 def _next_step(plugin: MixedPrecision) -> str:

@@ -59,6 +59,7 @@ class NonFiniteStepsError(RuntimeError):
         consecutive_skips: the skipped steps in a row.
         scale: the loss scale in force (1.0 where nothing is scaled).
         nonfinite_parameters: ``(name, shape)`` of parameters whose gradients were not finite at that step.
+        optimizer: which optimizer kept skipping (``"optimizer 1 (Adam)"``), when several step in one iteration.
 
     """
 
@@ -68,13 +69,16 @@ class NonFiniteStepsError(RuntimeError):
         consecutive_skips: int,
         scale: float,
         nonfinite_parameters: Sequence[tuple[str, tuple[int, ...]]] = (),
+        optimizer: str | None = None,
     ) -> None:
         self.step = step
         self.consecutive_skips = consecutive_skips
         self.scale = scale
         self.nonfinite_parameters = list(nonfinite_parameters)
+        self.optimizer = optimizer
+        whose = f" of {optimizer}" if optimizer else ""
         super().__init__(
-            f"{consecutive_skips} optimizer steps in a row were skipped for inf/NaN gradients (step {step}, loss"
+            f"{consecutive_skips} optimizer steps in a row{whose} were skipped for inf/NaN gradients (step {step}, loss"
             f" scale {scale:g}): the model has stopped learning. {_describe(self.nonfinite_parameters)} Things to"
             " try: check the data and the loss for inf/NaN; keep the layers above in fp32 (keep_fp32=[...]); lower"
             " the learning rate; raise max_consecutive_skips, or set it to None, if such streaks are expected."

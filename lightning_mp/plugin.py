@@ -5,6 +5,9 @@ call that one accepts, this one accepts with the same meaning; the scaler's knob
 
     trainer = Trainer(plugins=[MixedPrecision("16-mixed", growth_interval=1000, hysteresis=2)])
 
+or to Fabric, ``Fabric(plugins=[MixedPrecision(...)])``, whose loop it drives as :mod:`lightning_mp._fabric`
+describes.
+
 What happens in a training iteration:
 
 1. The forward pass (training, validation, test and predict steps) runs under ``torch.autocast`` when the opt level
@@ -44,8 +47,6 @@ Private names used, and why:
   unscaled in this iteration (so that an explicit ``scaler.unscale_(opt)`` is not repeated) and its inf flag,
   which torch's ``step`` and ``update`` read the same way; and, when that ``unscale_`` went through Lightning's
   ``LightningOptimizer`` wrapper, moving its record to the wrapped optimizer. Three small functions below.
-* ``LossScaler._record_outcome``, this package's own rule, counts a skipped LBFGS step: the scaler has a public
-  entry only for a step taken without a check (``record_unchecked_step``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ import contextlib
 import copy
 import functools
 import warnings
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -72,12 +74,15 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mp._compile import backward_outside_autocast
+from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device
 from lightning_mp._hardware import choose_precision, device_has_native_bf16
+from lightning_mp._scale_rules import COLLAPSE_FLOOR, FLOAT32_MAX
 from lightning_mp._schedulers import SkipAwareScheduler
 from lightning_mp._validation import check_choice, check_flag, check_number, plain_scalar
-from lightning_mp.overrides import Fp32Overrides
+from lightning_mp.overrides import Fp32Overrides, cast_low_precision
 from lightning_mp.policies import POLICIES, PrecisionPolicy
-from lightning_mp.scaler import LossScaler, ScalingMode, validate_scaler_arguments
+from lightning_mp.scaler import LossScaler, ScalerSettings, ScalingMode
 from lightning_mp.stats import PrecisionStats
 
 PrecisionName = Literal["auto", "16-mixed", "bf16-mixed", "32-true"]
@@ -223,19 +228,19 @@ class MixedPrecision(LightningMixedPrecision):
         if scaler is not None:
             torch_knobs = self._knobs_of(owner, scaler, precision, loss_scale, torch_knobs)
         torch_knobs = {name: _TORCH_SCALER_DEFAULTS[name] if v is None else v for name, v in torch_knobs.items()}
-        knobs: dict[str, Any] = {
+        self._scaler_settings = ScalerSettings(
+            owner=owner,
             **torch_knobs,
-            "hysteresis": plain_scalar(hysteresis),
-            "consecutive_hysteresis": consecutive_hysteresis,
-            "min_scale": plain_scalar(min_scale),
-            "max_scale": plain_scalar(max_scale),
-            "on_min_scale": on_min_scale,
-            "max_consecutive_skips": plain_scalar(max_consecutive_skips),
-        }
-        validate_scaler_arguments(owner, **{k: v for k, v in knobs.items() if k != "consecutive_hysteresis"})
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            on_min_scale=on_min_scale,
+            max_consecutive_skips=max_consecutive_skips,
+        )
         loss_scale = plain_scalar(loss_scale)
         if loss_scale != "dynamic":
-            check_number(owner, "loss_scale", loss_scale, above=0)
+            loss_scale = check_number(owner, "loss_scale", loss_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX)
             if precision in ("bf16-mixed", "32-true"):
                 raise ValueError(
                     f"{owner}(precision={precision!r}, loss_scale={loss_scale!r}) is not allowed: only fp16 is"
@@ -260,7 +265,6 @@ class MixedPrecision(LightningMixedPrecision):
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.keep_fp32 = Fp32Overrides(keep_fp32).patterns
         self.precision_reason = "asked for" if precision != "auto" else ""
-        self._scaler_knobs = knobs
         self._given_scaler = scaler
         self._loss_scaler: LossScaler | None = None
         self._policy: PrecisionPolicy | None = None
@@ -269,6 +273,7 @@ class MixedPrecision(LightningMixedPrecision):
         self._saved_running_stats: list[Tensor] | None = None
         self._skipped_by_optimizer: dict[int, bool] = {}
         self._stepped_this_iteration = False
+        self._fabric: FabricSteps | None = None
 
     @staticmethod
     def _knobs_of(owner: str, scaler: Any, precision: str, loss_scale: Any, knobs: dict[str, Any]) -> dict[str, Any]:
@@ -305,7 +310,12 @@ class MixedPrecision(LightningMixedPrecision):
 
     @property
     def scaler(self) -> LossScaler | None:
-        """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup."""
+        """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup.
+
+        Under Fabric, reading it applies the pending scale update (:mod:`lightning_mp._fabric`).
+        """
+        if self._fabric is not None:
+            self._fabric.settle()
         if self._loss_scaler is not None and self._loss_scaler.scales_loss:
             return self._loss_scaler
         return None
@@ -320,10 +330,14 @@ class MixedPrecision(LightningMixedPrecision):
         """Counters as of the last scale update (once per iteration, after its last optimizer step).
 
         Reading them never synchronises with the device.
+
+        Under Fabric, reading them applies the pending scale update (:mod:`lightning_mp._fabric`).
         """
+        if self._fabric is not None:
+            self._fabric.settle()
         if self._loss_scaler is None:
             scaled = self.precision == "16-mixed" or self.requested_precision == "16-mixed"
-            initial = self._scaler_knobs["init_scale"] if self.loss_scale == "dynamic" else self.loss_scale
+            initial = self._scaler_settings.init_scale if self.loss_scale == "dynamic" else self.loss_scale
             return PrecisionStats(loss_scale=float(initial) if scaled else 1.0)
         return self._loss_scaler.stats()
 
@@ -380,14 +394,16 @@ class MixedPrecision(LightningMixedPrecision):
             scaler.allow_fp16_gradients = policy_class.half_gradients
             return scaler
         mode: ScalingMode = "check"
-        knobs = dict(self._scaler_knobs)
+        settings = self._scaler_settings
         scaling_disabled = self._given_scaler is not None and not self._given_scaler.is_enabled()
         if self.precision == "16-mixed" and not scaling_disabled:
             if self.loss_scale != "dynamic":
-                mode, knobs["init_scale"] = "static", float(self.loss_scale)
+                settings = replace(settings, mode="static", init_scale=self.loss_scale)
             elif policy_class.scales_by_default:
                 mode = "dynamic"
-        scaler = LossScaler(device_type, mode=mode, **knobs)
+        if settings.mode != "static":
+            settings = replace(settings, mode=mode)
+        scaler = LossScaler.from_settings(settings, device_type)
         scaler.allow_fp16_gradients = policy_class.half_gradients
         return scaler
 
@@ -416,6 +432,8 @@ class MixedPrecision(LightningMixedPrecision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Resolve the precision from the Trainer's device, then let the opt level convert the module in place."""
+        if attached_trainer(module) is None:
+            return self._convert_for_fabric(module)
         self.setup_for_device(self._trainer_device_type(module))
         assert self._policy is not None
         return self._policy.convert_module(module)
@@ -487,7 +505,8 @@ class MixedPrecision(LightningMixedPrecision):
                 yield
                 return
             assert self.device is not None
-            with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False):
+            # Compiled regions differentiate outside autocast, as eager autograd does (lightning_mp._compile).
+            with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False), backward_outside_autocast():
                 yield
 
     @override
@@ -507,6 +526,8 @@ class MixedPrecision(LightningMixedPrecision):
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks."""
+        if attached_trainer(module) is None:
+            return tensor  # Fabric ignores what this returns: FabricSteps.backward scales the loss.
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return Precision.pre_backward(self, tensor, module)
@@ -515,11 +536,14 @@ class MixedPrecision(LightningMixedPrecision):
     def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Optimizable,
-        model: LightningModule,
-        closure: Callable[[], Any],
+        model: LightningModule | None = None,
+        closure: Callable[[], Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Backward, unscale, hooks and clipping on true gradients, then a step that is skipped on inf/NaN."""
+        if model is None:
+            return self._fabric_steps().optimizer_step(optimizer, closure, **kwargs)  # type: ignore[arg-type]
+        assert closure is not None
         loss_scaler, policy = self._loss_scaler, self._policy
         assert loss_scaler is not None and policy is not None, "MixedPrecision was not set up by a Trainer"
         if isinstance(optimizer, LBFGS):
@@ -654,23 +678,26 @@ class MixedPrecision(LightningMixedPrecision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state (scale, trackers, counters), the precision and the opt level.
+        """The scaler's state (scale, trackers, counters), the precision and the opt level's own state.
 
         The top level also holds torch's five ``GradScaler`` keys, so Lightning's own ``MixedPrecision`` (which reads
         this entry under the same class name) resumes from it. After a bf16 or fp32 run, which has no fp16 scale,
         they describe a fresh fp16 scaler.
         """
+        if self._fabric is not None:
+            self._fabric.settle()
         if self._loss_scaler is None or self._policy is None:
             return dict(self._pending_state or {})
         scaler_state = self._loss_scaler.state_dict()
         torch_state = {key: scaler_state[key] for key in TORCH_SCALER_KEYS if key in scaler_state}
         if not self._loss_scaler.scales_loss:
-            torch_state.update(scale=float(self._scaler_knobs["init_scale"]), _growth_tracker=0)
+            torch_state.update(scale=float(self._scaler_settings.init_scale), _growth_tracker=0)
         return {
             **torch_state,
             "scaler": scaler_state,
             "precision": self.precision,
             "opt_level": self._policy.opt_level,
+            "policy": self._policy.state_dict(),
         }
 
     @override
@@ -699,6 +726,7 @@ class MixedPrecision(LightningMixedPrecision):
             self._loss_scaler.load_state_dict({**scaler_state, "scale": self._loss_scaler.get_scale()})
         else:
             self._loss_scaler.load_state_dict(scaler_state)
+        self._policy.load_state_dict(state_dict.get("policy", {}))
 
     def _warn_missing_scaler_state(self) -> None:
         if self.scaler is not None:
@@ -718,9 +746,98 @@ class MixedPrecision(LightningMixedPrecision):
         if type(self).__qualname__ not in checkpoint and "native_amp_scaling_state" not in checkpoint:
             self._warn_missing_scaler_state()
 
+    # ------------------------------------------------------------------------------------------------ Fabric
+    # Fabric drives the plugin through these hooks and the dispatch lines above (lightning_mp._fabric).
+
+    def _convert_for_fabric(self, module: nn.Module) -> nn.Module:
+        parameter = next(module.parameters(), None)
+        # Fabric converts before moving the model, so the parameters' device is not the run's: device= wins.
+        self.setup_for_device(self.device or (parameter.device.type if parameter is not None else "cpu"))
+        assert self._policy is not None and self._loss_scaler is not None
+        module = self._policy.convert_module(module)
+        if self._fabric is None:
+            self._fabric = FabricSteps(self._loss_scaler, self._policy, module)
+        else:
+            self._fabric.add_module(module)
+        return module
+
+    def _fabric_steps(self) -> FabricSteps:
+        if self._fabric is None:
+            raise RuntimeError(
+                "MixedPrecision was not set up by Fabric: call fabric.setup(model, optimizer) before"
+                " fabric.backward or optimizer.step."
+            )
+        return self._fabric
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """Leave the inputs as they are (autocast and the opt level cast them); under Fabric, check their device.
+
+        Raises:
+            ValueError: under Fabric, when the inputs live on another device type than the plugin's autocast.
+
+        """
+        if self._fabric is not None and self.device is not None:
+            check_input_device(data, self.device)
+        return data
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        """Under Fabric, return the forward's half-precision outputs in fp32, as Fabric's own mixed precision does."""
+        if self._fabric is None:
+            return data
+        return cast_low_precision(data, torch.get_default_dtype())
+
+    @override
+    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Under Fabric, apply the pending scale update and back-propagate the scaled loss; else Lightning's."""
+        if attached_trainer(model) is None:
+            self._fabric_steps().backward(tensor, *args, **kwargs)
+            return
+        super().backward(tensor, model, *args, **kwargs)  # type: ignore[arg-type]
+
+    @override
+    def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:  # type: ignore[override]
+        """Run Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
+        if attached_trainer(module) is None:
+            return tensor
+        return super().post_backward(tensor, module)  # type: ignore[arg-type]
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale (and, in O2, move to the masters) the gradients before ``fabric.clip_gradients`` clips them."""
+        self._fabric_steps().unscale_gradients(optimizer)
+
+    @override
+    def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:  # type: ignore[override]
+        """The parameters to clip; under Fabric none on a step that will be skipped (:meth:`FabricSteps.main_params`).
+
+        .. warning:: Under Fabric, after ``fabric.clip_gradients`` unscaled the gradients, this reads the inf/NaN
+            flag and synchronises the host with the device.
+        """
+        if self._fabric is not None:
+            return self._fabric.main_params(optimizer)
+        return super().main_params(optimizer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (and deep-copy) the settings and the state; under Fabric, after the pending scale update.
+
+        A copy keeps no tie to a running Fabric loop (its model and optimizers): it drives Fabric again once a
+        Fabric sets it up.
+        """
+        if self._fabric is not None:
+            self._fabric.settle()
+        return {**self.__dict__, "_fabric": None}
+
     @override
     def teardown(self) -> None:
-        """Release the model: the opt level's references (O2's parameter slots) and the running-statistic layers."""
+        """Apply a pending Fabric scale update, so that the counters include the last step; release the model.
+
+        The opt level drops its references (O2's parameter slots), and so do the running-statistic layers, so that a
+        reused plugin keeps no previous model alive.
+        """
+        if self._fabric is not None:
+            self._fabric.settle()
         if self._policy is not None:
             self._policy.teardown()
         self._normalization_layers = []
@@ -732,10 +849,7 @@ class MixedPrecision(LightningMixedPrecision):
 
 def _count_closure_step(loss_scaler: LossScaler, skipped: bool) -> None:
     """Count a step whose check happened outside ``unscale_``/``step`` (LBFGS) as taken or skipped."""
-    if skipped:
-        loss_scaler._record_outcome(True)
-    else:
-        loss_scaler.record_unchecked_step()
+    loss_scaler.record_unchecked_step(skipped)
 
 
 __all__ = ["MixedPrecision"]

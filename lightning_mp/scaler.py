@@ -1,133 +1,145 @@
-"""Dynamic loss scaling with hysteresis, bounds, a static mode and counters, on torch's GradScaler kernels.
+"""Dynamic loss scaling with hysteresis, bounds, a static and a check-only mode, and per-optimizer skip counters.
 
 Why scale at all: fp16 keeps 5 exponent bits, so gradients smaller than 2**-24 flush to zero and the model stops
 learning from them. Multiplying the loss by a large factor ``S`` before ``backward`` shifts every gradient up by
 ``S`` into fp16's range; dividing the fp32 gradients by ``S`` before the optimizer step undoes it exactly.
 
-How the scale moves (dynamic mode), once per optimizer step:
+One iteration (any number of optimizers, torch's contract: ``update()`` once, after the last ``step``):
 
-* ``unscale_`` multiplies every gradient by ``1/S`` and sets a flag if any of them is inf or NaN. This is torch's
-  fused ``_amp_foreach_non_finite_check_and_unscale_`` kernel, one pass over the gradients. Under DDP the flag is
-  all-reduced (max) so that every rank takes the same decision.
-* ``step`` reads the flag (the one host-device synchronisation of the whole algorithm, which torch already makes)
-  and skips ``optimizer.step()`` entirely when it is set: no parameter, moment or step count changes.
-* ``update`` applies the rules below on the host, where the flag already is, and writes the new scale to the
-  device only when it changed:
+* ``unscale_`` (explicit, or implicit in ``step``) runs one fused kernel per device and dtype over the optimizer's
+  gradients: in fp16 it multiplies them by the preallocated ``1/S`` and sets that optimizer's preallocated inf flag;
+  in bf16 and fp32 ("check" mode, nothing scaled) it takes the inf-norm of each gradient and checks the norms, so the
+  gradients are read and never rewritten. Under DDP the flag is all-reduced (max) right there, on every path, so
+  every rank takes the same decision: one collective per step, always issued in the same order, no deadlock.
+* ``step`` of a fused optimizer (Adam, AdamW, SGD with ``fused=True``) hands the flag to the fused kernel, which
+  skips the update on the device: no host sync. ``step`` of any other optimizer reads the flag (the one host sync,
+  which torch's recipe makes too) and skips ``optimizer.step()`` when it is set.
+* ``update`` moves the scale by the pure rules of :mod:`lightning_mp._scale_rules` (hysteresis, growth capped at
+  ``max_scale``, backoff, collapse at the floor). Where every flag of the iteration is already on the host they run
+  there and the device scale is rewritten only when it changes; otherwise (fused optimizers) they run on the device
+  (:mod:`lightning_mp._device_rules`: torch's ``_amp_update_scale_``, a clamp to ``[floor, max_scale]`` and the
+  new ``1/scale``; a few more ops with ``hysteresis > 1``).
+  The host replays the same rules on the flags once it can read them without waiting: at once on the CPU, one
+  iteration late on an accelerator (a non-blocking copy). That replay keeps :meth:`LossScaler.get_scale` and
+  :meth:`LossScaler.stats` free, and raises :class:`~lightning_mp.errors.LossScaleCollapseError` and
+  :class:`~lightning_mp.errors.NonFiniteStepsError` at most one iteration late.
 
-  - overflow: the growth tracker resets to 0 and the hysteresis tracker drops by one. When it reaches 0 the scale
-    is multiplied by ``backoff_factor``. With ``hysteresis=1`` (the default) this is exactly torch's rule; with
-    ``hysteresis=2`` one isolated overflow is skipped without losing half the scale, as in DeepSpeed and Megatron.
-  - clean step: the growth tracker counts up; after ``growth_interval`` clean steps in a row the scale is
-    multiplied by ``growth_factor`` (never above ``max_scale``) and the hysteresis tracker refills. With
-    ``consecutive_hysteresis=True`` it refills after every clean step instead.
-  - floor: an overflow that would push the scale below ``min_scale`` (or below ``2**-24`` when ``min_scale`` is
-    None, a scale at which no fp16 gradient is distinguishable from zero anyway) raises
-    :class:`~lightning_mp.errors.LossScaleCollapseError`, or with ``on_min_scale="warn"`` warns and stays at the
-    floor. A collapse never skips silently forever.
-  - streak: ``max_consecutive_skips`` skipped steps in a row (100 by default) raise
-    :class:`~lightning_mp.errors.NonFiniteStepsError` in every mode, since bf16, fp32 and static scales have no
-    scale to collapse and would otherwise skip forever.
+Skips and streaks are counted per optimizer: an optimizer whose gradients are never finite stops the run even if
+another one steps cleanly, and the error names it.
 
-Other modes: ``"static"`` keeps the scale fixed (Apex's static loss scale) but still skips non-finite steps;
-``"check"`` multiplies nothing (bf16 and fp32 need no scaling) and only skips non-finite steps, so no mode ever
-writes a NaN into the weights.
+Private torch names used, and why:
 
-Because the scale is mirrored on the host, :meth:`LossScaler.get_scale` is free: it never synchronises.
+* ``torch.amp.grad_scaler.OptState`` and ``_refresh_per_optimizer_state``, the GradScaler attributes ``_scale``,
+  ``_growth_tracker``, ``_init_scale``, ``_device``, ``_growth_factor``, ``_backoff_factor``, ``_growth_interval``
+  and ``_per_optimizer_states``, and the overridden ``_lazy_init_scale_growth_tracker`` and
+  ``_get_growth_tracker``: this class is a ``GradScaler`` (code that checks ``isinstance(scaler, GradScaler)``,
+  Lightning's included, keeps working) and keeps torch's bookkeeping so that the methods it inherits (``scale``,
+  the getters) see a consistent object.
+* ``torch._amp_foreach_non_finite_check_and_unscale_``: the fused unscale-and-check kernel (no public equivalent).
+* ``torch._amp_update_scale_``: torch's device-side scale rule, used when the flag is not on the host.
+* ``torch._foreach_norm``: one kernel for the inf-norms of all gradients in check mode.
+* The ``grad_scale``/``found_inf`` attributes and ``_step_supports_amp_scaling``: the protocol by which torch's
+  fused optimizers skip a step on the device; set for the duration of ``step`` only, exactly as torch does.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 import warnings
 from collections import defaultdict
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from lightning_mp._device_rules import update_scale_on_device
 from lightning_mp._gradients import nonfinite_gradients
-from lightning_mp._validation import check_choice, check_number
+from lightning_mp._host_mirror import HostMirror, Reader
+from lightning_mp._scale_rules import (
+    COLLAPSE_FLOOR,
+    FLOAT32_MAX,
+    OnMinScale,
+    ScalerSettings,
+    ScaleState,
+    ScalingMode,
+    float32_within,
+    next_state,
+)
+from lightning_mp._validation import check_number
 from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
 from lightning_mp.stats import PrecisionStats
 
-ScalingMode = Literal["dynamic", "static", "check"]
-OnMinScale = Literal["raise", "warn"]
-
-COLLAPSE_FLOOR = 2.0**-24
-"""The floor used when ``min_scale`` is None."""
+__all__ = ["COLLAPSE_FLOOR", "LossScaler", "OnMinScale", "ScalerSettings", "ScalingMode"]
 
 _COUNTERS = ("optimizer_steps", "skipped_steps", "scale_backoffs", "scale_growths", "consecutive_skips")
+_UNCHECKED = -1
+"""The optimizer index of steps taken without a check (LBFGS): never skipped, never in a streak."""
 
 
-def _to_float32(value: float) -> float:
-    """Round a Python float to the nearest float32, as the device-side scale tensor stores it."""
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _check_device(owner: str, device: Any) -> str:
+    """The device type of ``device`` (a string or a ``torch.device``); ValueError if unknown or unavailable."""
     try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:
-        return math.copysign(math.inf, value)
-
-
-def _float32_within(value: float, low: float, high: float) -> float:
-    """``value`` rounded to float32, moved one float32 step back inside ``[low, high]`` where rounding left it.
-
-    The scale lives in a float32 tensor, and a bound such as ``min_scale=1e-6`` is not a float32: rounding to the
-    nearest float32 can land just outside the range the user asked for.
-    """
-    rounded = _to_float32(value)
-    if rounded < low or rounded > high:
-        bits = struct.unpack("<I", struct.pack("<f", rounded))[0]
-        # For positive floats, the next larger float32 is the next integer bit pattern.
-        rounded = struct.unpack("<f", struct.pack("<I", bits + (1 if rounded < low else -1)))[0]
-    return rounded
-
-
-def validate_scaler_arguments(
-    owner: str,
-    *,
-    init_scale: float,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float | None,
-    max_scale: float,
-    on_min_scale: str,
-    check_init_range: bool = True,
-    max_consecutive_skips: int | None = None,
-) -> None:
-    """Check the scaler's knobs; raise ValueError naming the argument, the value and what is allowed.
-
-    ``check_init_range=False`` skips the check that ``init_scale`` lies in ``[min_scale, max_scale]``: a static
-    scale is not bound by the dynamic range.
-    """
-    check_number(owner, "init_scale", init_scale, above=0)
-    check_number(owner, "growth_factor", growth_factor, above=1)
-    check_number(owner, "backoff_factor", backoff_factor, above=0, below=1)
-    check_number(owner, "growth_interval", growth_interval, at_least=1, integer=True)
-    check_number(owner, "hysteresis", hysteresis, at_least=1, integer=True)
-    check_number(owner, "max_scale", max_scale, above=0)
-    if min_scale is not None:
-        check_number(owner, "min_scale", min_scale, above=0)
-        if min_scale > max_scale:
-            raise ValueError(
-                f"{owner}(min_scale={min_scale!r}, max_scale={max_scale!r}) is not allowed: min_scale must be"
-                " <= max_scale."
-            )
-    low = min_scale if min_scale is not None else 0.0
-    if check_init_range and not low <= init_scale <= max_scale:
+        device_type = torch.device(device).type
+    except (RuntimeError, TypeError):
         raise ValueError(
-            f"{owner}(init_scale={init_scale!r}) is not allowed: init_scale must lie in"
-            f" [min_scale, max_scale] = [{low:g}, {max_scale:g}]."
+            f"{owner}(device={device!r}) is not allowed: device must be a device type such as 'cpu' or 'cuda'."
+        ) from None
+    backend = getattr(torch, device_type, None)
+    available = device_type == "cpu" or (backend is not None and getattr(backend, "is_available", lambda: False)())
+    if not available:
+        raise ValueError(
+            f"{owner}(device={device!r}) is not available on this machine; use device='cpu', or leave device=None"
+            f" to pick {_default_device()!r}."
         )
-    check_choice(owner, "on_min_scale", on_min_scale, ("raise", "warn"))
-    if max_consecutive_skips is not None:
-        check_number(owner, "max_consecutive_skips", max_consecutive_skips, at_least=1, integer=True)
+    return device_type
+
+
+class _IterationRecord:
+    """The inf flags of one iteration, kept until the host can read them without a sync."""
+
+    def __init__(self) -> None:
+        self.device_flags: dict[int, torch.Tensor] = {}
+        """Optimizer index -> its inf flag on the device (or a host copy in flight)."""
+        self.host_flags: dict[int, float] = {}
+        """Optimizer index -> its inf flag, where the step already read it."""
+        self.stepped: set[int] = set()
+        self.flag_slots: dict[int, list[Any]] = {}
+        """Optimizer index -> the preallocated flags it used."""
+        self.readers: dict[int, Reader] = {}
+        """Optimizer index -> a reader of its flag's host copy, once published."""
+        self.new_scale: float | None = None
+        self.device_ruled = False
+        self.ready: torch.cuda.Event | None = None
+
+    @property
+    def checked(self) -> bool:
+        return bool(self.device_flags or self.host_flags)
+
+    @property
+    def on_host(self) -> bool:
+        """Whether every flag was already read by a step (so the rules can run on the host)."""
+        return set(self.device_flags) <= set(self.host_flags)
+
+    def read(self) -> dict[int, bool]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        flags = {index: bool(read()) for index, read in self.readers.items()}
+        flags.update((index, bool(flag)) for index, flag in self.host_flags.items())
+        return flags
 
 
 class LossScaler(torch.amp.GradScaler):
-    """A ``torch.amp.GradScaler`` with hysteresis, scale bounds, a static and a check-only mode, and counters.
+    """A ``torch.amp.GradScaler`` with hysteresis, scale bounds, static and check-only modes, and counters.
 
     The module docstring describes the algorithm. Use it through :class:`~lightning_mp.MixedPrecision`, or by hand
     exactly like a GradScaler::
@@ -136,33 +148,33 @@ class LossScaler(torch.amp.GradScaler):
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)          # optional: clip here, gradients are true
         scaler.step(optimizer)              # skipped when a gradient is inf/NaN
-        scaler.update()
+        scaler.update()                     # once per iteration, after the last step
 
     Args:
-        device: the device type of the gradients (``"cpu"``, ``"cuda"``, ...).
-        init_scale: the scale of the first step.
-        growth_factor: multiplier applied after ``growth_interval`` clean steps; > 1.
+        device: the device type of the gradients (``"cpu"``, ``"cuda"``, ...); None picks ``"cuda"`` when it is
+            available, else ``"cpu"``.
+        init_scale: the scale of the first step (the fixed scale in static mode).
+        growth_factor: multiplier applied after ``growth_interval`` clean iterations; > 1.
         backoff_factor: multiplier applied on an overflow that exhausts the hysteresis; in (0, 1).
-        growth_interval: clean steps in a row before the scale grows; >= 1.
+        growth_interval: clean iterations in a row before the scale grows; >= 1.
         hysteresis: overflows tolerated before the scale backs off; 1 is torch's behaviour.
-        consecutive_hysteresis: refill the hysteresis tracker after every clean step, not only after a growth.
-        min_scale: the floor; None means the collapse floor ``2**-24``.
+        consecutive_hysteresis: refill the hysteresis tracker after every clean iteration, not only after a growth.
+        min_scale: the floor, at least ``2**-24``; None means ``2**-24``.
         max_scale: the ceiling the scale never grows past.
         on_min_scale: ``"raise"`` a :class:`~lightning_mp.errors.LossScaleCollapseError` or ``"warn"`` and stay at
             the floor when an overflow would push the scale below it.
         mode: ``"dynamic"``, ``"static"`` (fixed ``init_scale``) or ``"check"`` (no scaling, skip non-finite steps).
         max_consecutive_skips: raise :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
-            steps in a row, in every mode (without it a bf16, fp32 or static run whose gradients are always inf
-            would skip forever); None disables the guard.
+            steps in a row of one optimizer, in every mode; None disables the guard.
 
     Raises:
-        ValueError: for any argument outside its allowed range.
+        ValueError: for any argument outside its allowed range, naming it, its value and what is allowed.
 
     """
 
     def __init__(
         self,
-        device: str = "cuda",
+        device: str | torch.device | None = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -175,93 +187,131 @@ class LossScaler(torch.amp.GradScaler):
         mode: ScalingMode = "dynamic",
         max_consecutive_skips: int | None = 100,
     ) -> None:
-        owner = type(self).__name__
-        check_choice(owner, "mode", mode, ("dynamic", "static", "check"))
-        if mode == "check":
-            init_scale = 1.0
-        validate_scaler_arguments(
-            owner,
+        settings = ScalerSettings(
             init_scale=init_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
             hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
             min_scale=min_scale,
             max_scale=max_scale,
             on_min_scale=on_min_scale,
-            check_init_range=mode == "dynamic",
+            mode=mode,
             max_consecutive_skips=max_consecutive_skips,
+            owner=type(self).__name__,
         )
+        self._setup(device, settings)
+
+    @classmethod
+    def from_settings(cls, settings: ScalerSettings, device: str | torch.device | None = None) -> LossScaler:
+        """A scaler with already validated settings (what :class:`~lightning_mp.MixedPrecision` uses)."""
+        if not isinstance(settings, ScalerSettings):
+            raise TypeError(f"LossScaler.from_settings(settings={settings!r}): expected a ScalerSettings.")
+        scaler = cls.__new__(cls)
+        scaler._setup(device, settings)
+        return scaler
+
+    def _setup(self, device: str | torch.device | None, settings: ScalerSettings) -> None:
+        device_type = _check_device(type(self).__name__, _default_device() if device is None else device)
+        self.settings = settings
+        self._state = settings.initial_state()
         super().__init__(
-            device,
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
+            device_type,
+            init_scale=self._state.scale,
+            growth_factor=settings.growth_factor,
+            backoff_factor=settings.backoff_factor,
+            growth_interval=settings.growth_interval,
             enabled=True,
         )
-        self.mode: ScalingMode = mode
-        self.hysteresis = hysteresis
-        self.consecutive_hysteresis = consecutive_hysteresis
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.on_min_scale: OnMinScale = on_min_scale
-        self.max_consecutive_skips = max_consecutive_skips
         self.allow_fp16_gradients = False
         """Set by opt levels whose gradients are fp16 themselves (O3): torch refuses to unscale those by default."""
         self.param_names: dict[int, str] = {}
         """``id(parameter) -> qualified name``, so that errors can name the parameters that overflowed."""
-
-        low = min_scale if min_scale is not None else COLLAPSE_FLOOR
-        in_range = mode == "dynamic" and low <= init_scale <= max_scale
-        self._host_scale = _float32_within(init_scale, low, max_scale) if in_range else _to_float32(init_scale)
-        self._host_growth_tracker = 0
-        self._hysteresis_left = hysteresis
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.scale_backoffs = 0
         self.scale_growths = 0
-        self.consecutive_skips = 0
         self.last_step_skipped = False
-        self._found_inf_this_iteration: bool | None = None
-        self._stepped_optimizers: list[torch.optim.Optimizer] = []
+        self._streaks: dict[int, int] = {}
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._index_by_id: dict[int, int] = {}
+        self._flags: dict[tuple[int, torch.device, int], torch.Tensor] = {}
+        self._clean_flags: set[tuple[int, torch.device, int]] = set()
+        """Flags known to hold 0 (read by the host since their last use): reused without a ``zero_`` op."""
+        self._parity = 0
+        self._inv_scale: torch.Tensor | None = None
+        self._one: torch.Tensor | None = None
+        self._hysteresis_tensor: torch.Tensor | None = None
+        self._device_trackers_current = True
+        self._iteration = _IterationRecord()
+        self._pending: _IterationRecord | None = None
+        self._mirror = HostMirror()
         self._local_overflows: torch.Tensor | None = None
-        self._write_scale()
+
+    # ------------------------------------------------------------------------------------------------ knobs
+
+    @property
+    def mode(self) -> ScalingMode:
+        """``"dynamic"``, ``"static"`` or ``"check"``."""
+        return self.settings.mode
+
+    @property
+    def hysteresis(self) -> int:
+        """Overflows tolerated before the scale backs off."""
+        return self.settings.hysteresis
+
+    @property
+    def min_scale(self) -> float | None:
+        """The floor asked for; None means ``2**-24``."""
+        return self.settings.min_scale
+
+    @property
+    def max_scale(self) -> float:
+        """The ceiling."""
+        return self.settings.max_scale
+
+    @property
+    def max_consecutive_skips(self) -> int | None:
+        """Skipped steps in a row of one optimizer that stop the run; None never stops."""
+        return self.settings.max_consecutive_skips
 
     @property
     def scales_loss(self) -> bool:
         """Whether the loss is multiplied at all (dynamic or static mode)."""
-        return self.mode != "check"
+        return self.settings.scales_loss
 
-    def scale(self, outputs: Any) -> Any:
-        """Multiply the loss by the current scale; in check mode return it unchanged."""
-        if not self.scales_loss:
-            return outputs
-        return super().scale(outputs)
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set ``growth_factor``, validated like the constructor's argument."""
+        self._replace_settings(growth_factor=new_factor)
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale in place and record whether any is inf or NaN.
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set ``backoff_factor``, validated like the constructor's argument."""
+        self._replace_settings(backoff_factor=new_factor)
 
-        Runs at most once per optimizer step, like torch's. Under DDP the inf flag is all-reduced with ``max``, so a
-        rank whose gradients overflowed makes every rank skip: the parameters never diverge across ranks.
-        """
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
-        scale = self._scale_tensor_for(optimizer)
-        inv_scale = scale.double().reciprocal().float()
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
-        per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, self.allow_fp16_gradients)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            for flag in per_device.values():
-                self._count_local_overflow(flag)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        state["found_inf_per_device"] = per_device
-        state["stage"] = OptState.UNSCALED
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set ``growth_interval``, validated like the constructor's argument."""
+        self._replace_settings(growth_interval=new_interval)
 
-    def _scale_tensor_for(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    def _replace_settings(self, **changes: Any) -> None:
+        self.settings = replace(self.settings, init_scale=self._state.scale, owner=type(self).__name__, **changes)
+        self._growth_factor = self.settings.growth_factor
+        self._backoff_factor = self.settings.backoff_factor
+        self._growth_interval = self.settings.growth_interval
+        self._state = replace(self._state, growth_tracker=min(self._state.growth_tracker, self._growth_interval - 1))
+        self._device_trackers_current = False
+
+    # ------------------------------------------------------------------------------------------------ device state
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        self._scale = torch.full((), self._state.scale, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._state.growth_tracker, dtype=torch.int32, device=dev)
+        inverse = 1.0 / self._state.scale if self.scales_loss else 1.0
+        self._inv_scale = torch.full((), inverse, dtype=torch.float32, device=dev)
+        self._one = torch.ones((), dtype=torch.float32, device=dev)
+        self._hysteresis_tensor = torch.full((), float(self._state.hysteresis_left), device=dev)
+
+    def _ensure_device_state(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         if self._scale is None:
             device = next(
                 (p.device for group in optimizer.param_groups for p in group["params"] if p.grad is not None),
@@ -271,14 +321,134 @@ class LossScaler(torch.amp.GradScaler):
         assert self._scale is not None
         return self._scale
 
+    def _write_scale(self) -> None:
+        # fill_ from a Python float is an asynchronous kernel launch: no synchronisation.
+        if self._scale is None:
+            self._init_scale = self._state.scale
+            return
+        assert self._inv_scale is not None
+        self._scale.fill_(self._state.scale)
+        self._inv_scale.fill_(1.0 / self._state.scale if self.scales_loss else 1.0)
+
+    def _write_trackers(self) -> None:
+        if self._scale is not None and not self._device_trackers_current:
+            assert self._hysteresis_tensor is not None
+            self._growth_tracker.fill_(self._state.growth_tracker)
+            self._hysteresis_tensor.fill_(float(self._state.hysteresis_left))
+        self._device_trackers_current = True
+
+    # ------------------------------------------------------------------------------------------------ the step
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply the loss by the current scale; in check mode return it unchanged."""
+        if not self.scales_loss:
+            return outputs
+        return super().scale(outputs)
+
+    def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether :meth:`unscale_` already ran for ``optimizer`` in this iteration (a second call would raise)."""
+        return self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+    def _optimizer_index(self, optimizer: torch.optim.Optimizer) -> int:
+        # Keyed by the param_groups list, which a wrapper (Lightning's LightningOptimizer) shares with the optimizer
+        # it wraps: an unscale_ through the wrapper and a step of the optimizer are the same optimizer here.
+        key = id(optimizer.param_groups)
+        index = self._index_by_id.get(key)
+        if index is None or self._optimizers[index].param_groups is not optimizer.param_groups:
+            index = len(self._optimizers)
+            self._optimizers.append(optimizer)
+            self._index_by_id[key] = index
+        return index
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale in place (fp16) and check them for inf/NaN.
+
+        In check mode (bf16, fp32) the gradients are only read. Runs at most once per optimizer and iteration, like
+        torch's (use :meth:`is_unscaled` to ask first). Under DDP the flag is all-reduced with ``max``.
+
+        Raises:
+            RuntimeError: when called twice for ``optimizer`` in one iteration, or after its ``step``.
+
+        """
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        self._ensure_device_state(optimizer)
+        index = self._optimizer_index(optimizer)
+        per_device = self._check_gradients(optimizer, index)
+        if _distributed():
+            for flag in per_device.values():
+                self._count_local_overflow(flag)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        state["found_inf_per_device"] = per_device
+        state["stage"] = OptState.UNSCALED
+        combined = next(iter(per_device.values())) if len(per_device) == 1 else self._combine(per_device)
+        if combined is not None:
+            self._iteration.device_flags[index] = combined
+
+    @staticmethod
+    def _combine(per_device: dict[torch.device, torch.Tensor]) -> torch.Tensor | None:
+        if not per_device:
+            return None
+        home = next(iter(per_device.values()))
+        return torch.stack([f.to(home.device, non_blocking=True) for f in per_device.values()]).amax()
+
+    def _check_gradients(self, optimizer: torch.optim.Optimizer, index: int) -> dict[torch.device, torch.Tensor]:
+        grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if self.scales_loss and not self.allow_fp16_gradients and grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                if grad.is_sparse:
+                    if grad.dtype is torch.float16:
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                grads[grad.device][grad.dtype].append(grad)
+        per_device: dict[torch.device, torch.Tensor] = {}
+        for device, per_dtype in grads.items():
+            flag = per_device[device] = self._zeroed_flag(index, device)
+            inv_scale, one = self._inv_scale, self._one
+            assert inv_scale is not None and one is not None
+            for tensors in per_dtype.values():
+                if self.scales_loss:
+                    torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_scale.to(device))
+                else:
+                    # Check mode reads the gradients: inf-norms in one kernel, then the flag from those norms.
+                    norms = torch._foreach_norm(tensors, math.inf)
+                    torch._amp_foreach_non_finite_check_and_unscale_(norms, flag, one.to(device))
+        if not per_device and _distributed():
+            # Every rank must join the all-reduce, even one whose optimizer has no gradient this iteration.
+            assert self._scale is not None
+            per_device[self._scale.device] = self._zeroed_flag(index, self._scale.device)
+        return per_device
+
+    def _zeroed_flag(self, index: int, device: torch.device) -> torch.Tensor:
+        """The preallocated inf flag of this optimizer on ``device``, holding 0 (zeroed only if it may not)."""
+        # On an accelerator the host reads a flag one iteration late, so two alternate.
+        slot = (index, device, self._parity if device.type != "cpu" else 0)
+        flag = self._flags.get(slot)
+        if flag is None:
+            flag = self._flags[slot] = torch.zeros((), dtype=torch.float32, device=device)
+        elif slot in self._clean_flags:
+            self._clean_flags.discard(slot)
+        else:
+            flag.zero_()
+        self._iteration.flag_slots.setdefault(index, []).append(slot)
+        return flag
+
     def _count_local_overflow(self, flag: torch.Tensor) -> None:
         # Kept on the device (no sync); read only when telemetry asks for it.
         if self._local_overflows is None:
             self._local_overflows = torch.zeros((), dtype=torch.float32, device=flag.device)
-        self._local_overflows += (flag > 0).float()
+        self._local_overflows.add_(flag)
 
     def local_overflows(self) -> int:
-        """Steps on which this rank's own gradients overflowed, before the DDP all-reduce.
+        """Iterations on which this rank's own gradients overflowed, before the DDP all-reduce.
 
         .. warning:: Under DDP this reads a device counter and synchronises; call it on logging steps only.
         """
@@ -287,154 +457,212 @@ class LossScaler(torch.amp.GradScaler):
         return int(self._local_overflows.item())
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Unscale if needed, then run ``optimizer.step()`` unless a gradient is inf or NaN."""
-        if self._scale is None:
-            self._scale_tensor_for(optimizer)
-        self._stepped_optimizers.append(optimizer)
-        return super().step(optimizer, *args, **kwargs)
+        """Unscale if needed, then run ``optimizer.step()`` unless a gradient is inf or NaN.
 
-    def _maybe_opt_step(
-        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> Any:
-        # The one host-device synchronisation of the step (torch makes the same one). The flag is kept on the host
-        # so that update() and the telemetry need no further sync.
-        found_inf = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
-        self._found_inf_this_iteration = bool(self._found_inf_this_iteration) or found_inf
+        Fused optimizers get the flag and skip on the device (no sync). Other optimizers skip on the host.
+
+        .. warning:: With an optimizer that is not fused this reads the inf flag: one host sync, as in torch.
+
+        Raises:
+            RuntimeError: when called twice for ``optimizer`` in one iteration, or with a ``closure``.
+
+        """
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        index = self._optimizer_index(optimizer)
+        self._iteration.stepped.add(index)
+        flag = self._iteration.device_flags.get(index)
+        state["stage"] = OptState.STEPPED
+        if flag is None:
+            # No gradient at all: torch's optimizers skip such parameters, so there is nothing to check.
+            self._iteration.host_flags[index] = 0.0
+            return optimizer.step(*args, **kwargs)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            optimizer.grad_scale = None  # type: ignore[attr-defined]
+            optimizer.found_inf = flag  # type: ignore[attr-defined]
+            try:
+                return optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+        found_inf = float(flag.item())
+        self._iteration.host_flags[index] = found_inf
         if found_inf:
             return None
         return optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Move the scale after the step(s) of this iteration, by the rules in the module docstring.
+        """End the iteration: move the scale once, by the rules, after every optimizer of the iteration stepped.
 
         Args:
-            new_scale: set the scale to this value instead (the trackers are left alone).
+            new_scale: set the scale to this value instead; it must lie in ``[floor, max_scale]`` (any float32
+                scale with a finite inverse in static mode).
 
         Raises:
             LossScaleCollapseError: when an overflow would push the scale below its floor and
-                ``on_min_scale="raise"``.
+                ``on_min_scale="raise"`` (on an accelerator with a fused optimizer: one iteration later).
+            NonFiniteStepsError: when one optimizer skipped ``max_consecutive_skips`` steps in a row.
+            ValueError: for a ``new_scale`` outside the allowed range.
+
+        .. warning:: A ``new_scale`` tensor is read on the host (one sync) to be validated.
 
         """
-        if new_scale is not None:
-            value = float(new_scale.item()) if isinstance(new_scale, torch.Tensor) else float(new_scale)
-            self._host_scale = _to_float32(value)
-            self._write_scale()
-            self._end_iteration()
-            return
-        found_inf = self._found_inf_this_iteration
-        if found_inf is None:
-            flags = [f for s in self._per_optimizer_states.values() for f in s["found_inf_per_device"].values()]
-            if not flags:
-                raise AssertionError("No inf checks were recorded prior to update.")
-            # Optimizers that unscale inside their own step (fused Adam) never pass through _maybe_opt_step.
-            found_inf = any(bool(f.item()) for f in flags)
-        try:
-            self._record_outcome(found_inf)
-        finally:
-            self._end_iteration()
-
-    def _end_iteration(self) -> None:
+        record, self._iteration = self._iteration, _IterationRecord()
+        self._parity ^= 1
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        self._found_inf_this_iteration = None
-        self._stepped_optimizers = []
+        if new_scale is not None:
+            record.new_scale = self._checked_new_scale(new_scale)
+        elif not record.checked:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        if not record.on_host and record.new_scale is None and self.mode == "dynamic":
+            self._update_on_device(list(record.device_flags.values()))
+            record.device_ruled = True
+        if not record.on_host:
+            record.readers = {i: self._mirror.publish(i, f) for i, f in record.device_flags.items()}
+            record.ready = self._mirror.end_iteration(next(iter(record.device_flags.values())).device)
+        if record.ready is not None:
+            # An accelerator: read the previous iteration now, this one at the next update.
+            previous, self._pending = self._pending, record
+            if previous is not None:
+                self._replay(previous)
+            return
+        if self._pending is not None:
+            previous, self._pending = self._pending, None
+            self._replay(previous)
+        self._replay(record)
 
-    def _record_outcome(self, found_inf: bool) -> None:
-        self.optimizer_steps += 1
-        self.last_step_skipped = found_inf
-        if found_inf:
-            self.skipped_steps += 1
-            self.consecutive_skips += 1
-        else:
-            self.consecutive_skips = 0
-        if self.mode == "dynamic" and found_inf:
-            self._host_growth_tracker = 0
-            self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:
-                self._back_off()
-        if (
-            found_inf
-            and self.max_consecutive_skips is not None
-            and self.consecutive_skips >= self.max_consecutive_skips
-        ):
-            raise NonFiniteStepsError(
+    def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
+        owner = f"{type(self).__name__}.update"
+        if not self.scales_loss:
+            raise ValueError(f"{owner}(new_scale={new_scale!r}) is not allowed: check mode scales nothing.")
+        low, high = (self.settings.floor, self.max_scale) if self.mode == "dynamic" else (COLLAPSE_FLOOR, FLOAT32_MAX)
+        value = check_number(owner, "new_scale", new_scale, at_least=low, at_most=high)
+        return float32_within(value, low, high)
+
+    def _update_on_device(self, device_flags: list[torch.Tensor]) -> None:
+        """The rules of :func:`~lightning_mp._scale_rules.next_state`, as device ops on a device flag."""
+        self._write_trackers()
+        assert self._scale is not None and self._inv_scale is not None and self._hysteresis_tensor is not None
+        found_inf = device_flags[0] if len(device_flags) == 1 else torch.stack(device_flags).amax()
+        update_scale_on_device(
+            self._scale, self._growth_tracker, self._hysteresis_tensor, self._inv_scale, found_inf, self.settings
+        )
+
+    def _replay(self, record: _IterationRecord) -> None:
+        """Apply the host rules and the per-optimizer counters to an iteration whose flags can be read now."""
+        flags = record.read()
+        for index, slots in record.flag_slots.items():
+            if not flags.get(index, True):
+                self._clean_flags.update(slots)
+        found_inf = any(flags.values())
+        skipped = [index for index in sorted(record.stepped) if flags.get(index)]
+        self.optimizer_steps += len(record.stepped)
+        self.skipped_steps += len(skipped)
+        self.last_step_skipped = bool(skipped)
+        for index in record.stepped:
+            self._streaks[index] = self._streaks.get(index, 0) + 1 if index in skipped else 0
+        if record.new_scale is not None:
+            self._state = replace(self._state, scale=record.new_scale)
+            self._write_scale()
+            return
+        before = self._state
+        transition = next_state(before, found_inf, self.settings)
+        if transition.event == "collapsed":
+            floor = self.settings.floor
+            raise LossScaleCollapseError(
                 step=self.optimizer_steps,
-                consecutive_skips=self.consecutive_skips,
-                scale=self.get_scale(),
-                nonfinite_parameters=self._culprits(),
+                scale=before.scale,
+                floor=floor,
+                nonfinite_parameters=self._culprits(sorted(flags)),
             )
-        if self.mode == "dynamic" and not found_inf:
-            if self.consecutive_hysteresis:
-                self._hysteresis_left = self.hysteresis
-            self._host_growth_tracker += 1
-            if self._host_growth_tracker == self._growth_interval:
-                self._host_growth_tracker = 0
-                self._grow()
-
-    def _back_off(self) -> None:
-        candidate = _to_float32(self._host_scale * self._backoff_factor)
-        floor = self.min_scale if self.min_scale is not None else COLLAPSE_FLOOR
-        if candidate < floor:
-            if self.on_min_scale == "raise":
-                raise LossScaleCollapseError(
-                    step=self.optimizer_steps,
-                    scale=self._host_scale,
-                    floor=floor,
-                    nonfinite_parameters=self._culprits(),
-                )
+        self._state = transition.state
+        self.scale_backoffs += transition.state.scale < before.scale
+        self.scale_growths += transition.state.scale > before.scale
+        if transition.event == "held_at_floor":
             warnings.warn(
-                f"The loss scale is at its floor {floor:g} and gradients still overflow: steps keep being skipped."
-                " Try precision='bf16-mixed', keep_fp32=[...] for the overflowing layers, or a lower learning rate.",
+                f"The loss scale is at its floor {self.settings.floor:g} and gradients still overflow: steps keep"
+                " being skipped. Try precision='bf16-mixed', keep_fp32=[...] for the overflowing layers, or a lower"
+                " learning rate.",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-            candidate = _float32_within(floor, floor, math.inf)
-        if candidate < self._host_scale:
-            self.scale_backoffs += 1
-            self._host_scale = candidate
-            self._write_scale()
+        if not record.device_ruled:
+            self._device_trackers_current = False
+            if transition.state.scale != before.scale:
+                self._write_scale()
+        self._raise_on_streak()
 
-    def _grow(self) -> None:
-        candidate = _to_float32(self._host_scale * self._growth_factor)
-        if not math.isfinite(candidate):
-            candidate = self._host_scale
-        candidate = min(candidate, _float32_within(self.max_scale, 0.0, self.max_scale))
-        if not self.consecutive_hysteresis:
-            self._hysteresis_left = self.hysteresis
-        if candidate > self._host_scale:
-            self.scale_growths += 1
-            self._host_scale = candidate
-            self._write_scale()
+    def _raise_on_streak(self) -> None:
+        limit = self.max_consecutive_skips
+        if limit is None:
+            return
+        for index, streak in self._streaks.items():
+            if streak >= limit:
+                optimizer = self._optimizers[index] if 0 <= index < len(self._optimizers) else None
+                optimizer = getattr(optimizer, "optimizer", optimizer)  # name the optimizer, not its wrapper
+                raise NonFiniteStepsError(
+                    step=self.optimizer_steps,
+                    consecutive_skips=streak,
+                    scale=self.get_scale(),
+                    nonfinite_parameters=self._culprits([index]),
+                    optimizer=f"optimizer {index} ({type(optimizer).__name__})" if optimizer is not None else None,
+                )
 
-    def _write_scale(self) -> None:
-        # fill_ from a Python float is an asynchronous kernel launch: no synchronisation.
-        if self._scale is not None:
-            self._scale.fill_(self._host_scale)
-        else:
-            self._init_scale = self._host_scale
-
-    def _culprits(self) -> list[tuple[str, tuple[int, ...]]]:
+    def _culprits(self, indices: list[int]) -> list[tuple[str, tuple[int, ...]]]:
         named = (
-            (self.param_names.get(id(p), f"param_groups[{g}][{i}]"), p)
-            for optimizer in self._stepped_optimizers
-            for g, group in enumerate(optimizer.param_groups)
+            (self.param_names.get(id(p), f"optimizers[{index}].param_groups[{g}][{i}]"), p)
+            for index in indices
+            if 0 <= index < len(self._optimizers)
+            for g, group in enumerate(self._optimizers[index].param_groups)
             for i, p in enumerate(group["params"])
         )
         return nonfinite_gradients(named)
 
+    def record_unchecked_step(self, skipped: bool = False) -> None:
+        """End an iteration whose one step was checked outside this scaler (LBFGS evaluates its own closure).
+
+        Args:
+            skipped: whether the caller found a non-finite loss or gradient and undid the step; it counts as a
+                skipped step (and towards ``max_consecutive_skips``) like any other.
+
+        """
+        self._iteration.stepped.add(_UNCHECKED)
+        self._iteration.host_flags[_UNCHECKED] = float(skipped)
+        self.update()
+
+    # ------------------------------------------------------------------------------------------------ reading
+
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 in check mode). Free: read from the host mirror, no sync."""
-        return self._host_scale if self.scales_loss else 1.0
+        """The current scale as a Python float (1.0 in check mode). Never synchronises.
+
+        Exact on the CPU. On an accelerator, after an iteration whose flag stayed on the device (fused
+        optimizers), it is the scale as of the previous iteration until the next :meth:`update`.
+        """
+        return self._state.scale if self.scales_loss else 1.0
 
     def _get_growth_tracker(self) -> int:
-        return self._host_growth_tracker
+        return self._state.growth_tracker
 
     @property
     def hysteresis_tracker(self) -> int:
         """Overflows still tolerated before the next backoff."""
-        return self._hysteresis_left
+        return self._state.hysteresis_left
+
+    @property
+    def consecutive_skips(self) -> int:
+        """The longest current streak of skipped steps among the optimizers."""
+        return max(self._streaks.values(), default=0)
 
     def stats(self) -> PrecisionStats:
-        """A snapshot of the counters; see :class:`~lightning_mp.stats.PrecisionStats`. Never synchronises."""
+        """A snapshot of the counters; see :class:`~lightning_mp.stats.PrecisionStats`. Never synchronises.
+
+        As fresh as :meth:`get_scale`: exact on the CPU, at most one iteration old on an accelerator.
+        """
         return PrecisionStats(
             loss_scale=self.get_scale(),
             optimizer_steps=self.optimizer_steps,
@@ -445,45 +673,81 @@ class LossScaler(torch.amp.GradScaler):
             consecutive_skips=self.consecutive_skips,
         )
 
-    def record_unchecked_step(self) -> None:
-        """Count a step taken without the inf check (an optimizer that needs a closure, such as LBFGS)."""
-        self._record_outcome(False)
+    # ------------------------------------------------------------------------------------------------ state
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the settings, the host state and the counters; device tensors and optimizers are rebuilt lazily."""
+        if self._pending is not None:
+            previous, self._pending = self._pending, None
+            self._replay(previous)
+        state = super().__getstate__()
+        state.update(
+            _init_scale=self._state.scale,
+            _inv_scale=None,
+            _one=None,
+            _hysteresis_tensor=None,
+            _flags={},
+            _clean_flags=set(),
+            _optimizers=[],
+            _index_by_id={},
+            _iteration=_IterationRecord(),
+            _mirror=HostMirror(),
+            _local_overflows=None,
+            _device_trackers_current=False,
+        )
+        return state
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: torch's five keys, then trackers, bounds, mode and counters.
 
         A torch GradScaler can load this dict too: it reads the five keys it knows.
+
+        .. warning:: On an accelerator, when the last iteration's flag is still on the device, this waits for it.
         """
+        if self._pending is not None:
+            previous, self._pending = self._pending, None
+            self._replay(previous)
         return {
-            "scale": self._host_scale,
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": self._host_growth_tracker,
-            "hysteresis": self.hysteresis,
-            "hysteresis_tracker": self._hysteresis_left,
-            "consecutive_hysteresis": self.consecutive_hysteresis,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
+            "scale": self._state.scale,
+            "growth_factor": self.settings.growth_factor,
+            "backoff_factor": self.settings.backoff_factor,
+            "growth_interval": self.settings.growth_interval,
+            "_growth_tracker": self._state.growth_tracker,
+            "hysteresis": self.settings.hysteresis,
+            "hysteresis_tracker": self._state.hysteresis_left,
+            "consecutive_hysteresis": self.settings.consecutive_hysteresis,
+            "min_scale": self.settings.min_scale,
+            "max_scale": self.settings.max_scale,
             "mode": self.mode,
             "last_step_skipped": self.last_step_skipped,
             "counters": {name: getattr(self, name) for name in _COUNTERS},
+            "streaks": [self._streaks.get(i, 0) for i in range(max(len(self._optimizers), len(self._streaks)))],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the scale, the trackers and the counters.
+        """Restore the scale, the trackers and the counters, validated and fitted to this run's settings.
 
-        Accepts torch's five-key GradScaler dict as well (trackers and counters then start from zero). The knobs
-        given to the constructor win over those in the dict; a difference is warned about.
+        Accepts torch's five-key GradScaler dict as well (counters then start from zero). This run's settings win
+        over the dict's (a difference is warned about); a scale outside ``[floor, max_scale]`` and trackers beyond
+        this run's ``growth_interval``/``hysteresis`` are clamped with a warning naming the key and both values.
 
         Raises:
             RuntimeError: if ``state_dict`` is empty.
+            ValueError: if a field is malformed; the message names the key, the value and what was expected.
 
         """
+        owner = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"{owner}(state_dict={state_dict!r}) is not allowed: expected a dict.")
         if not state_dict:
             raise RuntimeError("The loss scaler state dict is empty: there is no scale to restore.")
-        knobs = {"growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor}
-        knobs.update(growth_interval=self._growth_interval, hysteresis=self.hysteresis)
+        settings = self.settings
+        knobs = {
+            "growth_factor": settings.growth_factor,
+            "backoff_factor": settings.backoff_factor,
+            "growth_interval": settings.growth_interval,
+            "hysteresis": settings.hysteresis,
+        }
         changed = [f"{k}: {state_dict[k]} -> {v}" for k, v in knobs.items() if k in state_dict and state_dict[k] != v]
         if changed:
             warnings.warn(
@@ -494,22 +758,82 @@ class LossScaler(torch.amp.GradScaler):
                 stacklevel=2,
             )
         counters = state_dict.get("counters", {})
-        for name in _COUNTERS:
-            setattr(self, name, int(counters.get(name, 0)))
-        self.last_step_skipped = bool(state_dict.get("last_step_skipped", False))
-        if self.mode != "dynamic":
-            # A static scale is fixed by the constructor, and check mode has no scale at all.
-            return
-        scale = float(state_dict["scale"])
-        low = self.min_scale if self.min_scale is not None else 0.0
-        if not low <= scale <= self.max_scale:
+        if not isinstance(counters, dict):
+            raise ValueError(f"{owner}: key 'counters' holds {counters!r}; expected a dict of non-negative integers.")
+        values = {name: self._count(owner, f"counters['{name}']", counters.get(name, 0)) for name in _COUNTERS}
+        if values["skipped_steps"] > values["optimizer_steps"] or values["consecutive_skips"] > values["skipped_steps"]:
+            raise ValueError(
+                f"{owner}: counters {values} are inconsistent; expected consecutive_skips <= skipped_steps <="
+                " optimizer_steps."
+            )
+        streaks = state_dict.get("streaks", [values["consecutive_skips"]] if values["consecutive_skips"] else [])
+        if not isinstance(streaks, list):
+            raise ValueError(f"{owner}: key 'streaks' holds {streaks!r}; expected a list of non-negative integers.")
+        streaks = [self._count(owner, f"streaks[{i}]", s) for i, s in enumerate(streaks)]
+        limit = self.max_consecutive_skips
+        if limit is not None and any(s >= limit for s in streaks):
             warnings.warn(
-                f"The checkpoint's loss scale {scale:g} lies outside [{low:g}, {self.max_scale:g}]; it is clamped.",
+                f"The checkpoint's skip streaks {streaks} reach this run's max_consecutive_skips={limit}; they are"
+                f" clamped to {limit - 1}.",
                 UserWarning,
                 stacklevel=2,
             )
-            scale = min(max(scale, low), self.max_scale)
-        self._host_scale = _float32_within(scale, low, self.max_scale)
-        self._host_growth_tracker = int(state_dict.get("_growth_tracker", 0))
-        self._hysteresis_left = int(state_dict.get("hysteresis_tracker", self.hysteresis))
+            streaks = [min(s, limit - 1) for s in streaks]
+        last_step_skipped = state_dict.get("last_step_skipped", False)
+        if not isinstance(last_step_skipped, bool):
+            raise ValueError(f"{owner}: key 'last_step_skipped' holds {last_step_skipped!r}; expected a bool.")
+        state = self._state
+        if self.mode == "dynamic":
+            state = self._loaded_state(owner, state_dict)
+        for name in ("optimizer_steps", "skipped_steps", "scale_backoffs", "scale_growths"):
+            setattr(self, name, values[name])
+        self._streaks = dict(enumerate(streaks))
+        self.last_step_skipped = last_step_skipped
+        self._state = state
+        self._device_trackers_current = False
         self._write_scale()
+        self._write_trackers()
+
+    @staticmethod
+    def _count(owner: str, key: str, value: Any) -> int:
+        try:
+            return check_number(owner, key, value, at_least=0, integer=True)
+        except ValueError:
+            raise ValueError(f"{owner}: key {key!r} holds {value!r}; expected a non-negative integer.") from None
+
+    def _loaded_state(self, owner: str, state_dict: dict[str, Any]) -> ScaleState:
+        settings = self.settings
+        if "scale" not in state_dict:
+            raise ValueError(f"{owner}: the dict has no key 'scale'; expected the loss scale, a positive number.")
+        raw_scale = state_dict["scale"]
+        try:
+            scale = check_number(owner, "scale", raw_scale, at_least=-math.inf)
+        except ValueError:
+            raise ValueError(
+                f"{owner}: key 'scale' holds {raw_scale!r}; expected a finite positive number (the loss scale)."
+            ) from None
+        low, high = settings.floor, settings.max_scale
+        if not low <= scale <= high:
+            warnings.warn(
+                f"The checkpoint's key 'scale' holds {scale:g}, outside [{low:g}, {high:g}]; it is clamped to"
+                f" {min(max(scale, low), high):g}.",
+                UserWarning,
+                stacklevel=3,
+            )
+        growth_tracker = self._count(owner, "_growth_tracker", state_dict.get("_growth_tracker", 0))
+        saved_hysteresis = state_dict.get("hysteresis_tracker", settings.hysteresis)
+        hysteresis_left = self._count(owner, "hysteresis_tracker", saved_hysteresis)
+        fitted_growth = min(growth_tracker, settings.growth_interval - 1)
+        fitted_hysteresis = min(hysteresis_left, settings.hysteresis)
+        for key, saved, fitted in (
+            ("_growth_tracker", growth_tracker, fitted_growth),
+            ("hysteresis_tracker", hysteresis_left, fitted_hysteresis),
+        ):
+            if saved != fitted:
+                warnings.warn(
+                    f"The checkpoint's key {key!r} holds {saved}, beyond this run's settings; it is clamped to"
+                    f" {fitted}.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        return ScaleState(float32_within(scale, low, high), fitted_growth, fitted_hysteresis)

@@ -59,6 +59,22 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_ddp_fused_adam_overflow_on_one_rank_keeps_ranks_identical_every_step(tmp_path, precision):
+    """Fused Adam under strategy='ddp', an overflow on rank 1 only, three monitors: same params every step, no hang."""
+    arguments = ["--strategy", "ddp", "--out", str(tmp_path), "--optimizer", "fused-adam", "--telemetry"]
+    run([*arguments, "--precision", precision, "--inject-rank", "1", "--inject-at", "2,5"], timeout=90)
+    ranks = reports(tmp_path)
+    if precision == "16-mixed":
+        _assert_ranks_agree(ranks, INJECT_AT, overflowing_rank=1)
+    else:
+        # bf16 scales nothing, but the inf check (which only reads the gradients) is agreed across ranks the same way.
+        assert ranks[0]["stats"] == ranks[1]["stats"] and ranks[0]["stats"]["skipped_steps"] == len(INJECT_AT)
+        assert ranks[0]["steps"] == ranks[1]["steps"]
+    assert ranks[0]["step_checksums"] == ranks[1]["step_checksums"]
+    assert len(set(ranks[0]["step_checksums"])) == len(ranks[0]["step_checksums"]) - len(INJECT_AT)
+
+
 def test_ddp_overflow_on_one_rank_is_skipped_by_every_rank(ddp_run):
     """strategy='ddp': an overflow on rank 1 only makes both ranks skip; scale and parameters stay identical."""
     _assert_ranks_agree(reports(ddp_run), INJECT_AT, overflowing_rank=1)

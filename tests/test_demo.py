@@ -38,8 +38,9 @@ def test_demo_shows_scale_growth_and_a_caught_overflow_and_lists_only_logged_tag
     accumulator = EventAccumulator(str(events[0].parent), size_guidance={"scalars": 0, "tensors": 0})
     accumulator.Reload()
     tags = accumulator.Tags()
-    written = {*tags["scalars"], *tags["tensors"], *tags["histograms"]}
+    written = {*tags["scalars"], *tags["tensors"], *tags["histograms"], *tags["images"]}
     assert listed and set(listed) <= written
+    assert "precision_sentinel/activation_headroom_log2" in listed  # the sentinel is on by default
     assert {"precision/loss_scale", "precision/overflow/text_summary", "precision/layer_dtypes/text_summary"} <= set(
         listed
     )

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import pickle
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from lightning_mp import LossScaleCollapseError, LossScaler
+from lightning_mp import LossScaleCollapseError, LossScaler, MixedPrecision, NonFiniteStepsError
+from lightning_mp._scale_rules import ScalerSettings
 
 
 def _step(scaler: LossScaler, model: nn.Linear, optimizer: torch.optim.Optimizer, overflow: bool) -> None:
@@ -170,3 +173,197 @@ def test_bad_arguments_name_the_argument(kwargs, argument):
     with pytest.raises(ValueError, match=argument) as caught:
         LossScaler("cpu", **kwargs)
     assert repr(next(iter(kwargs.values()))) in str(caught.value) or argument == "min_scale"
+
+
+# ------------------------------------------------------------------------------------------------ issue 9 faults
+
+
+def _two_optimizer_iteration(scaler, models, optimizers, overflow_in=()):
+    """One iteration of two models and two optimizers, an inf planted in the models listed, one update."""
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    loss = sum(m(torch.ones(2, 4)).float().pow(2).mean() for m in models)
+    scaler.scale(loss).backward()
+    for index in overflow_in:
+        models[index].weight.grad[0, 0] = float("inf")
+    for optimizer in optimizers:
+        scaler.step(optimizer)
+    scaler.update()
+
+
+@pytest.mark.parametrize(
+    ("build", "argument"),
+    [
+        (lambda: LossScaler("cpu", init_scale=0.0), "init_scale"),
+        (lambda: LossScaler("cpu", init_scale=-4.0), "init_scale"),
+        (lambda: LossScaler("cpu", init_scale=1e-39), "init_scale"),
+        (lambda: LossScaler("cpu", init_scale=2.0**-30), "init_scale"),
+        (lambda: LossScaler("cpu", mode="static", init_scale=1e39), "init_scale"),
+        (lambda: LossScaler("cpu", mode="static", init_scale=0.0), "init_scale"),
+        (lambda: LossScaler("cpu", max_scale=1e39), "max_scale"),
+        (lambda: LossScaler("cpu").update(new_scale=0.0), "new_scale"),
+        (lambda: LossScaler("cpu").update(new_scale=-1.0), "new_scale"),
+        (lambda: LossScaler("cpu").update(new_scale=math.nan), "new_scale"),
+        (lambda: LossScaler("cpu").update(new_scale=math.inf), "new_scale"),
+        (lambda: LossScaler("cpu").update(new_scale=torch.tensor(1e-39)), "new_scale"),
+    ],
+)
+def test_no_entry_point_accepts_a_scale_whose_inverse_is_not_finite(build, argument):
+    """Scales of 0, below 0, below 2**-24, inf or NaN are refused with a ValueError naming the argument (defect 2)."""
+    with pytest.raises(ValueError, match=argument):
+        build()
+
+
+@pytest.mark.parametrize("saved", [0.0, -8.0, 1e-39, 1e39])
+def test_checkpoint_scales_outside_the_range_are_clamped_with_a_warning(saved):
+    """A checkpoint's (or torch's five-key dict's) scale out of range is clamped, and the warning names both values."""
+    scaler = LossScaler("cpu", max_scale=2.0**20)
+    state = {**torch.amp.GradScaler("cpu").state_dict(), "scale": saved}
+    with pytest.warns(UserWarning, match=r"'scale' holds .* clamped to"):
+        scaler.load_state_dict(state)
+    assert 2.0**-24 <= scaler.get_scale() <= 2.0**20
+    assert math.isfinite(1.0 / scaler.scale(torch.ones(())).item())
+
+
+@pytest.mark.parametrize("saved", [math.nan, math.inf, "abc", None])
+def test_a_non_finite_or_malformed_checkpoint_scale_is_refused_naming_the_key(saved):
+    """A NaN/inf/non-number scale is never kept: the error names the key and the value (defects 2 and 7)."""
+    with pytest.raises(ValueError, match=r"key 'scale' holds"):
+        LossScaler("cpu").load_state_dict({"scale": saved})
+
+
+def test_a_huge_growth_factor_still_grows_to_max_scale(model_and_optimizer):
+    """growth_factor=1e300 overflows float32 but the scale grows to max_scale, on host and device rules alike."""
+    model, optimizer = model_and_optimizer
+    scaler = LossScaler("cpu", init_scale=4.0, growth_factor=1e300, growth_interval=1, max_scale=2.0**20)
+    _step(scaler, model, optimizer, overflow=False)
+    assert scaler.get_scale() == 2.0**20
+
+
+def test_every_optimizer_of_an_iteration_sees_one_scale_and_growth_counts_iterations():
+    """Two optimizers, one update per iteration: growth_interval counts iterations, a backoff halves once (defect 3)."""
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 2), nn.Linear(4, 2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    scaler = LossScaler("cpu", init_scale=64.0, growth_interval=2)
+    _two_optimizer_iteration(scaler, models, optimizers)
+    assert scaler.get_scale() == 64.0
+    _two_optimizer_iteration(scaler, models, optimizers)
+    assert scaler.get_scale() == 128.0
+    _two_optimizer_iteration(scaler, models, optimizers, overflow_in=(0,))
+    assert scaler.get_scale() == 64.0
+    assert scaler.stats().optimizer_steps == 6 and scaler.stats().skipped_steps == 1
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_one_broken_optimizer_beside_a_clean_one_stops_the_run_naming_it(fused):
+    """max_consecutive_skips counts per optimizer: one always-inf optimizer stops the run, and is named (defect 4)."""
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 2), nn.Linear(4, 2)]
+    optimizers = [
+        torch.optim.SGD(models[0].parameters(), lr=0.01),
+        torch.optim.Adam(models[1].parameters(), fused=fused),
+    ]
+    scaler = LossScaler("cpu", mode="check", max_consecutive_skips=3)
+    scaler.param_names = {id(p): f"second.{n}" for n, p in models[1].named_parameters()}
+    with pytest.raises(NonFiniteStepsError, match=r"optimizer 1 \(Adam\).*second\.weight") as caught:
+        for _ in range(5):
+            _two_optimizer_iteration(scaler, models, optimizers, overflow_in=(1,))
+    assert caught.value.consecutive_skips == 3 and caught.value.optimizer == "optimizer 1 (Adam)"
+
+
+def test_resume_fits_the_trackers_and_counters_to_this_runs_settings():
+    """Saved trackers beyond a smaller growth_interval/hysteresis, and long streaks, are clamped with a warning."""
+    saved = LossScaler("cpu", growth_interval=100, hysteresis=4).state_dict()
+    saved.update(_growth_tracker=50, hysteresis_tracker=4, streaks=[10**6])
+    saved["counters"].update(optimizer_steps=10**6, skipped_steps=10**6, consecutive_skips=10**6)
+    scaler = LossScaler("cpu", growth_interval=10, hysteresis=2, max_consecutive_skips=100)
+    with pytest.warns(UserWarning, match="clamped"):
+        scaler.load_state_dict(saved)
+    assert scaler._get_growth_tracker() == 9 and scaler.hysteresis_tracker == 2
+    assert scaler.consecutive_skips == 99
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"_growth_tracker": -3}, "_growth_tracker"),
+        ({"_growth_tracker": "abc"}, "_growth_tracker"),
+        ({"hysteresis_tracker": 1.5}, "hysteresis_tracker"),
+        ({"counters": None}, "counters"),
+        ({"counters": {"skipped_steps": -1}}, "skipped_steps"),
+        ({"counters": {"optimizer_steps": 1, "skipped_steps": 5}}, "inconsistent"),
+        ({"last_step_skipped": "no"}, "last_step_skipped"),
+    ],
+)
+def test_malformed_checkpoint_fields_name_the_key_and_value(change, key):
+    """Each malformed field raises a ValueError naming the key, the value and what was expected (defect 7)."""
+    state = {**LossScaler("cpu").state_dict(), **change}
+    with pytest.raises(ValueError, match=key):
+        LossScaler("cpu").load_state_dict(state)
+
+
+def test_default_device_works_without_cuda_and_bad_devices_are_refused():
+    """LossScaler() picks an available device; an unknown or unavailable device is a ValueError (defect 10)."""
+    scaler = LossScaler()
+    assert scaler.get_scale() == 2.0**16
+    assert scaler._device == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="device='tpu9'"):
+        LossScaler(device="tpu9")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="not available"):
+            LossScaler(device="cuda")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"consecutive_hysteresis": "no"}, "consecutive_hysteresis"),
+        ({"consecutive_hysteresis": 1}, "consecutive_hysteresis"),
+        ({"growth_interval": 10**400}, "growth_interval"),
+        ({"init_scale": 10**400}, "init_scale"),
+        ({"growth_factor": 10**400}, "growth_factor"),
+        ({"growth_interval": torch.tensor(2.0)}, "growth_interval"),
+        ({"growth_factor": np.bool_(True)}, "growth_factor"),
+    ],
+)
+def test_bad_booleans_huge_integers_and_wrong_kinds_are_value_errors(kwargs, argument):
+    """Booleans must be bools; ints beyond float range are ValueErrors, not OverflowErrors (defect 12)."""
+    with pytest.raises(ValueError, match=argument):
+        LossScaler("cpu", **kwargs)
+
+
+def test_numpy_scalars_and_zero_d_tensors_of_the_right_kind_are_accepted():
+    """numpy scalars and 0-d tensors are accepted and stored as Python numbers (defect 12)."""
+    scaler = LossScaler(
+        "cpu",
+        init_scale=np.float32(1024.0),
+        growth_factor=torch.tensor(2.0),
+        growth_interval=np.int64(3),
+        hysteresis=torch.tensor(2),
+        consecutive_hysteresis=np.bool_(True),
+    )
+    assert scaler.get_scale() == 1024.0 and scaler.settings.growth_interval == 3
+    assert type(scaler.settings.growth_factor) is float and type(scaler.settings.hysteresis) is int
+
+
+def test_settings_are_one_validated_object_shared_by_the_plugin_and_the_scaler():
+    """MixedPrecision builds its scaler from the same ScalerSettings it validated (defect 14)."""
+    plugin = MixedPrecision("16-mixed", growth_interval=7, hysteresis=3)
+    plugin.setup_for_device("cpu")
+    scaler = plugin.scaler
+    assert scaler is not None and scaler.settings.growth_interval == 7 and scaler.settings.hysteresis == 3
+    rules = ScalerSettings(growth_interval=7, hysteresis=3)
+    assert LossScaler.from_settings(rules, "cpu").settings is rules
+
+
+def test_a_scaler_pickles_after_training_and_continues_exactly(model_and_optimizer):
+    """A pickled scaler (as ddp_spawn does) keeps its scale, trackers and counters, and can keep training."""
+    model, optimizer = model_and_optimizer
+    scaler = LossScaler("cpu", init_scale=256.0, growth_interval=2, hysteresis=2)
+    for overflow in (False, True, False):
+        _step(scaler, model, optimizer, overflow)
+    restored = pickle.loads(pickle.dumps(scaler))
+    assert restored.state_dict() == scaler.state_dict()
+    _step(restored, model, optimizer, overflow=False)
+    assert restored.get_scale() == 512.0 and restored.stats().optimizer_steps == 4

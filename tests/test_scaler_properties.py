@@ -1,104 +1,96 @@
-"""Properties of the LossScaler: its arguments, and its scale over any sequence of clean and overflowing steps.
+"""Properties of the scale rules and of the LossScaler that applies them, over any sequence of iterations.
 
-The real scaler is driven with real (tiny) tensors and checked, step by step, against a reference model of the rules
-in :mod:`lightning_mp.scaler`, written here independently of the implementation.
+:func:`~lightning_mp._scale_rules.next_state` is checked against the documented invariants on its own; then the real
+scaler is driven with real (tiny) tensors, with a plain optimizer (rules on the host) and a fused one (rules on the
+device), and must follow the pure function step by step.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from lightning_mp import LossScaleCollapseError, LossScaler, MixedPrecision
+from lightning_mp._scale_rules import COLLAPSE_FLOOR, FLOAT32_MAX, ScalerSettings, ScaleState, next_state
 
-FLOOR_WITHOUT_MIN_SCALE = 2.0**-24
 PROPERTY_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def f32(value: float) -> float:
-    """The float32 the device-side scale would hold."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:
-        return math.inf
+@st.composite
+def valid_knobs(draw: st.DrawFn) -> dict[str, Any]:
+    """Knobs within their documented ranges, with scales small enough that a real fp32 gradient never overflows."""
+    max_scale = draw(st.floats(1e-3, 2.0**24))
+    min_scale = draw(st.one_of(st.none(), st.floats(1e-6, max_scale)))
+    init_scale = draw(st.floats(min_scale if min_scale is not None else 1e-6, max_scale))
+    return {
+        "init_scale": init_scale,
+        "growth_factor": draw(st.one_of(st.floats(1.0, 8.0, exclude_min=True), st.just(1e300))),
+        "backoff_factor": draw(st.floats(0.0, 1.0, exclude_min=True, exclude_max=True)),
+        "growth_interval": draw(st.integers(1, 5)),
+        "hysteresis": draw(st.integers(1, 4)),
+        "consecutive_hysteresis": draw(st.booleans()),
+        "min_scale": min_scale,
+        "max_scale": max_scale,
+        "on_min_scale": draw(st.sampled_from(["raise", "warn"])),
+    }
 
 
-def f32_inside(value: float, low: float, high: float) -> float:
-    """The float32 nearest to ``value`` among those in ``[low, high]``: the scale never leaves the user's range."""
-    rounded = torch.tensor(value, dtype=torch.float32)
-    if rounded.item() < low:
-        rounded = torch.nextafter(rounded, torch.tensor(math.inf))
-    elif rounded.item() > high:
-        rounded = torch.nextafter(rounded, torch.tensor(0.0))
-    return rounded.item()
+@PROPERTY_SETTINGS
+@given(knobs=valid_knobs(), overflows=st.lists(st.booleans(), max_size=60))
+def test_next_state_keeps_the_scale_in_bounds_with_a_finite_inverse(knobs, overflows):
+    """Over any sequence of iterations the rules keep the scale a float32 in [floor, max_scale] with finite 1/scale."""
+    rules = ScalerSettings(**knobs)
+    assume(rules.floor_float32 <= rules.max_scale)
+    state = rules.initial_state()
+    for overflow in overflows:
+        transition = next_state(state, overflow, rules)
+        if transition.event == "collapsed":
+            assert overflow and rules.on_min_scale == "raise" and transition.state.scale == state.scale
+            return
+        state = transition.state
+        assert rules.floor <= state.scale <= rules.max_scale
+        assert math.isfinite(1.0 / state.scale)
+        assert torch.tensor(state.scale, dtype=torch.float32).item() == state.scale
+        assert 0 <= state.hysteresis_left <= rules.hysteresis
+        assert 0 <= state.growth_tracker < rules.growth_interval
 
 
-@dataclass
-class ReferenceScaler:
-    """The documented rules: hysteresis, growth after a clean window, backoff, floor and ceiling."""
+@PROPERTY_SETTINGS
+@given(knobs=valid_knobs(), clean=st.integers(0, 30))
+def test_hysteresis_absorbs_exactly_hysteresis_minus_one_overflows(knobs, clean):
+    """From a full tracker, hysteresis - 1 overflows in a row keep the scale; the next one backs off (or collapses)."""
+    rules = ScalerSettings(**knobs)
+    state = ScaleState(rules.initial_state().scale, 0, rules.hysteresis)
+    for _ in range(rules.hysteresis - 1):
+        transition = next_state(state, True, rules)
+        assert transition.state.scale == state.scale and transition.event == "none"
+        state = transition.state
+    assert next_state(state, True, rules).event in ("backed_off", "held_at_floor", "collapsed", "none")
+    assert next_state(state, True, rules).state.hysteresis_left == 0
 
-    init_scale: float
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
-    hysteresis: int
-    consecutive_hysteresis: bool
-    min_scale: float | None
-    max_scale: float
-    on_min_scale: str
-    scale: float = 0.0
-    growth_tracker: int = 0
-    hysteresis_left: int = 0
-    counters: dict[str, int] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.scale = f32_inside(self.init_scale, self.floor, self.max_scale)
-        self.hysteresis_left = self.hysteresis
-        self.counters = dict.fromkeys(("steps", "skipped", "backoffs", "growths"), 0)
+def test_a_huge_growth_factor_grows_to_max_scale():
+    """growth_factor=1e300 overflows float32, yet the scale grows to max_scale instead of staying put."""
+    rules = ScalerSettings(init_scale=2.0, growth_factor=1e300, growth_interval=1, max_scale=2.0**20)
+    transition = next_state(rules.initial_state(), False, rules)
+    assert transition.state.scale == 2.0**20 and transition.event == "grew"
 
-    @property
-    def floor(self) -> float:
-        return self.min_scale if self.min_scale is not None else FLOOR_WITHOUT_MIN_SCALE
 
-    def step(self, overflow: bool) -> str:
-        """Apply one step; return "collapse", "floor" (warned, held at the floor) or "ok"."""
-        self.counters["steps"] += 1
-        if not overflow:
-            if self.consecutive_hysteresis:
-                self.hysteresis_left = self.hysteresis
-            self.growth_tracker += 1
-            if self.growth_tracker == self.growth_interval:
-                self.growth_tracker = 0
-                if not self.consecutive_hysteresis:
-                    self.hysteresis_left = self.hysteresis
-                grown = f32(self.scale * self.growth_factor)
-                ceiling = f32_inside(self.max_scale, 0.0, self.max_scale)
-                grown = min(grown if math.isfinite(grown) else self.scale, ceiling)
-                if grown > self.scale:
-                    self.scale, self.counters["growths"] = grown, self.counters["growths"] + 1
-            return "ok"
-        self.counters["skipped"] += 1
-        self.growth_tracker = 0
-        self.hysteresis_left -= 1
-        if self.hysteresis_left > 0:
-            return "ok"
-        backed_off = f32(self.scale * self.backoff_factor)
-        outcome = "ok"
-        if backed_off < self.floor:
-            if self.on_min_scale == "raise":
-                return "collapse"
-            backed_off, outcome = f32_inside(self.floor, self.floor, math.inf), "floor"
-        if backed_off < self.scale:
-            self.scale, self.counters["backoffs"] = backed_off, self.counters["backoffs"] + 1
-        return outcome
+def test_growth_tracker_counts_iterations_and_resets_on_overflow():
+    """growth_interval clean iterations grow the scale once; an overflow in between restarts the count."""
+    rules = ScalerSettings(init_scale=8.0, growth_interval=3)
+    state = rules.initial_state()
+    for overflow in (False, False, True, False, False):
+        state = next_state(state, overflow, rules).state
+    assert (state.scale, state.growth_tracker) == (4.0, 2)
+    assert next_state(state, False, rules).state.scale == 8.0
 
 
 def _drive(scaler: LossScaler, model: nn.Linear, optimizer: torch.optim.Optimizer, overflow: bool) -> None:
@@ -112,79 +104,58 @@ def _drive(scaler: LossScaler, model: nn.Linear, optimizer: torch.optim.Optimize
     scaler.update()
 
 
-@st.composite
-def valid_knobs(draw: st.DrawFn) -> dict[str, Any]:
-    """Knobs within their documented ranges, with scales small enough that a real fp32 gradient never overflows."""
-    max_scale = draw(st.floats(1e-3, 2.0**24))
-    min_scale = draw(st.one_of(st.none(), st.floats(1e-6, max_scale)))
-    init_scale = draw(st.floats(min_scale if min_scale is not None else 1e-6, max_scale))
-    return {
-        "init_scale": init_scale,
-        "growth_factor": draw(st.floats(1.0, 8.0, exclude_min=True)),
-        "backoff_factor": draw(st.floats(0.0, 1.0, exclude_min=True, exclude_max=True)),
-        "growth_interval": draw(st.integers(1, 5)),
-        "hysteresis": draw(st.integers(1, 4)),
-        "consecutive_hysteresis": draw(st.booleans()),
-        "min_scale": min_scale,
-        "max_scale": max_scale,
-        "on_min_scale": draw(st.sampled_from(["raise", "warn"])),
-    }
-
-
+@pytest.mark.parametrize("fused", [False, True], ids=["rules-on-host", "rules-on-device"])
 @PROPERTY_SETTINGS
-@given(knobs=valid_knobs(), overflows=st.lists(st.booleans(), max_size=40))
-def test_scale_follows_the_reference_rules_and_stays_in_bounds(knobs, overflows):
-    """Over any sequence of steps the scale stays in [min_scale, max_scale] and moves exactly as the rules say."""
+@given(knobs=valid_knobs(), overflows=st.lists(st.booleans(), max_size=30))
+def test_scaler_follows_next_state_on_the_host_and_on_the_device(fused, knobs, overflows):
+    """The real scaler (plain SGD: host rules; fused Adam: device rules) moves exactly as next_state says."""
+    rules = ScalerSettings(**knobs)
+    # A range so narrow that it holds no float32 at all cannot be kept by a float32 scale.
+    assume(rules.floor_float32 <= rules.max_scale)
     torch.manual_seed(0)
     model = nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    reference = ReferenceScaler(**knobs)
-    low = reference.floor
-    # A range so narrow that it holds no float32 at all cannot be kept by a float32 scale.
-    assume(f32_inside(low, low, math.inf) <= knobs["max_scale"])
+    optimizer = (
+        torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+        if fused
+        else torch.optim.SGD(model.parameters(), lr=1e-3)
+    )
     scaler = LossScaler("cpu", **knobs)
+    expected = rules.initial_state()
+    skipped = 0
     for overflow in overflows:
         before = [p.detach().clone() for p in model.parameters()]
-        expected = reference.step(overflow)
+        transition = next_state(expected, overflow, rules)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if expected == "collapse":
-                try:
+            if transition.event == "collapsed":
+                with pytest.raises(LossScaleCollapseError) as error:
                     _drive(scaler, model, optimizer, overflow)
-                except LossScaleCollapseError as error:
-                    assert error.floor == low
-                    assert error.scale == reference.scale
-                    return
-                raise AssertionError("the scale fell below its floor without LossScaleCollapseError")
+                assert error.value.floor == rules.floor and error.value.scale == expected.scale
+                return
             _drive(scaler, model, optimizer, overflow)
-        assert any("at its floor" in str(w.message) for w in caught) == (expected == "floor")
-        assert low <= scaler.get_scale() <= knobs["max_scale"]
-        assert scaler.get_scale() == reference.scale
-        assert scaler.scale(torch.ones(())).item() == reference.scale, "the loss is not multiplied by the scale"
-        assert scaler.hysteresis_tracker == reference.hysteresis_left
-        assert scaler.state_dict()["_growth_tracker"] == reference.growth_tracker
+        expected, skipped = transition.state, skipped + overflow
+        assert any("at its floor" in str(w.message) for w in caught) == (transition.event == "held_at_floor")
+        assert scaler.get_scale() == expected.scale
+        assert scaler.scale(torch.ones(())).item() == expected.scale, "the device scale differs from the rules"
+        assert (scaler.hysteresis_tracker, scaler.state_dict()["_growth_tracker"]) == (
+            expected.hysteresis_left,
+            expected.growth_tracker,
+        )
         stats = scaler.stats()
-        assert (stats.optimizer_steps, stats.skipped_steps) == (
-            reference.counters["steps"],
-            reference.counters["skipped"],
-        )
-        assert (stats.scale_backoffs, stats.scale_growths) == (
-            reference.counters["backoffs"],
-            reference.counters["growths"],
-        )
-        assert stats.last_step_skipped == overflow
+        assert (stats.skipped_steps, stats.last_step_skipped) == (skipped, overflow)
         unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         assert unchanged == overflow
 
 
 INVALID = {
-    "init_scale": [0.0, -1.0, math.nan, math.inf, True, "65536", None],
+    "init_scale": [0.0, -1.0, math.nan, math.inf, True, "65536", None, 1e-9, 10**400],
     "growth_factor": [1.0, 0.5, -2.0, math.nan, math.inf, False, None],
     "backoff_factor": [0.0, 1.0, 1.5, -0.5, math.nan, True, None],
-    "growth_interval": [0, -3, 2.5, math.inf, True, "10", None],
+    "growth_interval": [0, -3, 2.5, math.inf, True, "10", None, 2**31, 10**400],
     "hysteresis": [0, -1, 1.5, False, "2", None],
-    "min_scale": [0.0, -1.0, math.nan, math.inf, True, "1"],
-    "max_scale": [0.0, -1.0, math.nan, math.inf, False, None],
+    "min_scale": [0.0, -1.0, math.nan, math.inf, True, "1", 1e-30],
+    "consecutive_hysteresis": ["no", 1, None],
+    "max_scale": [0.0, -1.0, math.nan, math.inf, False, None, 1e39, 10**400],
     "on_min_scale": ["ignore", "", None, 1],
 }
 
@@ -192,11 +163,16 @@ INVALID = {
 def _is_valid(knobs: dict[str, Any]) -> bool:
     """The documented ranges, written out independently of lightning_mp's checks."""
 
-    def real(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
     def integer(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, int) and not isinstance(value, bool) and value <= 2**31 - 1
+
+    def real(value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        try:
+            return math.isfinite(float(value))
+        except OverflowError:
+            return False
 
     min_scale, max_scale, init_scale = knobs["min_scale"], knobs["max_scale"], knobs["init_scale"]
     return (
@@ -211,9 +187,10 @@ def _is_valid(knobs: dict[str, Any]) -> bool:
         and integer(knobs["hysteresis"])
         and knobs["hysteresis"] >= 1
         and real(max_scale)
-        and max_scale > 0
-        and (min_scale is None or (real(min_scale) and 0 < min_scale <= max_scale))
-        and (min_scale if min_scale is not None else 0) <= init_scale <= max_scale
+        and COLLAPSE_FLOOR <= max_scale <= FLOAT32_MAX
+        and (min_scale is None or (real(min_scale) and COLLAPSE_FLOOR <= min_scale <= max_scale))
+        and (min_scale if min_scale is not None else COLLAPSE_FLOOR) <= init_scale <= max_scale
+        and isinstance(knobs["consecutive_hysteresis"], bool)
         and knobs["on_min_scale"] in ("raise", "warn")
     )
 

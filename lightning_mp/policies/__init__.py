@@ -1,6 +1,7 @@
 """Opt levels: one policy module per level, registered by name."""
 
 from lightning_mp.policies.base import PrecisionPolicy
+from lightning_mp.policies.lean import LeanKahanPolicy, LeanPolicy
 from lightning_mp.policies.o0 import O0Policy
 from lightning_mp.policies.o1 import O1Policy
 from lightning_mp.policies.o2 import O2Policy
@@ -11,6 +12,17 @@ POLICIES: dict[str, type[PrecisionPolicy]] = {
     "O1": O1Policy,
     "O2": O2Policy,
     "O3": O3Policy,
+    "lean": LeanPolicy,
+    "lean-kahan": LeanKahanPolicy,
 }
 
-__all__ = ["POLICIES", "O0Policy", "O1Policy", "O2Policy", "O3Policy", "PrecisionPolicy"]
+__all__ = [
+    "POLICIES",
+    "LeanKahanPolicy",
+    "LeanPolicy",
+    "O0Policy",
+    "O1Policy",
+    "O2Policy",
+    "O3Policy",
+    "PrecisionPolicy",
+]

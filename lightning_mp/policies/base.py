@@ -13,6 +13,7 @@ Where each hook runs::
         step ...
     backward, unscale, clipping, step          # the plugin's step engine, on the module's own parameters
     after_optimizer_step(optimizer, skipped)   # O2: name weights beyond fp16's range after a skip
+    state_dict() / load_state_dict(state)      # the level's own state in the plugin's checkpoint entry
     teardown()                                 # end of fit/validate/test/predict, also after an exception
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -66,6 +67,13 @@ class PrecisionPolicy:
 
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
         """Called after the optimizer step, or after it was skipped."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State this level must save beyond the model and optimizer states (the plugin's checkpoint entry)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
 
     def teardown(self) -> None:
         """Release every reference to the model: training has ended, normally or not."""

@@ -37,8 +37,9 @@ from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, Los
 class TinyRegressor(L.LightningModule):
     """Two linear layers, with an inf planted in ``first.weight``'s gradient on one rank at chosen steps."""
 
-    def __init__(self, inject_rank: int, inject_at: tuple[int, ...]) -> None:
+    def __init__(self, inject_rank: int, inject_at: tuple[int, ...], optimizer: str = "sgd") -> None:
         super().__init__()
+        self.optimizer_name = optimizer
         self.first = nn.Linear(8, 16)
         self.second = nn.Linear(16, 1)
         self.inject_rank = inject_rank
@@ -59,6 +60,8 @@ class TinyRegressor(L.LightningModule):
             self.first.weight.grad[0, 0] = float("inf")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "fused-adam":
+            return torch.optim.Adam(self.parameters(), lr=0.01, fused=True)
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
@@ -78,6 +81,7 @@ class Recorder(L.Callback):
         self.tag = tag
         self.step_delay = step_delay
         self.steps: list[tuple[int, float, bool]] = []
+        self.step_checksums: list[str] = []
         self.first_scale: float | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -86,6 +90,7 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         stats = trainer.precision_plugin.stats
         self.steps.append((trainer.global_step, stats.loss_scale, stats.last_step_skipped))
+        self.step_checksums.append(parameter_checksum(pl_module))
         if self.step_delay:
             # A slow run, so that a test can signal it mid-training: progress.txt says how far it got.
             (self.out / "progress.txt").write_text(str(trainer.global_step))
@@ -105,6 +110,7 @@ class Recorder(L.Callback):
             "strategy": type(trainer.strategy).__name__,
             "first_scale": self.first_scale,
             "steps": self.steps,
+            "step_checksums": self.step_checksums,
             "stats": dataclasses.asdict(plugin.stats),
             "scaler_state": plugin.scaler.state_dict() if plugin.scaler is not None else None,
             "local_overflows": plugin.scaler.local_overflows() if plugin.scaler is not None else None,
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inject-rank", type=int, default=1)
     parser.add_argument("--inject-at", default="")
     parser.add_argument("--max-steps", type=int, default=8)
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "fused-adam"])
     parser.add_argument("--init-scale", type=float, default=2.0**8)
     parser.add_argument("--growth-interval", type=int, default=3)
     parser.add_argument("--hysteresis", type=int, default=1)
@@ -158,7 +165,7 @@ def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
     y = x @ torch.randn(8, 1, generator=generator)
     data = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
     inject_at = tuple(int(step) for step in args.inject_at.split(",") if step)
-    model = TinyRegressor(args.inject_rank, inject_at)
+    model = TinyRegressor(args.inject_rank, inject_at, args.optimizer)
 
     plugin = MixedPrecision(
         args.precision,

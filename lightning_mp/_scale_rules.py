@@ -1,0 +1,254 @@
+"""The loss scaler's settings and its scale rules, as plain data and a pure function.
+
+:class:`ScalerSettings` declares every knob once and validates it once; :func:`next_state` says how the scale and
+its two trackers move after one iteration, given whether any gradient of that iteration was inf or NaN. Nothing here
+touches torch: :class:`~lightning_mp.scaler.LossScaler` applies these rules on the host when the inf flag is already
+there, and mirrors them with device ops when it is not (fused optimizers), and the tests drive them directly.
+
+The rules (dynamic mode; static and check modes never move the scale):
+
+* overflow: the growth tracker resets to 0 and the hysteresis tracker drops by one (never below 0). When it is 0 the
+  scale is multiplied by ``backoff_factor``. With ``hysteresis=1`` (the default) this is torch's rule.
+* clean iteration: the growth tracker counts up; after ``growth_interval`` clean iterations in a row it resets, the
+  scale is multiplied by ``growth_factor`` (capped at ``max_scale``, so even ``growth_factor=1e300`` reaches it) and
+  the hysteresis tracker refills. With ``consecutive_hysteresis=True`` it refills after every clean iteration.
+* floor: a backoff that would go below the floor (``min_scale``, or ``2**-24`` when it is None) is a collapse. With
+  ``on_min_scale="raise"`` the caller raises; with ``"warn"`` the scale stays at the floor.
+
+The scale is a float32 on the device, so every scale here is rounded to float32 and kept inside ``[floor, max_scale]``
+after rounding. Since the floor is at least ``2**-24`` and ``max_scale`` at most float32's largest value, ``1/scale``
+is always finite.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import InitVar, dataclass, fields
+from typing import Any, Literal
+
+from lightning_mp._validation import INT32_MAX, check_bool, check_choice, check_number
+
+__all__ = ["COLLAPSE_FLOOR", "FLOAT32_MAX", "ScaleState", "ScalerSettings", "Transition", "next_state"]
+
+ScalingMode = Literal["dynamic", "static", "check"]
+OnMinScale = Literal["raise", "warn"]
+Event = Literal["none", "grew", "backed_off", "held_at_floor", "collapsed"]
+
+COLLAPSE_FLOOR = 2.0**-24
+"""The smallest scale ever used: below it no fp16 gradient is distinguishable from zero."""
+
+FLOAT32_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
+"""The largest finite float32: a larger scale would be inf on the device."""
+
+
+def to_float32(value: float) -> float:
+    """Round a Python float to the nearest float32, as the device-side scale tensor stores it (inf beyond range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def float32_within(value: float, low: float, high: float) -> float:
+    """``value`` clamped to ``[low, high]`` and rounded to a float32 that still lies inside ``[low, high]``.
+
+    A bound such as ``min_scale=1e-6`` is not a float32: rounding to the nearest one can land just outside the range
+    the user asked for, so the result is moved one float32 step back inside.
+    """
+    rounded = to_float32(min(max(value, low), high))
+    if rounded < low or rounded > high:
+        bits = struct.unpack("<I", struct.pack("<f", rounded))[0]
+        # For positive floats, the next larger float32 is the next integer bit pattern.
+        rounded = struct.unpack("<f", struct.pack("<I", bits + (1 if rounded < low else -1)))[0]
+    return rounded
+
+
+@dataclass(frozen=True)
+class ScalerSettings:
+    """Every knob of the loss scaler, validated once when the object is built.
+
+    Numbers may be Python numbers, numpy scalars or 0-d tensors; they are stored as Python ``int``/``float``.
+
+    Args:
+        init_scale: the first scale (dynamic) or the fixed scale (static); ignored in check mode.
+        growth_factor: multiplier after ``growth_interval`` clean iterations; > 1 (capped at ``max_scale``).
+        backoff_factor: multiplier on an overflow that exhausts the hysteresis; in (0, 1).
+        growth_interval: clean iterations in a row before the scale grows; in [1, 2**31 - 1].
+        hysteresis: overflows tolerated before the scale backs off; 1 is torch's behaviour.
+        consecutive_hysteresis: refill the hysteresis tracker after every clean iteration, not only after a growth.
+        min_scale: the floor, at least ``2**-24``; None means ``2**-24``.
+        max_scale: the ceiling, at most float32's largest value.
+        on_min_scale: ``"raise"`` or ``"warn"`` (stay at the floor) when a backoff would go below the floor.
+        mode: ``"dynamic"``, ``"static"`` (fixed ``init_scale``) or ``"check"`` (nothing scaled, non-finite steps
+            skipped).
+        max_consecutive_skips: skipped steps in a row of one optimizer that stop the run; None never stops.
+        owner: the name used in error messages (``"LossScaler"``, ``"MixedPrecision"``); not stored.
+
+    Raises:
+        ValueError: naming the argument, the value and what is allowed.
+
+    Example:
+        >>> ScalerSettings(init_scale=1024.0, hysteresis=2).floor
+        5.960464477539063e-08
+
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    min_scale: float | None = None
+    max_scale: float = 2.0**24
+    on_min_scale: OnMinScale = "raise"
+    mode: ScalingMode = "dynamic"
+    max_consecutive_skips: int | None = 100
+    owner: InitVar[str] = "ScalerSettings"
+
+    def __post_init__(self, owner: str) -> None:
+        check_choice(owner, "mode", self.mode, ("dynamic", "static", "check"))
+        check_choice(owner, "on_min_scale", self.on_min_scale, ("raise", "warn"))
+        normalised: dict[str, Any] = {
+            "growth_factor": check_number(owner, "growth_factor", self.growth_factor, above=1),
+            "backoff_factor": check_number(owner, "backoff_factor", self.backoff_factor, above=0, below=1),
+            "growth_interval": check_number(
+                owner, "growth_interval", self.growth_interval, at_least=1, at_most=INT32_MAX, integer=True
+            ),
+            "hysteresis": check_number(
+                owner, "hysteresis", self.hysteresis, at_least=1, at_most=INT32_MAX, integer=True
+            ),
+            "consecutive_hysteresis": check_bool(owner, "consecutive_hysteresis", self.consecutive_hysteresis),
+            "max_scale": check_number(owner, "max_scale", self.max_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX),
+        }
+        if self.min_scale is not None:
+            normalised["min_scale"] = check_number(
+                owner, "min_scale", self.min_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX
+            )
+            if normalised["min_scale"] > normalised["max_scale"]:
+                raise ValueError(
+                    f"{owner}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}) is not allowed: min_scale"
+                    " must be <= max_scale."
+                )
+        if self.max_consecutive_skips is not None:
+            normalised["max_consecutive_skips"] = check_number(
+                owner, "max_consecutive_skips", self.max_consecutive_skips, at_least=1, at_most=INT32_MAX, integer=True
+            )
+        if self.mode == "check":
+            normalised["init_scale"] = 1.0
+        elif self.mode == "static":
+            normalised["init_scale"] = check_number(
+                owner, "init_scale", self.init_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX
+            )
+        else:
+            low = normalised.get("min_scale", COLLAPSE_FLOOR)
+            init_scale = check_number(owner, "init_scale", self.init_scale, above=0)
+            if not low <= init_scale <= normalised["max_scale"]:
+                raise ValueError(
+                    f"{owner}(init_scale={self.init_scale!r}) is not allowed: init_scale must lie in"
+                    f" [min_scale, max_scale] = [{low:g}, {normalised['max_scale']:g}] (min_scale=None means the"
+                    f" floor {COLLAPSE_FLOOR:g})."
+                )
+            normalised["init_scale"] = init_scale
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def floor(self) -> float:
+        """The smallest scale allowed: ``min_scale``, or ``2**-24`` when it is None."""
+        return self.min_scale if self.min_scale is not None else COLLAPSE_FLOOR
+
+    @property
+    def floor_float32(self) -> float:
+        """The floor as the smallest float32 not below it."""
+        return float32_within(self.floor, self.floor, math.inf)
+
+    @property
+    def ceiling_float32(self) -> float:
+        """``max_scale`` as the largest float32 not above it."""
+        return float32_within(self.max_scale, 0.0, self.max_scale)
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the loss is multiplied at all (dynamic or static mode)."""
+        return self.mode != "check"
+
+    def initial_state(self) -> ScaleState:
+        """The state before the first iteration."""
+        if self.mode == "dynamic":
+            scale = float32_within(self.init_scale, self.floor, self.max_scale)
+        else:
+            scale = to_float32(self.init_scale)
+        return ScaleState(scale=scale, growth_tracker=0, hysteresis_left=self.hysteresis)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The knobs by name, as the constructor takes them."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class ScaleState:
+    """The part of the scaler that moves: the scale and its two trackers.
+
+    Attributes:
+        scale: the scale the next backward uses (a float32 value).
+        growth_tracker: clean iterations in a row since the last growth or overflow.
+        hysteresis_left: overflows still tolerated before the next backoff.
+
+    """
+
+    scale: float
+    growth_tracker: int = 0
+    hysteresis_left: int = 1
+
+
+@dataclass(frozen=True)
+class Transition:
+    """The result of :func:`next_state`: the new state and what happened to the scale."""
+
+    state: ScaleState
+    event: Event = "none"
+
+
+def next_state(state: ScaleState, found_inf: bool, settings: ScalerSettings) -> Transition:
+    """Apply the scale rules of the module docstring to one iteration.
+
+    Args:
+        state: the state before the iteration.
+        found_inf: whether any gradient of the iteration (any optimizer, any rank) was inf or NaN.
+        settings: the knobs.
+
+    Returns:
+        The new state and the event: ``"grew"``, ``"backed_off"``, ``"held_at_floor"`` (a backoff stopped at the
+        floor with ``on_min_scale="warn"``), ``"collapsed"`` (the same with ``"raise"``: the caller raises, and the
+        state is the one before the backoff) or ``"none"``.
+
+    Example:
+        >>> settings = ScalerSettings(init_scale=8.0, growth_interval=2)
+        >>> next_state(ScaleState(8.0, 1, 1), found_inf=False, settings=settings)
+        Transition(state=ScaleState(scale=16.0, growth_tracker=0, hysteresis_left=1), event='grew')
+        >>> next_state(ScaleState(8.0, 1, 1), found_inf=True, settings=settings).state.scale
+        4.0
+
+    """
+    if settings.mode != "dynamic":
+        return Transition(state)
+    if found_inf:
+        hysteresis_left = max(state.hysteresis_left - 1, 0)
+        if hysteresis_left > 0:
+            return Transition(ScaleState(state.scale, 0, hysteresis_left))
+        candidate = to_float32(state.scale * settings.backoff_factor)
+        if candidate < settings.floor:
+            if settings.on_min_scale == "raise":
+                return Transition(ScaleState(state.scale, 0, hysteresis_left), "collapsed")
+            return Transition(ScaleState(settings.floor_float32, 0, hysteresis_left), "held_at_floor")
+        event: Event = "backed_off" if candidate < state.scale else "none"
+        return Transition(ScaleState(candidate, 0, hysteresis_left), event)
+    hysteresis_left = settings.hysteresis if settings.consecutive_hysteresis else state.hysteresis_left
+    growth_tracker = state.growth_tracker + 1
+    if growth_tracker < settings.growth_interval:
+        return Transition(ScaleState(state.scale, growth_tracker, hysteresis_left))
+    candidate = min(to_float32(state.scale * settings.growth_factor), settings.ceiling_float32)
+    grown = candidate > state.scale
+    return Transition(ScaleState(max(candidate, state.scale), 0, settings.hysteresis), "grew" if grown else "none")

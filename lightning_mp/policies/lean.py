@@ -1,0 +1,146 @@
+"""Lean: bf16 weights, gradients and optimizer states, stepped with stochastic rounding. Half the memory of fp32.
+
+Select it with ``MixedPrecision("bf16-mixed", opt_level="lean")``, or ``opt_level="lean-kahan"`` to add a bf16
+Kahan compensation buffer per weight.
+
+Memory. fp32 training, O1 and a master-weight O2 hold 16 bytes per parameter with AdamW (4 weight, 4 gradient,
+8 moment estimates). Lean holds 8: weight, gradient and both moment estimates in bf16 (10 with Kahan compensation).
+The activations are bf16 too, since the whole model computes in bf16.
+
+Why it still trains like fp32. Plain bf16 training (Lightning's ``bf16-true``, this package's O3) rounds every
+update to the nearest bf16 value, so updates smaller than half a bf16 gap are lost for good. Lean computes each
+update in fp32 with torch's own Adam, AdamW or SGD rule and writes weights and states back with **stochastic
+rounding**, which keeps the update's expected value (:mod:`lightning_mp.stochastic_rounding` has the algorithm, the
+reasons for not using torchao, and the checkpointed random generator). Optionally Kahan compensation keeps the part
+that rounding dropped and adds it to the next update.
+
+The pieces:
+
+1. ``convert_module`` casts the model to bf16 in place as O3 does, except that normalisation layers and
+   ``keep_fp32`` subtrees stay fp32 and run in fp32 regions (``convert_to_half``, shared with O3). The model returns
+   bf16 outputs, as Lightning's ``bf16-true`` does: an fp32 copy of the logits, and the fp32 log-probabilities
+   that the loss would save for backward, would cost 8 bytes per logit at the peak of the step. torch's
+   ``cross_entropy`` accumulates bf16 inputs in fp32; call ``logits.float()`` in the loss to compute it in fp32.
+2. ``connect`` attaches a :class:`~lightning_mp.stochastic_rounding.StochasticRoundingStep` to each optimizer
+   through torch's optimizer hooks. The optimizer object stays the user's: schedulers, ``param_groups`` and
+   ``add_param_group`` work, and its ``state_dict`` holds the bf16 states in torch's own format plus the rounding
+   generator's state, so a resumed run continues exactly. fp32 parameters are stepped by the optimizer itself.
+   Optimizers may be connected one at a time and in any number (Fabric connects each at its first step).
+3. The policy's own state (saved with the plugin's) repeats each connected optimizer's rounding state, in connection
+   order, for loops that load an optimizer's state before the policy has connected it (Fabric's ``load``).
+4. A skipped step (non-finite gradients) never calls the optimizer, so nothing changes and no random numbers are
+   drawn.
+
+Only ``torch.optim.Adam``, ``AdamW`` and ``SGD`` are supported (their ``fused`` and ``foreach`` forms included);
+another optimizer is refused at setup with a :class:`TypeError`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_mp.overrides import Fp32Overrides
+from lightning_mp.policies.base import PrecisionPolicy
+from lightning_mp.policies.o3 import convert_to_half
+from lightning_mp.stochastic_rounding import StochasticRoundingStep
+
+
+class LeanPolicy(PrecisionPolicy):
+    """bf16 weights, gradients and optimizer states, stepped with stochastic rounding; fp32 norms and ``keep_fp32``.
+
+    Args:
+        half_dtype: must be ``torch.bfloat16``.
+        keep_fp32: module types, qualified names or ``re:`` patterns whose modules stay fp32.
+
+    Raises:
+        ValueError: if ``half_dtype`` is not bf16, or a ``keep_fp32`` entry is invalid.
+
+    """
+
+    opt_level = "lean"
+    uses_autocast = False
+    scales_by_default = False
+    kahan: ClassVar[bool] = False
+    """Whether each bf16 weight also keeps a bf16 Kahan compensation buffer."""
+
+    def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
+        if half_dtype is not torch.bfloat16:
+            raise ValueError(
+                f"{type(self).__name__}(half_dtype={half_dtype!r}) is not allowed: opt_level={self.opt_level!r}"
+                " keeps weights and optimizer states in bf16, which needs no loss scaling. Use"
+                " MixedPrecision('bf16-mixed', opt_level=...), or opt_level='O2' for fp16."
+            )
+        super().__init__(half_dtype, keep_fp32)
+        self.overrides = Fp32Overrides(self.keep_fp32)
+        # Weak: each step lives as long as its optimizer (whose hooks hold it), so a plugin reused for another model
+        # keeps nothing of the previous one alive.
+        self._steps: weakref.WeakValueDictionary[int, StochasticRoundingStep] = weakref.WeakValueDictionary()
+        self._connected: list[weakref.ReferenceType[StochasticRoundingStep]] = []
+        """The steps in the order their optimizers were connected: the order of :meth:`state_dict`."""
+        self._saved_rounding: list[dict[str, Any]] = []
+
+    def rounding_step(self, optimizer: Optimizer) -> StochasticRoundingStep | None:
+        """The stochastic-rounding step attached to ``optimizer``, if it was connected."""
+        step = self._steps.get(id(optimizer))
+        return step if step is not None and step.optimizer is optimizer else None
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Cast every weight and floating buffer outside normalisations and ``keep_fp32`` to bf16, in place."""
+        convert_to_half(module, torch.bfloat16, self.overrides, keep_normalization_fp32=True, float_outputs=False)
+        return module
+
+    @override
+    def connect(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
+        """Make each optimizer step its bf16 parameters with stochastic rounding; the optimizers stay the same objects.
+
+        Connecting an optimizer again is a no-op, and optimizers may be connected one at a time (Fabric does).
+
+        Raises:
+            TypeError: if an optimizer is not ``Adam``, ``AdamW`` or ``SGD``.
+
+        """
+        self._connected = [reference for reference in self._connected if reference() is not None]
+        for optimizer in optimizers:
+            if self.rounding_step(optimizer) is None:
+                step = StochasticRoundingStep(optimizer, kahan=self.kahan)
+                index = len(self._connected)
+                if index < len(self._saved_rounding):
+                    step.load_rounding_state(self._saved_rounding[index])
+                self._steps[id(optimizer)] = step
+                self._connected.append(weakref.ref(step))
+        return optimizers
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The rounding state of each connected optimizer, in connection order.
+
+        The optimizers' own ``state_dict`` holds the same; this copy serves loops that load optimizer states before
+        the policy connects (Fabric connects at the first step).
+        """
+        return {"rounding": [step.rounding_state() for reference in self._connected if (step := reference())]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the rounding state of connected optimizers now, and of the others when they connect."""
+        self._saved_rounding = list(state_dict.get("rounding", []))
+        steps = [step for reference in self._connected if (step := reference()) is not None]
+        for step, saved in zip(steps, self._saved_rounding, strict=False):
+            step.load_rounding_state(saved)
+
+
+class LeanKahanPolicy(LeanPolicy):
+    """:class:`LeanPolicy` with a bf16 Kahan compensation buffer per bf16 weight (2 more bytes per parameter)."""
+
+    opt_level = "lean-kahan"
+    kahan = True
+
+
+__all__ = ["LeanKahanPolicy", "LeanPolicy"]

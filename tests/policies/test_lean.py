@@ -1,0 +1,299 @@
+"""Lean: bf16 weights, gradients and optimizer states with stochastic rounding, in real Trainer runs."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
+from test_parity import train_and_validate
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MixedPrecision
+from lightning_mp.stochastic_rounding import COMPENSATION_KEY, STATE_KEY
+
+pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)", "ignore:The number of training batches")
+
+ELEMENTWISE_STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer", COMPENSATION_KEY)
+
+
+class LeanNet(LightningModule):
+    """Linear, LayerNorm, ReLU and a head, with a per-step scheduler; optionally an inf gradient at chosen steps."""
+
+    def __init__(self, optimizer: str = "adamw", norm: bool = True, inject_at: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32) if norm else nn.Identity(), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+        self.optimizer_name = optimizer
+        self.inject_at = set(inject_at)
+        self.losses: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(x))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        features, target = batch
+        loss = F.cross_entropy(self(features).float(), target)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_after_backward(self) -> None:
+        if self.global_step in self.inject_at:
+            self.body[0].weight.grad[0, 0] = float("inf")
+
+    def configure_optimizers(self) -> Any:
+        optimizers = {
+            "adamw": lambda: torch.optim.AdamW(self.parameters(), lr=3e-2),
+            "adamw-fused": lambda: torch.optim.AdamW(self.parameters(), lr=3e-2, fused=True),
+            "adam": lambda: torch.optim.Adam(self.parameters(), lr=3e-2, weight_decay=1e-3),
+            "sgd": lambda: torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+            "rmsprop": lambda: torch.optim.RMSprop(self.parameters(), lr=1e-2),
+        }
+        optimizer = optimizers[self.optimizer_name]()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.97**step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def classification_loader(batches: int = 4) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(8 * batches, 8, generator=generator)
+    target = (features[:, :4].argmax(dim=1)).long()
+    return DataLoader(TensorDataset(features, target), batch_size=8, shuffle=False)
+
+
+def optimizer_tensors(trainer: Trainer) -> dict[str, Tensor]:
+    optimizer = trainer.optimizers[0]
+    state = optimizer.state_dict()
+    tensors = {
+        f"{index}.{key}": value
+        for index, entry in state["state"].items()
+        for key, value in entry.items()
+        if isinstance(value, Tensor)
+    }
+    tensors["generator"] = state[STATE_KEY]["generators"]["cpu"]
+    return tensors
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-fused", "adam", "sgd"])
+def test_lean_trains_in_bf16_with_fp32_norms_and_keep_fp32(optimizer: str) -> None:
+    """Weights, gradients and optimizer states are bf16; the LayerNorm and a keep_fp32 head stay fp32; loss falls."""
+    model = LeanNet(optimizer)
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean", keep_fp32=["head"])
+    trainer = make_trainer(plugin, max_epochs=3, max_steps=-1)
+    trainer.fit(model, classification_loader())
+    optimizer_state = trainer.optimizers[0].state
+    linear, norm, head = model.body[0].weight, model.body[1].weight, model.head.weight
+    assert linear.dtype is torch.bfloat16 and linear.grad is not None and linear.grad.dtype is torch.bfloat16
+    assert {value.dtype for key, value in optimizer_state[linear].items() if key in ELEMENTWISE_STATES} == {
+        torch.bfloat16
+    }
+    for kept in (norm, head):
+        assert kept.dtype is torch.float32 and kept.grad.dtype is torch.float32
+        assert {value.dtype for key, value in optimizer_state[kept].items() if key in ELEMENTWISE_STATES} == {
+            torch.float32
+        }
+    # The scheduler drives the same optimizer object: 12 steps of decay.
+    base_lr = 3e-2 if "adam" in optimizer else 0.1
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(base_lr * 0.97**12)
+    assert sum(model.losses[-4:]) < 0.8 * sum(model.losses[:4])
+
+
+@pytest.mark.parametrize("opt_level", ["lean", "lean-kahan"])
+def test_resume_from_a_checkpoint_is_bitwise_exact(tmp_path: Path, opt_level: str) -> None:
+    """Two epochs straight, or one, a checkpoint and one more: the same bf16 weights, states and rounding numbers."""
+    straight = LeanNet()
+    straight_trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level), max_epochs=2, max_steps=-1)
+    straight_trainer.fit(straight, classification_loader())
+
+    first = LeanNet()
+    first_trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level), max_epochs=1, max_steps=-1)
+    first_trainer.fit(first, classification_loader())
+    checkpoint = tmp_path / "epoch1.ckpt"
+    first_trainer.save_checkpoint(checkpoint)
+    resumed = LeanNet()
+    resumed_trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level), max_epochs=2, max_steps=-1)
+    resumed_trainer.fit(resumed, classification_loader(), ckpt_path=checkpoint)
+
+    for name, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+    expected, actual = optimizer_tensors(straight_trainer), optimizer_tensors(resumed_trainer)
+    assert expected.keys() == actual.keys()
+    assert (COMPENSATION_KEY in "".join(expected)) == (opt_level == "lean-kahan")
+    for key, value in expected.items():
+        assert torch.equal(value, actual[key]), key
+
+
+class RecordStep(Callback):
+    """Keep copies of the weights and the optimizer state around one chosen batch."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.before: dict[str, Tensor] = {}
+        self.after: dict[str, Tensor] = {}
+
+    def _snapshot(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Tensor]:
+        weights = {name: value.clone() for name, value in pl_module.state_dict().items()}
+        state = trainer.optimizers[0].state_dict()
+        weights.update({f"{i}.{k}": v.clone() for i, s in state["state"].items() for k, v in s.items()})
+        return weights
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.batch:
+            self.before = self._snapshot(trainer, pl_module)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == self.batch:
+            self.after = self._snapshot(trainer, pl_module)
+
+
+def test_a_skipped_step_changes_no_weight_and_no_state() -> None:
+    """An inf gradient skips the step: bf16 weights, moments and step counts stay exactly as they were."""
+    model = LeanNet(inject_at=(2,))
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean")
+    recorder = RecordStep(batch=2)
+    trainer = make_trainer(plugin, max_steps=4, callbacks=[recorder])
+    trainer.fit(model, classification_loader())
+    assert plugin.stats.skipped_steps == 1
+    assert recorder.before.keys() == recorder.after.keys()
+    for key, value in recorder.before.items():
+        assert torch.equal(value, recorder.after[key]), key
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+def test_persistent_bytes_per_parameter_are_8_and_10_with_kahan() -> None:
+    """Weight, gradient and AdamW moments take 8 bytes per parameter; Kahan compensation adds 2."""
+    for opt_level, expected in (("lean", 8), ("lean-kahan", 10)):
+        model = LeanNet(norm=False)
+        trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level), max_steps=2)
+        trainer.fit(model, classification_loader())
+        state = trainer.optimizers[0].state
+        total = 0
+        for parameter in model.parameters():
+            total += parameter.nbytes + parameter.grad.nbytes
+            total += sum(value.nbytes for key, value in state[parameter].items() if key in ELEMENTWISE_STATES)
+        assert total == expected * sum(parameter.numel() for parameter in model.parameters())
+
+
+def test_unsupported_settings_are_refused_with_clear_errors() -> None:
+    """fp16, fp32 and optimizers other than Adam, AdamW and SGD are refused, naming what is allowed."""
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        MixedPrecision("16-mixed", opt_level="lean").setup_for_device("cpu")
+    with pytest.raises(ValueError, match="32-true"):
+        MixedPrecision("32-true", opt_level="lean")
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level="lean"), max_steps=1)
+    with pytest.raises(TypeError, match="RMSprop"):
+        trainer.fit(LeanNet("rmsprop"), classification_loader())
+
+
+def test_the_policy_hooks_drive_lean_without_a_trainer() -> None:
+    """Driven only through the policy hooks, as Fabric does, the user's optimizer steps bf16 weights unbiasedly."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean")
+    plugin.setup_for_device("cpu")
+    assert plugin.policy is not None
+    torch.manual_seed(0)
+    model = plugin.policy.convert_module(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    (connected,) = plugin.policy.connect(model, [optimizer])
+    assert connected is optimizer
+    before = model[0].weight.detach().clone()
+    model(torch.randn(2, 4)).float().square().sum().backward()
+    optimizer.step()
+    assert model[0].weight.dtype is torch.bfloat16 and not torch.equal(before, model[0].weight)
+    assert STATE_KEY in optimizer.state_dict()
+
+
+def test_optimizers_connected_one_at_a_time_all_keep_stochastic_rounding() -> None:
+    """Two optimizers connected separately, as Fabric connects a GAN's, both round stochastically."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean")
+    plugin.setup_for_device("cpu")
+    assert plugin.policy is not None
+    weights = [nn.Parameter(torch.ones(1000, dtype=torch.bfloat16)) for _ in range(2)]
+    optimizers = [torch.optim.SGD([weight], lr=1e-4) for weight in weights]
+    for optimizer in optimizers:
+        plugin.policy.connect(nn.Module(), [optimizer])
+    plugin.policy.connect(nn.Module(), optimizers)  # again: no second set of hooks
+    for weight, optimizer in zip(weights, optimizers, strict=True):
+        weight.grad = -torch.ones_like(weight)
+        optimizer.step()
+        # 1e-4 is 1.3% of the bf16 gap above 1.0: round-to-nearest would move nothing, a double step twice as much.
+        assert weight.double().mean().item() - 1.0 == pytest.approx(1e-4, rel=0.5)
+
+
+def test_a_reused_plugin_keeps_no_reference_to_the_previous_model() -> None:
+    """After a fit, dropping the model and optimizer frees them even though the plugin lives on."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean")
+    model = LeanNet()
+    trainer = make_trainer(plugin, max_steps=2)
+    trainer.fit(model, classification_loader())
+    model_reference = weakref.ref(model.body[0].weight)
+    optimizer_reference = weakref.ref(trainer.optimizers[0])
+    del model, trainer
+    gc.collect()
+    assert model_reference() is None and optimizer_reference() is None
+
+
+def test_an_optimizer_loaded_before_it_is_connected_resumes_exactly_from_the_plugin_state() -> None:
+    """Loops that load optimizer states before the first step (Fabric) resume exactly from the plugin's state."""
+
+    def setup(plugin: MixedPrecision) -> tuple[nn.Module, torch.optim.Optimizer]:
+        plugin.setup_for_device("cpu")
+        assert plugin.policy is not None
+        torch.manual_seed(0)
+        model = plugin.policy.convert_module(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1)))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+        optimizer.zero_grad()
+        model(torch.randn(8, 4, generator=torch.Generator().manual_seed(seed))).float().square().mean().backward()
+        optimizer.step()
+
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean-kahan")
+    model, optimizer = setup(plugin)
+    plugin.policy.connect(model, [optimizer])
+    step(model, optimizer, 0)
+    saved = (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        copy.deepcopy(optimizer.state_dict()),
+        copy.deepcopy(plugin.state_dict()),
+    )
+    step(model, optimizer, 1)
+    step(model, optimizer, 2)
+
+    resumed_plugin = MixedPrecision("bf16-mixed", opt_level="lean-kahan")
+    resumed, resumed_optimizer = setup(resumed_plugin)
+    resumed.load_state_dict(saved[0])
+    resumed_optimizer.load_state_dict(saved[1])  # before connect: torch ignores the rounding entry
+    resumed_plugin.load_state_dict(saved[2])
+    resumed_plugin.policy.connect(resumed, [resumed_optimizer])
+    step(resumed, resumed_optimizer, 1)
+    step(resumed, resumed_optimizer, 2)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+
+
+@pytest.fixture(scope="module")
+def reference_losses() -> dict[str, float]:
+    return {
+        level: train_and_validate(precision, level, steps=60)["val_loss"]
+        for precision, level in (("32-true", "O0"), ("bf16-mixed", "O1"))
+    }
+
+
+@pytest.mark.parametrize("opt_level", ["lean", "lean-kahan"])
+def test_lean_reaches_the_validation_loss_of_o0_and_o1(reference_losses: dict[str, float], opt_level: str) -> None:
+    """On the reference task (60 steps), lean ends within 2% of O0's and 1% of O1's validation loss, never skipping."""
+    lean = train_and_validate("bf16-mixed", opt_level, steps=60)
+    assert abs(lean["val_loss"] - reference_losses["O0"]) <= 0.02 * reference_losses["O0"]
+    assert abs(lean["val_loss"] - reference_losses["O1"]) <= 0.01 * reference_losses["O1"]
+    assert lean["skipped_steps"] == 0
