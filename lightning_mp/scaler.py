@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import replace
 from typing import Any
@@ -234,7 +235,8 @@ class LossScaler(torch.amp.GradScaler):
         self.scale_growths = 0
         self.last_step_skipped = False
         self._streaks: dict[int, int] = {}
-        self._optimizers: list[torch.optim.Optimizer] = []
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        """Weak references, so that a plugin reused for another model keeps no optimizer (or model) alive."""
         self._index_by_id: dict[int, int] = {}
         self._flags: dict[tuple[int, torch.device, int], torch.Tensor] = {}
         self._clean_flags: set[tuple[int, torch.device, int]] = set()
@@ -354,11 +356,16 @@ class LossScaler(torch.amp.GradScaler):
         # it wraps: an unscale_ through the wrapper and a step of the optimizer are the same optimizer here.
         key = id(optimizer.param_groups)
         index = self._index_by_id.get(key)
-        if index is None or self._optimizers[index].param_groups is not optimizer.param_groups:
+        known = self._optimizer_at(index) if index is not None else None
+        if known is None or known.param_groups is not optimizer.param_groups:
             index = len(self._optimizers)
-            self._optimizers.append(optimizer)
+            self._optimizers.append(weakref.ref(optimizer))
             self._index_by_id[key] = index
         return index
+
+    def _optimizer_at(self, index: int) -> torch.optim.Optimizer | None:
+        """The optimizer recorded under ``index``, or None when there is none or it no longer exists."""
+        return self._optimizers[index]() if 0 <= index < len(self._optimizers) else None
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place (fp16) and check them for inf/NaN.
@@ -603,7 +610,7 @@ class LossScaler(torch.amp.GradScaler):
             return
         for index, streak in self._streaks.items():
             if streak >= limit:
-                optimizer = self._optimizers[index] if 0 <= index < len(self._optimizers) else None
+                optimizer = self._optimizer_at(index)
                 optimizer = getattr(optimizer, "optimizer", optimizer)  # name the optimizer, not its wrapper
                 raise NonFiniteStepsError(
                     step=self.optimizer_steps,
@@ -617,8 +624,8 @@ class LossScaler(torch.amp.GradScaler):
         named = (
             (self.param_names.get(id(p), f"optimizers[{index}].param_groups[{g}][{i}]"), p)
             for index in indices
-            if 0 <= index < len(self._optimizers)
-            for g, group in enumerate(self._optimizers[index].param_groups)
+            if (optimizer := self._optimizer_at(index)) is not None
+            for g, group in enumerate(optimizer.param_groups)
             for i, p in enumerate(group["params"])
         )
         return nonfinite_gradients(named)
