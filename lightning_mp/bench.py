@@ -897,7 +897,7 @@ def profile_lines(breakdowns: dict[str, dict[str, Any]]) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ memory (--memory)
 
-MEMORY_CONFIGURATIONS = (FP32, "lightning-bf16", "O1-bf16", "O2-bf16", "O1-fp16", "O2-fp16")
+MEMORY_CONFIGURATIONS = (FP32, "lightning-bf16", "O1-bf16", "O2-bf16", "lean-bf16", "O1-fp16", "O2-fp16")
 """What ``--memory`` measures by default: the fp16 ones too, since byte counts need no fast fp16."""
 
 
