@@ -1,7 +1,6 @@
-"""Advisor Callback
-================
+"""The advisor callback: the precision advisor's verdict, logged before training starts.
 
-Runs the precision advisor (:func:`lightning_mp.advisor.advise`) once, at the start of training, on the first
+It runs the precision advisor (:func:`lightning_mp.advisor.advise`) once, at the start of training, on the first
 ``batches`` batches of the training data loader, before any optimizer step.
 
 It measures in fp32 on a deep copy of the model, so the run itself is unchanged: same weights, same random state,
