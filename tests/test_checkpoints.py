@@ -11,12 +11,12 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyRegressor, loader, make_trainer
 from ddp_scripts.launch import finish, reports, run, start, stop
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 
 from lightning_mp import MixedPrecision
+from tests.helpers import TinyRegressor, loader, make_trainer
 
 MISSING_STATE = "holds no loss-scaler state"
 

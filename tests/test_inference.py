@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -14,8 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.inference import ParityReport, ParityTable, compare, to_inference
-
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.helpers import make_trainer
 
 
 def features(n: int = 64) -> Tensor:
