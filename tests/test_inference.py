@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -47,10 +47,6 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
 
 
-def trainer(plugin: MixedPrecision | None = None, max_steps: int = 2) -> Trainer:
-    return make_trainer(plugin, max_steps=max_steps)
-
-
 def test_to_inference_returns_a_converted_copy_and_leaves_the_original_untouched() -> None:
     """The copy is half (norms fp32), in eval mode without gradients; the original keeps its dtypes and values."""
     model = Classifier()
@@ -87,7 +83,7 @@ def test_to_inference_honours_keep_fp32() -> None:
 def test_to_inference_works_on_a_trained_lightning_module() -> None:
     """A LightningModule attached to a Trainer converts without copying the Trainer, and stays attached."""
     model = Classifier()
-    fitted = trainer()
+    fitted = make_trainer(max_steps=2)
     fitted.fit(model, loader())
     fast = to_inference(model, dtype=torch.bfloat16)
     assert fast._trainer is None and model.trainer is fitted
@@ -166,7 +162,7 @@ def test_bad_arguments_raise_value_error(call: object, message: str) -> None:
 
 def test_trainer_predict_with_the_plugin_runs_under_autocast() -> None:
     """Trainer.predict with MixedPrecision returns bf16 logits: the predict step ran under autocast."""
-    predictions = trainer(MixedPrecision("bf16-mixed")).predict(Classifier(), loader())
+    predictions = make_trainer(MixedPrecision("bf16-mixed"), max_steps=2).predict(Classifier(), loader())
     assert predictions is not None and all(p.dtype == torch.bfloat16 for p in predictions)
 
 
