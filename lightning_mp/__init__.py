@@ -2,11 +2,17 @@
 
 ``Trainer(plugins=[MixedPrecision(...)])`` runs the step under ``torch.autocast`` and a dynamic loss scaler with
 hysteresis, bounds and counters; the callbacks put the loss scale, skipped steps, gradient health and per-layer
-dtypes into TensorBoard.
+dtypes into TensorBoard, and the precision sentinel warns about silent precision failures.
 """
 
 from lightning_mp.advisor import Advice, advise
-from lightning_mp.callbacks import AdvisorCallback, GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+from lightning_mp.callbacks import (
+    AdvisorCallback,
+    GradientHealthMonitor,
+    LayerDtypeMonitor,
+    LossScaleMonitor,
+    PrecisionSentinel,
+)
 from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
 from lightning_mp.inference import ParityReport, compare, to_inference
 from lightning_mp.plugin import MixedPrecision
@@ -26,6 +32,7 @@ __all__ = [
     "MixedPrecision",
     "NonFiniteStepsError",
     "ParityReport",
+    "PrecisionSentinel",
     "PrecisionStats",
     "__version__",
     "advise",

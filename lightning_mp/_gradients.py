@@ -1,4 +1,12 @@
-"""Gradient inspection shared by the scaler's error messages and the telemetry callbacks."""
+"""Gradient inspection shared by the scaler's error messages and the telemetry callbacks.
+
+:func:`nonfinite_gradients` reads each gradient (one sync per tensor) and is meant for rare paths such as an error
+message. The telemetry uses the batched functions: :func:`gradient_summary` turns all gradients into one device vector
+with a fixed number of ops, and :func:`largest_magnitudes` takes ``max |g|`` of every gradient in one op.
+
+Private torch name used: ``torch._foreach_norm``, the batched norm behind ``torch.nn.utils.clip_grad_norm_``'s foreach
+path (one dispatched op for any number of tensors; there is no public batched norm).
+"""
 
 from __future__ import annotations
 
@@ -42,3 +50,57 @@ def nonfinite_gradients(
                 if len(found) >= limit:
                     break
     return found
+
+
+LOG2_HISTOGRAM_RANGE = (-150, 128)
+"""Exponent range of the gradient histogram: every finite non-zero float32 magnitude, subnormals included."""
+
+SUMMARY_FIELDS = ("norm", "nonzero", "largest")
+"""The scalars at the head of :func:`gradient_summary`'s vector, in order; the histogram counts follow."""
+
+
+def gradient_summary(grads: list[torch.Tensor], log2_shift: float = 0.0) -> torch.Tensor:
+    """Global statistics of a list of gradients, as one device vector to be read back in a single transfer.
+
+    All gradients are concatenated into one flat float32 vector (one ``view`` per tensor and one ``cat``), and every
+    statistic is then one op over that vector, so the cost does not grow with the number of parameters beyond the
+    views: the 2-norm, the count of non-zero elements, the largest magnitude, and a histogram of
+    ``log2 |g| + log2_shift`` with one bin per power of two over :data:`LOG2_HISTOGRAM_RANGE`. ``torch.histc``
+    ignores values outside its range, which drops exactly the zeros (``log2 0 = -inf``) and the infs and NaNs.
+
+    Args:
+        grads: dense gradients of any floating dtype; gradients on other devices are first copied to the first one's.
+        log2_shift: added to every exponent before binning, e.g. ``log2(loss_scale)`` to show the scaled gradients.
+
+    Returns:
+        A float32 vector: ``norm, nonzero, largest``, then ``LOG2_HISTOGRAM_RANGE[1] - LOG2_HISTOGRAM_RANGE[0]``
+        counts, bin ``i`` holding the elements with exponent in ``[low + i, low + i + 1)``.
+
+    Example:
+        >>> summary = gradient_summary([torch.tensor([0.0, 1.0]), torch.tensor([[3.0, 4.0]])])
+        >>> [round(value, 4) for value in summary[:3].tolist()]
+        [5.099, 3.0, 4.0]
+
+    """
+    low, high = LOG2_HISTOGRAM_RANGE
+    device = grads[0].device
+    if any(grad.device != device for grad in grads):
+        grads = [grad.to(device) for grad in grads]
+    with torch.no_grad():
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        flat.abs_()
+        counts = torch.histc(torch.log2(flat), bins=high - low, min=low - log2_shift, max=high - log2_shift)
+        head = torch.stack([torch.linalg.vector_norm(flat), torch.count_nonzero(flat).float(), flat.max()])
+        return torch.cat([head, counts])
+
+
+def largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``max |g|`` of each gradient, in one batched op and without a synchronisation.
+
+    A gradient holding an inf gives inf and one holding a NaN gives NaN, so a non-finite result names a gradient that
+    is not finite. Keep the result on the device and read it (``torch.stack(...).tolist()``) only when needed.
+    """
+    with torch.no_grad():
+        return list(torch._foreach_norm(grads, float("inf")))

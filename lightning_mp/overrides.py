@@ -9,11 +9,16 @@
 
 How a matched module runs in fp32:
 
-1. A forward pre-hook turns autocast off for every device type on which it is on. ``torch.autocast("cuda",
-   enabled=False)`` alone does nothing under CPU autocast, so the hook asks each device type, not one.
+1. A forward pre-hook switches autocast off (``torch.set_autocast_enabled(device, False)``) for every device type
+   on which it is on. ``torch.autocast("cuda", enabled=False)`` alone does nothing under CPU autocast, so the hook
+   asks each device type, not one.
 2. The same hook casts the floating inputs below fp32 (fp16, bf16) to fp32; fp64 and integer inputs are untouched.
-3. A forward hook, registered with ``always_call=True`` so that it runs even when the forward raises, restores the
-   autocast state. The output is left as the module computed it: fp32.
+3. A forward hook, registered with ``always_call=True`` so that it runs even when the forward raises, switches
+   autocast back on where the pre-hook switched it off. The output is left as the module computed it: fp32.
+
+Under ``torch.compile`` the flag toggles are traced like any other call, so a compiled model or a compiled submodule
+keeps its fp32 regions in one graph (entering a ``torch.autocast`` context in one hook and leaving it in another is
+what torch.compile cannot trace).
 
 Only the outermost matched module of a subtree gets the hooks: everything below it already runs with autocast off
 on fp32 inputs. Under O2 and O3 the weights of every module in a matched subtree also stay fp32 (see
@@ -38,7 +43,6 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable, Sequence
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -78,6 +82,11 @@ def cast_low_precision(data: Any, dtype: torch.dtype) -> Any:
 class Fp32Region:
     """Forward hooks that run one module with autocast off and its low-precision inputs cast to fp32.
 
+    The pre-hook switches autocast off with ``torch.set_autocast_enabled(device, False)`` for each device type on
+    which it is on, and the always-called forward hook switches those back on. Unlike entering a ``torch.autocast``
+    context in one hook and leaving it in another, toggling the flag is a plain call that torch.compile traces: a
+    compiled model, or a compiled submodule, keeps its fp32 regions without a graph break.
+
     Args:
         restore_output_dtype: cast floating outputs back to the dtype of the first low-precision input. Off for
             ``keep_fp32`` modules (their output stays fp32); on for normalisation layers that O2 keeps in fp32
@@ -87,8 +96,10 @@ class Fp32Region:
 
     def __init__(self, restore_output_dtype: bool = False) -> None:
         self.restore_output_dtype = restore_output_dtype
+        # Read once, outside any compiled region: the backend name is a C call that torch.compile does not trace.
+        self._device_types = _autocast_device_types()
         # One entry per forward in flight, so that a module called inside its own forward still unwinds correctly.
-        self._open: list[tuple[ExitStack, torch.dtype | None]] = []
+        self._open: list[tuple[list[str], torch.dtype | None]] = []
 
     def attach(self, module: nn.Module) -> None:
         """Register the pre-hook and the always-called forward hook on ``module``."""
@@ -97,22 +108,28 @@ class Fp32Region:
 
     def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         """Switch autocast off and cast the inputs; the forward hook undoes the first."""
-        incoming: list[torch.dtype] = []
-        apply_to_collection((args, kwargs), Tensor, lambda t: incoming.append(t.dtype) if is_low_precision(t) else None)
+        incoming = _first_low_precision_dtype((args, kwargs))
         args, kwargs = cast_low_precision(args, torch.float32), cast_low_precision(kwargs, torch.float32)
-        autocast_off = ExitStack()
-        for device in enabled_autocast_device_types():
-            autocast_off.enter_context(torch.autocast(device, enabled=False))
-        self._open.append((autocast_off, incoming[0] if incoming else None))
+        switched_off = [device for device in self._device_types if torch.is_autocast_enabled(device)]
+        for device in switched_off:
+            torch.set_autocast_enabled(device, False)
+        self._open.append((switched_off, incoming))
         return args, kwargs
 
     def exit(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         """Restore autocast; optionally cast the output back to the incoming half type."""
-        autocast_off, incoming = self._open.pop()
-        autocast_off.close()
+        switched_off, incoming = self._open.pop()
+        for device in switched_off:
+            torch.set_autocast_enabled(device, True)
         if self.restore_output_dtype and incoming is not None:
             return apply_to_collection(output, Tensor, lambda t: t.to(incoming) if t.is_floating_point() else t)
         return None
+
+
+def _first_low_precision_dtype(data: Any) -> torch.dtype | None:
+    dtypes: list[torch.dtype] = []
+    apply_to_collection(data, Tensor, lambda t: dtypes.append(t.dtype) if is_low_precision(t) else None)
+    return dtypes[0] if dtypes else None
 
 
 def has_fp32_region(module: nn.Module) -> bool:

@@ -5,6 +5,9 @@ call that one accepts, this one accepts with the same meaning; the scaler's knob
 
     trainer = Trainer(plugins=[MixedPrecision("16-mixed", growth_interval=1000, hysteresis=2)])
 
+or to Fabric, ``Fabric(plugins=[MixedPrecision(...)])``, whose loop it drives as :mod:`lightning_mp._fabric`
+describes.
+
 What happens in a training iteration:
 
 1. The forward pass (training, validation, test and predict steps) runs under ``torch.autocast`` when the opt level
@@ -53,7 +56,7 @@ import contextlib
 import copy
 import functools
 import warnings
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -70,10 +73,12 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mp._compile import backward_outside_autocast
+from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device
 from lightning_mp._hardware import choose_precision, device_has_native_bf16
 from lightning_mp._schedulers import SkipAwareScheduler
 from lightning_mp._validation import check_choice, check_flag, check_number, plain_scalar
-from lightning_mp.overrides import Fp32Overrides
+from lightning_mp.overrides import Fp32Overrides, cast_low_precision
 from lightning_mp.policies import POLICIES, PrecisionPolicy
 from lightning_mp.scaler import LossScaler, ScalingMode, validate_scaler_arguments
 from lightning_mp.stats import PrecisionStats
@@ -273,6 +278,7 @@ class MixedPrecision(LightningMixedPrecision):
         self._prepared_optimizers: set[int] = set()
         self._skipped_by_optimizer: dict[int, bool] = {}
         self._stepped_this_iteration = False
+        self._fabric: FabricSteps | None = None
 
     @staticmethod
     def _knobs_of(owner: str, scaler: Any, precision: str, loss_scale: Any, knobs: dict[str, Any]) -> dict[str, Any]:
@@ -311,7 +317,12 @@ class MixedPrecision(LightningMixedPrecision):
     # Lightning's hooks that use it are overridden.
     @property
     def scaler(self) -> LossScaler | None:  # type: ignore[override]
-        """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup."""
+        """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup.
+
+        Under Fabric, reading it applies the pending scale update (:mod:`lightning_mp._fabric`).
+        """
+        if self._fabric is not None:
+            self._fabric.settle()
         if self._loss_scaler is not None and self._loss_scaler.scales_loss:
             return self._loss_scaler
         return None
@@ -326,7 +337,11 @@ class MixedPrecision(LightningMixedPrecision):
         """Counters as of the last scale update (once per iteration, after its last optimizer step).
 
         Reading them never synchronises with the device.
+
+        Under Fabric, reading them applies the pending scale update (:mod:`lightning_mp._fabric`).
         """
+        if self._fabric is not None:
+            self._fabric.settle()
         if self._loss_scaler is None:
             scaled = self.precision == "16-mixed" or self.requested_precision == "16-mixed"
             initial = self._scaler_knobs["init_scale"] if self.loss_scale == "dynamic" else self.loss_scale
@@ -422,6 +437,8 @@ class MixedPrecision(LightningMixedPrecision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Resolve the precision from the Trainer's device, then let the opt level convert the module in place."""
+        if attached_trainer(module) is None:
+            return self._convert_for_fabric(module)
         self.setup_for_device(self._trainer_device_type(module))
         assert self._policy is not None
         return self._policy.convert_module(module)
@@ -488,7 +505,8 @@ class MixedPrecision(LightningMixedPrecision):
             yield
             return
         assert self.device is not None
-        with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False):
+        # Compiled regions differentiate outside autocast, as eager autograd does (lightning_mp._compile).
+        with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False), backward_outside_autocast():
             yield
 
     @override
@@ -509,20 +527,25 @@ class MixedPrecision(LightningMixedPrecision):
     # Lightning's Trainer hook takes the LightningModule that Fabric's base hook leaves out (Lightning's own ignore).
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks."""
+        if attached_trainer(module) is None:
+            return tensor  # Fabric ignores what this returns: FabricSteps.backward scales the loss.
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return Precision.pre_backward(self, tensor, module)
 
     @override
-    # Lightning's Strategy hands the plugin the torch Optimizer; Fabric's base hook accepts any Steppable.
+    # Lightning's and Fabric's strategies hand the plugin the torch Optimizer; the base hook accepts any Steppable.
     def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Optimizer,
-        model: LightningModule,
-        closure: Callable[[], Any],
+        model: LightningModule | None = None,
+        closure: Callable[[], Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Backward, unscale, hooks and clipping on true gradients, then a step that is skipped on inf/NaN."""
+        if model is None:
+            return self._fabric_steps().optimizer_step(optimizer, closure, **kwargs)
+        assert closure is not None
         loss_scaler, policy = self._loss_scaler, self._policy
         assert loss_scaler is not None and policy is not None, "MixedPrecision was not set up by a Trainer"
         if isinstance(optimizer, LBFGS):
@@ -672,19 +695,24 @@ class MixedPrecision(LightningMixedPrecision):
         this entry under the same class name) resumes from it. After a bf16 or fp32 run, which has no fp16 scale,
         they describe a fresh fp16 scaler.
         """
+        if self._fabric is not None:
+            self._fabric.settle()
         if self._loss_scaler is None or self._policy is None:
             return dict(self._pending_state or {})
         scaler_state = self._loss_scaler.state_dict()
         torch_state = {key: scaler_state[key] for key in TORCH_SCALER_KEYS if key in scaler_state}
         if not self._loss_scaler.scales_loss:
             torch_state.update(scale=float(self._scaler_knobs["init_scale"]), _growth_tracker=0)
-        return {
+        state = {
             **torch_state,
             "scaler": scaler_state,
             "precision": self.precision,
             "opt_level": self._policy.opt_level,
             "policy": self._policy.state_dict(),
         }
+        if self._fabric is not None:
+            state["fabric"] = self._fabric.state_dict()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -713,6 +741,8 @@ class MixedPrecision(LightningMixedPrecision):
         else:
             self._loss_scaler.load_state_dict(scaler_state)
         self._policy.load_state_dict(state_dict.get("policy", {}))
+        if self._fabric is not None:
+            self._fabric.load_state_dict(state_dict.get("fabric", {}))
 
     def _warn_missing_scaler_state(self) -> None:
         if self.scaler is not None:
@@ -739,6 +769,99 @@ class MixedPrecision(LightningMixedPrecision):
             self._warn_missing_scaler_state()
         if self._policy is not None:
             self._policy.on_load_checkpoint(checkpoint)
+
+    # ------------------------------------------------------------------------------------------------ Fabric
+    # Fabric drives the plugin through these hooks and the dispatch lines above (lightning_mp._fabric).
+
+    def _convert_for_fabric(self, module: nn.Module) -> nn.Module:
+        parameter = next(module.parameters(), None)
+        # Fabric converts before moving the model, so the parameters' device is not the run's: device= wins.
+        self.setup_for_device(self.device or (parameter.device.type if parameter is not None else "cpu"))
+        assert self._policy is not None and self._loss_scaler is not None
+        module = self._policy.convert_module(module)
+        if self._fabric is None:
+            self._fabric = FabricSteps(self._loss_scaler, self._policy, module)
+        else:
+            self._fabric.add_module(module)
+        return module
+
+    def _fabric_steps(self) -> FabricSteps:
+        if self._fabric is None:
+            raise RuntimeError(
+                "MixedPrecision was not set up by Fabric: call fabric.setup(model, optimizer) before"
+                " fabric.backward or optimizer.step."
+            )
+        return self._fabric
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """Leave the inputs as they are (autocast and the opt level cast them); under Fabric, check their device.
+
+        Raises:
+            ValueError: under Fabric, when the inputs live on another device type than the plugin's autocast.
+
+        """
+        if self._fabric is not None and self.device is not None:
+            check_input_device(data, self.device)
+        return data
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        """Under Fabric, return the forward's half-precision outputs in fp32, as Fabric's own mixed precision does."""
+        if self._fabric is None:
+            return data
+        return cast_low_precision(data, torch.get_default_dtype())
+
+    @override
+    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Under Fabric, apply the pending scale update and back-propagate the scaled loss; else Lightning's."""
+        if attached_trainer(model) is None:
+            self._fabric_steps().backward(tensor, *args, **kwargs)
+            return
+        # Attached to a Trainer, the model is the LightningModule that Lightning's hook is typed for.
+        super().backward(tensor, model, *args, **kwargs)  # type: ignore[arg-type]
+
+    @override
+    def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:
+        """Run Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
+        if attached_trainer(module) is None:
+            return tensor
+        # As in backward: attached to a Trainer, the module is a LightningModule.
+        return super().post_backward(tensor, module)  # type: ignore[arg-type]
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale (and, in O2, move to the masters) the gradients before ``fabric.clip_gradients`` clips them."""
+        self._fabric_steps().unscale_gradients(optimizer)
+
+    @override
+    # Fabric types this hook Iterator[Parameter]; its clipping only iterates what this returns, once.
+    def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:  # type: ignore[override]
+        """The parameters to clip; under Fabric none on a step that will be skipped (:meth:`FabricSteps.main_params`).
+
+        .. warning:: Under Fabric, after ``fabric.clip_gradients`` unscaled the gradients, this reads the inf/NaN
+            flag and synchronises the host with the device.
+        """
+        if self._fabric is not None:
+            return self._fabric.main_params(optimizer)
+        return super().main_params(optimizer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (and deep-copy) the settings and the state; under Fabric, after the pending scale update.
+
+        A copy keeps no tie to a running Fabric loop (its model and optimizers): it drives Fabric again once a
+        Fabric sets it up.
+        """
+        if self._fabric is not None:
+            self._fabric.settle()
+        return {**self.__dict__, "_fabric": None}
+
+    @override
+    def teardown(self) -> None:
+        """Apply a pending Fabric scale update, so that the counters include the last step."""
+        if self._fabric is not None:
+            self._fabric.settle()
+        super().teardown()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r}, opt_level={self.opt_level!r})"

@@ -7,6 +7,7 @@ never synchronises with the device: the flag that says whether a step overflowed
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -37,3 +38,15 @@ class PrecisionStats:
     def skip_rate(self) -> float:
         """Skipped steps over attempted steps since the start of training (0.0 before the first step)."""
         return self.skipped_steps / self.optimizer_steps if self.optimizer_steps else 0.0
+
+    def as_dict(self, prefix: str = "precision/") -> dict[str, float]:
+        """Every counter and the skip rate as a float under ``prefix``: ready for ``fabric.log_dict`` or any logger.
+
+        Example:
+            >>> PrecisionStats(loss_scale=1024.0, optimizer_steps=4, skipped_steps=1).as_dict()["precision/skip_rate"]
+            0.25
+
+        """
+        values = {field.name: float(getattr(self, field.name)) for field in dataclasses.fields(self)}
+        values["skip_rate"] = self.skip_rate
+        return {prefix + name: value for name, value in values.items()}

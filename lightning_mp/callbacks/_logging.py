@@ -39,6 +39,18 @@ def validate_positive_int(name: str, value: object) -> int:
     return value
 
 
+def validate_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is ``True`` or ``False``; 1, 0 and "yes" are refused.
+
+    Raises:
+        ValueError: naming the argument, the value and what is allowed.
+
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+    return value
+
+
 def require_logger(trainer: pl.Trainer, callback_name: str) -> None:
     """Fail early, as Lightning's own monitors do, when there is nowhere to log to.
 

@@ -26,13 +26,32 @@ which is what gradient clipping thresholds are compared with.
 parameters whose gradients are not finite (at most 20, with their shapes) and the step, and a warning says the
 same every ``warn_every_n_skips`` skips. Under DDP the names are the union over the ranks.
 
-**Cost.** The statistics are computed on logging steps only, in one pass over the gradients and one transfer to
-the host. The forensics run on skipped steps only. Other steps cost nothing.
+The culprits are captured when the overflow is detected, not after: Lightning calls ``on_before_optimizer_step``
+inside the optimizer step, after the plugin has unscaled the gradients and before the step runs or is skipped, in
+automatic and in manual optimization alike. There the monitor computes ``max |g|`` of every gradient in one batched
+op (``torch._foreach_norm`` with ``ord=inf``) and keeps the result on the device. Whether that step was skipped is
+known on the host once the step returns (``plugin.stats``); only then, and only for a skipped step, is the vector
+read, in one transfer. So the names survive a ``zero_grad`` that follows ``opt.step()`` in manual optimization, and
+a clean step never reads anything.
+
+**Cost**, counted with :mod:`lightning_mp.counting`:
+
+- a step that does not log: one op (the batched ``max |g|``), no synchronisation;
+- a logging step: one ``view`` per gradient, one ``cat`` into a flat float32 copy, then one op per statistic and
+  one ``histc`` for the whole histogram (:func:`lightning_mp._gradients.gradient_summary`). The resulting vector
+  is read at the end of the batch in the one transfer the monitors share (:mod:`lightning_mp.callbacks._host_reads`).
+  The flat copy holds twice the gradients' size for the duration of the hook;
+- a skipped step: one more transfer, of one number per parameter tensor.
+
+Private names used: ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``, to know whether a
+fused optimizer still holds scaled gradients in the hook; ``trainer._logger_connector`` through
+:mod:`lightning_mp.callbacks._logging`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -44,7 +63,8 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp._gradients import nonfinite_gradients
+from lightning_mp._gradients import LOG2_HISTOGRAM_RANGE, SUMMARY_FIELDS, gradient_summary, largest_magnitudes
+from lightning_mp.callbacks._host_reads import Consumer, host_reads
 from lightning_mp.callbacks._logging import (
     log_scalars,
     log_text,
@@ -53,6 +73,7 @@ from lightning_mp.callbacks._logging import (
     require_mixed_precision,
     should_log,
     tensorboard_writers,
+    validate_bool,
     validate_positive_int,
 )
 
@@ -61,7 +82,15 @@ if TYPE_CHECKING:
 
 _MAX_REPORTED_PARAMETERS = 20
 _FP16_MAX = torch.finfo(torch.float16).max
-_HISTOGRAM_LOG2_RANGE = (-64, 32)
+
+
+@dataclass
+class _Capture:
+    """``max |g|`` of each stepped tensor, kept on the device until the step is known to be clean or skipped."""
+
+    parameters: list[torch.Tensor]
+    largest: list[torch.Tensor]
+    optimizer_steps_before: int
 
 
 class GradientHealthMonitor(Callback):
@@ -73,13 +102,16 @@ class GradientHealthMonitor(Callback):
     - ``precision/grad_zero_fraction``: share of gradient elements that are exactly zero, in [0, 1].
     - ``precision/grad_headroom_log2``: ``log2(65504 / max |scaled gradient|)``, fp16 only.
     - ``precision/grad_log2_magnitude`` (TensorBoard histogram): ``log2 |scaled gradient|`` of the non-zero finite
-      elements, clamped to [-64, 32].
+      elements, one bucket per power of two.
     - ``precision/overflow`` (TensorBoard text): on every skipped step, the parameters with inf or NaN gradients.
 
     The scalars are read in ``on_before_optimizer_step``, after the plugin has unscaled the gradients. On a step
     whose gradients are not finite the scalars are not logged (the overflow entry reports that step instead), so
     the charts stay readable. Under DDP the gradients are already averaged across ranks at that point, so the
     scalars describe the global gradient.
+
+    .. warning:: A logging step synchronises the host with the device once, to read all the statistics in one
+        transfer; a skipped step once more, to name its culprits. Other steps never synchronise.
 
     Args:
         warn_every_n_skips: emit a warning naming the non-finite parameters on the first skipped step and then
@@ -103,10 +135,10 @@ class GradientHealthMonitor(Callback):
 
     def __init__(self, warn_every_n_skips: int = 10, log_histogram: bool = True) -> None:
         self.warn_every_n_skips = validate_positive_int("warn_every_n_skips", warn_every_n_skips)
-        if not isinstance(log_histogram, bool):
-            raise ValueError(f"`log_histogram` must be True or False, got {log_histogram!r}.")
-        self.log_histogram = log_histogram
-        self._seen_skipped_steps = 0
+        self.log_histogram = validate_bool("log_histogram", log_histogram)
+        self._skips_reported = 0
+        self._capture: _Capture | None = None
+        self._summary: tuple[torch.Tensor, Consumer] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -114,41 +146,30 @@ class GradientHealthMonitor(Callback):
             return
         require_logger(trainer, type(self).__name__)
         require_mixed_precision(trainer, type(self).__name__)
+        host_reads(trainer).join(self)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._seen_skipped_steps = require_mixed_precision(trainer, type(self).__name__).stats.skipped_steps
+        self._skips_reported = require_mixed_precision(trainer, type(self).__name__).stats.skipped_steps
+        self._capture = None
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        if not should_log(trainer):
-            return
         plugin = require_mixed_precision(trainer, type(self).__name__)
-        grads = [
-            p.grad.coalesce().values() if p.grad.is_sparse else p.grad
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None and p.grad.numel() > 0
+        # Manual optimization may step several times per batch: settle the previous step before capturing this one.
+        self._report_if_skipped(trainer, pl_module)
+        parameters = [
+            p for group in optimizer.param_groups for p in group["params"] if p.grad is not None and p.grad.numel() > 0
         ]
-        if not grads:
+        dense = [p for p in parameters if not p.grad.is_sparse]
+        if not parameters:
             return
-        total_norm, zero_fraction, largest = _gradient_summary(grads)
-        if not math.isfinite(total_norm):
-            return
-        loss_scale = plugin.stats.loss_scale if plugin.scaler is not None else 1.0
-        # A fused optimizer unscales inside its own step, so its gradients still carry the scale here.
-        scale_in_grads = loss_scale if _optimizer_handles_unscaling(optimizer) else 1.0
-        metrics = {"precision/grad_norm": total_norm / scale_in_grads, "precision/grad_zero_fraction": zero_fraction}
-        if plugin.half_dtype == torch.float16 and largest > 0:
-            largest_scaled = largest * loss_scale / scale_in_grads
-            metrics["precision/grad_headroom_log2"] = math.log2(_FP16_MAX / largest_scaled)
-        step = logging_step(trainer)
-        log_scalars(trainer, metrics, step=step)
-        writers = tensorboard_writers(trainer) if self.log_histogram else []
-        if writers:
-            _log_magnitude_histogram(writers, grads, loss_scale / scale_in_grads, step)
+        self._capture = _Capture(dense, largest_magnitudes([p.grad for p in dense]), plugin.stats.optimizer_steps)
+        if should_log(trainer) and trainer.is_global_zero:
+            grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in parameters]
+            self._summary = self._summarise(trainer, grads, optimizer)
 
     @override
     def on_train_batch_end(
@@ -159,14 +180,61 @@ class GradientHealthMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        stats = require_mixed_precision(trainer, type(self).__name__).stats
-        if stats.skipped_steps <= self._seen_skipped_steps:
-            return
-        first_new_skip = self._seen_skipped_steps + 1
-        self._seen_skipped_steps = stats.skipped_steps
+        self._report_if_skipped(trainer, pl_module)
+        summary, self._summary = self._summary, None
+        host_reads(trainer).submit(trainer, self, *(summary or (None, None)))
 
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        host_reads(trainer).leave(self)
+        self._summary = self._capture = None
+
+    def _summarise(
+        self, trainer: pl.Trainer, grads: list[torch.Tensor], optimizer: Optimizer
+    ) -> tuple[torch.Tensor, Consumer]:
+        """The gradient summary on the device, and the function that logs it once it has been read."""
+        plugin = require_mixed_precision(trainer, type(self).__name__)
+        loss_scale = plugin.stats.loss_scale if plugin.scaler is not None else 1.0
+        # A fused optimizer unscales inside its own step, so its gradients still carry the scale here.
+        scale_in_grads = loss_scale if _optimizer_handles_unscaling(optimizer) else 1.0
+        elements = sum(grad.numel() for grad in grads)
+        in_fp16 = plugin.half_dtype == torch.float16
+        step = logging_step(trainer)
+        writers = tensorboard_writers(trainer) if self.log_histogram else []
+
+        def log(values: list[float]) -> None:
+            head = dict(zip(SUMMARY_FIELDS, values, strict=False))
+            if not math.isfinite(head["norm"]):
+                return
+            metrics = {
+                "precision/grad_norm": head["norm"] / scale_in_grads,
+                "precision/grad_zero_fraction": 1.0 - head["nonzero"] / elements,
+            }
+            if in_fp16 and head["largest"] > 0:
+                largest_scaled = head["largest"] * loss_scale / scale_in_grads
+                metrics["precision/grad_headroom_log2"] = math.log2(_FP16_MAX / largest_scaled)
+            log_scalars(trainer, metrics, step=step)
+            if writers:
+                _log_magnitude_histogram(writers, values[len(SUMMARY_FIELDS) :], step)
+
+        return gradient_summary(grads, log2_shift=math.log2(loss_scale / scale_in_grads)), log
+
+    def _report_if_skipped(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stats = require_mixed_precision(trainer, type(self).__name__).stats
+        capture = self._capture
+        if capture is not None and stats.optimizer_steps > capture.optimizer_steps_before:
+            self._capture = None
+            if stats.optimizer_steps != capture.optimizer_steps_before + 1 or not stats.last_step_skipped:
+                capture = None
+        elif capture is not None:
+            return
+        if stats.skipped_steps <= self._skips_reported:
+            return
+        first_new_skip = self._skips_reported + 1
+        self._skips_reported = stats.skipped_steps
+
+        local = _nonfinite_names(trainer, pl_module, capture)
         # Skips are identical on every rank, so every rank reaches this collective together.
-        local = nonfinite_gradients(_stepped_parameters(trainer, pl_module), _MAX_REPORTED_PARAMETERS)
         names = _union_over_ranks(trainer, local)
         step = logging_step(trainer)
         log_text(trainer, "precision/overflow", _overflow_markdown(step, names, stats.loss_scale), step)
@@ -182,90 +250,54 @@ class GradientHealthMonitor(Callback):
             )
 
 
-def _gradient_summary(grads: list[torch.Tensor]) -> tuple[float, float, float]:
-    """Global 2-norm, share of exact zeros and largest magnitude, read back in a single transfer."""
-    with torch.no_grad():
-        device = grads[0].device
-        norms = torch.stack([torch.linalg.vector_norm(g.float()).to(device) for g in grads])
-        zeros = torch.stack([(g == 0).sum().to(device) for g in grads]).sum()
-        largest = torch.stack([g.abs().max().float().to(device) for g in grads if g.numel() > 0]).max()
-        elements = sum(g.numel() for g in grads)
-        total_norm, zero_count, largest_value = torch.stack(
-            [torch.linalg.vector_norm(norms), zeros.float(), largest]
-        ).tolist()
-    return total_norm, zero_count / elements, largest_value
-
-
-def _log_magnitude_histogram(writers: list[SummaryWriter], grads: list[torch.Tensor], scale: float, step: int) -> None:
-    """Histogram of ``log2 |grad * scale|`` over the non-zero finite elements, binned on the device, one transfer."""
-    low, high = _HISTOGRAM_LOG2_RANGE
-    shift = math.log2(scale)
-    with torch.no_grad():
-        device = grads[0].device
-        counts = torch.zeros(high - low, dtype=torch.float64, device=device)
-        # Masks instead of boolean indexing, which would synchronise with the device once per tensor.
-        summaries = []
-        for grad in grads:
-            magnitudes = grad.detach().abs().double().flatten().to(device)
-            valid = (magnitudes > 0) & torch.isfinite(magnitudes)
-            exponents = torch.where(valid, torch.log2(magnitudes) + shift, 0.0).clamp_(low, high)
-            bins = (exponents - low).long().clamp_(0, high - low - 1)
-            counts.scatter_add_(0, bins, valid.double())
-            summaries.append(
-                torch.stack(
-                    [
-                        valid.sum().double(),
-                        exponents.mul(valid).sum(),
-                        exponents.square().mul(valid).sum(),
-                        torch.where(valid, exponents, float(low)).max(),
-                        torch.where(valid, exponents, float(high)).min(),
-                    ]
-                )
-            )
-        stacked = torch.stack(summaries)
-        summary = torch.cat(
-            [stacked[:, :3].sum(0), stacked[:, 3].max().reshape(1), stacked[:, 4].min().reshape(1), counts]
-        ).tolist()
-    number, total, total_squares, largest, least = summary[:5]
-    bucket_counts = summary[5:]
-    if number == 0:
+def _log_magnitude_histogram(writers: list[SummaryWriter], bucket_counts: list[float], step: int) -> None:
+    """Write the power-of-two histogram; min, max, sum and sum of squares are taken from the bucket edges."""
+    low, _ = LOG2_HISTOGRAM_RANGE
+    filled = [index for index, count in enumerate(bucket_counts) if count > 0]
+    if not filled:
         return
+    # Buckets are one power of two wide: the centres give the moments to within half a bucket.
+    centres = [low + index + 0.5 for index in range(len(bucket_counts))]
     for writer in writers:
         writer.add_histogram_raw(
             "precision/grad_log2_magnitude",
-            min=least,
-            max=largest,
-            num=int(number),
-            sum=total,
-            sum_squares=total_squares,
-            bucket_limits=[float(limit) for limit in range(low + 1, high + 1)],
+            min=float(low + filled[0]),
+            max=float(low + filled[-1] + 1),
+            num=int(sum(bucket_counts)),
+            sum=sum(count * centre for count, centre in zip(bucket_counts, centres, strict=True)),
+            sum_squares=sum(count * centre**2 for count, centre in zip(bucket_counts, centres, strict=True)),
+            bucket_limits=[float(low + index + 1) for index in range(len(bucket_counts))],
             bucket_counts=bucket_counts,
             global_step=step,
         )
 
 
-def _stepped_parameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, torch.Tensor]]:
-    """The tensors the optimizers step, named as the model names them, then any model parameter not among them.
+def _nonfinite_names(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, capture: _Capture | None
+) -> list[tuple[str, tuple[int, ...]]]:
+    """Name the captured tensors whose largest gradient magnitude was inf or NaN: one transfer for all of them."""
+    if capture is None or not capture.largest:
+        return []
+    largest = torch.stack([value.float().to(capture.largest[0].device) for value in capture.largest]).tolist()
+    names_by_id = _parameter_names(trainer, pl_module)
+    found = [
+        (names_by_id.get(id(parameter), f"parameter {position}"), tuple(parameter.shape))
+        for position, (parameter, value) in enumerate(zip(capture.parameters, largest, strict=True))
+        if not math.isfinite(value)
+    ]
+    return found[:_MAX_REPORTED_PARAMETERS]
+
+
+def _parameter_names(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[int, str]:
+    """``id(tensor) -> name`` for the tensors the optimizers step, named as the model names them.
 
     Under opt level O2 the optimizers step fp32 masters, which hold the gradients at this point; the policy knows
     which model parameter each master stands for.
     """
-    plugin = trainer.precision_plugin
-    policy = getattr(plugin, "policy", None)
-    names_by_id = (
-        policy.parameter_names(pl_module)
-        if policy is not None
-        else {id(parameter): name for name, parameter in pl_module.named_parameters()}
-    )
-    named: dict[str, torch.Tensor] = {}
-    for index, optimizer in enumerate(trainer.optimizers):
-        for group_index, group in enumerate(optimizer.param_groups):
-            for position, parameter in enumerate(group["params"]):
-                fallback = f"optimizers[{index}].param_groups[{group_index}][{position}]"
-                named.setdefault(names_by_id.get(id(parameter), fallback), parameter)
-    for name, parameter in pl_module.named_parameters():
-        named.setdefault(name, parameter)
-    return list(named.items())
+    policy = getattr(trainer.precision_plugin, "policy", None)
+    if policy is not None:
+        return policy.parameter_names(pl_module)
+    return {id(parameter): name for name, parameter in pl_module.named_parameters()}
 
 
 def _union_over_ranks(

@@ -11,6 +11,20 @@ means the model no longer fits fp16's range: the run is silently not learning on
 
 Everything is read from ``plugin.stats``, a host-side snapshot the plugin refreshes after every optimizer step, so
 this callback never synchronises with the device on a single process.
+
+**Progress bar.** ``self.log("loss_scale", ..., prog_bar=True)`` would turn the float into a tensor on the model's
+device (a host-to-device copy) and Lightning would read it back with ``.item()`` for the bar, on every step. Instead
+the callback writes the Python float straight into ``trainer.progress_bar_metrics``, the dictionary the progress
+bar's ``get_metrics`` shows: no tensor, no copy, no synchronisation. Lightning runs user callbacks before its
+progress bar, so the bar shows the scale after this batch's step.
+
+**Cost under DDP**: one collective per logging step, and no synchronisation of its own. The four counters are
+stacked into one vector (this rank's overflow count stays a device tensor until then) and gathered from every rank
+with a single ``all_gather``; the result is read back in the one transfer the monitors share per batch
+(:mod:`lightning_mp.callbacks._host_reads`), and the maxima and the sum are taken on the host.
+
+Private names used: ``trainer._logger_connector`` through :mod:`lightning_mp.callbacks._logging`; the scaler's
+device overflow counter through :func:`lightning_mp.callbacks._scaler_view.scaler_view`.
 """
 
 from __future__ import annotations
@@ -23,13 +37,16 @@ from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
+from lightning_mp.callbacks._host_reads import host_reads
 from lightning_mp.callbacks._logging import (
     log_scalars,
     logging_step,
     require_logger,
     require_mixed_precision,
     should_log,
+    validate_bool,
 )
+from lightning_mp.callbacks._scaler_view import scaler_view
 
 
 class LossScaleMonitor(Callback):
@@ -51,8 +68,11 @@ class LossScaleMonitor(Callback):
     **Distributed training.** The plugin all-reduces the found-inf flag before it decides to skip, so every rank
     skips the same steps and holds the same counters. The totals are therefore reduced across ranks with a maximum,
     not a sum: a step skipped on all ranks counts once, which is the number of optimizer updates the model lost.
-    ``precision/rank_overflows_total`` is the one total summed over ranks. These reductions cost two small collectives
-    per logging step; everything is written once, from rank zero.
+    ``precision/rank_overflows_total`` is the one total summed over ranks. All four are gathered in one collective per
+    logging step; everything is written once, from rank zero.
+
+    .. warning:: Under DDP a logging step synchronises the host once, to read the gathered counters. A single process
+        never synchronises, and the progress bar never does.
 
     Args:
         prog_bar: also show the loss scale on Lightning's progress bar, as ``loss_scale``.
@@ -72,9 +92,7 @@ class LossScaleMonitor(Callback):
     """
 
     def __init__(self, prog_bar: bool = False) -> None:
-        if not isinstance(prog_bar, bool):
-            raise ValueError(f"`prog_bar` must be True or False, got {prog_bar!r}.")
-        self.prog_bar = prog_bar
+        self.prog_bar = validate_bool("prog_bar", prog_bar)
         self._seen_optimizer_steps = 0
         self._seen_skipped_steps = 0
         self._window_start_optimizer_steps = 0
@@ -86,6 +104,7 @@ class LossScaleMonitor(Callback):
             return
         require_logger(trainer, type(self).__name__)
         require_mixed_precision(trainer, type(self).__name__)
+        host_reads(trainer).join(self)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -109,41 +128,72 @@ class LossScaleMonitor(Callback):
         skipped = stats.skipped_steps > self._seen_skipped_steps
         self._seen_optimizer_steps = stats.optimizer_steps
         self._seen_skipped_steps = stats.skipped_steps
-        if not stepped:
-            # Accumulating gradients: nothing changed since the last batch.
+        if stepped and self.prog_bar:
+            trainer.progress_bar_metrics["loss_scale"] = stats.loss_scale
+        # Accumulating gradients, nothing changed since the last batch; or not a step to log.
+        if not stepped or not (should_log(trainer) or skipped):
+            host_reads(trainer).submit(trainer, self)
             return
 
-        if self.prog_bar:
-            pl_module.log("loss_scale", stats.loss_scale, prog_bar=True, logger=False, on_step=True, on_epoch=False)
-
-        if not (should_log(trainer) or skipped):
-            return
-
-        skipped_total, backoffs_total, growths_total = self._reduce_over_ranks(
-            trainer, (stats.skipped_steps, stats.scale_backoffs, stats.scale_growths), "max"
-        )
-        (rank_overflows_total,) = self._reduce_over_ranks(trainer, (plugin.local_overflows(),), "sum")
         window_steps = stats.optimizer_steps - self._window_start_optimizer_steps
         window_skips = stats.skipped_steps - self._window_start_skipped_steps
         self._window_start_optimizer_steps = stats.optimizer_steps
         self._window_start_skipped_steps = stats.skipped_steps
+        step = logging_step(trainer)
+        shared_counters = (stats.skipped_steps, stats.scale_backoffs, stats.scale_growths)
 
-        log_scalars(
-            trainer,
-            {
-                "precision/loss_scale": stats.loss_scale,
-                "precision/skipped_steps_total": skipped_total,
-                "precision/skip_rate": window_skips / window_steps,
-                "precision/scale_backoffs_total": backoffs_total,
-                "precision/scale_growths_total": growths_total,
-                "precision/rank_overflows_total": rank_overflows_total,
-            },
-            step=logging_step(trainer),
-        )
+        def log(per_rank: list[float]) -> None:
+            skipped_total, backoffs_total, growths_total, rank_overflows_total = _reduce_over_ranks(
+                per_rank, len(shared_counters) + 1
+            )
+            log_scalars(
+                trainer,
+                {
+                    "precision/loss_scale": stats.loss_scale,
+                    "precision/skipped_steps_total": skipped_total,
+                    "precision/skip_rate": window_skips / window_steps,
+                    "precision/scale_backoffs_total": backoffs_total,
+                    "precision/scale_growths_total": growths_total,
+                    "precision/rank_overflows_total": rank_overflows_total,
+                },
+                step=step,
+            )
 
-    @staticmethod
-    def _reduce_over_ranks(trainer: pl.Trainer, counters: tuple[int, ...], reduce_op: str) -> tuple[int, ...]:
         if trainer.world_size == 1:
-            return counters
-        values = torch.tensor(counters, dtype=torch.int64, device=trainer.strategy.root_device)
-        return tuple(int(value) for value in trainer.strategy.reduce(values, reduce_op=reduce_op).tolist())
+            # One process: its own overflows are the skipped steps, and reading a device counter would synchronise.
+            host_reads(trainer).submit(trainer, self)
+            log([*shared_counters, stats.skipped_steps])
+            return
+        gathered = _gather_counters(trainer, shared_counters, scaler_view(plugin).local_overflows)
+        host_reads(trainer).submit(trainer, self, gathered, log)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        host_reads(trainer).leave(self)
+
+
+def _gather_counters(
+    trainer: pl.Trainer, shared_counters: tuple[int, ...], local_overflows: torch.Tensor | int
+) -> torch.Tensor:
+    """Every rank's counters, ``shared_counters`` then this rank's overflows, gathered in one collective.
+
+    The result stays on the device, shaped ``(world_size * (len(shared_counters) + 1),)``; nothing is read here.
+    """
+    device = trainer.strategy.root_device
+    local = torch.as_tensor(local_overflows, dtype=torch.float64, device=device).reshape(1)
+    # Counters stay far below 2**53, so float64 carries them exactly.
+    counters = torch.cat([torch.tensor(shared_counters, dtype=torch.float64).to(device, non_blocking=True), local])
+    return trainer.strategy.all_gather(counters).reshape(-1)
+
+
+def _reduce_over_ranks(per_rank: list[float], width: int) -> tuple[int, ...]:
+    """Maxima of the shared counters over the ranks, and the sum of the last column (each rank's own overflows).
+
+    Example:
+        >>> _reduce_over_ranks([2.0, 1.0, 0.0, 2.0, 2.0, 1.0, 0.0, 0.0], width=4)
+        (2, 1, 0, 2)
+
+    """
+    rows = [per_rank[start : start + width] for start in range(0, len(per_rank), width)]
+    maxima = [int(max(row[column] for row in rows)) for column in range(width - 1)]
+    return (*maxima, int(sum(row[-1] for row in rows)))

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
-from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
 
 # The plugin rightly warns that half precision is slow on this CPU; the run here is tiny.
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
@@ -77,13 +77,19 @@ def poll(url: str, ready: Callable[[Any], bool], deadline: float) -> Any:
 
 
 def test_tensorboard_server_lists_the_precision_tags(tmp_path: Path):
-    """A user who opens TensorBoard on the run finds precision/loss_scale among its scalars and the overflow text."""
+    """A user who opens TensorBoard on the run finds precision/loss_scale among its scalars, the overflow text and the
+    sentinel's heatmaps among its images."""
     logger = TensorBoardLogger(tmp_path)
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
         plugins=[MixedPrecision("16-mixed", init_scale=2.0**8)],
-        callbacks=[LossScaleMonitor(), GradientHealthMonitor(), LayerDtypeMonitor()],
+        callbacks=[
+            LossScaleMonitor(),
+            GradientHealthMonitor(),
+            LayerDtypeMonitor(),
+            PrecisionSentinel(every_n_steps=1),
+        ],
         logger=logger,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -126,6 +132,7 @@ def test_tensorboard_server_lists_the_precision_tags(tmp_path: Path):
         text_tags = poll(
             f"{base}/text/tags", lambda answer: "precision/overflow/text_summary" in answer.get(run, []), deadline
         )
+        image_tags = poll(f"{base}/images/tags", lambda answer: len(answer.get(run, {})) >= 3, deadline)
     finally:
         server.terminate()
         try:
@@ -138,3 +145,8 @@ def test_tensorboard_server_lists_the_precision_tags(tmp_path: Path):
     expected_scalars = {"precision/loss_scale", "precision/skipped_steps_total", "precision/grad_norm"}
     assert expected_scalars <= set(scalar_tags.get(run, {}))
     assert {"precision/overflow/text_summary", "precision/layer_dtypes/text_summary"} <= set(text_tags.get(run, []))
+    assert set(image_tags.get(run, {})) == {
+        "precision_sentinel/activation_headroom_log2",
+        "precision_sentinel/grad_underflow_share",
+        "precision_sentinel/stale_update_share",
+    }

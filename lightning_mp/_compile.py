@@ -1,0 +1,44 @@
+"""torch.compile under autocast: compiled backward passes that run, as in eager, outside autocast.
+
+The plugin runs every forward under ``torch.autocast`` and every backward outside it, as torch's AMP recipe says.
+In eager mode autograd replays each op's backward in the dtype the forward chose, so a ``keep_fp32`` region
+differentiates in fp32. AOT autograd (``torch.compile`` with ``aot_eager`` or inductor) instead traces the
+backward of a compiled region under the autocast state of its forward by default, so the backward of a region
+where autocast was switched off (``keep_fp32``, or a ``with torch.autocast(enabled=False)`` block in user code)
+runs its matrix products in fp16 and can overflow where eager does not.
+
+:func:`backward_outside_autocast` tells AOT autograd, for the regions compiled inside it, that their backward runs
+outside autocast: the compiled backward then computes what eager computes.
+
+Private torch names used:
+
+- ``torch._functorch.config.backward_pass_autocast``: the only switch for how AOT autograd traces the backward
+  under autocast; its "off" value matches eager semantics. Without it, keep_fp32 regions lose fp32 in compiled
+  backward passes.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import torch._functorch.config as functorch_config
+
+
+class backward_outside_autocast:  # a class, not a generator: it runs on every forward, and this costs least
+    """Compile the regions first run inside this block with their backward traced outside autocast.
+
+    AOT autograd reads the setting only while it compiles, which happens inside the first forward of a compiled
+    region (and of any recompilation); outside the block the user's own setting holds.
+    """
+
+    def __enter__(self) -> None:
+        self._previous = functorch_config.backward_pass_autocast
+        functorch_config.backward_pass_autocast = "off"
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        functorch_config.backward_pass_autocast = self._previous
+
+
+__all__ = ["backward_outside_autocast"]

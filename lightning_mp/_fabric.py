@@ -1,0 +1,256 @@
+"""The plugin's Fabric path: the same loss scaling, skipping and opt levels, driven by Fabric's own loop.
+
+Fabric calls a precision plugin at fewer points than the Trainer, and with other signatures::
+
+    fabric.setup(model, optimizer)       convert_module(module)               opt level converts the model
+    model(x)                             convert_input, forward_context       autocast (O1)
+    fabric.backward(loss)                pre_backward, backward, post_backward
+    fabric.clip_gradients(...)           unscale_gradients(optimizer)         then clips main_params(optimizer)
+    optimizer.step()                     optimizer_step(optimizer, **kwargs)
+    fabric.save / fabric.load            state_dict / load_state_dict         when the plugin is in the state
+
+Fabric saves only what the user puts in the state, so the plugin goes there beside the model and the optimizer:
+``fabric.save(path, {"model": model, "optimizer": optimizer, "precision": plugin})``. Its state holds the scaler
+(scale, trackers, counters) and, in O2, the fp32 master weights that the model's own state dict rounds to half and the
+optimizers' fp32 states (see :meth:`FabricSteps.state_dict`).
+
+:class:`FabricSteps` does, at those points, what the plugin does in the Trainer's optimizer step:
+
+1. ``backward`` first applies a pending scale update (rule below), then multiplies the loss by the scale and runs
+   ``backward``. Fabric ignores what ``pre_backward`` returns, so the loss is scaled here.
+2. The first time an optimizer is seen (its first step or clip), the opt level connects it (O2 swaps in the fp32
+   master weights) and a step post-hook is registered on it, so that the plugin knows, without a host
+   synchronisation, whether ``optimizer.step()`` really ran.
+3. ``unscale_gradients`` (Fabric calls it before clipping) and ``optimizer_step`` prepare the gradients (O2 moves
+   them to the masters) and unscale them once per step, with the fused inf/NaN check; clipping therefore sees true
+   gradients. On a step that will be skipped there is nothing to clip: ``main_params`` then gives no parameter,
+   so ``fabric.clip_gradients`` returns a zero norm instead of raising on the non-finite one.
+4. The step is skipped when a gradient is not finite (under DDP when one on any rank is not), and the opt level
+   then copies the masters back (O2).
+
+When the scale moves. Fabric has no end-of-iteration hook, and an iteration may step several optimizers on
+gradients produced by one backward. Updating the scale right after the first of those steps would unscale the
+others by a scale their gradients were not produced under. So the update after a step is left **pending**, and
+applied lazily at the first of:
+
+- the next ``fabric.backward`` (before its loss is scaled),
+- a second step (or clip) of an optimizer that already stepped since the last update,
+- reading the plugin's :attr:`~lightning_mp.MixedPrecision.stats` or
+  :attr:`~lightning_mp.MixedPrecision.scaler`, its ``state_dict`` (``fabric.save``), or ``teardown``.
+
+Every optimizer therefore unscales by the scale its gradients were produced under, and the scale moves once per
+backward-and-steps iteration, gradient accumulation included. Read the stats after the iteration's last step.
+
+Private Lightning names used:
+
+- ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: whether an optimizer unscales inside its
+  own step (fused); Lightning's own AMP plugins decide with it, and the plugin must agree with them.
+- ``torch.amp.GradScaler._found_inf_per_device``: the inf/NaN flags of an optimizer's unscaled gradients, which
+  torch's GradScaler keeps for its own ``step``; read at clipping time only (see :meth:`FabricSteps.main_params`).
+- ``LightningModule._trainer`` (read with ``getattr``): whether the Trainer or Fabric drives a hook. The public
+  ``trainer`` property raises, or under Fabric returns a stand-in, when no Trainer is attached.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+
+from lightning_mp.policies import PrecisionPolicy
+from lightning_mp.scaler import LossScaler
+
+
+def attached_trainer(module: nn.Module | None) -> Any:
+    """The Trainer a LightningModule is attached to; None for Fabric's modules (and no module)."""
+    return getattr(module, "_trainer", None)
+
+
+def check_input_device(data: Any, device_type: str) -> None:
+    """Raise when a tensor in ``data`` is on another device type than the plugin's autocast would cover.
+
+    Fabric converts the model before moving it, so the plugin cannot see the run's device at setup; a GPU run with
+    the plugin resolved for the CPU would autocast nothing without this check.
+
+    Raises:
+        ValueError: naming the device types and the fix.
+
+    """
+    found: set[str] = set()
+    apply_to_collection(data, Tensor, lambda tensor: found.add(tensor.device.type))
+    other = sorted(found - {device_type})
+    if other:
+        raise ValueError(
+            f"MixedPrecision(device={device_type!r}) autocasts on {device_type!r}, but the model's inputs are on"
+            f" {other}. Pass MixedPrecision(device={other[0]!r}) when Fabric runs on {other[0]!r}."
+        )
+
+
+class FabricSteps:
+    """Backward, clipping and optimizer steps of :class:`~lightning_mp.MixedPrecision` under Fabric.
+
+    Args:
+        loss_scaler: the plugin's scaler (in every precision: bf16 and fp32 use its check-only mode).
+        policy: the opt level's policy.
+        module: the model Fabric set up, before any wrapper (DDP), as ``convert_module`` saw it. More models
+            (a GAN's two) join with :meth:`add_module`.
+
+    """
+
+    def __init__(self, loss_scaler: LossScaler, policy: PrecisionPolicy, module: nn.Module) -> None:
+        self.loss_scaler = loss_scaler
+        self.policy = policy
+        self.modules = [module]
+        self.update_pending = False
+        self._connected: list[weakref.ReferenceType[Optimizer]] = []
+        """The optimizers the opt level has connected, in the order it first saw them."""
+        self._saved_optimizer_states: list[dict[str, Any]] = []
+        self._unscaled: set[int] = set()
+        self._stepped_since_update: set[int] = set()
+        self._ran: set[int] = set()
+
+    def settle(self) -> None:
+        """Apply the pending scale update, if a step happened since the last one."""
+        if not self.update_pending:
+            return
+        self.update_pending = False
+        self._stepped_since_update.clear()
+        self.loss_scaler.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What ``fabric.save`` cannot restore exactly from the model and optimizer alone; empty for O0 and O1.
+
+        In O2 the model's own state dict holds the rounded half weights, and ``fabric.load`` fills an optimizer
+        before the opt level has pointed it at the fp32 masters, so torch casts its moments to the half dtype. The
+        plugin's state therefore carries the fp32 masters (``weights``) and the full-precision states of the
+        optimizers, in the order the plugin first saw them (``optimizers``).
+        """
+        # The opt level holds the masters of the model it converted last.
+        weights = self.modules[-1].state_dict()
+        checkpoint = {"state_dict": dict(weights)}
+        self.policy.on_save_checkpoint(checkpoint)
+        kept = {name: value for name, value in checkpoint["state_dict"].items() if value is not weights.get(name)}
+        if not kept:
+            return {}
+        optimizers = [optimizer.state_dict() for reference in self._connected if (optimizer := reference()) is not None]
+        return {"weights": kept, "optimizers": optimizers}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the masters now, and each optimizer's full-precision state once the opt level connects it."""
+        if not state_dict:
+            return
+        self.policy.on_load_checkpoint({"state_dict": state_dict["weights"]})
+        self._saved_optimizer_states = list(state_dict["optimizers"])
+
+    def add_module(self, module: nn.Module) -> None:
+        """Drive another model set up by the same Fabric (each optimizer is connected with the model it steps)."""
+        if all(known is not module for known in self.modules):
+            self.modules.append(module)
+
+    def _module_of(self, optimizer: Optimizer) -> nn.Module:
+        stepped = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        owners = [m for m in self.modules if any(id(parameter) in stepped for parameter in m.parameters())]
+        return owners[0] if owners else self.modules[-1]
+
+    def backward(self, tensor: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Settle the previous iteration's scale, then back-propagate the scaled loss."""
+        self.settle()
+        self.loss_scaler.scale(tensor).backward(*args, **kwargs)
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Make the optimizer's gradients true gradients (once per step), for clipping before ``optimizer.step``.
+
+        Raises:
+            RuntimeError: for an optimizer that unscales inside its own step (``fused=True``) while the loss is
+                scaled: its gradients cannot be clipped before the step.
+
+        """
+        if self.loss_scaler.scales_loss and _optimizer_handles_unscaling(optimizer):
+            raise RuntimeError(
+                f"{type(optimizer).__qualname__} unscales its gradients inside its own step (fused=True), so they"
+                " cannot be clipped before it. Use the optimizer with fused=False to clip scaled fp16 gradients."
+            )
+        self._unscale(optimizer)
+
+    def main_params(self, optimizer: Optimizer) -> list[Tensor]:
+        """The parameters whose gradients Fabric clips; none on a step that will be skipped for inf/NaN gradients.
+
+        .. warning:: After the gradients were unscaled this reads the inf/NaN flag, which synchronises the host
+            with the device (the step reads the same flag anyway). Clipping a step that is skipped is pointless,
+            and with ``error_if_nonfinite=True`` (Fabric's default) it would raise.
+        """
+        if id(optimizer) in self._unscaled and self._found_inf(optimizer):
+            return []  # a list: torch warns about an empty generator, and nothing is wrong here
+        return [parameter for group in optimizer.param_groups for parameter in group["params"]]
+
+    def _found_inf(self, optimizer: Optimizer) -> bool:
+        flags = self.loss_scaler._found_inf_per_device(optimizer)
+        return any(bool(flag.item()) for flag in flags.values())
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
+        """Unscale, then step unless a gradient is inf or NaN; the scale update waits (module docstring).
+
+        Raises:
+            TypeError: for LBFGS with a scaled loss: it re-evaluates its closure, so its step cannot be checked.
+
+        """
+        if isinstance(optimizer, LBFGS):
+            return self._unchecked_step(optimizer, closure, **kwargs)
+        if closure is not None:
+            # A closure runs forward and fabric.backward; the scaler must see the gradients before the step.
+            closure()
+        self._unscale(optimizer)
+        self._ran.discard(id(optimizer))
+        output = self.loss_scaler.step(optimizer, **kwargs)
+        skipped = id(optimizer) not in self._ran
+        self._unscaled.discard(id(optimizer))
+        self._stepped_since_update.add(id(optimizer))
+        self.update_pending = True
+        self.policy.after_optimizer_step(optimizer, skipped)
+        return output
+
+    def _unchecked_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
+        if self.loss_scaler.scales_loss:
+            raise TypeError(
+                "MixedPrecision('16-mixed') cannot step LBFGS: it re-evaluates its closure inside step(), so the"
+                " scaled gradients cannot be checked and unscaled first. Use precision='bf16-mixed' or '32-true'."
+            )
+        self.settle()
+        self._connect(optimizer)
+        output = optimizer.step(closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
+        self.loss_scaler.record_unchecked_step()
+        return output
+
+    def _unscale(self, optimizer: Optimizer) -> None:
+        self._connect(optimizer)
+        if id(optimizer) in self._unscaled:
+            return
+        if id(optimizer) in self._stepped_since_update:
+            # A second step of this optimizer with no backward in between: its gradients were made after the update.
+            self.settle()
+        self.policy.prepare_gradients(optimizer)
+        if not _optimizer_handles_unscaling(optimizer):
+            self.loss_scaler.unscale_(optimizer)
+        self._unscaled.add(id(optimizer))
+
+    def _connect(self, optimizer: Optimizer) -> None:
+        if any(reference() is optimizer for reference in self._connected):
+            return
+        module = self._module_of(optimizer)
+        self.policy.connect(module, [optimizer])
+        index = len(self._connected)
+        if index < len(self._saved_optimizer_states):
+            # fabric.load filled this optimizer before the opt level connected it, casting its state to the
+            # model's half dtype; now that it steps the fp32 masters, its state is loaded again at full precision.
+            optimizer.load_state_dict(self._saved_optimizer_states[index])
+        self.loss_scaler.param_names.update(self.policy.parameter_names(module))
+        optimizer.register_step_post_hook(self._record_step)
+        self._connected.append(weakref.ref(optimizer))
+
+    def _record_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self._ran.add(id(optimizer))

@@ -1,0 +1,71 @@
+"""Train the tiny LM under strategy="ddp" on 2 CPU processes and write each rank's per-batch costs as JSON.
+
+Run by ``test_telemetry_costs.py`` in a subprocess, once without and once with the three monitors and the sentinel::
+
+    python ddp_monitor_costs.py --out DIR [--monitors]
+
+Every rank writes ``DIR/rank<global rank>.json``: for each batch the host syncs, the dispatched ops and the
+collectives (``c10d`` ops) counted by :mod:`lightning_mp.counting`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from telemetry_helpers import BatchCostRecorder, TinyLanguageModel
+
+from lightning_mp import MixedPrecision
+from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
+
+LOG_EVERY = 3
+MAX_STEPS = 6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--monitors", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    recorder = BatchCostRecorder()
+    monitors = [
+        LossScaleMonitor(),
+        GradientHealthMonitor(),
+        LayerDtypeMonitor(every_n_steps=LOG_EVERY),
+        PrecisionSentinel(every_n_steps=LOG_EVERY),
+    ]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=MAX_STEPS,
+        log_every_n_steps=LOG_EVERY,
+        logger=TensorBoardLogger(args.out, name="tb"),
+        plugins=[MixedPrecision("16-mixed")],
+        callbacks=[recorder.opener(), *(monitors if args.monitors else []), recorder.closer()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyLanguageModel(optimizer="sgd"))
+    batches = [
+        {
+            "syncs": counts.syncs,
+            "ops": counts.ops,
+            "collectives": sum(n for name, n in counts.ops_by_name.items() if name.startswith("c10d")),
+            "sync_ops": counts.sync_ops,
+        }
+        for counts in recorder.per_batch
+    ]
+    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(batches))
+
+
+if __name__ == "__main__":
+    main()

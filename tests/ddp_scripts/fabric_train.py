@@ -1,0 +1,89 @@
+"""Train a tiny model with Fabric's DDP strategy and MixedPrecision; write what each rank saw to a JSON file.
+
+Run as a user would run a Fabric script, so that ``strategy="ddp"`` can re-launch it::
+
+    python fabric_train.py --out DIR [--inject-rank 1 --inject-at 2,5] [--steps 8] [--opt-level O2]
+
+After ``fabric.backward`` DDP has averaged the gradients, so an inf planted then exists on one rank only; the loss
+scaler's all-reduced inf check must make every rank skip that step. Every rank writes ``DIR/rank<rank>.json``: the
+per-step scale and skip flag, the plugin's stats, its own overflow count, and the parameter checksums of all ranks.
+The run ends with ``fabric.save`` of the model, the optimizer and the plugin, and a ``fabric.load`` into a fresh
+plugin, whose scale is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_mp import MixedPrecision
+
+
+def parameter_checksum(module: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, parameter in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--inject-rank", type=int, default=1)
+    parser.add_argument("--inject-at", default="")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--opt-level", default="O1")
+    args = parser.parse_args(argv)
+    inject_at = {int(step) for step in args.inject_at.split(",") if step}
+
+    plugin = MixedPrecision("16-mixed", opt_level=args.opt_level, init_scale=2.0**8, growth_interval=3)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[plugin])
+    fabric.launch()
+    fabric.seed_everything(7, verbose=False)
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9))
+
+    generator = torch.Generator().manual_seed(fabric.global_rank)
+    steps: list[tuple[int, float, bool]] = []
+    for step in range(args.steps):
+        x = torch.randn(8, 8, generator=generator)
+        loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        fabric.backward(loss)
+        if fabric.global_rank == args.inject_rank and step in inject_at:
+            module[0].weight.grad[0, 0] = float("inf")
+        fabric.clip_gradients(model, optimizer, max_norm=10.0, error_if_nonfinite=False)
+        optimizer.step()
+        optimizer.zero_grad()
+        stats = plugin.stats
+        steps.append((step, stats.loss_scale, stats.last_step_skipped))
+
+    checksums: list[str | None] = [None] * fabric.world_size
+    dist.all_gather_object(checksums, parameter_checksum(module))
+    checkpoint = args.out / "fabric.ckpt"
+    fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "precision": plugin})
+    resumed = MixedPrecision("16-mixed", opt_level=args.opt_level, init_scale=2.0**8, growth_interval=3)
+    resumed.setup_for_device("cpu")
+    fabric.load(checkpoint, {"precision": resumed}, strict=False)
+    report = {
+        "global_rank": fabric.global_rank,
+        "world_size": fabric.world_size,
+        "steps": steps,
+        "stats": plugin.stats.as_dict(),
+        "local_overflows": plugin.local_overflows(),
+        "checksums": checksums,
+        "resumed_stats": resumed.stats.as_dict(),
+    }
+    (args.out / f"rank{fabric.global_rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,1 +1,0 @@
-"""Tests of the opt level policies."""

@@ -1,0 +1,395 @@
+"""MixedPrecision under Lightning Fabric's own loop: real Fabric runs on the CPU, fp16 with a real loss scaler."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ddp_scripts.launch import clean_environment, finish, reports
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
+from torch import nn
+
+from lightning_mp import MixedPrecision
+from lightning_mp.counting import count_syncs_and_ops
+
+pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)", "ignore:.*opt_level='O3'")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def setup(plugin: MixedPrecision, model: nn.Module | None = None, optimizer: str = "sgd", **fabric_kwargs: Any):
+    """A CPU Fabric with ``plugin``, and the model and its optimizer set up by it."""
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin], **fabric_kwargs)
+    model = model if model is not None else make_model()
+    if optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    fabric_model, fabric_optimizer = fabric.setup(model, opt)
+    return fabric, fabric_model, fabric_optimizer
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 8, generator=generator), torch.randn(8, 1, generator=generator)
+
+
+def train_step(fabric: Fabric, model: nn.Module, optimizer: Any, seed: int, inject: bool = False) -> torch.Tensor:
+    x, y = batch(seed)
+    loss = nn.functional.mse_loss(model(x), y)
+    fabric.backward(loss)
+    if inject:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def test_forward_autocasts_and_backward_scales_the_loss() -> None:
+    """Under Fabric the forward runs in fp16 and fabric.backward leaves gradients multiplied by the loss scale."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**10)
+    reference = make_model()
+    fabric, model, _ = setup(plugin, copy.deepcopy(reference))
+    hidden_dtypes: list[torch.dtype] = []
+    model.module[0].register_forward_hook(lambda module, args, output: hidden_dtypes.append(output.dtype))
+    x, y = batch(0)
+    output = model(x)
+    fabric.backward(nn.functional.mse_loss(output, y))
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected_output = reference(x)
+    nn.functional.mse_loss(expected_output.float(), y).backward()
+    assert hidden_dtypes == [torch.float16]
+    assert output.dtype == torch.float32  # as Fabric's own mixed precision returns it
+    for scaled, true in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(scaled.grad, true.grad * 2.0**10)
+
+
+def test_nonfinite_step_is_skipped_without_touching_weights_or_moments() -> None:
+    """An inf gradient makes optimizer.step() a no-op: weights and Adam moments unchanged, the scale halves."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**10)
+    fabric, model, optimizer = setup(plugin, optimizer="adam")
+    train_step(fabric, model, optimizer, seed=0)
+    weights = [p.detach().clone() for p in model.parameters()]
+    moments = copy.deepcopy(optimizer.state_dict()["state"])
+    train_step(fabric, model, optimizer, seed=1, inject=True)
+    for before, after in zip(weights, model.parameters(), strict=True):
+        assert torch.equal(before, after)
+    for index, state in optimizer.state_dict()["state"].items():
+        assert torch.equal(state["exp_avg"], moments[index]["exp_avg"])
+        assert torch.equal(state["step"], moments[index]["step"])
+    stats = plugin.stats
+    assert (stats.skipped_steps, stats.optimizer_steps, stats.last_step_skipped) == (1, 2, True)
+    assert stats.loss_scale == 2.0**9
+
+
+def test_clip_gradients_sees_true_gradients() -> None:
+    """fabric.clip_gradients returns the norm of the unscaled gradients and clips those, not the scaled ones."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**12)
+    reference = make_model()
+    fabric, model, optimizer = setup(plugin, copy.deepcopy(reference))
+    x, y = batch(0)
+    fabric.backward(nn.functional.mse_loss(model(x), y))
+    with torch.autocast("cpu", dtype=torch.float16):
+        nn.functional.mse_loss(reference(x).float(), y).backward()
+    true_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+    max_norm = float(true_norm) / 2
+    total_norm = fabric.clip_gradients(model, optimizer, max_norm=max_norm)
+    torch.testing.assert_close(total_norm, true_norm)
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    torch.testing.assert_close(clipped, torch.tensor(max_norm), rtol=1e-3, atol=0)
+    optimizer.step()  # already unscaled: step must not unscale a second time
+    assert plugin.stats.skipped_steps == 0
+
+
+def test_clipping_a_fused_optimizer_raises_a_clear_error() -> None:
+    """Fused optimizers unscale inside their step, so clipping their scaled gradients is refused with a reason."""
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed")])
+    module = make_model()
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), fused=True))
+    x, y = batch(0)
+    fabric.backward(nn.functional.mse_loss(model(x), y))
+    with pytest.raises(RuntimeError, match="fused=False"):
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+
+
+def test_lbfgs_with_a_scaled_loss_raises_type_error() -> None:
+    """LBFGS re-evaluates its closure, so its fp16 steps cannot be checked: a TypeError says what to use instead."""
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed")])
+    module = make_model()
+    model, optimizer = fabric.setup(module, torch.optim.LBFGS(module.parameters()))
+    x, y = batch(0)
+
+    def closure() -> torch.Tensor:
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        return loss
+
+    with pytest.raises(TypeError, match="LBFGS"):
+        optimizer.step(closure)
+
+
+@pytest.mark.parametrize(
+    ("precision", "opt_level", "weight_dtype"),
+    [
+        ("32-true", "O0", torch.float32),
+        ("16-mixed", "O1", torch.float32),
+        ("bf16-mixed", "O1", torch.float32),
+        ("16-mixed", "O2", torch.float16),
+    ],
+)
+def test_opt_levels_train_under_fabric(precision: str, opt_level: str, weight_dtype: torch.dtype) -> None:
+    """Each opt level trains under Fabric: the loss falls, and O2 steps fp32 masters while the model holds fp16."""
+    plugin = MixedPrecision(precision, opt_level=opt_level, keep_fp32=["2"])
+    fabric, model, optimizer = setup(plugin, optimizer="adam")
+    losses = [train_step(fabric, model, optimizer, seed=step % 2) for step in range(12)]
+    assert float(losses[-1]) < float(losses[0])
+    assert model.module[0].weight.dtype == weight_dtype
+    assert model.module[2].weight.dtype == torch.float32  # keep_fp32
+    assert all(p.dtype == torch.float32 for group in optimizer.param_groups for p in group["params"])
+    assert plugin.stats.optimizer_steps == 12
+
+
+def test_o3_trains_half_weights_under_fabric() -> None:
+    """O3 keeps pure fp16 weights under Fabric and still takes finite steps."""
+    plugin = MixedPrecision("16-mixed", opt_level="O3")
+    fabric, model, optimizer = setup(plugin)
+    for step in range(3):
+        train_step(fabric, model, optimizer, seed=step)
+    assert all(p.dtype == torch.float16 and torch.isfinite(p).all() for p in model.parameters())
+    assert plugin.stats.optimizer_steps == 3
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_save_and_load_resume_at_the_same_scale(tmp_path: Path, opt_level: str) -> None:
+    """fabric.save and fabric.load with the plugin in the state: a fresh run continues at the same scale and weights."""
+
+    def run(steps: range, checkpoint: Path | None = None, resume: Path | None = None) -> tuple[MixedPrecision, Any]:
+        plugin = MixedPrecision("16-mixed", opt_level=opt_level, init_scale=2.0**8, growth_interval=2)
+        fabric, model, optimizer = setup(plugin, optimizer="adam")
+        state = {"model": model, "optimizer": optimizer, "precision": plugin}
+        if resume is not None:
+            fabric.load(resume, state)
+        for step in steps:
+            train_step(fabric, model, optimizer, seed=step, inject=step == 2)
+        if checkpoint is not None:
+            fabric.save(checkpoint, state)
+        return plugin, model
+
+    path = tmp_path / "checkpoint.pt"
+    straight, straight_model = run(range(8))
+    first, _ = run(range(5), checkpoint=path)
+    saved_scale = first.stats.loss_scale
+    resumed, resumed_model = run(range(5, 8), resume=path)
+    assert saved_scale == 2.0**9  # 2 growths, 1 backoff
+    assert resumed.stats == straight.stats
+    for expected, actual in zip(straight_model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(expected, actual)
+    if opt_level == "O2":
+        for name, master in straight.policy.masters.items():
+            assert torch.equal(master, resumed.policy.masters[name])
+
+
+def test_one_scale_update_per_iteration_with_two_optimizers() -> None:
+    """Two optimizers stepped after one backward both unscale by the scale the gradients were made under."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**4, growth_interval=1)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    reference = make_model()
+    module = copy.deepcopy(reference)
+    model = fabric.setup_module(module)
+    first, second = fabric.setup_optimizers(
+        torch.optim.SGD(module[0].parameters(), lr=1.0), torch.optim.SGD(module[2].parameters(), lr=1.0)
+    )
+    for step in range(3):
+        x, y = batch(step)
+        before = [p.detach().clone() for p in module.parameters()]
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        first.step()
+        second.step()
+        reference.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            nn.functional.mse_loss(reference(x).float(), y).backward()
+        with torch.no_grad():
+            for parameter in reference.parameters():
+                parameter -= parameter.grad
+        for old, new, expected in zip(before, module.parameters(), reference.parameters(), strict=True):
+            assert not torch.equal(old, new)
+            torch.testing.assert_close(new, expected)
+        first.zero_grad()
+        second.zero_grad()
+    stats = plugin.stats
+    assert (stats.optimizer_steps, stats.scale_growths, stats.loss_scale) == (3, 3, 2.0**7)
+
+
+def test_gradient_accumulation_keeps_one_scale_until_the_step() -> None:
+    """Several fabric.backward calls before one step use the same scale; the scale moves once, after the step."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**4, growth_interval=1)
+    fabric, model, optimizer = setup(plugin)
+    for micro in range(3):
+        x, y = batch(micro)
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        assert plugin.scaler is not None and plugin.scaler.get_scale() == 2.0**4
+    optimizer.step()
+    assert plugin.stats.optimizer_steps == 1
+    assert plugin.stats.loss_scale == 2.0**5
+
+
+def test_stats_as_dict_logs_through_fabric_log_dict(tmp_path: Path) -> None:
+    """plugin.stats.as_dict() is a mapping of floats that fabric.log_dict writes to a real CSV log."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    fabric, model, optimizer = setup(plugin, loggers=CSVLogger(tmp_path, name="run"))
+    for step in range(3):
+        train_step(fabric, model, optimizer, seed=step, inject=step == 1)
+        fabric.log_dict(plugin.stats.as_dict(), step=step)
+    fabric.logger.finalize("success")
+    rows = list(csv.DictReader((tmp_path / "run" / "version_0" / "metrics.csv").open()))
+    assert [float(row["precision/skipped_steps"]) for row in rows] == [0.0, 1.0, 1.0]
+    assert [float(row["precision/loss_scale"]) for row in rows] == [2.0**8, 2.0**7, 2.0**7]
+    assert all(isinstance(value, float) for value in plugin.stats.as_dict().values())
+
+
+def test_inputs_on_another_device_type_raise_value_error() -> None:
+    """A plugin resolved for the CPU refuses inputs on another device type, naming the device= to pass."""
+    _, model, _ = setup(MixedPrecision("16-mixed"))
+    with pytest.raises(ValueError, match="device='meta'"):
+        model(torch.empty(2, 8, device="meta"))
+
+
+def test_backward_before_setup_raises_a_clear_error() -> None:
+    """Using the plugin's Fabric hooks before fabric.setup says to call fabric.setup first."""
+    plugin = MixedPrecision("16-mixed")
+    with pytest.raises(RuntimeError, match=r"fabric\.setup"):
+        plugin.backward(torch.ones((), requires_grad=True), None)
+
+
+def test_example_script_trains_skips_and_resumes(tmp_path: Path) -> None:
+    """examples/fabric_train.py trains in fp16, skips the injected step, and resumes from its checkpoint."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import fabric_train
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    checkpoint = tmp_path / "example.ckpt"
+    common = ["--checkpoint", str(checkpoint), "--logs", str(tmp_path / "logs")]
+    first = fabric_train.main(["--steps", "8", "--inject-at", "3", *common])
+    assert first["losses"][-1] < first["losses"][0]
+    assert first["stats"]["precision/skipped_steps"] == 1.0
+    second = fabric_train.main(["--steps", "2", *common])
+    assert second["stats"]["precision/optimizer_steps"] == 10.0
+    assert second["stats"]["precision/skipped_steps"] == 1.0
+    assert second["stats"]["precision/loss_scale"] >= first["stats"]["precision/loss_scale"]
+
+
+def test_fabric_ddp_ranks_agree_on_skips(tmp_path: Path) -> None:
+    """Fabric's DDP strategy on 2 CPU processes: an overflow on rank 1 only is skipped by both ranks alike."""
+    script = Path(__file__).with_name("ddp_scripts") / "fabric_train.py"
+    process = subprocess.Popen(
+        [sys.executable, str(script), "--out", str(tmp_path), "--inject-rank", "1", "--inject-at", "2,5"],
+        env=clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    finish(process, timeout=90)
+    ranks = reports(tmp_path)
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert ranks[0]["steps"] == ranks[1]["steps"]
+    assert [step for step, _, skipped in ranks[0]["steps"] if skipped] == [2, 5]
+    assert ranks[0]["stats"] == ranks[1]["stats"]
+    assert ranks[0]["stats"]["precision/skipped_steps"] == 2.0
+    assert len({checksum for r in ranks for checksum in r["checksums"]}) == 1, "the parameters differ across ranks"
+    assert [r["local_overflows"] for r in ranks] == [0, 2]
+    assert ranks[0]["resumed_stats"] == ranks[0]["stats"]
+
+
+def test_a_fabric_step_syncs_the_host_once_and_reading_the_stats_never() -> None:
+    """A steady-state fp16 Fabric step syncs once (torch's skip decision); the lazy update and the stats add none."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0)
+    x, y = batch(1)
+    loss = nn.functional.mse_loss(model(x), y)
+    with count_syncs_and_ops() as step_counts:
+        fabric.backward(loss)  # applies the previous step's pending update first
+        optimizer.step()
+    with count_syncs_and_ops() as stats_counts:
+        logged = plugin.stats.as_dict()
+    assert step_counts.syncs == 1
+    assert stats_counts.syncs == 0
+    assert logged["precision/optimizer_steps"] == 2.0
+    assert logged["precision/loss_scale"] == 2.0**10
+
+
+def test_the_scaler_read_after_a_skipped_step_shows_the_backed_off_scale() -> None:
+    """Right after a skipped optimizer.step(), plugin.scaler already reports the reduced scale and the skip."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0, inject=True)
+    assert plugin.scaler is not None
+    assert plugin.scaler.get_scale() == 2.0**7
+    assert plugin.scaler.state_dict()["scale"] == 2.0**7
+
+
+def test_two_models_with_their_own_optimizers_train_like_a_gan() -> None:
+    """Two models set up separately, each stepped after its own backward, train and each skips only its own step."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    first_module, second_module = make_model(0), make_model(1)
+    first, first_optimizer = fabric.setup(first_module, torch.optim.SGD(first_module.parameters(), lr=1e-2))
+    second, second_optimizer = fabric.setup(second_module, torch.optim.SGD(second_module.parameters(), lr=1e-2))
+    for step in range(3):
+        x, y = batch(step)
+        fabric.backward(nn.functional.mse_loss(first(x), y))
+        first_optimizer.step()
+        first_optimizer.zero_grad()
+        before = [p.detach().clone() for p in second_module.parameters()]
+        fabric.backward(nn.functional.mse_loss(second(x), y))
+        if step == 1:
+            second_module[0].weight.grad[0, 0] = float("nan")
+        second_optimizer.step()
+        second_optimizer.zero_grad()
+        unchanged = all(torch.equal(b, a) for b, a in zip(before, second_module.parameters(), strict=True))
+        assert unchanged == (step == 1)
+    stats = plugin.stats
+    assert (stats.optimizer_steps, stats.skipped_steps) == (6, 1)
+    assert plugin.scaler is not None and set(plugin.scaler.param_names.values()) >= {"0.weight", "2.bias"}
+
+
+def test_clipping_an_overflowing_step_clips_nothing_and_the_step_is_skipped() -> None:
+    """With Fabric's default error_if_nonfinite=True, clipping an inf step does not raise: it is skipped anyway."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    fabric, model, optimizer = setup(plugin)
+    weights = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(0)
+    fabric.backward(nn.functional.mse_loss(model(x), y))
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    total_norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.step()
+    assert float(total_norm) == 0.0
+    assert all(torch.equal(b, a) for b, a in zip(weights, model.parameters(), strict=True))
+    assert plugin.stats.skipped_steps == 1
+
+
+def test_the_plugin_pickles_and_deep_copies_mid_run() -> None:
+    """After a Fabric step the plugin still pickles and deep-copies, with the step's outcome in the copy."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0, inject=True)
+    for copied in (pickle.loads(pickle.dumps(plugin)), copy.deepcopy(plugin)):
+        assert copied.stats == plugin.stats
+        assert copied.stats.skipped_steps == 1
+    train_step(fabric, model, optimizer, seed=1)
+    assert plugin.stats.optimizer_steps == 2
