@@ -72,7 +72,7 @@ from typing_extensions import override
 
 from lightning_mp._hardware import cpu_has_native_bf16, device_has_native_bf16
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
-from lightning_mp.plugin import MixedPrecision
+from lightning_mp.plugin import MixedPrecision, PrecisionName
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
 
 FP32 = "fp32"
@@ -97,11 +97,11 @@ class Configuration:
     cuda_only: bool = False
 
 
-def _plugin(precision: str, opt_level: str) -> Callable[[], dict[str, Any]]:
-    return lambda: {"plugins": [MixedPrecision(precision, opt_level=opt_level)]}  # type: ignore[arg-type]
+def _plugin(precision: PrecisionName, opt_level: str) -> Callable[[], dict[str, Any]]:
+    return lambda: {"plugins": [MixedPrecision(precision, opt_level=opt_level)]}
 
 
-def _monitored(precision: str, opt_level: str) -> Callable[[], dict[str, Any]]:
+def _monitored(precision: PrecisionName, opt_level: str) -> Callable[[], dict[str, Any]]:
     def arguments() -> dict[str, Any]:
         monitors = [LossScaleMonitor(), GradientHealthMonitor(), LayerDtypeMonitor()]
         return {**_plugin(precision, opt_level)(), "callbacks": monitors}
@@ -150,6 +150,7 @@ class ModelSize:
     batch_size: int
 
     def describe(self) -> str:
+        """The size in words, for the report's header."""
         return (
             f"d_model={self.d_model}, layers={self.n_layers}, heads={self.n_heads}, seq_len={self.seq_len},"
             f" batch={self.batch_size}"
@@ -515,6 +516,7 @@ def summarize(results: Sequence[RunResult], size: ModelSize) -> dict[str, Summar
         runs = [result for result in results if result.configuration == name]
         seconds = [s for run in runs for s in run.step_seconds]
         median = statistics.median(seconds)
+        wait_shares = [run.wait_share for run in runs if run.wait_share is not None]
         summaries[name] = Summary(
             name=name,
             median_seconds=median,
@@ -526,7 +528,7 @@ def summarize(results: Sequence[RunResult], size: ModelSize) -> dict[str, Summar
             run_medians_seconds=[statistics.median(run.step_seconds) for run in runs],
             step_count=len(seconds),
             cpu_share=min(run.cpu_share for run in runs),
-            wait_share=None if any(run.wait_share is None for run in runs) else max(run.wait_share for run in runs),
+            wait_share=max(wait_shares) if len(wait_shares) == len(runs) else None,
         )
     for summary in summaries.values():
         if FP32 in summaries:
@@ -866,6 +868,7 @@ def profile_lines(breakdowns: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line's flags; a bad flag exits with argparse's usage message, naming it."""
     parser = argparse.ArgumentParser(prog="python -m lightning_mp.bench", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true", help="two configurations, tiny model, in this process, 3 paired repeats"
@@ -948,6 +951,7 @@ def counts_report(quick: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark that ``argv`` asks for and print its report; returns the exit status."""
     args = parse_args(argv)
     if args.counts:
         print(counts_report(args.quick))
