@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TinyRegressor, loader, make_trainer
-from ddp_scripts.launch import clean_environment, finish, free_port, reports, run, start
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -21,6 +19,8 @@ from torch import nn
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+from tests.ddp_scripts.launch import clean_environment, finish, free_port, reports, run, start
+from tests.helpers import TinyRegressor, loader, make_trainer
 
 INJECT_AT = (2, 5)
 

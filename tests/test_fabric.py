@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from ddp_scripts.launch import clean_environment, finish, reports
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from torch import nn
 
 from lightning_mp import MixedPrecision
 from lightning_mp.counting import count_syncs_and_ops
+from tests.ddp_scripts.launch import clean_environment, finish, reports
 
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)", "ignore:.*opt_level='O3'")
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from telemetry_helpers import BatchCostRecorder, TinyLanguageModel
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
+from tests.helpers import BatchCostRecorder, TinyLanguageModel
 
 LOG_EVERY = 3
 MAX_STEPS = 6

@@ -14,7 +14,6 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from matplotlib.image import imread
-from telemetry_helpers import read_events
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -26,6 +25,7 @@ from lightning_mp.callbacks._sentinel_rules import (
     stale_update_finding,
     underflow_finding,
 )
+from tests.helpers import read_events
 
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
 

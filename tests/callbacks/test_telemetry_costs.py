@@ -8,15 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from ddp_scripts.launch import clean_environment, finish
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
-from telemetry_helpers import BatchCostRecorder, TinyLanguageModel
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
 from lightning_mp.counting import StepCounts, count_syncs_and_ops
+from tests.ddp_scripts.launch import clean_environment, finish
+from tests.helpers import BatchCostRecorder, TinyLanguageModel
 
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
 
