@@ -60,7 +60,7 @@ class TinyRegressor(L.LightningModule):
     Args:
         lr: the learning rate.
         inject_at: global steps whose ``first.weight`` gradient gets an inf after backward (an overflow).
-        optimizer: ``"sgd"`` (with momentum) or ``"adam"``.
+        optimizer: ``"sgd"`` (with momentum), ``"adam"`` or ``"fused-adam"``.
         scheduler: add a ``StepLR`` that steps every batch.
         hidden: the width of the hidden layer.
 
@@ -95,8 +95,8 @@ class TinyRegressor(L.LightningModule):
             self.first.weight.grad[0, 0] = float("inf")
 
     def configure_optimizers(self) -> Any:
-        if self.optimizer_name == "adam":
-            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        if self.optimizer_name in ("adam", "fused-adam"):
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr, fused=self.optimizer_name == "fused-adam")
         else:
             optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         if not self.use_scheduler:

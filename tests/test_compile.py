@@ -25,8 +25,6 @@ from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies import POLICIES
 from tests.helpers import make_trainer
 
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
-
 BACKEND = "eager"
 KEEP_FP32 = [r"re:(net\.)?head"]  # the head, whether the root is the Net or the LightningModule around it
 STEPS = 3

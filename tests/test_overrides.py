@@ -16,8 +16,6 @@ from lightning_mp import MixedPrecision
 from lightning_mp.overrides import Fp32Overrides
 from tests.helpers import make_trainer
 
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
-
 
 class Block(nn.Module):
     """A tiny attention-named block, so that regexes have something to match."""

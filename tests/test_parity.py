@@ -25,10 +25,6 @@ from torchmetrics.classification import MulticlassAccuracy
 from lightning_mp import MixedPrecision
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:lightning_mp. (fp16|this CPU)", "ignore:The number of training batches", "ignore:.*val_dataloader"
-)
-
 VOCAB = 32
 CONFIGS = [("32-true", "O0"), ("bf16-mixed", "O1"), ("bf16-mixed", "O2"), ("16-mixed", "O1"), ("16-mixed", "O2")]
 

@@ -18,9 +18,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import LossScaleMonitor
 
-# The plugin rightly warns that half precision is slow on this CPU; the runs here are tiny.
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
-
 INIT_SCALE = 2.0**8
 GROWTH_INTERVAL = 4
 INJECTED_STEPS = (3, 9)

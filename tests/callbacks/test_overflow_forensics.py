@@ -16,8 +16,6 @@ from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor
 from tests.helpers import BatchCostRecorder, read_events
 
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
-
 INJECT_AT = (1, 3)
 
 

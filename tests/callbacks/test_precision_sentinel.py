@@ -27,8 +27,6 @@ from lightning_mp.callbacks._sentinel_rules import (
 )
 from tests.helpers import read_events
 
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
-
 HEATMAP_TAGS = (
     "precision_sentinel/activation_headroom_log2",
     "precision_sentinel/grad_underflow_share",

@@ -23,9 +23,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
 
-# The plugin rightly warns that half precision is slow on this CPU; the run here is tiny.
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
-
 SERVER_WAIT_S = 60.0
 
 
