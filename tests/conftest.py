@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-# Re-exported only for the test files that still say `from conftest import ...`; new code imports tests.helpers.
-from tests.helpers import TinyRegressor, loader, make_trainer, regression_data
+# Re-exported only for tests/policies, whose files still say `from conftest import make_trainer`; every other test
+# imports tests.helpers. Goes, with "tests" in pytest's pythonpath, once tests/policies import tests.helpers too.
+from tests.helpers import make_trainer
 
-__all__ = ["TinyRegressor", "loader", "make_trainer", "regression_data"]
+__all__ = ["make_trainer"]
 
 # The test models are tiny: one thread runs them faster than two, and leaves the second core to the DDP workers and
 # subprocesses that some tests start.
