@@ -62,6 +62,9 @@ def main() -> None:
         for counts in recorder.per_batch
     ]
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(batches))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Tear gloo down before the interpreter exits: doing it at exit can abort a successful run.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

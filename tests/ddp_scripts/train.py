@@ -191,6 +191,10 @@ def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
         enable_checkpointing=bool(args.checkpoint_every or args.save_on_exception),
     )
     trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    if dist.is_available() and dist.is_initialized():
+        # Lightning leaves the process group up after fit; tearing gloo down in the interpreter's exit instead can
+        # abort the process ("terminate called without an active exception") after a successful run.
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
