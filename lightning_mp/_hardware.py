@@ -17,8 +17,12 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
+
+ResolvedPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
+"""What ``precision="auto"`` resolves to: one of Lightning's own precision strings."""
 
 CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 """CPU flags (as ``/proc/cpuinfo`` names them) of native bf16 matrix products."""
@@ -79,11 +83,11 @@ class DeviceCapabilities:
     @classmethod
     def detect(cls, device_type: str) -> DeviceCapabilities:
         """Read this machine's capabilities for ``device_type``."""
-        capability = None
+        capability: tuple[int, int] | None = None
         if device_type == "cuda" and torch.cuda.is_available():
-            capability = tuple(torch.cuda.get_device_capability())
+            capability = torch.cuda.get_device_capability()
         flags = cpu_flags() if device_type == "cpu" else frozenset()
-        return cls(device_type, native_bf16(device_type, capability, flags), capability)  # type: ignore[arg-type]
+        return cls(device_type, native_bf16(device_type, capability, flags), capability)
 
     def describe(self) -> str:
         """The device in words, for messages: ``"the CPU (no AVX512-BF16 or AMX)"``."""
@@ -105,7 +109,7 @@ def device_has_native_bf16(device_type: str) -> bool:
     return DeviceCapabilities.detect(device_type).native_bf16
 
 
-def precision_for(capabilities: DeviceCapabilities, opt_level: str = "O1") -> tuple[str, str]:
+def precision_for(capabilities: DeviceCapabilities, opt_level: str = "O1") -> tuple[ResolvedPrecision, str]:
     """The precision ``"auto"`` picks on a device with these capabilities, and why: a pure function.
 
     - O0 is the fp32 baseline;
@@ -140,7 +144,7 @@ def precision_for(capabilities: DeviceCapabilities, opt_level: str = "O1") -> tu
     return "32-true", f"{device} emulates both half types, which are slower than fp32 there"
 
 
-def choose_precision(device_type: str, opt_level: str = "O1") -> tuple[str, str]:
+def choose_precision(device_type: str, opt_level: str = "O1") -> tuple[ResolvedPrecision, str]:
     """Pick the precision for ``precision="auto"`` on this machine's ``device_type`` and say why.
 
     Returns:

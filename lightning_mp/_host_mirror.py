@@ -39,7 +39,9 @@ class HostMirror:
             if source is not tensor:
                 view = tensor.detach().numpy()
                 self._buffers[(key, 0)] = (tensor, view)
-            return lambda: float(view)
+            host_view = view
+            assert host_view is not None
+            return lambda: float(host_view)
         slot = (key, self._parity)
         if slot not in self._buffers:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())

@@ -274,13 +274,13 @@ def _training_loss(model: nn.Module, batch: Any, batch_idx: int, loss_fn: LossFu
     output = model.training_step(batch, batch_idx)
     if not model.automatic_optimization:
         return None
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(loss, Tensor):
+    returned = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(returned, Tensor):
         raise ValueError(
             f"advise(...) needs a loss: {type(model).__name__}.training_step returned {type(output).__name__}. Return"
             " the loss (or a dict with 'loss'), or pass loss_fn=lambda model, batch: ..."
         )
-    return loss
+    return returned
 
 
 def _loader_generators(dataloader: Iterable) -> list[torch.Generator]:

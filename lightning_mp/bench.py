@@ -85,7 +85,7 @@ from typing_extensions import override
 
 from lightning_mp._hardware import cpu_has_native_bf16, device_has_native_bf16
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
-from lightning_mp.plugin import MixedPrecision
+from lightning_mp.plugin import MixedPrecision, PrecisionName
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
 
 FP32 = "fp32"
@@ -110,11 +110,11 @@ class Configuration:
     cuda_only: bool = False
 
 
-def _plugin(precision: str, opt_level: str) -> Callable[[], dict[str, Any]]:
-    return lambda: {"plugins": [MixedPrecision(precision, opt_level=opt_level)]}  # type: ignore[arg-type]
+def _plugin(precision: PrecisionName, opt_level: str) -> Callable[[], dict[str, Any]]:
+    return lambda: {"plugins": [MixedPrecision(precision, opt_level=opt_level)]}
 
 
-def _monitored(precision: str, opt_level: str) -> Callable[[], dict[str, Any]]:
+def _monitored(precision: PrecisionName, opt_level: str) -> Callable[[], dict[str, Any]]:
     def arguments() -> dict[str, Any]:
         monitors = [LossScaleMonitor(), GradientHealthMonitor(), LayerDtypeMonitor()]
         return {**_plugin(precision, opt_level)(), "callbacks": monitors}
@@ -164,6 +164,7 @@ class ModelSize:
     vocab_size: int = 64
 
     def describe(self) -> str:
+        """The size in words, for the report's header."""
         return (
             f"vocab={self.vocab_size}, d_model={self.d_model}, layers={self.n_layers}, heads={self.n_heads},"
             f" seq_len={self.seq_len}, batch={self.batch_size}"
@@ -545,6 +546,7 @@ def summarize(results: Sequence[RunResult], size: ModelSize) -> dict[str, Summar
         runs = [result for result in results if result.configuration == name]
         seconds = [s for run in runs for s in run.step_seconds]
         median = statistics.median(seconds)
+        wait_shares = [run.wait_share for run in runs if run.wait_share is not None]
         summaries[name] = Summary(
             name=name,
             median_seconds=median,
@@ -556,7 +558,7 @@ def summarize(results: Sequence[RunResult], size: ModelSize) -> dict[str, Summar
             run_medians_seconds=[statistics.median(run.step_seconds) for run in runs],
             step_count=len(seconds),
             cpu_share=min(run.cpu_share for run in runs),
-            wait_share=None if any(run.wait_share is None for run in runs) else max(run.wait_share for run in runs),
+            wait_share=max(wait_shares) if len(wait_shares) == len(runs) else None,
         )
     for summary in summaries.values():
         if FP32 in summaries:
@@ -931,10 +933,11 @@ class MemoryBreakdown:
 
     @property
     def persistent_bytes_per_parameter(self) -> float:
+        """Bytes kept between steps per parameter: 16 with AdamW for fp32, O1 and O2, plus its step counters."""
         return self.persistent_bytes / self.parameters
 
 
-_CATEGORY_FIELDS = {
+_CATEGORY_FIELDS: dict[Category | None, str] = {
     Category.PARAMETER: "weights",
     Category.GRADIENT: "gradients",
     Category.OPTIMIZER_STATE: "optimizer_state",
@@ -1101,6 +1104,7 @@ def run_memory(args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line's flags; a bad flag exits with argparse's usage message, naming it."""
     parser = argparse.ArgumentParser(prog="python -m lightning_mp.bench", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true", help="two configurations, tiny model, in this process, 3 paired repeats"
@@ -1192,6 +1196,7 @@ def counts_report(quick: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark that ``argv`` asks for and print its report; returns the exit status."""
     args = parse_args(argv)
     if args.counts:
         print(counts_report(args.quick))

@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -81,8 +82,8 @@ class SpikedLM(TinyTransformerLM):
 
     """
 
-    def __init__(self, spike_at_step: int = 0, **kwargs: int | float) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, spike_at_step: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.spike_at_step = spike_at_step
 
     @override
@@ -94,6 +95,7 @@ class SpikedLM(TinyTransformerLM):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line's flags; a bad flag exits with argparse's usage message, naming it."""
     parser = argparse.ArgumentParser(prog="python -m lightning_mp.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--precision", default="16-mixed", choices=["16-mixed", "auto", "bf16-mixed", "32-true"])
     parser.add_argument("--opt-level", default="O1", choices=sorted(POLICIES))
@@ -130,6 +132,7 @@ def demo_callbacks() -> list[L.Callback]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Train the demo model as ``argv`` asks, then print what the loss scaler did; returns the exit status."""
     args = parse_args(argv)
     started = time.perf_counter()
     L.seed_everything(args.seed, verbose=False)
@@ -220,7 +223,8 @@ def summary(
     else:
         scale = f"{stats.loss_scale:g}: {plugin.precision} needs no loss scaling"
     val_text = f"{float(val_loss):.3f}" if val_loss is not None else "n/a"
-    log_dir = Path(trainer.logger.log_dir) if trainer.logger is not None else Path(args.log_dir)
+    logged_to = trainer.logger.log_dir if trainer.logger is not None else None
+    log_dir = Path(logged_to or args.log_dir)
     tags = [tag for tag in logged_tags(log_dir) if tag.startswith("precision/") or tag in TAG_EXPLANATIONS]
     width = max([len(tag) for tag in tags] + [1])
     lines = [

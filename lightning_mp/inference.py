@@ -150,7 +150,8 @@ def to_inference(
     patterns = Fp32Overrides(keep_fp32).patterns
     converted = _convert(model, dtype, patterns, keep_normalization_fp32)
     if batch is None:
-        converted.parity = None
+        # nn.Module types __setattr__ for tensors and submodules; any other value becomes a plain attribute.
+        converted.parity = None  # type: ignore[assignment]
         return converted
     layer_errors = _layer_errors(model, converted, batch)
     kept: dict[str, str] = {}
@@ -173,7 +174,7 @@ def to_inference(
         dataclasses.replace(error, kept_fp32=name in kept, why_kept=kept.get(name, ""))
         for name, error in layer_errors.items()
     )
-    converted.parity = ParityTable(rows, output, max_rel_error)
+    converted.parity = ParityTable(rows, output, max_rel_error)  # type: ignore[assignment]  # as above
     if verbose:
         print(converted.parity)
     return converted
@@ -319,7 +320,9 @@ def _layer_errors(fp32_model: nn.Module, converted: nn.Module, batch: Any) -> di
     handles = []
     for name, module in _recorded_layers(fp32_model):
 
-        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, name=name) -> None:
+        def record(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, name: str = name
+        ) -> None:
             reference = _floating_output(output)
             if name in calls or reference is None:
                 return

@@ -61,7 +61,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
-from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
@@ -191,6 +190,11 @@ class MixedPrecision(LightningMixedPrecision):
 
     """
 
+    # Lightning types both as resolved values; this plugin holds "auto" and None until setup learns the device (its
+    # own hooks read them only after that), and ``requested_precision`` keeps what was asked for.
+    precision: PrecisionName  # type: ignore[assignment]
+    device: str | None  # type: ignore[assignment]
+
     def __init__(
         self,
         precision: PrecisionName = "auto",
@@ -308,8 +312,10 @@ class MixedPrecision(LightningMixedPrecision):
         """``torch.float16`` or ``torch.bfloat16`` once resolved; None for fp32 (and for "auto" before setup)."""
         return _HALF_DTYPES.get(self.precision)
 
+    # Lightning's plugin stores a writable ``scaler``; here it is a read-only view of the scaler this plugin owns, and
+    # Lightning's hooks that use it are overridden.
     @property
-    def scaler(self) -> LossScaler | None:
+    def scaler(self) -> LossScaler | None:  # type: ignore[override]
         """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup.
 
         Under Fabric, reading it applies the pending scale update (:mod:`lightning_mp._fabric`).
@@ -471,7 +477,7 @@ class MixedPrecision(LightningMixedPrecision):
         ]
         if self.skip_scheduler_on_overflow:
             for config in lr_schedulers:
-                scheduler = getattr(config, "scheduler", None)
+                scheduler: Any = getattr(config, "scheduler", None)
                 steps_per_batch = getattr(config, "interval", None) == "step" and hasattr(scheduler, "optimizer")
                 if steps_per_batch and not isinstance(scheduler, SkipAwareScheduler):
                     asks = functools.partial(self.last_step_skipped, scheduler.optimizer)
@@ -524,6 +530,7 @@ class MixedPrecision(LightningMixedPrecision):
             self._end_iteration()
 
     @override
+    # Lightning's Trainer hook takes the LightningModule that Fabric's base hook leaves out (Lightning's own ignore).
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks."""
         if attached_trainer(module) is None:
@@ -533,16 +540,17 @@ class MixedPrecision(LightningMixedPrecision):
         return Precision.pre_backward(self, tensor, module)
 
     @override
+    # Lightning's and Fabric's strategies hand the plugin the torch Optimizer; the base hook accepts any Steppable.
     def optimizer_step(  # type: ignore[override]
         self,
-        optimizer: Optimizable,
+        optimizer: Optimizer,
         model: LightningModule | None = None,
         closure: Callable[[], Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Backward, unscale, hooks and clipping on true gradients, then a step that is skipped on inf/NaN."""
         if model is None:
-            return self._fabric_steps().optimizer_step(optimizer, closure, **kwargs)  # type: ignore[arg-type]
+            return self._fabric_steps().optimizer_step(optimizer, closure, **kwargs)
         assert closure is not None
         loss_scaler, policy = self._loss_scaler, self._policy
         assert loss_scaler is not None and policy is not None, "MixedPrecision was not set up by a Trainer"
@@ -556,23 +564,23 @@ class MixedPrecision(LightningMixedPrecision):
         if not model.automatic_optimization:
             wrappers = model.optimizers(use_pl_optimizer=True)
             wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
-            _adopt_wrapper_unscale(loss_scaler, wrappers, optimizer)  # type: ignore[arg-type]
-        self._prepare_gradients(optimizer, unscale=not _optimizer_handles_unscaling(optimizer))  # type: ignore[arg-type]
+            _adopt_wrapper_unscale(loss_scaler, wrappers, optimizer)
+        self._prepare_gradients(optimizer, unscale=not _optimizer_handles_unscaling(optimizer))
         self._after_closure(model, optimizer)
-        if not _has_gradients(optimizer):  # type: ignore[arg-type]
+        if not _has_gradients(optimizer):
             # Nothing to check or unscale (torch's GradScaler would refuse such a step): step as Lightning would.
             self._skipped_by_optimizer[id(optimizer)] = False
             return optimizer.step(**kwargs)
-        step_output = loss_scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        step_output = loss_scaler.step(optimizer, **kwargs)
         self._stepped_this_iteration = True
         if model.automatic_optimization:
             self._end_iteration()
             skipped = loss_scaler.last_step_skipped
         else:
             # The scale moves when the training step returns; this optimizer's own verdict is needed now.
-            skipped = _found_inf(loss_scaler, optimizer)  # type: ignore[arg-type]
+            skipped = _found_inf(loss_scaler, optimizer)
         self._skipped_by_optimizer[id(optimizer)] = skipped
-        policy.after_optimizer_step(optimizer, skipped)  # type: ignore[arg-type]
+        policy.after_optimizer_step(optimizer, skipped)
         return step_output
 
     def _prepare_gradients(self, optimizer: Optimizer, unscale: bool) -> None:
@@ -794,13 +802,15 @@ class MixedPrecision(LightningMixedPrecision):
         if attached_trainer(model) is None:
             self._fabric_steps().backward(tensor, *args, **kwargs)
             return
+        # Attached to a Trainer, the model is the LightningModule that Lightning's hook is typed for.
         super().backward(tensor, model, *args, **kwargs)  # type: ignore[arg-type]
 
     @override
-    def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:  # type: ignore[override]
+    def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:
         """Run Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
         if attached_trainer(module) is None:
             return tensor
+        # As in backward: attached to a Trainer, the module is a LightningModule.
         return super().post_backward(tensor, module)  # type: ignore[arg-type]
 
     @override
@@ -809,6 +819,7 @@ class MixedPrecision(LightningMixedPrecision):
         self._fabric_steps().unscale_gradients(optimizer)
 
     @override
+    # Fabric types this hook Iterator[Parameter]; its clipping only iterates what this returns, once.
     def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:  # type: ignore[override]
         """The parameters to clip; under Fabric none on a step that will be skipped (:meth:`FabricSteps.main_params`).
 

@@ -334,7 +334,7 @@ class LossScaler(torch.amp.GradScaler):
 
     def _write_trackers(self) -> None:
         if self._scale is not None and not self._device_trackers_current:
-            assert self._hysteresis_tensor is not None
+            assert self._hysteresis_tensor is not None and self._growth_tracker is not None
             self._growth_tracker.fill_(self._state.growth_tracker)
             self._hysteresis_tensor.fill_(float(self._state.hysteresis_left))
         self._device_trackers_current = True
@@ -357,10 +357,11 @@ class LossScaler(torch.amp.GradScaler):
         key = id(optimizer.param_groups)
         index = self._index_by_id.get(key)
         known = self._optimizer_at(index) if index is not None else None
-        if known is None or known.param_groups is not optimizer.param_groups:
-            index = len(self._optimizers)
-            self._optimizers.append(weakref.ref(optimizer))
-            self._index_by_id[key] = index
+        if index is not None and known is not None and known.param_groups is optimizer.param_groups:
+            return index
+        index = len(self._optimizers)
+        self._optimizers.append(weakref.ref(optimizer))
+        self._index_by_id[key] = index
         return index
 
     def _optimizer_at(self, index: int) -> torch.optim.Optimizer | None:
@@ -555,6 +556,7 @@ class LossScaler(torch.amp.GradScaler):
         """The rules of :func:`~lightning_mp._scale_rules.next_state`, as device ops on a device flag."""
         self._write_trackers()
         assert self._scale is not None and self._inv_scale is not None and self._hysteresis_tensor is not None
+        assert self._growth_tracker is not None
         found_inf = device_flags[0] if len(device_flags) == 1 else torch.stack(device_flags).amax()
         update_scale_on_device(
             self._scale, self._growth_tracker, self._hysteresis_tensor, self._inv_scale, found_inf, self.settings

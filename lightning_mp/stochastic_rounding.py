@@ -403,7 +403,7 @@ def _update_rule(optimizer: Optimizer, group: dict[str, Any], device: torch.devi
     torch's fused kernel where it has one for the device (one op for the whole chunk, no host sync), else foreach.
     """
     fused = device.type in _FUSED_DEVICE_TYPES
-    kernel = {"fused": True} if fused else {"foreach": True}
+    kernel: dict[str, Any] = {"fused": True} if fused else {"foreach": True}
     if isinstance(optimizer, Adam):
         names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
         beta1, beta2 = group["betas"]

@@ -12,8 +12,10 @@ import math
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from typing_extensions import override
 
 
 def markov_text(num_sequences: int, seq_len: int, vocab_size: int = 64, branching: int = 3, seed: int = 0) -> Tensor:
@@ -61,21 +63,24 @@ class MarkovTextDataModule(L.LightningDataModule):
         self.train_sequences = train_sequences
         self.vocab_size = vocab_size
         self.seed = seed
-        self._train: TensorDataset | None = None
-        self._val: TensorDataset | None = None
+        self._train: Dataset[tuple[Tensor, ...]] | None = None
+        self._val: Dataset[tuple[Tensor, ...]] | None = None
 
+    @override
     def setup(self, stage: str) -> None:
         val_sequences = max(self.train_sequences // 4, self.batch_size)
         text = markov_text(self.train_sequences + val_sequences, self.seq_len, self.vocab_size, seed=self.seed)
         pairs = TensorDataset(text[:, :-1], text[:, 1:])
-        self._train = torch.utils.data.Subset(pairs, range(self.train_sequences))  # type: ignore[assignment]
-        self._val = torch.utils.data.Subset(pairs, range(self.train_sequences, len(pairs)))  # type: ignore[assignment]
+        self._train = torch.utils.data.Subset(pairs, range(self.train_sequences))
+        self._val = torch.utils.data.Subset(pairs, range(self.train_sequences, len(pairs)))
 
+    @override
     def train_dataloader(self) -> DataLoader:
         assert self._train is not None
         generator = torch.Generator().manual_seed(self.seed)
         return DataLoader(self._train, batch_size=self.batch_size, shuffle=True, generator=generator, drop_last=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         assert self._val is not None
         return DataLoader(self._val, batch_size=self.batch_size)
@@ -131,17 +136,20 @@ class TinyTransformerLM(L.LightningModule):
         logits = self(inputs)
         return self.loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
+    @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
-    def configure_optimizers(self) -> dict:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
-        warmup = max(1, self.hparams.warmup_steps)
+    @override
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=0.01)
+        warmup = max(1, self.hparams["warmup_steps"])
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup(warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_trainer
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -17,11 +16,10 @@ from lightning_mp import MixedPrecision
 from lightning_mp._hardware import DeviceCapabilities, native_bf16, precision_for
 from lightning_mp.advisor import FP16_MAX, GRADIENT_HEADROOM, Advice, advise
 from lightning_mp.policies.o2 import HalfOverflowError
+from tests.helpers import make_trainer
 
 NATIVE_CPU = DeviceCapabilities("cpu", native_bf16=True)
 EMULATING_CPU = DeviceCapabilities("cpu", native_bf16=False)
-
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
 
 
 class Planted(LightningModule):

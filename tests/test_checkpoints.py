@@ -11,12 +11,12 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyRegressor, loader, make_trainer
 from ddp_scripts.launch import finish, reports, run, start, stop
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 
 from lightning_mp import MixedPrecision
+from tests.helpers import TinyRegressor, loader, make_trainer
 
 MISSING_STATE = "holds no loss-scaler state"
 
@@ -47,6 +47,7 @@ def _saved_scale(path: Path) -> float:
     return checkpoint["MixedPrecision"]["scaler"]["scale"]
 
 
+@pytest.mark.slow
 def test_ddp_resume_continues_exactly(tmp_path):
     """A DDP run resumed from its step-8 checkpoint ends with the scale, counters and parameters of a straight run."""
     arguments = ["--out", str(tmp_path), "--inject-rank", "1", "--inject-at", "2,5,9,10", "--hysteresis", "2"]
@@ -64,6 +65,7 @@ def test_ddp_resume_continues_exactly(tmp_path):
     assert len(set(straight[0]["checksums"])) == 1
 
 
+@pytest.mark.slow
 def test_sigterm_saves_last_ckpt_and_resume_keeps_the_scale(tmp_path):
     """A run stopped by SIGTERM saves last.ckpt; resuming from it starts at the scale it had, not at 65536."""
     arguments = ["--strategy", "auto", "--devices", "1", "--out", str(tmp_path), "--inject-at", "0,1,2"]

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 from lightning.pytorch.cli import LightningCLI
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
+from tests.helpers import read_events
 
 CONFIG = Path(__file__).parents[1] / "examples" / "cli_config.yaml"
 
@@ -46,6 +46,5 @@ def test_cli_yaml_with_plugin_and_monitors_trains(tmp_path: Path, monkeypatch: p
     assert plugin.stats.optimizer_steps == trainer.global_step == 3
     kinds = {type(callback) for callback in trainer.callbacks}
     assert {LossScaleMonitor, GradientHealthMonitor, LayerDtypeMonitor} <= kinds
-    events = EventAccumulator(trainer.logger.log_dir)
-    events.Reload()
+    events = read_events(trainer.logger.log_dir)
     assert "precision/loss_scale" in events.Tags()["scalars"]

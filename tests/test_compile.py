@@ -15,7 +15,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import make_trainer
 from lightning.fabric import Fabric
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
@@ -24,8 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import MixedPrecision
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies import POLICIES
-
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.helpers import make_trainer
 
 BACKEND = "eager"
 KEEP_FP32 = [r"re:(net\.)?head"]  # the head, whether the root is the Net or the LightningModule around it

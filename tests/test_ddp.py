@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TinyRegressor, loader, make_trainer
-from ddp_scripts.launch import clean_environment, finish, free_port, reports, run, start
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -21,6 +19,8 @@ from torch import nn
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+from tests.ddp_scripts.launch import clean_environment, finish, free_port, reports, run, start
+from tests.helpers import TinyRegressor, loader, make_trainer, read_events, scalars, texts
 
 INJECT_AT = (2, 5)
 
@@ -43,12 +43,12 @@ def _assert_ranks_agree(ranks: list[dict[str, Any]], skipped_at: tuple[int, ...]
     ]
 
 
-def _tensorboard(out: Path) -> EventAccumulator:
-    event_files = list((out / "tb" / "version_0").glob("events.out.tfevents.*"))
+def _rank_zero_events(out: Path) -> EventAccumulator:
+    """The run's TensorBoard events, after checking that only rank zero wrote an event file."""
+    log_dir = out / "tb" / "version_0"
+    event_files = list(log_dir.glob("events.out.tfevents.*"))
     assert len(event_files) == 1, f"expected one event file, from rank zero only: {event_files}"
-    accumulator = EventAccumulator(str(event_files[0]), size_guidance={"scalars": 0, "tensors": 0})
-    accumulator.Reload()
-    return accumulator
+    return read_events(log_dir)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_ddp_fused_adam_overflow_on_one_rank_keeps_ranks_identical_every_step(tmp_path, precision):
     """Fused Adam under strategy='ddp', an overflow on rank 1 only, three monitors: same params every step, no hang."""
@@ -75,34 +76,33 @@ def test_ddp_fused_adam_overflow_on_one_rank_keeps_ranks_identical_every_step(tm
     assert len(set(ranks[0]["step_checksums"])) == len(ranks[0]["step_checksums"]) - len(INJECT_AT)
 
 
+@pytest.mark.slow
 def test_ddp_overflow_on_one_rank_is_skipped_by_every_rank(ddp_run):
     """strategy='ddp': an overflow on rank 1 only makes both ranks skip; scale and parameters stay identical."""
     _assert_ranks_agree(reports(ddp_run), INJECT_AT, overflowing_rank=1)
 
 
+@pytest.mark.slow
 def test_ddp_counters_are_reduced_over_ranks_and_logged_once(ddp_run):
     """The skip counters are logged once, from rank zero, as the number of lost updates, not a sum over ranks."""
-    accumulator = _tensorboard(ddp_run)
-    skipped_total = [event.value for event in accumulator.Scalars("precision/skipped_steps_total")]
-    assert skipped_total[-1] == len(INJECT_AT)
+    events = _rank_zero_events(ddp_run)
+    assert list(scalars(events, "precision/skipped_steps_total").values())[-1] == len(INJECT_AT)
     # Only rank 1 overflowed: rank 0, which writes the logs, knows its count only through the sum over ranks.
-    rank_overflows = [event.value for event in accumulator.Scalars("precision/rank_overflows_total")]
-    assert rank_overflows[-1] == len(INJECT_AT)
-    steps = [event.step for event in accumulator.Scalars("precision/loss_scale")]
+    assert list(scalars(events, "precision/rank_overflows_total").values())[-1] == len(INJECT_AT)
+    steps = [event.step for event in events.Scalars("precision/loss_scale")]
     assert len(steps) == len(set(steps)), "a step was logged more than once"
-    assert [event.value for event in accumulator.Scalars("precision/loss_scale")][-1] == 2.0**8 / 4
+    assert list(scalars(events, "precision/loss_scale").values())[-1] == 2.0**8 / 4
 
 
+@pytest.mark.slow
 def test_ddp_overflow_forensics_name_the_parameter_of_the_rank_that_overflowed(ddp_run):
     """Rank zero's gradients were finite, yet the overflow report names rank 1's culprit: names are gathered."""
-    accumulator = _tensorboard(ddp_run)
-    reports_text = [
-        event.tensor_proto.string_val[0].decode() for event in accumulator.Tensors("precision/overflow/text_summary")
-    ]
+    reports_text = list(texts(_rank_zero_events(ddp_run), "precision/overflow").values())
     assert len(reports_text) == len(INJECT_AT)
     assert all("first.weight" in text and "[16, 8]" in text for text in reports_text)
 
 
+@pytest.mark.slow
 def test_ddp_spawn_with_the_monitors(tmp_path):
     """strategy='ddp_spawn' pickles the plugin and the monitors; an overflow on rank 0 only is skipped everywhere."""
     run(["--strategy", "ddp_spawn", "--out", str(tmp_path), "--inject-rank", "0", "--inject-at", "2,5", "--telemetry"])
@@ -111,6 +111,7 @@ def test_ddp_spawn_with_the_monitors(tmp_path):
     assert ranks[0]["pid"] != ranks[1]["pid"]
 
 
+@pytest.mark.slow
 def test_ddp_notebook_forks_and_stays_consistent(tmp_path):
     """strategy='ddp_notebook' (fork) trains with the plugin and keeps the ranks identical."""
     run(["--strategy", "ddp_notebook", "--out", str(tmp_path), "--inject-rank", "1", "--inject-at", "2,5"])
@@ -119,6 +120,7 @@ def test_ddp_notebook_forks_and_stays_consistent(tmp_path):
     assert {r["strategy"] for r in ranks} == {"DDPStrategy"}
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(tmp_path):
     """num_nodes=2, one process per node, launched per node with NODE_RANK as on a cluster: the plugin needs nothing."""
     port = str(free_port())

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 import torch
-from ddp_scripts.launch import clean_environment, finish, reports
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from torch import nn
 
 from lightning_mp import MixedPrecision
 from lightning_mp.counting import count_syncs_and_ops
+from tests.ddp_scripts.launch import clean_environment, finish, reports
 
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)", "ignore:.*opt_level='O3'")
+pytestmark = pytest.mark.filterwarnings("ignore:.*opt_level='O3'")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -290,6 +290,7 @@ def test_example_script_trains_skips_and_resumes(tmp_path: Path) -> None:
     assert second["stats"]["precision/loss_scale"] >= first["stats"]["precision/loss_scale"]
 
 
+@pytest.mark.slow
 def test_fabric_ddp_ranks_agree_on_skips(tmp_path: Path) -> None:
     """Fabric's DDP strategy on 2 CPU processes: an overflow on rank 1 only is skipped by both ranks alike."""
     script = Path(__file__).with_name("ddp_scripts") / "fabric_train.py"

@@ -15,7 +15,6 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import TinyRegressor, loader, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.loggers import CSVLogger
@@ -23,6 +22,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from torch import nn
 
 from lightning_mp import LossScaleCollapseError, MixedPrecision
+from tests.helpers import TinyRegressor, loader, make_trainer
 
 STEPS = 300
 
@@ -336,6 +336,7 @@ def test_defect_9_with_accumulation_the_statistics_return_to_before_the_first_mi
         assert torch.equal(before, after)
 
 
+@pytest.mark.slow
 def test_defect_11_a_skip_aware_scheduler_saved_whole_loads_in_a_fresh_process(tmp_path):
     """torch.save of the step scheduler (as Lightning hands it out) loads where lightning_mp was never imported."""
     model = TinyRegressor(inject_at=(0,), scheduler=True)

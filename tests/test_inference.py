@@ -6,16 +6,14 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_trainer
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.inference import ParityReport, ParityTable, compare, to_inference
-
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.helpers import make_trainer
 
 
 def features(n: int = 64) -> Tensor:
@@ -47,10 +45,6 @@ class Classifier(LightningModule):
 def loader() -> DataLoader:
     x = features(16)
     return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
-
-
-def trainer(plugin: MixedPrecision | None = None, max_steps: int = 2) -> Trainer:
-    return make_trainer(plugin, max_steps=max_steps)
 
 
 def test_to_inference_returns_a_converted_copy_and_leaves_the_original_untouched() -> None:
@@ -89,7 +83,7 @@ def test_to_inference_honours_keep_fp32() -> None:
 def test_to_inference_works_on_a_trained_lightning_module() -> None:
     """A LightningModule attached to a Trainer converts without copying the Trainer, and stays attached."""
     model = Classifier()
-    fitted = trainer()
+    fitted = make_trainer(max_steps=2)
     fitted.fit(model, loader())
     fast = to_inference(model, dtype=torch.bfloat16)
     assert fast._trainer is None and model.trainer is fitted
@@ -168,7 +162,7 @@ def test_bad_arguments_raise_value_error(call: object, message: str) -> None:
 
 def test_trainer_predict_with_the_plugin_runs_under_autocast() -> None:
     """Trainer.predict with MixedPrecision returns bf16 logits: the predict step ran under autocast."""
-    predictions = trainer(MixedPrecision("bf16-mixed")).predict(Classifier(), loader())
+    predictions = make_trainer(MixedPrecision("bf16-mixed"), max_steps=2).predict(Classifier(), loader())
     assert predictions is not None and all(p.dtype == torch.bfloat16 for p in predictions)
 
 

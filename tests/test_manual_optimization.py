@@ -7,10 +7,10 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import loader, make_trainer
 from torch import nn
 
 from lightning_mp import MixedPrecision
+from tests.helpers import loader, make_trainer
 
 CLIP = 1e-3
 

@@ -8,15 +8,13 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from conftest import make_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.overrides import Fp32Overrides
-
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.helpers import make_trainer
 
 
 class Block(nn.Module):

@@ -24,10 +24,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_mp import MixedPrecision
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
-
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:lightning_mp. (fp16|this CPU)", "ignore:The number of training batches", "ignore:.*val_dataloader"
-)
+from tests.helpers import make_trainer
 
 VOCAB = 32
 CONFIGS = [("32-true", "O0"), ("bf16-mixed", "O1"), ("bf16-mixed", "O2"), ("16-mixed", "O1"), ("16-mixed", "O2")]
@@ -62,18 +59,7 @@ def train_and_validate(
     model = ParityLM(vocab_size=VOCAB, d_model=d_model, n_heads=2, n_layers=1, seq_len=16, lr=3e-3, warmup_steps=10)
     data = MarkovTextDataModule(seq_len=16, batch_size=8, train_sequences=steps * 8, vocab_size=VOCAB, seed=0)
     plugin = MixedPrecision(precision, opt_level=opt_level)  # type: ignore[arg-type]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=steps,
-        num_sanity_val_steps=0,
-        limit_val_batches=val_batches,
-        plugins=[plugin],
-    )
+    trainer = make_trainer(plugin, max_steps=steps, num_sanity_val_steps=0, limit_val_batches=val_batches)
     trainer.fit(model, data)
     metrics = trainer.validate(model, data, verbose=False)[0]
     return {**metrics, "skipped_steps": plugin.stats.skipped_steps}

@@ -11,7 +11,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import TinyRegressor, loader, make_trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
@@ -19,6 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_mp import LossScaleCollapseError, MixedPrecision, NonFiniteStepsError
+from tests.helpers import TinyRegressor, loader, make_trainer
 
 
 class ScaleRecorder(L.Callback):

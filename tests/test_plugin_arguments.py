@@ -7,10 +7,10 @@ import inspect
 import numpy as np
 import pytest
 import torch
-from conftest import TinyRegressor, loader, make_trainer
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 
 from lightning_mp import LossScaler, MixedPrecision
+from tests.helpers import TinyRegressor, loader, make_trainer
 
 NEAR_MISSES = [
     ("precision", "16", "16-mixed"),

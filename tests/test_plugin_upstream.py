@@ -12,12 +12,12 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import make_trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from lightning_mp import LossScaler, MixedPrecision
+from tests.helpers import make_trainer
 
 
 def _scaled_gradients(plugin: MixedPrecision, optimizer_class: type = torch.optim.SGD, **options: Any):

@@ -1,7 +1,6 @@
-"""Advisor Callback
-================
+"""The advisor callback: the precision advisor's verdict, logged before training starts.
 
-Runs the precision advisor (:func:`lightning_mp.advisor.advise`) once, at the start of training, on the first
+It runs the precision advisor (:func:`lightning_mp.advisor.advise`) once, at the start of training, on the first
 ``batches`` batches of the training data loader, before any optimizer step.
 
 It measures in fp32 on a deep copy of the model, so the run itself is unchanged: same weights, same random state,
@@ -45,11 +44,22 @@ class AdvisorCallback(Callback):
         ValueError: if ``batches`` is not an integer >= 1.
         TypeError: if ``loss_fn`` is neither None nor callable.
 
-    Example::
-
-        trainer = Trainer(callbacks=[AdvisorCallback(batches=8)], logger=TensorBoardLogger("logs"))
-        trainer.fit(model)
-        MixedPrecision(**trainer.callbacks[0].advice.plugin_kwargs("16-mixed"))  # for the next fp16 run
+    Example:
+        >>> import tempfile
+        >>> from lightning import Trainer
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> from lightning.pytorch.loggers import TensorBoardLogger
+        >>> from lightning_mp import MixedPrecision
+        >>> logs = tempfile.TemporaryDirectory()  # a throwaway log directory for this example
+        >>> advisor = AdvisorCallback(batches=2)
+        >>> trainer = Trainer(
+        ...     accelerator="cpu", max_steps=1, callbacks=[advisor], logger=TensorBoardLogger(logs.name),
+        ...     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        ... )
+        >>> trainer.fit(BoringModel())
+        >>> MixedPrecision(**advisor.advice.plugin_kwargs("16-mixed"))  # for the next fp16 run
+        MixedPrecision(precision='16-mixed', opt_level='O1')
+        >>> logs.cleanup()
 
     """
 

@@ -1,7 +1,4 @@
-"""Gradient Health Monitor
-=======================
-
-Logs what mixed precision does to the gradients, and names the parameters behind every overflow.
+"""Logs what mixed precision does to the gradients, and names the parameters behind every overflow.
 
 Half precision has a narrow range. fp16's largest finite value is 65504 and its smallest subnormal is about 6e-8;
 bf16 reaches as far as fp32 but keeps only 8 bits of mantissa. Gradients leave that range in two ways:

@@ -1,7 +1,4 @@
-"""Layer Dtype Monitor
-===================
-
-Shows, layer by layer, which precision each part of the model really runs in.
+"""Shows, layer by layer, which precision each part of the model really runs in.
 
 Under mixed precision the dtype of a layer is not one thing. Its parameters may be fp32 (opt level O1, where
 autocast casts on the fly) or half (O2, O3); its output follows autocast's op lists, so a ``Linear`` returns

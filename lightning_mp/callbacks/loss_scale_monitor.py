@@ -1,7 +1,4 @@
-"""Loss Scale Monitor
-==================
-
-Logs the dynamic loss scale and the overflow counters of :class:`~lightning_mp.MixedPrecision`.
+"""Logs the dynamic loss scale and the overflow counters of :class:`~lightning_mp.MixedPrecision`.
 
 In fp16 the loss is multiplied by a scale before backward so that small gradients do not underflow to zero. When a
 gradient overflows to inf or NaN, the optimizer step is skipped and the scale is multiplied by ``backoff_factor``;

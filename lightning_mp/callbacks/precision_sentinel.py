@@ -1,8 +1,7 @@
-"""Precision Sentinel
-==================
+"""Watches for the precision failures that stay silent, warns once about each with the fix, and draws heatmaps.
 
-Watches for the precision failures that do not crash, do not produce a NaN and do not show in the loss curve for a
-long time, warns once about each with the fix, and draws per-layer heatmaps of them over the steps.
+Silent means they do not crash, do not produce a NaN and do not show in the loss curve for a long time. The heatmaps
+show them per layer over the steps.
 
 **What it measures.** On the first training step and then every ``every_n_steps`` steps (a *sampled* step, at the
 same steps as Lightning's ``log_every_n_steps=every_n_steps``), on rank zero only:
@@ -316,7 +315,7 @@ class PrecisionSentinel(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, sample: _Sample, parameter_half: set[str]
     ) -> None:
         self.samples.append(sample)
-        findings = misconfigurations(self._facts(trainer, pl_module, parameter_half))
+        findings: list[Finding | None] = list(misconfigurations(self._facts(trainer, pl_module, parameter_half)))
         if sample.stale:
             findings.append(stale_update_finding(sample.stale, self.stale_update_share))
         if "float16" in self._output_dtypes | parameter_half and sample.headroom:
@@ -443,8 +442,8 @@ def _per_layer_shares(
         total[0] += size
         total[1] += active
         total[2] += changed
-    for layer, (size, active, changed) in totals.items():
-        sample.underflow[layer] = 1.0 - active / size
+    for layer, (elements, active, changed) in totals.items():
+        sample.underflow[layer] = 1.0 - active / elements
         if not skipped and active > 0:
             sample.stale[layer] = (active - changed) / active
     sample.underflow[_ALL_LAYERS] = 1.0 - sum(with_gradient) / sum(sizes)

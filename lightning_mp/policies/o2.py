@@ -155,7 +155,7 @@ class HalfWeights(AbstractContextManager):
         self.dtype = dtype
         self.fp32_roots = list(fp32_roots)
         self._depth = 0
-        self._originals: list[Tensor] = []
+        self._originals: list[nn.Parameter | None] = []
         self._hook_handles: list[RemovableHandle] = []
 
     def __enter__(self) -> HalfWeights:
@@ -193,7 +193,8 @@ class HalfWeights(AbstractContextManager):
             copy = copies.get(id(parameter))
             if copy is None:
                 copy = copies[id(parameter)] = parameter.to(self.dtype)
-            module._parameters[name] = copy
+            # A plain tensor in a parameter's slot is the point of the swap (module docstring).
+            module._parameters[name] = copy  # type: ignore[assignment]
 
     def _restore(self) -> None:
         for (module, name), parameter in zip(self.slots, self._originals, strict=True):

@@ -4,6 +4,8 @@ Run by ``test_telemetry_costs.py`` in a subprocess, once without and once with t
 
     python ddp_monitor_costs.py --out DIR [--monitors]
 
+with the repository root on ``PYTHONPATH`` (``tests/ddp_scripts/launch.py``'s ``clean_environment`` puts it there).
+
 Every rank writes ``DIR/rank<global rank>.json``: for each batch the host syncs, the dispatched ops and the
 collectives (``c10d`` ops) counted by :mod:`lightning_mp.counting`.
 """
@@ -15,13 +17,12 @@ import json
 import warnings
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from telemetry_helpers import BatchCostRecorder, TinyLanguageModel
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
+from tests.helpers import BatchCostRecorder, TinyLanguageModel, make_trainer
 
 LOG_EVERY = 3
 MAX_STEPS = 6
@@ -41,18 +42,14 @@ def main() -> None:
         LayerDtypeMonitor(every_n_steps=LOG_EVERY),
         PrecisionSentinel(every_n_steps=LOG_EVERY),
     ]
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = make_trainer(
+        MixedPrecision("16-mixed"),
         devices=2,
         strategy="ddp",
         max_steps=MAX_STEPS,
         log_every_n_steps=LOG_EVERY,
         logger=TensorBoardLogger(args.out, name="tb"),
-        plugins=[MixedPrecision("16-mixed")],
         callbacks=[recorder.opener(), *(monitors if args.monitors else []), recorder.closer()],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(TinyLanguageModel(optimizer="sgd"))
     batches = [
@@ -65,6 +62,9 @@ def main() -> None:
         for counts in recorder.per_batch
     ]
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(batches))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Tear gloo down before the interpreter exits: doing it at exit can abort a successful run.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -6,18 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_trainer
 from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
-from tensorboard.backend.event_processing import event_accumulator
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import AdvisorCallback
-
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.helpers import make_trainer, read_events, texts
 
 
 class Planted(LightningModule):
@@ -62,9 +59,7 @@ def fit(callbacks: list, logger: TensorBoardLogger | bool = False, plugin: Mixed
 
 
 def advice_texts(log_dir: str | Path) -> list[str]:
-    accumulator = event_accumulator.EventAccumulator(str(log_dir), size_guidance={event_accumulator.TENSORS: 0})
-    accumulator.Reload()
-    return [event.tensor_proto.string_val[0].decode() for event in accumulator.Tensors("precision/advice/text_summary")]
+    return list(texts(read_events(log_dir), "precision/advice").values())
 
 
 def test_callback_writes_the_advice_table_to_tensorboard(tmp_path: Path) -> None:

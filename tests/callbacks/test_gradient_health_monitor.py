@@ -19,15 +19,17 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor
-
-# The plugin rightly warns that half precision is slow on this CPU; the runs here are tiny.
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.helpers import make_trainer, read_events, scalars, texts
 
 INIT_SCALE = 2.0**8
 
 
-class TinyRegressor(LightningModule):
-    """A small tanh network plus a layer whose output is multiplied by zero, so its gradients are exactly zero."""
+class SilentLayerNetwork(LightningModule):
+    """A small tanh network plus a layer whose output is multiplied by zero, so its gradients are exactly zero.
+
+    Not :class:`tests.helpers.TinyRegressor`: tanh (unlike ReLU) leaves no other gradient exactly zero, so the zero
+    fraction is known in advance, and the inf goes into ``head.weight``, the name the overflow entries must show.
+    """
 
     def __init__(self, inject_at: tuple[int, ...] = ()) -> None:
         super().__init__()
@@ -65,41 +67,15 @@ def fit(
     init_scale: float = INIT_SCALE,
     opt_level: str = "O1",
 ) -> Trainer:
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        plugins=[MixedPrecision(precision, opt_level=opt_level, init_scale=init_scale)],
+    trainer = make_trainer(
+        MixedPrecision(precision, opt_level=opt_level, init_scale=init_scale),
         callbacks=[monitor],
         logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         log_every_n_steps=log_every_n_steps,
         max_steps=max_steps,
     )
-    trainer.fit(TinyRegressor(inject_at))
+    trainer.fit(SilentLayerNetwork(inject_at))
     return trainer
-
-
-def read_events(log_dir: str | Path) -> event_accumulator.EventAccumulator:
-    accumulator = event_accumulator.EventAccumulator(
-        str(log_dir),
-        size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0, event_accumulator.HISTOGRAMS: 0},
-    )
-    accumulator.Reload()
-    return accumulator
-
-
-def scalars(accumulator: event_accumulator.EventAccumulator, tag: str) -> dict[int, float]:
-    if tag not in accumulator.Tags()["scalars"]:
-        return {}
-    return {event.step: event.value for event in accumulator.Scalars(tag)}
-
-
-def texts(accumulator: event_accumulator.EventAccumulator, tag: str) -> dict[int, str]:
-    return {
-        event.step: event.tensor_proto.string_val[0].decode() for event in accumulator.Tensors(f"{tag}/text_summary")
-    }
 
 
 def test_overflow_entry_names_the_parameter_that_overflowed(tmp_path):
@@ -153,7 +129,7 @@ def test_zero_fraction_counts_gradients_that_are_exactly_zero(tmp_path):
     """A layer whose gradients are all exactly zero shows up as its share of all gradient elements."""
     logger = TensorBoardLogger(tmp_path)
     fit(logger, GradientHealthMonitor(), max_steps=2)
-    model = TinyRegressor()
+    model = SilentLayerNetwork()
     silent_elements = sum(p.numel() for p in model.silent.parameters())
     all_elements = sum(p.numel() for p in model.parameters())
     logged = scalars(read_events(logger.log_dir), "precision/grad_zero_fraction")
@@ -182,7 +158,7 @@ def test_each_doubling_of_the_loss_scale_costs_one_bit_of_headroom(low_and_high_
 def test_magnitude_histogram_shifts_right_with_the_loss_scale(low_and_high_scale_runs):
     """The log2-magnitude histogram counts every non-zero gradient element and moves 4 bins right at 16x scale."""
     low, high = (run.Histograms("precision/grad_log2_magnitude")[0].histogram_value for run in low_and_high_scale_runs)
-    model = TinyRegressor()
+    model = SilentLayerNetwork()
     nonzero_elements = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.silent.parameters())
     assert low.num == high.num == nonzero_elements
     assert sum(high.bucket) == nonzero_elements

@@ -17,15 +17,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import LayerDtypeMonitor
-
-# The plugin rightly warns that half precision is slow on this CPU; the runs here are tiny.
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.helpers import make_trainer, read_events
 
 LEAF_MODULES = ("encoder.0", "encoder.1", "encoder.2", "criterion")
 
 
-class TinyRegressor(LightningModule):
-    """Linear, Tanh, Linear and an MSELoss module; records how many forward hooks it carries at each step."""
+class HookCountingNetwork(LightningModule):
+    """Linear, Tanh, Linear and an MSELoss module; records how many forward hooks it carries at each step.
+
+    Not :class:`tests.helpers.TinyRegressor`: the table lists the leaf modules, and a loss module is one of them.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,31 +57,14 @@ def fit(
     monitor: LayerDtypeMonitor,
     max_steps: int = 2,
     **trainer_kwargs: object,
-) -> tuple[Trainer, TinyRegressor]:
+) -> tuple[Trainer, HookCountingNetwork]:
     trainer_kwargs.setdefault("plugins", [MixedPrecision("bf16-mixed")])
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        callbacks=[monitor],
-        logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-        max_steps=max_steps,
-        **trainer_kwargs,
+    trainer = make_trainer(
+        callbacks=[monitor], logger=logger, log_every_n_steps=1, max_steps=max_steps, **trainer_kwargs
     )
-    model = TinyRegressor()
+    model = HookCountingNetwork()
     trainer.fit(model)
     return trainer, model
-
-
-def read_events(log_dir: str | Path) -> event_accumulator.EventAccumulator:
-    accumulator = event_accumulator.EventAccumulator(
-        str(log_dir), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
-    )
-    accumulator.Reload()
-    return accumulator
 
 
 def tables(accumulator: event_accumulator.EventAccumulator) -> dict[int, dict[str, dict[str, str]]]:
@@ -141,7 +125,7 @@ def test_hooks_exist_only_during_sampled_steps(tmp_path):
     assert count_forward_hooks(model) == 0
 
 
-class TinyAttention(TinyRegressor):
+class TinyAttention(HookCountingNetwork):
     """Adds an nn.MultiheadAttention, a module with children that computes with parameters of its own."""
 
     def __init__(self) -> None:
@@ -157,17 +141,8 @@ class TinyAttention(TinyRegressor):
 def test_attention_projection_weights_are_in_the_table(tmp_path):
     """MultiheadAttention owns its input projection, so it gets a row; its out_proj is used without being called."""
     logger = TensorBoardLogger(tmp_path)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        plugins=[MixedPrecision("bf16-mixed")],
-        callbacks=[LayerDtypeMonitor()],
-        logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-        max_steps=1,
+    trainer = make_trainer(
+        MixedPrecision("bf16-mixed"), callbacks=[LayerDtypeMonitor()], logger=logger, log_every_n_steps=1, max_steps=1
     )
     trainer.fit(TinyAttention())
     table = tables(read_events(logger.log_dir))[0]

@@ -7,24 +7,20 @@ import pickle
 from pathlib import Path
 
 import pytest
-import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from tensorboard.backend.event_processing import event_accumulator
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import LossScaleMonitor
-
-# The plugin rightly warns that half precision is slow on this CPU; the runs here are tiny.
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.helpers import TinyRegressor, loader, make_trainer, read_events, scalars
 
 INIT_SCALE = 2.0**8
 GROWTH_INTERVAL = 4
 INJECTED_STEPS = (3, 9)
 MAX_STEPS = 16
+LR = 0.01
+BATCH_SIZE = 4
 TAGS = (
     "precision/loss_scale",
     "precision/skipped_steps_total",
@@ -32,32 +28,6 @@ TAGS = (
     "precision/scale_backoffs_total",
     "precision/scale_growths_total",
 )
-
-
-class TinyRegressor(LightningModule):
-    """Two small linear layers; an inf is written into a gradient at the chosen steps."""
-
-    def __init__(self, inject_at: tuple[int, ...] = ()) -> None:
-        super().__init__()
-        self.hidden = nn.Linear(8, 16)
-        self.head = nn.Linear(16, 1)
-        self.inject_at = inject_at
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        features, target = batch
-        return nn.functional.mse_loss(self.head(torch.relu(self.hidden(features))), target)
-
-    def on_after_backward(self) -> None:
-        if self.global_step in self.inject_at:
-            self.head.weight.grad[0, 0] = float("inf")
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(0)
-        data = TensorDataset(torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator))
-        return DataLoader(data, batch_size=4)
 
 
 def fit(
@@ -68,28 +38,21 @@ def fit(
     log_every_n_steps: int = 1,
     max_steps: int = MAX_STEPS,
 ) -> Trainer:
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        plugins=[MixedPrecision(precision, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)],
+    trainer = make_trainer(
+        MixedPrecision(precision, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
         callbacks=[monitor],
         logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         log_every_n_steps=log_every_n_steps,
         max_steps=max_steps,
     )
-    trainer.fit(TinyRegressor(inject_at))
+    trainer.fit(TinyRegressor(lr=LR, inject_at=inject_at), loader(batch_size=BATCH_SIZE))
     return trainer
 
 
 def read_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:
-    accumulator = event_accumulator.EventAccumulator(str(log_dir), size_guidance={event_accumulator.SCALARS: 0})
-    accumulator.Reload()
-    return {
-        tag: {event.step: event.value for event in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]
-    }
+    """Every scalar tag of the run, each as {step: value}."""
+    events = read_events(log_dir)
+    return {tag: scalars(events, tag) for tag in events.Tags()["scalars"]}
 
 
 def expected_scales() -> list[float]:
@@ -155,22 +118,16 @@ def test_skipped_step_is_logged_between_logging_intervals(tmp_path):
 def test_accumulated_batches_log_once_per_optimizer_step(tmp_path):
     """With accumulate_grad_batches=2 each optimizer step is logged once, and an overflow still halves the scale."""
     logger = TensorBoardLogger(tmp_path)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        plugins=[MixedPrecision("16-mixed", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)],
+    trainer = make_trainer(
+        MixedPrecision("16-mixed", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
         callbacks=[LossScaleMonitor()],
         logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         log_every_n_steps=1,
         max_steps=4,
         accumulate_grad_batches=2,
     )
-    trainer.fit(TinyRegressor(inject_at=(2,)))
-    accumulator = event_accumulator.EventAccumulator(str(logger.log_dir), size_guidance={event_accumulator.SCALARS: 0})
-    accumulator.Reload()
+    trainer.fit(TinyRegressor(lr=LR, inject_at=(2,)), loader(batch_size=BATCH_SIZE))
+    accumulator = read_events(logger.log_dir)
     steps = [event.step for event in accumulator.Scalars("precision/loss_scale")]
     assert steps == [0, 1, 2, 3]
     assert [event.value for event in accumulator.Scalars("precision/loss_scale")] == [INIT_SCALE] * 2 + [
@@ -217,16 +174,9 @@ def test_no_logger_is_a_clear_error():
 
 def test_another_precision_plugin_is_a_clear_error(tmp_path):
     """Without lightning_mp's MixedPrecision there are no counters to read, and the error says what to pass."""
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        callbacks=[LossScaleMonitor()],
-        logger=TensorBoardLogger(tmp_path),
-        enable_progress_bar=False,
-        max_steps=1,
-    )
+    trainer = make_trainer(callbacks=[LossScaleMonitor()], logger=TensorBoardLogger(tmp_path), max_steps=1)
     with pytest.raises(MisconfigurationException, match="MixedPrecision"):
-        trainer.fit(TinyRegressor())
+        trainer.fit(TinyRegressor(), loader())
 
 
 def test_prog_bar_must_be_a_bool():

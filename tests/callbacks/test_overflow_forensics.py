@@ -7,16 +7,14 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
-from telemetry_helpers import BatchCostRecorder, read_events
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor
-
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.helpers import BatchCostRecorder, make_trainer, read_events
 
 INJECT_AT = (1, 3)
 
@@ -57,17 +55,12 @@ class ManualRegressor(LightningModule):
 
 def fit_manual(tmp_path, zero_grad_first: bool, callbacks: list, name: str = "run") -> TensorBoardLogger:
     logger = TensorBoardLogger(tmp_path, name=name)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = make_trainer(
+        MixedPrecision("16-mixed", init_scale=2.0**8),
         max_steps=5,
         logger=logger,
         log_every_n_steps=50,
-        plugins=[MixedPrecision("16-mixed", init_scale=2.0**8)],
         callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(ManualRegressor(zero_grad_first))
     return logger

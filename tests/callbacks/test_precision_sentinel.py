@@ -14,7 +14,6 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from matplotlib.image import imread
-from telemetry_helpers import read_events
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -26,8 +25,7 @@ from lightning_mp.callbacks._sentinel_rules import (
     stale_update_finding,
     underflow_finding,
 )
-
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.helpers import make_trainer, read_events
 
 HEATMAP_TAGS = (
     "precision_sentinel/activation_headroom_log2",
@@ -86,18 +84,7 @@ def sentinel_warnings(
     """Fit with a sentinel sampling every step; return its warnings by kind, the sentinel and the logger."""
     sentinel = PrecisionSentinel(every_n_steps=1, heatmap_every_n_samples=2)
     logger = TensorBoardLogger(tmp_path)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=logger,
-        plugins=[plugin] if plugin is not None else None,
-        callbacks=[sentinel],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_options,
-    )
+    trainer = make_trainer(plugin, max_steps=max_steps, logger=logger, callbacks=[sentinel], **trainer_options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model)

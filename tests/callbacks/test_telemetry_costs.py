@@ -8,17 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from ddp_scripts.launch import clean_environment, finish
-from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
-from telemetry_helpers import BatchCostRecorder, TinyLanguageModel
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
 from lightning_mp.counting import StepCounts, count_syncs_and_ops
-
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.ddp_scripts.launch import clean_environment, finish
+from tests.helpers import BatchCostRecorder, TinyLanguageModel, make_trainer
 
 LOG_EVERY = 3
 MAX_STEPS = 6
@@ -26,17 +23,12 @@ MAX_STEPS = 6
 
 def per_batch_costs(tmp_path, monitors: list, name: str, optimizer: str) -> list[StepCounts]:
     recorder = BatchCostRecorder()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = make_trainer(
+        MixedPrecision("16-mixed"),
         max_steps=MAX_STEPS,
         log_every_n_steps=LOG_EVERY,
         logger=TensorBoardLogger(tmp_path, name=name),
-        plugins=[MixedPrecision("16-mixed")],
         callbacks=[recorder.opener(), *monitors, recorder.closer()],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(TinyLanguageModel(optimizer=optimizer))
     return recorder.per_batch
@@ -93,16 +85,13 @@ def test_gradient_histogram_is_one_batched_op(plain_and_monitored):
 
 def fit_with_progress_bar(tmp_path, prog_bar: bool) -> tuple[StepCounts, TQDMProgressBar]:
     bar = TQDMProgressBar(refresh_rate=1)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = make_trainer(
+        MixedPrecision("16-mixed", init_scale=2.0**10),
         max_steps=4,
         logger=TensorBoardLogger(tmp_path, name=str(prog_bar)),
         log_every_n_steps=50,
-        plugins=[MixedPrecision("16-mixed", init_scale=2.0**10)],
         callbacks=[LossScaleMonitor(prog_bar=prog_bar), bar],
-        enable_checkpointing=False,
-        enable_model_summary=False,
+        enable_progress_bar=True,
     )
     model = TinyLanguageModel(optimizer="sgd")
     with count_syncs_and_ops() as counts:
@@ -135,6 +124,7 @@ def start_ddp_costs(out: Path, monitors: bool) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 def test_ddp_logging_step_reduces_every_counter_in_one_collective_and_one_sync(tmp_path):
     """Under DDP (2 processes) with the three monitors and the sentinel, a logging step adds 1 collective and at most
     1 sync per rank, other steps add no collective and no sync (but the sentinel's first sample on rank 0)."""

@@ -14,41 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
-
-# The plugin rightly warns that half precision is slow on this CPU; the run here is tiny.
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
+from tests.helpers import TinyRegressor, loader, make_trainer
 
 SERVER_WAIT_S = 60.0
-
-
-class TinyRegressor(LightningModule):
-    """One linear layer; its gradient gets an inf at step 1 so that an overflow entry exists."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(8, 1)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        features, target = batch
-        return nn.functional.mse_loss(self.layer(features), target)
-
-    def on_after_backward(self) -> None:
-        if self.global_step == 1:
-            self.layer.weight.grad[0, 0] = float("inf")
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 1)), batch_size=4)
 
 
 def free_port() -> int:
@@ -80,10 +52,8 @@ def test_tensorboard_server_lists_the_precision_tags(tmp_path: Path):
     """A user who opens TensorBoard on the run finds precision/loss_scale among its scalars, the overflow text and the
     sentinel's heatmaps among its images."""
     logger = TensorBoardLogger(tmp_path)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        plugins=[MixedPrecision("16-mixed", init_scale=2.0**8)],
+    trainer = make_trainer(
+        MixedPrecision("16-mixed", init_scale=2.0**8),
         callbacks=[
             LossScaleMonitor(),
             GradientHealthMonitor(),
@@ -91,14 +61,12 @@ def test_tensorboard_server_lists_the_precision_tags(tmp_path: Path):
             PrecisionSentinel(every_n_steps=1),
         ],
         logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         log_every_n_steps=1,
         max_steps=3,
     )
-    with pytest.warns(RuntimeWarning, match="layer.weight"):
-        trainer.fit(TinyRegressor())
+    # The inf at step 1 gives the run an overflow entry.
+    with pytest.warns(RuntimeWarning, match="first.weight"):
+        trainer.fit(TinyRegressor(inject_at=(1,)), loader(batch_size=4))
     run = Path(logger.log_dir).relative_to(tmp_path).as_posix()
 
     port = free_port()

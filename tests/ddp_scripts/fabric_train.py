@@ -83,6 +83,9 @@ def main(argv: list[str]) -> None:
         "resumed_stats": resumed.stats.as_dict(),
     }
     (args.out / f"rank{fabric.global_rank}.json").write_text(json.dumps(report))
+    if dist.is_available() and dist.is_initialized():
+        # Tear gloo down before the interpreter exits: doing it at exit can abort a successful run.
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

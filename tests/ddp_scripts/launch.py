@@ -14,12 +14,15 @@ from pathlib import Path
 from typing import Any
 
 TRAIN_SCRIPT = Path(__file__).with_name("train.py")
+REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
+"""Put first on the scripts' ``PYTHONPATH``, so that they import ``tests.helpers`` and this checkout's package."""
 _DISTRIBUTED_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def clean_environment(**extra: str) -> dict[str, str]:
-    """This process's environment without distributed variables, plus ``extra``."""
+    """This process's environment: no distributed variables, the repository root first on ``PYTHONPATH``, ``extra``."""
     env = {key: value for key, value in os.environ.items() if key not in _DISTRIBUTED_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPOSITORY_ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
 

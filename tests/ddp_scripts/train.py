@@ -1,6 +1,7 @@
 """Train a tiny model with MixedPrecision under a distributed strategy and write what each rank saw to JSON files.
 
-Run as a user would run a script, so that ``strategy="ddp"`` can re-launch it::
+Run as a user would run a script, so that ``strategy="ddp"`` can re-launch it (``launch.py`` puts the repository
+root on ``PYTHONPATH``, for ``tests.helpers``)::
 
     python train.py --strategy ddp --out DIR [--inject-rank 1 --inject-at 2,5] [--max-steps 8]
 
@@ -28,41 +29,31 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+from tests.helpers import TinyRegressor, loader, make_trainer
 
 
-class TinyRegressor(L.LightningModule):
-    """Two linear layers, with an inf planted in ``first.weight``'s gradient on one rank at chosen steps."""
+class RankInjectingRegressor(TinyRegressor):
+    """The tests' tiny regressor, with the inf planted on one rank only and the loss logged with ``sync_dist``."""
 
     def __init__(self, inject_rank: int, inject_at: tuple[int, ...], optimizer: str = "sgd") -> None:
-        super().__init__()
-        self.optimizer_name = optimizer
-        self.first = nn.Linear(8, 16)
-        self.second = nn.Linear(16, 1)
+        super().__init__(inject_at=inject_at, optimizer=optimizer)
         self.inject_rank = inject_rank
-        self.inject_at = set(inject_at)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(torch.relu(self.first(x)))
-
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x).float(), y)
+        loss = super().training_step(batch, batch_idx)
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
+    @override
     def on_after_backward(self) -> None:
         # After backward DDP has already averaged the gradients: the inf exists on this rank only.
-        if self.global_rank == self.inject_rank and self.global_step in self.inject_at:
-            self.first.weight.grad[0, 0] = float("inf")
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.optimizer_name == "fused-adam":
-            return torch.optim.Adam(self.parameters(), lr=0.01, fused=True)
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if self.global_rank == self.inject_rank:
+            super().on_after_backward()
 
 
 def parameter_checksum(module: nn.Module) -> str:
@@ -160,12 +151,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
     L.seed_everything(7, verbose=False)
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 8, generator=generator)
-    y = x @ torch.randn(8, 1, generator=generator)
-    data = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
     inject_at = tuple(int(step) for step in args.inject_at.split(",") if step)
-    model = TinyRegressor(args.inject_rank, inject_at, args.optimizer)
+    model = RankInjectingRegressor(args.inject_rank, inject_at, args.optimizer)
 
     plugin = MixedPrecision(
         args.precision,
@@ -194,21 +181,22 @@ def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, save_on_exception=True))
     # Everything ddp_spawn and ddp_notebook send to their workers must pickle.
     pickle.dumps((plugin, callbacks))
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = make_trainer(
+        plugin,
         devices=args.devices,
         num_nodes=args.num_nodes,
         strategy=args.strategy,
-        plugins=[plugin],
         callbacks=callbacks,
         logger=logger,
         log_every_n_steps=1,
         max_steps=args.max_steps,
         enable_checkpointing=bool(args.checkpoint_every or args.save_on_exception),
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
-    trainer.fit(model, data, ckpt_path=ckpt_path)
+    trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    if dist.is_available() and dist.is_initialized():
+        # Lightning leaves the process group up after fit; tearing gloo down in the interpreter's exit instead can
+        # abort the process ("terminate called without an active exception") after a successful run.
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

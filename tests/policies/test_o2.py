@@ -12,7 +12,6 @@ import lightning as L
 import pytest
 import torch
 from conftest import make_trainer
-from ddp_scripts.launch import reports, run
 from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
 from lightning.pytorch.utilities import grad_norm
 from test_parity import train_and_validate
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import MixedPrecision
 from lightning_mp.inference import compare, to_inference
 from lightning_mp.policies.o2 import HalfOverflowError, O2Policy
+from tests.ddp_scripts.launch import reports, run
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:lightning_mp. (fp16|this CPU)", "ignore:.*(does not have many workers|val_dataloader|training batches)"
@@ -608,6 +608,7 @@ def test_o2_policy_rejects_a_non_half_dtype() -> None:
         O2Policy(torch.float32)
 
 
+@pytest.mark.slow
 def test_o2_under_real_ddp_skips_an_overflow_on_one_rank_and_keeps_the_ranks_identical(tmp_path: Path) -> None:
     """Under strategy='ddp' an O2 fp16 overflow on rank 1 is skipped by both ranks, whose parameters stay equal."""
     run(["--strategy", "ddp", "--out", str(tmp_path), "--opt-level", "O2", "--inject-rank", "1", "--inject-at", "2"])

@@ -1,0 +1,1 @@
+"""Tests of the TensorBoard callbacks and the precision sentinel."""

@@ -1,0 +1,1 @@
+"""Scripts that the DDP tests start in subprocesses, and the launcher that starts them."""

@@ -1,0 +1,196 @@
+"""The tests' shared helpers: the tiny models, one Trainer builder, one TensorBoard event reader and a cost recorder.
+
+Import them with ``from tests.helpers import ...`` (pytest's configuration puts the repository root on ``sys.path``
+under every import mode; ``tests/ddp_scripts/launch.py`` puts it on the subprocesses' ``PYTHONPATH``).
+
+The models are tiny on purpose: half precision is slow on CPUs without AVX512, and the whole suite runs on 2 cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from tensorboard.backend.event_processing import event_accumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp.counting import StepCounts, count_syncs_and_ops
+
+FEATURES = 8
+"""Input features of :class:`TinyRegressor` and of :func:`regression_data`."""
+
+
+def make_trainer(plugin: Any = None, **kwargs: Any) -> L.Trainer:
+    """A single-CPU Trainer of 8 steps without logger, checkpoints, progress bar or summary, unless overridden."""
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "max_steps": 8,
+    }
+    options.update(kwargs)
+    if plugin is not None:
+        options["plugins"] = [plugin]
+    return L.Trainer(**options)
+
+
+def regression_data(n: int = 64, features: int = FEATURES, seed: int = 0) -> TensorDataset:
+    """A seeded linear regression problem with a little noise."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=generator)
+    y = x @ torch.randn(features, 1, generator=generator) + 0.1 * torch.randn(n, 1, generator=generator)
+    return TensorDataset(x, y)
+
+
+def loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    """A deterministic loader over :func:`regression_data`."""
+    return DataLoader(regression_data(n, seed=seed), batch_size=batch_size, shuffle=False)
+
+
+class TinyRegressor(L.LightningModule):
+    """Two linear layers; optionally an inf gradient injected into ``first.weight`` at chosen global steps.
+
+    Args:
+        lr: the learning rate.
+        inject_at: global steps whose ``first.weight`` gradient gets an inf after backward (an overflow).
+        optimizer: ``"sgd"`` (with momentum), ``"adam"`` or ``"fused-adam"``.
+        scheduler: add a ``StepLR`` that steps every batch.
+        hidden: the width of the hidden layer.
+
+    """
+
+    def __init__(
+        self,
+        lr: float = 0.05,
+        inject_at: tuple[int, ...] = (),
+        optimizer: str = "sgd",
+        scheduler: bool = False,
+        hidden: int = 16,
+    ) -> None:
+        super().__init__()
+        self.first = nn.Linear(FEATURES, hidden)
+        self.second = nn.Linear(hidden, 1)
+        self.lr = lr
+        self.inject_at = set(inject_at)
+        self.optimizer_name = optimizer
+        self.use_scheduler = scheduler
+        self.seen_grad_scales: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    def on_after_backward(self) -> None:
+        if self.global_step in self.inject_at:
+            self.first.weight.grad[0, 0] = float("inf")
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name in ("adam", "fused-adam"):
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr, fused=self.optimizer_name == "fused-adam")
+        else:
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if not self.use_scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class TinyLanguageModel(L.LightningModule):
+    """Embedding, two small Transformer layers and a head: about 30 parameter tensors, like a real LM's layout."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, optimizer: str = "adamw") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.body = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+        self.optimizer_name = optimizer
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens, targets = batch
+        logits = self.head(self.body(self.embed(tokens)))
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=True)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 32, (64, 8), generator=generator)
+        return DataLoader(TensorDataset(tokens, tokens.roll(1, dims=1)), batch_size=4)
+
+
+class BatchCostRecorder(L.Callback):
+    """Count host syncs and dispatched ops from the start to the end of every training batch.
+
+    Put it first and last in ``callbacks`` (the same instance twice is not allowed, so pass ``opener`` and
+    ``closer``): the callbacks in between, and the whole step, are inside the counted region.
+    """
+
+    def __init__(self) -> None:
+        self.per_batch: list[StepCounts] = []
+        self._region: contextlib.ExitStack | None = None
+
+    def opener(self) -> L.Callback:
+        recorder = self
+
+        class _Open(L.Callback):
+            def on_train_batch_start(self, *args: Any) -> None:
+                recorder._region = contextlib.ExitStack()
+                recorder.per_batch.append(recorder._region.enter_context(count_syncs_and_ops()))
+
+        return _Open()
+
+    def closer(self) -> L.Callback:
+        recorder = self
+
+        class _Close(L.Callback):
+            def on_train_batch_end(self, *args: Any) -> None:
+                assert recorder._region is not None
+                recorder._region.close()
+                recorder._region = None
+
+        return _Close()
+
+
+def read_events(log_dir: str | Path) -> event_accumulator.EventAccumulator:
+    """Every scalar, tensor (text), histogram and image event under ``log_dir``, loaded in full (no sampling)."""
+    accumulator = event_accumulator.EventAccumulator(
+        str(log_dir),
+        size_guidance={
+            event_accumulator.SCALARS: 0,
+            event_accumulator.TENSORS: 0,
+            event_accumulator.HISTOGRAMS: 0,
+            event_accumulator.IMAGES: 0,
+        },
+    )
+    accumulator.Reload()
+    return accumulator
+
+
+def scalars(events: event_accumulator.EventAccumulator, tag: str) -> dict[int, float]:
+    """The values logged under the scalar ``tag``, by step; empty when the tag was never logged."""
+    if tag not in events.Tags()["scalars"]:
+        return {}
+    return {event.step: event.value for event in events.Scalars(tag)}
+
+
+def texts(events: event_accumulator.EventAccumulator, tag: str) -> dict[int, str]:
+    """The strings logged with ``SummaryWriter.add_text(tag, ...)``, by step; empty when the tag was never logged."""
+    text_tag = f"{tag}/text_summary"
+    if text_tag not in events.Tags()["tensors"]:
+        return {}
+    return {event.step: event.tensor_proto.string_val[0].decode() for event in events.Tensors(text_tag)}

@@ -1,0 +1,60 @@
+"""The project's habits: CI gates on the linters and the type checker, a fast loop, one set of test helpers."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from tests.helpers import read_events, scalars, texts
+
+ROOT = Path(__file__).parents[1]
+
+
+def readme_line(prefix: str) -> str:
+    return next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(prefix))
+
+
+def pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib") if sys.version_info >= (3, 11) else pytest.importorskip("tomli")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_ci_runs_the_readme_gate_of_linters_and_type_checker_before_the_tests() -> None:
+    """.ci/run runs ruff check, ruff format --check and mypy (the README's gate line) before the test line."""
+    gate = readme_line("ruff check")
+    assert "ruff format --check" in gate and re.search(r"\bmypy\b", gate)
+    script = (ROOT / ".ci" / "run").read_text()
+    assert script.index('-c "$gate_line"') < script.index('-c "$test_line"')
+    assert "grep -m1 '^ruff check' README.md" in script
+
+
+def test_the_dev_extra_installs_everything_the_gate_runs() -> None:
+    """`pip install -e ".[dev]"` brings ruff and mypy, so the README's install line is enough for the gate."""
+    dev = " ".join(pyproject()["project"]["optional-dependencies"]["dev"])
+    assert re.search(r"\bruff\b", dev) and re.search(r"\bmypy\b", dev)
+
+
+def test_the_slow_marker_is_registered_and_doctests_run_with_the_tests() -> None:
+    """`pytest -m "not slow"` is a known marker, and plain `pytest` collects lightning_mp's doctests."""
+    options = pyproject()["tool"]["pytest"]["ini_options"]
+    assert any(marker.startswith("slow:") for marker in options["markers"])
+    assert "--doctest-modules" in options["addopts"] and "lightning_mp" in options["testpaths"]
+
+
+def test_read_events_gives_back_the_scalars_and_texts_a_logger_wrote(tmp_path: Path) -> None:
+    """The shared TensorBoard reader returns what a TensorBoardLogger wrote, by step; an unknown tag is empty."""
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_metrics({"precision/loss_scale": 256.0}, step=3)
+    logger.experiment.add_text("precision/overflow", "first.weight", global_step=4)
+    logger.experiment.add_histogram("precision/magnitudes", torch.arange(4.0), global_step=4)
+    logger.finalize("success")
+    events = read_events(logger.log_dir)
+    assert scalars(events, "precision/loss_scale") == {3: 256.0}
+    assert texts(events, "precision/overflow") == {4: "first.weight"}
+    assert len(events.Histograms("precision/magnitudes")) == 1
+    assert scalars(events, "never/logged") == {} and texts(events, "never/logged") == {}
