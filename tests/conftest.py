@@ -4,12 +4,6 @@ from __future__ import annotations
 
 import torch
 
-# Re-exported only for tests/policies, whose files still say `from conftest import make_trainer`; every other test
-# imports tests.helpers. Goes, with "tests" in pytest's pythonpath, once tests/policies import tests.helpers too.
-from tests.helpers import make_trainer
-
-__all__ = ["make_trainer"]
-
 # The test models are tiny: one thread runs them faster than two, and leaves the second core to the DDP workers and
 # subprocesses that some tests start.
 torch.set_num_threads(1)

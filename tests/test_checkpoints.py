@@ -11,11 +11,11 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from ddp_scripts.launch import finish, reports, run, start, stop
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 
 from lightning_mp import MixedPrecision
+from tests.ddp_scripts.launch import finish, reports, run, start, stop
 from tests.helpers import TinyRegressor, loader, make_trainer
 
 MISSING_STATE = "holds no loss-scaler state"

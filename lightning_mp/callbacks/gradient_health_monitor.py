@@ -288,8 +288,8 @@ def _nonfinite_names(
 def _parameter_names(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[int, str]:
     """``id(tensor) -> name`` for the tensors the optimizers step, named as the model names them.
 
-    Under opt level O2 the optimizers step fp32 masters, which hold the gradients at this point; the policy knows
-    which model parameter each master stands for.
+    The opt level's policy gives the names, so that a level whose optimizers step tensors other than the module's
+    own parameters can still name them as the model does.
     """
     policy = getattr(trainer.precision_plugin, "policy", None)
     if policy is not None:

@@ -462,7 +462,7 @@ def _summary_scalars(sample: _Sample) -> dict[str, float]:
 
 
 def _parameter_names(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[int, str]:
-    """``id(tensor) -> name`` for the stepped tensors; under O2 the policy maps fp32 masters to model names."""
+    """``id(tensor) -> name`` for the stepped tensors, named as the model names them (the policy may add names)."""
     policy = getattr(trainer.precision_plugin, "policy", None)
     names = {id(parameter): name for name, parameter in pl_module.named_parameters()}
     if policy is not None:

@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_trainer
 from lightning.pytorch import Callback, LightningModule, Trainer
-from test_parity import train_and_validate
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.stochastic_rounding import COMPENSATION_KEY, STATE_KEY
+from tests.helpers import make_trainer
+from tests.test_parity import train_and_validate
 
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)", "ignore:The number of training batches")
 

@@ -11,10 +11,8 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import make_trainer
 from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
 from lightning.pytorch.utilities import grad_norm
-from test_parity import train_and_validate
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
@@ -24,6 +22,8 @@ from lightning_mp import MixedPrecision
 from lightning_mp.inference import compare, to_inference
 from lightning_mp.policies.o2 import HalfOverflowError, O2Policy
 from tests.ddp_scripts.launch import reports, run
+from tests.helpers import make_trainer
+from tests.test_parity import train_and_validate
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:lightning_mp. (fp16|this CPU)", "ignore:.*(does not have many workers|val_dataloader|training batches)"

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_trainer
 from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
+from tests.helpers import make_trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
 
