@@ -48,6 +48,7 @@ def poll(url: str, ready: Callable[[Any], bool], deadline: float) -> Any:
     return answer
 
 
+@pytest.mark.slow
 def test_tensorboard_server_lists_the_precision_tags(tmp_path: Path):
     """A user who opens TensorBoard on the run finds precision/loss_scale among its scalars, the overflow text and the
     sentinel's heatmaps among its images."""

@@ -1,0 +1,86 @@
+"""The README says what the code does: its tag table and its notebook list are checked against the code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_mp import MixedPrecision
+from lightning_mp.callbacks import (
+    AdvisorCallback,
+    GradientHealthMonitor,
+    LayerDtypeMonitor,
+    LossScaleMonitor,
+    PrecisionSentinel,
+)
+from tests.helpers import TinyRegressor, loader, make_trainer, read_events
+
+ROOT = Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def readme_table(header: str) -> list[list[str]]:
+    """The cells of the Markdown table under the header row that starts with ``header``."""
+    lines = README.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]])
+    return rows
+
+
+def readme_tags() -> dict[str, set[str]]:
+    """The TensorBoard tags the README lists, by the kind of event TensorBoard files them under."""
+    tags: dict[str, set[str]] = {"scalars": set(), "tensors": set(), "histograms": set(), "images": set()}
+    for _, tag_cell, _ in readme_table("| callback | tag |"):
+        kind = "tensors" if "(text)" in tag_cell else "histograms" if "(histogram)" in tag_cell else "scalars"
+        kind = "images" if "(image)" in tag_cell else kind
+        tags[kind].update(re.findall(r"`([^`]+)`", tag_cell))
+    return tags
+
+
+def test_every_tensorboard_tag_the_readme_lists_is_what_a_real_run_writes(tmp_path: Path) -> None:
+    """A user who looks for a README tag in TensorBoard finds it under that name, and every written tag is listed."""
+    logger = TensorBoardLogger(tmp_path)
+    callbacks = [
+        AdvisorCallback(batches=1),
+        LossScaleMonitor(),
+        GradientHealthMonitor(),
+        LayerDtypeMonitor(),
+        PrecisionSentinel(every_n_steps=1),
+    ]
+    trainer = make_trainer(
+        MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1),
+        callbacks=callbacks,
+        logger=logger,
+        log_every_n_steps=1,
+        max_steps=3,
+    )
+    # An overflow at step 1 writes the overflow text; growth_interval=1 grows the scale on the clean steps.
+    with pytest.warns(RuntimeWarning, match="first.weight"):
+        trainer.fit(TinyRegressor(inject_at=(1,)), loader(batch_size=4))
+    written = read_events(logger.log_dir).Tags()
+    listed = readme_tags()
+    dtype_tag = "precision/layers/<dtype>"
+    assert dtype_tag in listed["scalars"]
+    per_dtype = {tag for tag in written["scalars"] if re.fullmatch(r"precision/layers/\w+", tag)}
+    assert per_dtype, "no precision/layers/<dtype> scalar was written"
+    # Lightning's own scalars (epoch) are not the package's.
+    ours = {tag for tag in written["scalars"] if tag.startswith("precision")} - per_dtype
+    assert ours == listed["scalars"] - {dtype_tag}
+    for kind in ("tensors", "histograms", "images"):
+        assert set(written[kind]) == listed[kind], kind
+
+
+def test_the_readme_lists_every_notebook_and_its_commands_name_them_all() -> None:
+    """The notebook table names each notebook in notebooks/, and the top of the README says how many CI runs."""
+    on_disk = sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "notebooks").glob("*.ipynb"))
+    listed = sorted(re.findall(r"`([^`]+\.ipynb)`", " ".join(row[0] for row in readme_table("| notebook |"))))
+    assert listed == on_disk
+    counts = {3: "three", 4: "four", 5: "five", 6: "six"}
+    assert f"executes the {counts[len(on_disk)]} notebooks" in " ".join(README.split())
