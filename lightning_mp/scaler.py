@@ -491,11 +491,13 @@ class LossScaler(torch.amp.GradScaler):
             self._iteration.host_flags[index] = 0.0
             return optimizer.step(*args, **kwargs)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # torch's fused-step protocol (module docstring): attributes torch.optim does not declare, set for one step.
             optimizer.grad_scale = None  # type: ignore[attr-defined]
             optimizer.found_inf = flag  # type: ignore[attr-defined]
             try:
                 return optimizer.step(*args, **kwargs)
             finally:
+                # As torch's GradScaler does: the protocol's attributes live only for the duration of the step.
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
         found_inf = float(flag.item())

@@ -442,6 +442,7 @@ def _update_rule(optimizer: Optimizer, group: dict[str, Any], device: torch.devi
         sgd_rule_of_torch(
             weights,
             grads,
+            # torch's rule takes list[Tensor | None]; mypy's invariant lists reject both list[Tensor] and list[None].
             states.get("momentum_buffer", [None] * len(weights)),  # type: ignore[arg-type]
             grad_scale=getattr(opt, "grad_scale", None) if fused else None,
             weight_decay=group["weight_decay"],

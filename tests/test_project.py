@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 from pathlib import Path
@@ -58,3 +59,40 @@ def test_read_events_gives_back_the_scalars_and_texts_a_logger_wrote(tmp_path: P
     assert texts(events, "precision/overflow") == {4: "first.weight"}
     assert len(events.Histograms("precision/magnitudes")) == 1
     assert scalars(events, "never/logged") == {} and texts(events, "never/logged") == {}
+
+
+def third_party_imports(package: Path) -> set[str]:
+    """The top-level names of every module the package imports that is neither its own nor the standard library."""
+    names = set()
+    for source in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"__future__", package.name}
+
+
+def test_every_direct_import_of_the_package_is_a_declared_dependency() -> None:
+    """`pip install lightning_mp` brings every library the package imports itself, not only through another one."""
+    declared = {
+        re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("-", "_")
+        for requirement in pyproject()["project"]["dependencies"]
+    }
+    assert third_party_imports(ROOT / "lightning_mp") <= declared
+
+
+def test_every_type_ignore_says_why() -> None:
+    """Each `# type: ignore` in the package carries a reason: on its line, or in a comment just above its block."""
+    unexplained = []
+    for source in (ROOT / "lightning_mp").rglob("*.py"):
+        lines = source.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if "# type: ignore" not in line or "#" in line.split("# type: ignore", 1)[1]:
+                continue
+            above = number - 1
+            while above >= 0 and ("# type: ignore" in lines[above] or lines[above].lstrip().startswith("@")):
+                above -= 1
+            if above < 0 or not lines[above].lstrip().startswith("#"):
+                unexplained.append(f"{source.relative_to(ROOT)}:{number + 1}")
+    assert not unexplained
