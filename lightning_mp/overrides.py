@@ -27,6 +27,10 @@ on fp32 inputs. Under O2 and O3 the weights of every module in a matched subtree
 The hooks are instances of small module-level classes, so a converted model can still be pickled (``ddp_spawn``)
 and deep-copied; the plugin attaches them in ``convert_module``, in the worker. Applying twice attaches nothing new.
 
+Private torch names used: ``nn.Module._forward_pre_hooks`` (read only, to tell whether a module already has its
+hooks: ``nn.Module`` offers no public way to list hooks); ``torch._C._get_privateuse1_backend_name`` (the name of
+an out-of-tree device type, whose autocast must be switched off too).
+
 Example:
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))

@@ -26,7 +26,8 @@ scaling is off unless asked for with a static ``MixedPrecision(loss_scale=...)``
 skipped.
 
 Private torch names used: ``nn.modules.batchnorm._BatchNorm`` (the common base of the batch norms and
-SyncBatchNorm, without the instance norms).
+SyncBatchNorm, without the instance norms); ``nn.Module._forward_pre_hooks`` and ``_forward_hooks`` (read only, so
+that converting a model twice attaches its hooks once: ``nn.Module`` offers no public way to list hooks).
 """
 
 from __future__ import annotations
