@@ -120,6 +120,19 @@ def test_fp32_master_weights_keep_the_same_updates(tmp_path):
     assert all(sample.stale["first"] < 0.1 for sample in sentinel.samples)
 
 
+def test_stochastic_rounding_lowers_the_stale_update_share_the_sentinel_reports(tmp_path):
+    """Same bf16 weights and learning rate: lean's stochastic rounding loses fewer updates than O3's to-nearest."""
+    shares = {}
+    for opt_level in ("O3", "lean"):
+        _, sentinel, _ = sentinel_warnings(
+            tmp_path / opt_level, Regressor(lr=1e-3), MixedPrecision("bf16-mixed", opt_level=opt_level)
+        )
+        shares[opt_level] = [sample.stale["first"] for sample in sentinel.samples]
+    assert len(shares["lean"]) == len(shares["O3"]) == 4
+    assert all(lean <= nearest for lean, nearest in zip(shares["lean"], shares["O3"], strict=True))
+    assert sum(shares["lean"]) / 4 < sum(shares["O3"]) / 4 - 0.05
+
+
 def test_shrinking_gradients_at_the_scale_ceiling_warn_of_underflow(tmp_path):
     """Gradients that shrink 2**-8 per step, with the scale pinned at max_scale, flush to zero: underflow warning."""
     plugin = MixedPrecision("16-mixed", init_scale=1.0, max_scale=1.0)
