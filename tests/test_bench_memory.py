@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from lightning_mp.bench import (
     MEMORY_CONFIGURATIONS,
@@ -77,7 +78,7 @@ def test_memory_flag_prints_and_writes_the_report(tmp_path: Path, capsys: pytest
 
 
 def test_memory_mode_defaults_to_the_medium_size_and_every_configuration() -> None:
-    """--memory alone measures the medium model (about 2.1M parameters) in all six configurations."""
+    """--memory alone measures the medium model (about 2.1M parameters) in every configuration."""
     args = parse_args(["--memory", "--accelerator", "cpu"])
     assert args.size == "medium" and args.configs == list(MEMORY_CONFIGURATIONS)
     medium = SIZES["medium"]
@@ -85,3 +86,21 @@ def test_memory_mode_defaults_to_the_medium_size_and_every_configuration() -> No
         vocab_size=medium.vocab_size, d_model=medium.d_model, n_layers=medium.n_layers, seq_len=medium.seq_len
     )
     assert 2.0e6 < sum(p.numel() for p in model.parameters()) < 2.2e6
+
+
+def test_lean_keeps_8_bytes_per_bf16_parameter_in_the_memory_benchmark() -> None:
+    """--memory's lean-bf16 row: bf16 weight, gradient and two AdamW moments (8 B) per parameter; LayerNorms stay fp32
+    (16 B), plus AdamW's 4-byte step counter per tensor: half of fp32's state."""
+    lean = measure_memory("lean-bf16", SMALL)
+    model = TinyTransformerLM(
+        vocab_size=SMALL.vocab_size, d_model=SMALL.d_model, n_heads=SMALL.n_heads, n_layers=SMALL.n_layers
+    )
+    norm_parameters = sum(
+        parameter.numel()
+        for module in model.modules()
+        if isinstance(module, nn.LayerNorm)
+        for parameter in module.parameters()
+    )
+    tensors = parameter_tensors(SMALL)
+    assert lean.persistent_bytes == 8 * lean.parameters + 8 * norm_parameters + 4 * tensors
+    assert lean.weights == lean.gradients == 2 * lean.parameters + 2 * norm_parameters
