@@ -1152,6 +1152,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         parser.error("--accelerator gpu needs a CUDA GPU, and torch sees none")
+    if args.counts and args.memory:
+        parser.error("--counts and --memory are two separate reports: ask for one at a time")
     if args.memory and args.accelerator != "cpu":
         parser.error("--memory measures on the CPU: use --accelerator cpu (or auto without a GPU)")
     if args.size == "auto":
@@ -1199,7 +1201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark that ``argv`` asks for and print its report; returns the exit status."""
     args = parse_args(argv)
     if args.counts:
-        print(counts_report(args.quick))
+        report = counts_report(args.quick)
+        print(report)
+        if args.out is not None:
+            args.out.write_text(report + "\n")
         return 0
     size = SIZES[args.size]
     if args.worker is not None:

@@ -26,6 +26,7 @@ The callbacks come from :func:`demo_callbacks`, the one place to add a monitor t
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -116,8 +117,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--opt-level O0 is the fp32 baseline: use it with --precision 32-true or auto, not {args.precision}"
         )
-    if not args.init_scale > 0:
-        parser.error(f"--init-scale must be > 0, got {args.init_scale}")
+    if not 0 < args.init_scale < math.inf:
+        parser.error(f"--init-scale must be a finite number > 0, got {args.init_scale}")
     return args
 
 

@@ -111,3 +111,10 @@ def test_benchmark_refuses_a_bad_flag(flag: str, value: str, capsys) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args([flag, value])
     assert flag in capsys.readouterr().err
+
+
+def test_benchmark_refuses_two_reports_at_once(capsys) -> None:
+    """--counts with --memory is refused with a message naming both, instead of silently running only one."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--counts", "--memory"])
+    assert "--counts and --memory" in capsys.readouterr().err

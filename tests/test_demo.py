@@ -56,6 +56,9 @@ def test_demo_rejects_a_bad_flag(capsys: pytest.CaptureFixture) -> None:
         demo.parse_args(["--max-steps", "0"])
     assert "--max-steps" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        demo.parse_args(["--init-scale", "inf"])
+    assert "--init-scale must be a finite number > 0, got inf" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         demo.parse_args(["--growth-interval", "0"])
     assert "--growth-interval must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
