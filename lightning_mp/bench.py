@@ -1201,10 +1201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark that ``argv`` asks for and print its report; returns the exit status."""
     args = parse_args(argv)
     if args.counts:
-        report = counts_report(args.quick)
-        print(report)
+        counts_text = counts_report(args.quick)
+        print(counts_text)
         if args.out is not None:
-            args.out.write_text(report + "\n")
+            args.out.write_text(counts_text + "\n")
         return 0
     size = SIZES[args.size]
     if args.worker is not None:

@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_mp._validation import plain_scalar
 from lightning_mp.plugin import MixedPrecision
 
 if TYPE_CHECKING:
@@ -32,27 +33,31 @@ if TYPE_CHECKING:
 
 
 def validate_positive_int(name: str, value: object) -> int:
-    """Return ``value`` if it is an integer of at least 1.
+    """Return ``value`` as a Python int if it is an integer of at least 1 (numpy and 0-d tensor integers too).
 
     Raises:
         ValueError: naming the argument, the value and what is allowed.
 
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = plain_scalar(value)
+    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
         raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
-    return value
+    return number
 
 
 def validate_bool(name: str, value: object) -> bool:
-    """Return ``value`` if it is ``True`` or ``False``; 1, 0 and "yes" are refused.
+    """Return ``value`` as a Python bool if it is ``True`` or ``False`` (numpy and 0-d tensor booleans too).
+
+    1, 0 and "yes" are refused.
 
     Raises:
         ValueError: naming the argument, the value and what is allowed.
 
     """
-    if not isinstance(value, bool):
+    flag = plain_scalar(value)
+    if not isinstance(flag, bool):
         raise ValueError(f"`{name}` must be True or False, got {value!r}.")
-    return value
+    return flag
 
 
 def require_logger(trainer: pl.Trainer, callback_name: str) -> None:

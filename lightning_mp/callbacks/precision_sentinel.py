@@ -77,6 +77,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_mp._validation import plain_scalar
 from lightning_mp.callbacks._heatmaps import HeatmapStyle, render_heatmap, require_matplotlib
 from lightning_mp.callbacks._host_reads import host_reads
 from lightning_mp.callbacks._logging import (
@@ -491,6 +492,7 @@ def _is_zero(learning_rate: object) -> bool:
 
 
 def _validate_in_range(name: str, value: object, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+    number = plain_scalar(value)
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not low < number <= high:
         raise ValueError(f"`{name}` must be a number in ({low:g}, {high:g}], got {value!r}.")
-    return float(value)
+    return float(number)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
 
@@ -36,3 +38,35 @@ def test_bad_argument_is_rejected_with_its_name_value_and_rule(callback: type, a
 def test_defaults_are_accepted(callback: type):
     """Each callback builds with its defaults."""
     callback()
+
+
+@pytest.mark.parametrize(
+    ("callback", "argument", "value", "expected"),
+    [
+        (LayerDtypeMonitor, "every_n_steps", np.int64(5), 5),
+        (PrecisionSentinel, "every_n_steps", torch.tensor(7), 7),
+        (PrecisionSentinel, "stale_update_share", np.float32(0.5), 0.5),
+        (PrecisionSentinel, "headroom_log2", torch.tensor(3.0), 3.0),
+        (LossScaleMonitor, "prog_bar", np.True_, True),
+        (GradientHealthMonitor, "log_histogram", torch.tensor(False), False),
+    ],
+)
+def test_numpy_and_zero_d_tensor_scalars_are_accepted_as_python_values(callback, argument, value, expected):
+    """A numpy scalar or a 0-d tensor of the right kind is accepted, and kept as the plain Python value it holds."""
+    kept = getattr(callback(**{argument: value}), argument)
+    assert kept == expected and type(kept) is type(expected)
+
+
+@pytest.mark.parametrize(
+    ("callback", "argument", "value"),
+    [
+        (LayerDtypeMonitor, "every_n_steps", torch.tensor(2.0)),
+        (PrecisionSentinel, "every_n_steps", np.bool_(True)),
+        (LossScaleMonitor, "prog_bar", torch.tensor(1)),
+        (PrecisionSentinel, "stale_update_share", torch.tensor([0.5])),
+    ],
+)
+def test_numpy_and_tensor_values_of_the_wrong_kind_are_refused(callback, argument, value):
+    """A float tensor for an integer, a boolean for an integer, an integer for a boolean or a 1-d tensor is refused."""
+    with pytest.raises(ValueError, match=f"`{argument}` must be"):
+        callback(**{argument: value})
