@@ -62,6 +62,7 @@ shared machine are only as good as its load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -73,7 +74,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,7 @@ from typing_extensions import override
 
 from lightning_mp._hardware import cpu_has_native_bf16, device_has_native_bf16
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
+from lightning_mp.counting import PythonCalls, StepCounts, count_python_calls, count_syncs_and_ops
 from lightning_mp.plugin import MixedPrecision, PrecisionName
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
 
@@ -918,6 +920,8 @@ class MemoryBreakdown:
         other: inputs, temporaries, autograd details and unclassified tensors at the peak.
         persistent_bytes: weights, gradients and optimizer states alive at the end of the step: what training keeps
             between steps.
+        python_calls: Python function calls of one later training batch, hooks to hooks (0: not counted).
+        compute_ops: dispatched compute ops (no views, no host reads) of one later training batch (0: not counted).
 
     """
 
@@ -930,6 +934,8 @@ class MemoryBreakdown:
     activations: int
     other: int
     persistent_bytes: int
+    python_calls: int = 0
+    compute_ops: int = 0
 
     @property
     def persistent_bytes_per_parameter(self) -> float:
@@ -1002,27 +1008,70 @@ class MemoryTimelineCallback(L.Callback):
         self._profiler = None
 
 
+class HostWorkCallback(L.Callback):
+    """Count the compute ops of one training batch and the Python calls of the next, from batch start to batch end.
+
+    Two batches, because the op counter's own Python frames would otherwise be counted as Python calls.
+    """
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.compute_ops = 0
+        self.python_calls = 0
+        self._region: contextlib.ExitStack | None = None
+        self._counts: StepCounts | PythonCalls | None = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx in (self.batch, self.batch + 1):
+            self._region = contextlib.ExitStack()
+            if batch_idx == self.batch:
+                self._counts = self._region.enter_context(count_syncs_and_ops())
+            else:
+                self._counts = self._region.enter_context(count_python_calls())
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._region is None:
+            return
+        self._region.close()
+        if isinstance(self._counts, StepCounts):
+            self.compute_ops = self._counts.compute_ops
+        elif isinstance(self._counts, PythonCalls):
+            self.python_calls = self._counts.python_calls
+        self._region = self._counts = None
+
+
 def measure_memory(name: str, size: ModelSize, seed: int = 0, warmup: int = 1) -> MemoryBreakdown:
-    """Train ``warmup`` steps under configuration ``name`` on the CPU, then profile the memory of the next one."""
+    """Train ``warmup`` steps under configuration ``name`` on the CPU, then profile the memory of the next one.
+
+    Two more steps count the host work of a steady step: its compute ops, then its Python calls.
+    """
     L.seed_everything(seed, verbose=False)
-    data, model = _task(size, warmup + 1, seed)
+    data, model = _task(size, warmup + 3, seed)
     recorder = MemoryTimelineCallback(batch=warmup)
+    host_work = HostWorkCallback(batch=warmup + 1)
     arguments = CONFIGURATIONS[name].trainer_arguments()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=warmup + 1,
+        max_steps=warmup + 3,
         logger=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        **{**arguments, "callbacks": [recorder, *arguments.get("callbacks", [])]},
+        **{**arguments, "callbacks": [recorder, host_work, *arguments.get("callbacks", [])]},
     )
     trainer.fit(model, datamodule=data)
     assert recorder.timeline is not None
-    return breakdown_from_timeline(recorder.timeline, name, sum(p.numel() for p in model.parameters()))
+    memory = breakdown_from_timeline(recorder.timeline, name, sum(p.numel() for p in model.parameters()))
+    return replace(memory, python_calls=host_work.python_calls, compute_ops=host_work.compute_ops)
 
 
 def _mib(value: int) -> str:
@@ -1071,7 +1120,20 @@ def memory_target_lines(results: Sequence[MemoryBreakdown]) -> list[str]:
     if {"O1-bf16", "lightning-bf16"} <= by_name.keys():
         value = ratio("O1-bf16", "lightning-bf16")
         lines.append(f"O1-bf16 peak <= Lightning's bf16-mixed: {value:.3f}x -> {verdict(value <= 1)}")
+    if {"O2-bf16", "O1-bf16"} <= by_name.keys() and by_name["O1-bf16"].python_calls:
+        value = by_name["O2-bf16"].python_calls / by_name["O1-bf16"].python_calls
+        lines.append(f"O2-bf16 Python calls <= 1.10x O1-bf16: {value:.3f}x -> {verdict(value <= 1.10)}")
+    if {"O2-bf16", "lightning-bf16"} <= by_name.keys() and by_name["lightning-bf16"].compute_ops:
+        value = by_name["O2-bf16"].compute_ops / by_name["lightning-bf16"].compute_ops
+        lines.append(f"O2-bf16 compute ops <= 1.05x Lightning's bf16-mixed: {value:.3f}x -> {verdict(value <= 1.05)}")
     return lines
+
+
+def host_work_table(results: Sequence[MemoryBreakdown]) -> str:
+    """One row per configuration: Python calls and compute ops of one steady training batch."""
+    lines = ["| configuration | Python calls / step | compute ops / step |", "|---|---:|---:|"]
+    lines += [f"| {r.configuration} | {r.python_calls:,} | {r.compute_ops:,} |" for r in results]
+    return "\n".join(lines)
 
 
 def memory_report(results: Sequence[MemoryBreakdown], size_name: str, size: ModelSize) -> str:
@@ -1085,6 +1147,10 @@ def memory_report(results: Sequence[MemoryBreakdown], size_name: str, size: Mode
         " torch.profiler's memory timeline; the split is the one at the peak. Independent of the machine.",
         "",
         memory_table(results),
+        "",
+        "Host work of one steady training batch (hooks to hooks), counted with lightning_mp.counting:",
+        "",
+        host_work_table(results),
         "",
         "Targets:",
         "",

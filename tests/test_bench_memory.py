@@ -18,6 +18,7 @@ from lightning_mp.bench import (
     ModelSize,
     main,
     measure_memory,
+    memory_report,
     memory_table,
     parse_args,
 )
@@ -104,3 +105,13 @@ def test_lean_keeps_8_bytes_per_bf16_parameter_in_the_memory_benchmark() -> None
     tensors = parameter_tensors(SMALL)
     assert lean.persistent_bytes == 8 * lean.parameters + 8 * norm_parameters + 4 * tensors
     assert lean.weights == lean.gradients == 2 * lean.parameters + 2 * norm_parameters
+
+
+def test_memory_report_counts_the_host_work_of_a_steady_step(measured: dict[str, MemoryBreakdown]) -> None:
+    """--memory also counts each configuration's Python calls and compute ops per step, and checks O2's target."""
+    assert all(result.python_calls > 0 and result.compute_ops > 0 for result in measured.values())
+    text = memory_report(list(measured.values()), "small", SMALL)
+    o2 = measured["O2-bf16"]
+    assert f"| O2-bf16 | {o2.python_calls:,} | {o2.compute_ops:,} |" in text
+    ratio = o2.python_calls / measured["O1-bf16"].python_calls
+    assert f"O2-bf16 Python calls <= 1.10x O1-bf16: {ratio:.3f}x" in text
