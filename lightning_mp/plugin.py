@@ -47,6 +47,10 @@ Private names used, and why:
   unscaled in this iteration (so that an explicit ``scaler.unscale_(opt)`` is not repeated) and its inf flag,
   which torch's ``step`` and ``update`` read the same way; and, when that ``unscale_`` went through Lightning's
   ``LightningOptimizer`` wrapper, moving its record to the wrapped optimizer. Three small functions below.
+* ``LightningModule._trainer`` (read with ``getattr``, here and through :mod:`lightning_mp._fabric`): whether a
+  Trainer drives the hook, and its device; the public ``trainer`` property raises when none is attached.
+* The torch GradScaler state key ``_growth_tracker``: torch's own ``state_dict`` names it so, and the checkpoint
+  entry carries torch's five keys for Lightning's plugin to resume from.
 """
 
 from __future__ import annotations
