@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -297,3 +298,37 @@ def test_lean_reaches_the_validation_loss_of_o0_and_o1(reference_losses: dict[st
     assert abs(lean["val_loss"] - reference_losses["O0"]) <= 0.02 * reference_losses["O0"]
     assert abs(lean["val_loss"] - reference_losses["O1"]) <= 0.01 * reference_losses["O1"]
     assert lean["skipped_steps"] == 0
+
+
+def test_lean_under_fabric_trains_bf16_weights_skips_and_resumes_exactly(tmp_path: Path) -> None:
+    """Fabric's own loop with lean: bf16 weights, an inf step skipped, and fabric.save/load continues bit for bit."""
+
+    def run(steps: range, checkpoint: Path | None = None, resume: Path | None = None) -> tuple[MixedPrecision, Any]:
+        plugin = MixedPrecision("bf16-mixed", opt_level="lean")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+        state = {"model": model, "optimizer": optimizer, "precision": plugin}
+        if resume is not None:
+            fabric.load(resume, state)
+        for step in steps:
+            generator = torch.Generator().manual_seed(step)
+            features, target = torch.randn(8, 8, generator=generator), torch.randn(8, 1, generator=generator)
+            fabric.backward(F.mse_loss(model(features).float(), target))
+            if step == 2:
+                model.module[0].weight.grad[0, 0] = float("inf")
+            optimizer.step()
+            optimizer.zero_grad()
+        if checkpoint is not None:
+            fabric.save(checkpoint, state)
+        return plugin, model
+
+    path = tmp_path / "lean.ckpt"
+    straight, straight_model = run(range(8))
+    run(range(5), checkpoint=path)
+    resumed, resumed_model = run(range(5, 8), resume=path)
+    assert all(parameter.dtype is torch.bfloat16 for parameter in straight_model.parameters())
+    assert straight.stats.skipped_steps == 1 and resumed.stats == straight.stats
+    for expected, actual in zip(straight_model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(expected, actual)
