@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mp import LossScaler
+from lightning_mp import LossScaler, MixedPrecision
 from lightning_mp._step_counts import OPTIMIZERS, PRECISIONS, count_iteration, tiny_language_model
 from lightning_mp.counting import count_syncs_and_ops
+from tests.helpers import TinyRegressor, loader, make_trainer
 
 FUSED = ("fused Adam", "fused AdamW", "fused SGD")
 
@@ -91,3 +92,18 @@ def test_bench_counts_prints_a_markdown_table_of_syncs_and_ops(capsys, tmp_path)
     cells = [cell.strip() for cell in row.strip("|").split("|")][2:]
     syncs = [int(cell.split("/")[0]) for cell in cells]
     assert syncs == [0, 0, 0]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused-adam"])
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_reading_the_plugins_stats_and_scale_after_a_trainer_run_never_syncs(precision, optimizer):
+    """plugin.stats, its dict and plugin.scaler.get_scale() after real Trainer steps read no device value."""
+    plugin = MixedPrecision(precision, init_scale=2.0**8)
+    make_trainer(plugin, max_steps=3).fit(TinyRegressor(inject_at=(1,), optimizer=optimizer), loader(batch_size=8))
+    with count_syncs_and_ops() as counts:
+        stats = plugin.stats
+        stats.as_dict()
+        scale = plugin.scaler.get_scale() if plugin.scaler is not None else 1.0
+    assert counts.syncs == 0, counts.sync_ops
+    assert stats.skipped_steps == 1 and stats.optimizer_steps == 3
+    assert scale == (2.0**7 if precision == "16-mixed" else 1.0)
