@@ -24,8 +24,6 @@ from lightning_mp.bench import (
 )
 from lightning_mp.tasks import TinyTransformerLM
 
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)", "ignore:The number of training batches")
-
 SMALL = ModelSize(d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=8, vocab_size=128)
 
 

@@ -21,8 +21,6 @@ from lightning_mp.stochastic_rounding import COMPENSATION_KEY, STATE_KEY
 from tests.helpers import make_trainer
 from tests.test_parity import train_and_validate
 
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)", "ignore:The number of training batches")
-
 ELEMENTWISE_STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer", COMPENSATION_KEY)
 
 

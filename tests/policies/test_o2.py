@@ -25,10 +25,6 @@ from tests.ddp_scripts.launch import reports, run
 from tests.helpers import make_trainer
 from tests.test_parity import train_and_validate
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:lightning_mp. (fp16|this CPU)", "ignore:.*(does not have many workers|val_dataloader|training batches)"
-)
-
 HALF = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 PRECISIONS = ["bf16-mixed", "16-mixed"]
 STEPS = 4

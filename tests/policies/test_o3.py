@@ -12,8 +12,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import MixedPrecision
 from tests.helpers import make_trainer
 
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp. (fp16|this CPU)")
-
 
 class Net(LightningModule):
     """Linear, LayerNorm, ReLU, Linear trained with plain SGD; records the loss of every step."""
