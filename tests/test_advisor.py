@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
+from lightning_mp import _hardware as hardware
 from lightning_mp._hardware import DeviceCapabilities, native_bf16, precision_for
 from lightning_mp.advisor import FP16_MAX, GRADIENT_HEADROOM, Advice, advise
 from lightning_mp.policies.o2 import HalfOverflowError
@@ -266,3 +267,17 @@ def test_manual_module_that_needs_a_trainer_gets_a_clear_error_and_works_with_lo
         capabilities=NATIVE_CPU,
     )
     assert advice.keep_fp32 == ("blowup", "norm")
+
+
+@pytest.mark.filterwarnings("ignore:lightning_mp. opt_level='O3'")
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_auto_on_a_cpu_that_emulates_bf16_warns_in_agreement_with_its_choice(monkeypatch, opt_level: str) -> None:
+    """On a CPU without AVX512-BF16 or AMX, auto with O2/O3 picks bf16 and its one slowness warning repeats why."""
+    monkeypatch.setattr(hardware, "cpu_flags", frozenset)  # a CPU whose kernel reports no bf16 flags
+    plugin = MixedPrecision("auto", opt_level=opt_level)
+    with pytest.warns(UserWarning, match="emulated") as caught:
+        plugin.setup_for_device("cpu")
+    assert plugin.precision == "bf16-mixed"
+    (slowness,) = [str(warning.message) for warning in caught if "emulated" in str(warning.message)]
+    assert f"precision='auto' chose 'bf16-mixed' because {plugin.precision_reason}." in slowness
+    assert "opt_level='O1'" in slowness and "would pick" not in slowness
