@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -84,3 +86,25 @@ def test_the_readme_lists_every_notebook_and_its_commands_name_them_all() -> Non
     assert listed == on_disk
     counts = {3: "three", 4: "four", 5: "five", 6: "six"}
     assert f"executes the {counts[len(on_disk)]} notebooks" in " ".join(README.split())
+
+
+def test_the_readme_knob_table_gives_the_defaults_the_plugin_uses() -> None:
+    """Each default in the README's table of scaler knobs is what MixedPrecision("16-mixed") really uses."""
+    plugin = MixedPrecision("16-mixed")
+    plugin.setup_for_device("cpu")
+    scaler = plugin.scaler
+    assert scaler is not None
+    effective = {
+        "init_scale": scaler.get_scale(),
+        "growth_factor": scaler.get_growth_factor(),
+        "backoff_factor": scaler.get_backoff_factor(),
+        "growth_interval": scaler.get_growth_interval(),
+    }
+    signature = inspect.signature(MixedPrecision.__init__).parameters
+    rows = readme_table("| argument | default | meaning |")
+    assert len(rows) == 12
+    for argument_cell, default_cell, _ in rows:
+        argument = argument_cell.strip("`")
+        documented = ast.literal_eval(default_cell.strip("`").replace("2**16", "65536").replace("2**24", "16777216"))
+        actual = effective.get(argument, signature[argument].default)
+        assert documented == actual, argument
