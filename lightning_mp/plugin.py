@@ -265,6 +265,11 @@ class MixedPrecision(LightningMixedPrecision):
                 f"{owner}(precision={precision!r}, opt_level='O0') is not allowed: O0 is the fp32 baseline. Use"
                 " precision='32-true' or 'auto' with O0, or opt_level='O1' or higher for mixed precision."
             )
+        if opt_level in ("lean", "lean-kahan") and precision == "16-mixed":
+            raise ValueError(
+                f"{owner}(precision='16-mixed', opt_level={opt_level!r}) is not allowed: {opt_level} keeps weights and"
+                " optimizer states in bf16. Use precision='bf16-mixed' or 'auto' with it."
+            )
         self.requested_precision: PrecisionName = precision
         self.precision = precision  # resolved at setup when "auto"
         self.opt_level = opt_level

@@ -195,6 +195,13 @@ def test_unsupported_settings_are_refused_with_clear_errors() -> None:
         trainer.fit(LeanNet("rmsprop"), classification_loader())
 
 
+@pytest.mark.parametrize("opt_level", ["lean", "lean-kahan"])
+def test_lean_with_fp16_is_refused_when_the_plugin_is_built(opt_level: str) -> None:
+    """MixedPrecision("16-mixed", opt_level="lean") fails in the constructor, naming both arguments and the fix."""
+    with pytest.raises(ValueError, match=rf"precision='16-mixed', opt_level='{opt_level}'.*'bf16-mixed'"):
+        MixedPrecision("16-mixed", opt_level=opt_level)
+
+
 def test_the_policy_hooks_drive_lean_without_a_trainer() -> None:
     """Driven only through the policy hooks, as Fabric does, the user's optimizer steps bf16 weights unbiasedly."""
     plugin = MixedPrecision("bf16-mixed", opt_level="lean")
