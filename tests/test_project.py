@@ -96,3 +96,16 @@ def test_every_type_ignore_says_why() -> None:
             if above < 0 or not lines[above].lstrip().startswith("#"):
                 unexplained.append(f"{source.relative_to(ROOT)}:{number + 1}")
     assert not unexplained
+
+
+def test_ci_installs_every_runtime_dependency_at_its_declared_floor() -> None:
+    """Each runtime floor is a full version, and .ci/run installs exactly it, so the suite runs against the floors."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    dependencies = pyproject()["project"]["dependencies"]
+    for dependency in dependencies:
+        name, _, floor = dependency.partition(">=")
+        assert floor, f"{dependency} has no floor"
+        if name != "torch":  # torch is pinned by its own line, the CPU build first
+            assert re.fullmatch(r"\d+\.\d+\.\d+", floor), f"{dependency}: the floor must be a full version"
+    assert 'd.replace(">=", "==")' in ci and "pip install --quiet $floors" in ci
+    assert ci.index("$floors") < ci.index("$install_line")
