@@ -12,7 +12,8 @@ One iteration (any number of optimizers, torch's contract: ``update()`` once, af
   gradients are read and never rewritten. Under DDP the flag is all-reduced (max) right there, on every path, so
   every rank takes the same decision: one collective per step, always issued in the same order, no deadlock.
 * ``step`` of a fused optimizer (Adam, AdamW, SGD with ``fused=True``) hands the flag to the fused kernel, which
-  skips the update on the device: no host sync. ``step`` of any other optimizer reads the flag (the one host sync,
+  skips the update on the device: no host sync (except fused SGD's first step with momentum, see
+  :func:`_skips_safely_on_device`). ``step`` of any other optimizer reads the flag (the one host sync,
   which torch's recipe makes too) and skips ``optimizer.step()`` when it is set.
 * ``update`` moves the scale by the pure rules of :mod:`lightning_mp._scale_rules` (hysteresis, growth capped at
   ``max_scale``, backoff, collapse at the floor). Where every flag of the iteration is already on the host they run
@@ -40,6 +41,7 @@ Private torch names used, and why:
 * ``torch._foreach_norm``: one kernel for the inf-norms of all gradients in check mode.
 * The ``grad_scale``/``found_inf`` attributes and ``_step_supports_amp_scaling``: the protocol by which torch's
   fused optimizers skip a step on the device; set for the duration of ``step`` only, exactly as torch does.
+  Fused SGD's first momentum step is the exception, decided on the host (:func:`_skips_safely_on_device`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,25 @@ _UNCHECKED = -1
 
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _skips_safely_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a fused ``optimizer`` leaves its state intact when told, through ``found_inf``, to skip its step.
+
+    Fused SGD with momentum allocates its momentum buffers uninitialised on its first step and fills them inside the
+    kernel, which returns early on ``found_inf``: a first step skipped on the device would leave garbage buffers that
+    wreck every later step (torch's own GradScaler included). That one step is decided on the host instead.
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if not isinstance(optimizer, torch.optim.SGD):
+        return True
+    return all(
+        group["momentum"] == 0 or optimizer.state.get(parameter, {}).get("momentum_buffer") is not None
+        for group in optimizer.param_groups
+        for parameter in group["params"]
+        if parameter.grad is not None
+    )
 
 
 def _distributed() -> bool:
@@ -467,7 +488,8 @@ class LossScaler(torch.amp.GradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, then run ``optimizer.step()`` unless a gradient is inf or NaN.
 
-        Fused optimizers get the flag and skip on the device (no sync). Other optimizers skip on the host.
+        Fused optimizers get the flag and skip on the device (no sync), except fused SGD's first step with momentum.
+        Other optimizers skip on the host.
 
         .. warning:: With an optimizer that is not fused this reads the inf flag: one host sync, as in torch.
 
@@ -490,7 +512,7 @@ class LossScaler(torch.amp.GradScaler):
             # No gradient at all: torch's optimizers skip such parameters, so there is nothing to check.
             self._iteration.host_flags[index] = 0.0
             return optimizer.step(*args, **kwargs)
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if _skips_safely_on_device(optimizer):
             optimizer.grad_scale = None  # type: ignore[attr-defined]
             optimizer.found_inf = flag  # type: ignore[attr-defined]
             try:

@@ -232,6 +232,31 @@ def test_defect_6_fused_optimizer_with_gradient_clipping_trains_like_without_the
         torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
 
 
+class FusedMomentumSGD(TinyRegressor):
+    def __init__(self, fused: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fused = fused
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, fused=self.fused)
+
+
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
+def test_fused_sgd_with_momentum_survives_an_overflow_on_its_first_step(clip):
+    """Fused SGD with momentum whose first fp16 step overflows trains exactly like the unfused SGD, clipped or not."""
+    torch.manual_seed(0)
+    fused = FusedMomentumSGD(fused=True, inject_at=(0,))
+    unfused = FusedMomentumSGD(fused=False, inject_at=(0,))
+    unfused.load_state_dict(fused.state_dict())
+    clipping = {"gradient_clip_val": 0.5, "gradient_clip_algorithm": clip} if clip else {}
+    plugins = [MixedPrecision("16-mixed"), MixedPrecision("16-mixed")]
+    for model, plugin in zip((fused, unfused), plugins, strict=True):
+        make_trainer(plugin, max_steps=5, **clipping).fit(model, loader())
+    assert plugins[0].stats.skipped_steps == plugins[1].stats.skipped_steps >= 1
+    for ours, theirs in zip(fused.parameters(), unfused.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 class LBFGSRegressor(TinyRegressor):
     """LBFGS with a NaN loss or a NaN gradient at one chosen step (in every closure evaluation of that step)."""
 
