@@ -257,6 +257,23 @@ def test_fused_sgd_with_momentum_survives_an_overflow_on_its_first_step(clip):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+@pytest.mark.parametrize("optimizer", ["sgd", "fused-adam"])
+def test_gradient_clipping_never_hides_an_inf_gradient_from_the_step(precision, algorithm, optimizer):
+    """An inf gradient skips its step in every precision and optimizer, even where clipping by value makes it finite."""
+    torch.manual_seed(0)
+    model = TinyRegressor(inject_at=(3,), optimizer=optimizer)
+    watch = StepWatch()
+    plugin = _plugin(precision)
+    trainer = make_trainer(
+        plugin, max_steps=5, gradient_clip_val=0.1, gradient_clip_algorithm=algorithm, callbacks=[watch]
+    )
+    trainer.fit(model, loader())
+    assert plugin.stats.skipped_steps == 1
+    assert watch.changed == [True, True, True, False, True]
+
+
 class LBFGSRegressor(TinyRegressor):
     """LBFGS with a NaN loss or a NaN gradient at one chosen step (in every closure evaluation of that step)."""
 
