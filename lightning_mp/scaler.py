@@ -256,6 +256,9 @@ class LossScaler(torch.amp.GradScaler):
         self.scale_growths = 0
         self.last_step_skipped = False
         self._streaks: dict[int, int] = {}
+        self._last_culprits: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+        """Per optimizer, the non-finite gradients seen at a skipped step near the streak limit, for the error: a
+        manual loop that zeroes the gradients after ``step`` leaves none to inspect once the streak is counted."""
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         """Weak references, so that a plugin reused for another model keeps no optimizer (or model) alive."""
         self._index_by_id: dict[int, int] = {}
@@ -513,6 +516,8 @@ class LossScaler(torch.amp.GradScaler):
             self._iteration.host_flags[index] = 0.0
             return optimizer.step(*args, **kwargs)
         if _skips_safely_on_device(optimizer):
+            if flag.device.type == "cpu":
+                self._remember_culprits_near_limit(index, flag)  # a CPU flag reads without waiting for a device
             optimizer.grad_scale = None  # type: ignore[attr-defined]
             optimizer.found_inf = flag  # type: ignore[attr-defined]
             try:
@@ -523,8 +528,19 @@ class LossScaler(torch.amp.GradScaler):
         found_inf = float(flag.item())
         self._iteration.host_flags[index] = found_inf
         if found_inf:
+            self._remember_culprits_near_limit(index, found_inf)
             return None
         return optimizer.step(*args, **kwargs)
+
+    def _remember_culprits_near_limit(self, index: int, found_inf: torch.Tensor | float) -> None:
+        """Name the non-finite gradients of a skipped step that may end the streak, while they still exist.
+
+        Only within two steps of ``max_consecutive_skips`` (the host may replay an iteration one step late), so
+        that the flag and the gradients are read on a failing run only.
+        """
+        limit = self.max_consecutive_skips
+        if limit is not None and self._streaks.get(index, 0) + 2 >= limit and bool(found_inf):
+            self._last_culprits[index] = self._culprits([index])
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the iteration: move the scale once, by the rules, after every optimizer of the iteration stepped.
@@ -597,6 +613,8 @@ class LossScaler(torch.amp.GradScaler):
         self.last_step_skipped = bool(skipped)
         for index in record.stepped:
             self._streaks[index] = self._streaks.get(index, 0) + 1 if index in skipped else 0
+            if index not in skipped:
+                self._last_culprits.pop(index, None)
         if record.new_scale is not None:
             self._state = replace(self._state, scale=record.new_scale)
             self._write_scale()
@@ -640,7 +658,7 @@ class LossScaler(torch.amp.GradScaler):
                     step=self.optimizer_steps,
                     consecutive_skips=streak,
                     scale=self.get_scale(),
-                    nonfinite_parameters=self._culprits([index]),
+                    nonfinite_parameters=self._culprits([index]) or self._last_culprits.get(index, []),
                     optimizer=f"optimizer {index} ({type(optimizer).__name__})" if optimizer is not None else None,
                 )
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mp import MixedPrecision
+from lightning_mp import MixedPrecision, NonFiniteStepsError
 from tests.helpers import loader, make_trainer
 
 CLIP = 1e-3
@@ -178,3 +178,35 @@ def test_an_overflow_of_the_second_optimizer_backs_off_once_after_the_batch():
     assert plugin.stats.scale_backoffs == 1
     # Every generator step saw true gradients, before and after the backoff.
     assert model.generator_grad_norms == pytest.approx(model.generator_true_grad_norms, rel=2e-2)
+
+
+class ZeroGradAfterStep(L.LightningModule):
+    """Lightning's manual recipe backward, step, zero_grad, with a NaN planted in ``layer.weight``'s gradient."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = nn.Linear(8, 1)
+        self.optimizer_name = optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self.layer(x).float(), y))
+        self.layer.weight.grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3, fused=self.optimizer_name == "fused-adam")
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+@pytest.mark.parametrize("optimizer", ["adam", "fused-adam"])
+def test_never_finite_steps_name_the_parameter_even_when_the_gradients_are_zeroed_after_the_step(precision, optimizer):
+    """NonFiniteStepsError names the parameter whose gradient was NaN, though zero_grad() ran before the check."""
+    plugin = MixedPrecision(precision, max_consecutive_skips=3)
+    with pytest.raises(
+        NonFiniteStepsError, match=r"optimizer 0 \(Adam\).*non-finite gradients: layer\.weight \[1, 8\]"
+    ):
+        make_trainer(plugin, max_steps=8).fit(ZeroGradAfterStep(optimizer), loader())
