@@ -210,3 +210,49 @@ def test_never_finite_steps_name_the_parameter_even_when_the_gradients_are_zeroe
         NonFiniteStepsError, match=r"optimizer 0 \(Adam\).*non-finite gradients: layer\.weight \[1, 8\]"
     ):
         make_trainer(plugin, max_steps=8).fit(ZeroGradAfterStep(optimizer), loader())
+
+
+class ManualWithScheduler(L.LightningModule):
+    """Lightning's manual recipe for schedulers: ReduceLROnPlateau gets the metric, any other just ``step()``."""
+
+    def __init__(self, plateau: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = nn.Linear(8, 1)
+        self.plateau = plateau
+        self.learning_rates: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt, scheduler = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layer(x).float(), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        if batch_idx == 2:
+            self.layer.weight.grad[0, 0] = float("inf")
+        opt.step()
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler.step(loss.detach() + 1e3 * batch_idx)  # never improves: the lr falls after every clean step
+        else:
+            scheduler.step()
+        self.learning_rates.append(opt.param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        scheduler: Any = (
+            torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+            if self.plateau
+            else torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "monitor": "loss"}}
+
+
+@pytest.mark.parametrize("plateau", [False, True])
+def test_manual_scheduler_recipe_works_and_holds_still_on_the_skipped_step(plateau):
+    """self.lr_schedulers() passes Lightning's isinstance(ReduceLROnPlateau) recipe and does not advance on a skip."""
+    model = ManualWithScheduler(plateau)
+    make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=5).fit(model, loader())
+    assert isinstance(model.lr_schedulers(), torch.optim.lr_scheduler.StepLR) != plateau
+    # Plateau's first call only records the best value; the skipped third step moves neither schedule.
+    expected = [1.0, 0.5, 0.5, 0.25, 0.125] if plateau else [0.5, 0.25, 0.25, 0.125, 0.0625]
+    assert model.learning_rates == expected
