@@ -626,3 +626,61 @@ def test_o2_validation_loss_is_within_2_percent_of_o0_on_the_reference_task(prec
     mixed = train_and_validate(precision, "O2", steps=60)
     assert abs(mixed["val_loss"] - baseline["val_loss"]) <= 0.02 * baseline["val_loss"]
     assert mixed["skipped_steps"] == 0
+
+
+class ToggledGAN(L.LightningModule):
+    """Lightning's GAN recipe (toggle, backward, step, zero_grad, untoggle per optimizer), optionally by closure."""
+
+    def __init__(self, use_closure: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.generator = nn.Linear(8, 8)
+        self.discriminator = nn.Linear(8, 1)
+        self.use_closure = use_closure
+
+    def _phase(self, optimizer: Any, loss_of: Any) -> None:
+        self.toggle_optimizer(optimizer)
+
+        def closure() -> Tensor:
+            loss = loss_of()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            return loss
+
+        if self.use_closure:
+            optimizer.step(closure=closure)
+        else:
+            closure()
+            optimizer.step()
+        self.untoggle_optimizer(optimizer)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        x, _ = batch
+        self._phase(opt_g, lambda: -self.discriminator(self.generator(x)).float().mean())
+        fake = self.generator(x).detach()
+        self._phase(
+            opt_d,
+            lambda: (self.discriminator(fake).float().square() + (self.discriminator(x).float() - 1).square()).mean(),
+        )
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.generator.parameters(), lr=1e-2), torch.optim.SGD(
+            self.discriminator.parameters(), lr=1e-2
+        )
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+@pytest.mark.parametrize("use_closure", [False, True])
+def test_o2_trains_a_toggled_gan_like_o1(precision, use_closure):
+    """Under O2 the GAN recipe with toggle_optimizer trains both networks, as under O1 (within half precision)."""
+    models = {}
+    for opt_level in ("O1", "O2"):
+        models[opt_level] = model = ToggledGAN(use_closure)
+        plugin = MixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8 if precision == "16-mixed" else None)
+        make_trainer(plugin, max_steps=8).fit(model, loader())
+    untrained = ToggledGAN()
+    for name, parameter in models["O2"].named_parameters():
+        assert not torch.equal(parameter, untrained.get_parameter(name)), f"{name} never trained"
+        torch.testing.assert_close(parameter, models["O1"].get_parameter(name), rtol=2e-2, atol=2e-3)
