@@ -47,6 +47,8 @@ Private names used, and why:
   unscaled in this iteration (so that an explicit ``scaler.unscale_(opt)`` is not repeated) and its inf flag,
   which torch's ``step`` and ``update`` read the same way; and, when that ``unscale_`` went through Lightning's
   ``LightningOptimizer`` wrapper, moving its record to the wrapped optimizer. Three small functions below.
+* ``GradScaler._device``: the device a ``scaler=`` was built for (torch has no getter); a scaler for another
+  device than the run's is refused at setup, as torch silently disables a CUDA scaler on a CPU run.
 """
 
 from __future__ import annotations
@@ -365,7 +367,8 @@ class MixedPrecision(LightningMixedPrecision):
         Trainer. Idempotent.
 
         Raises:
-            ValueError: if ``device`` was given and differs from ``device_type``.
+            ValueError: if ``device`` was given and differs from ``device_type``, or ``scaler`` is a torch
+                GradScaler built for another device.
 
         """
         if self._policy is not None:
@@ -374,6 +377,13 @@ class MixedPrecision(LightningMixedPrecision):
             raise ValueError(
                 f"MixedPrecision(device={self.device!r}) does not match the Trainer's accelerator, which runs on"
                 f" {device_type!r}. Leave device=None to follow the Trainer."
+            )
+        given = self._given_scaler
+        if given is not None and not isinstance(given, LossScaler) and given._device != device_type:
+            raise ValueError(
+                f"MixedPrecision(scaler=GradScaler({given._device!r})) cannot scale a run on {device_type!r}: torch"
+                f" disables a GradScaler built for {given._device!r} where that device is missing, so fp16 would"
+                f" train unscaled. Pass torch.amp.GradScaler({device_type!r}, ...) (enabled=False to turn scaling off)."
             )
         self.device = device_type
         if self.requested_precision == "auto":
