@@ -378,11 +378,11 @@ class MixedPrecision(LightningMixedPrecision):
                 f"MixedPrecision(device={self.device!r}) does not match the Trainer's accelerator, which runs on"
                 f" {device_type!r}. Leave device=None to follow the Trainer."
             )
-        given = self._given_scaler
-        if given is not None and not isinstance(given, LossScaler) and given._device != device_type:
+        scaler = self._given_scaler
+        if scaler is not None and not isinstance(scaler, LossScaler) and scaler._device != device_type:
             raise ValueError(
-                f"MixedPrecision(scaler=GradScaler({given._device!r})) cannot scale a run on {device_type!r}: torch"
-                f" disables a GradScaler built for {given._device!r} where that device is missing, so fp16 would"
+                f"MixedPrecision(scaler=GradScaler({scaler._device!r})) cannot scale a run on {device_type!r}: torch"
+                f" disables a GradScaler built for {scaler._device!r} where that device is missing, so fp16 would"
                 f" train unscaled. Pass torch.amp.GradScaler({device_type!r}, ...) (enabled=False to turn scaling off)."
             )
         self.device = device_type
