@@ -379,7 +379,11 @@ class MixedPrecision(LightningMixedPrecision):
                 f" {device_type!r}. Leave device=None to follow the Trainer."
             )
         scaler = self._given_scaler
-        if scaler is not None and not isinstance(scaler, LossScaler) and scaler._device != device_type:
+        if (
+            scaler is not None
+            and not isinstance(scaler, LossScaler)
+            and torch.device(scaler._device).type != device_type
+        ):
             raise ValueError(
                 f"MixedPrecision(scaler=GradScaler({scaler._device!r})) cannot scale a run on {device_type!r}: torch"
                 f" disables a GradScaler built for {scaler._device!r} where that device is missing, so fp16 would"
