@@ -241,15 +241,17 @@ class FusedMomentumSGD(TinyRegressor):
         return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, fused=self.fused)
 
 
-@pytest.mark.parametrize("clip", [None, "norm", "value"])
-def test_fused_sgd_with_momentum_survives_an_overflow_on_its_first_step(clip):
-    """Fused SGD with momentum whose first fp16 step overflows trains exactly like the unfused SGD, clipped or not."""
+@pytest.mark.parametrize(
+    ("precision", "clip"), [("16-mixed", None), ("16-mixed", "norm"), ("16-mixed", "value"), ("bf16-mixed", None)]
+)
+def test_fused_sgd_with_momentum_survives_an_overflow_on_its_first_step(precision, clip):
+    """Fused SGD with momentum whose first step overflows trains exactly like the unfused SGD, clipped or not."""
     torch.manual_seed(0)
     fused = FusedMomentumSGD(fused=True, inject_at=(0,))
     unfused = FusedMomentumSGD(fused=False, inject_at=(0,))
     unfused.load_state_dict(fused.state_dict())
     clipping = {"gradient_clip_val": 0.5, "gradient_clip_algorithm": clip} if clip else {}
-    plugins = [MixedPrecision("16-mixed"), MixedPrecision("16-mixed")]
+    plugins = [MixedPrecision(precision), MixedPrecision(precision)]
     for model, plugin in zip((fused, unfused), plugins, strict=True):
         make_trainer(plugin, max_steps=5, **clipping).fit(model, loader())
     assert plugins[0].stats.skipped_steps == plugins[1].stats.skipped_steps >= 1
