@@ -256,3 +256,23 @@ def test_manual_scheduler_recipe_works_and_holds_still_on_the_skipped_step(plate
     # Plateau's first call only records the best value; the skipped third step moves neither schedule.
     expected = [1.0, 0.5, 0.5, 0.25, 0.125] if plateau else [0.5, 0.25, 0.25, 0.125, 0.0625]
     assert model.learning_rates == expected
+
+
+class ClipsAnInfByValue(ZeroGradAfterStep):
+    """An inf gradient every step, clipped by value (which makes it finite again) before the step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self.layer(x).float(), y))
+        self.layer.weight.grad[0, 0] = float("inf")
+        self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="value")
+        opt.step()
+        opt.zero_grad()
+
+
+def test_never_finite_steps_whose_gradients_were_clipped_finite_say_so():
+    """When clipping by value left no non-finite gradient to name, the error says why instead of blaming names."""
+    plugin = MixedPrecision("16-mixed", max_consecutive_skips=2)
+    with pytest.raises(NonFiniteStepsError, match=r"could not be named: none was left.*clipped by value"):
+        make_trainer(plugin, max_steps=8).fit(ClipsAnInfByValue("adam"), loader())
