@@ -823,9 +823,11 @@ class MixedPrecision(LightningMixedPrecision):
 
     @override
     def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:
-        """Run Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
+        """Run the policy's and Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
         if attached_trainer(module) is None:
             return tensor
+        if self._policy is not None:
+            self._policy.after_backward()
         # As in backward: attached to a Trainer, the module is a LightningModule.
         return super().post_backward(tensor, module)  # type: ignore[arg-type]
 

@@ -35,9 +35,12 @@ computes with, as in FSDP's mixed precision without sharding:
 A fresh half copy is made for every forward, gradient-accumulation micro-batches included: the cast is one read of
 the weights against a forward that reads them once per token, and reusing copies across backward passes would need
 the autograd graph of the cast kept alive and the copies invalidated whenever a callback edits a weight. In manual
-optimization, an optimizer step inside ``training_step`` recasts the copies of the parameters it stepped, so a second
-forward sees the new weights; the other copies keep their autograd edges, so that ``toggle_optimizer`` around the
-step leaves the next optimizer's parameters trainable.
+optimization the fp32 parameters go back in place after each ``manual_backward``, so that ``on_after_backward``
+and the rest of ``training_step`` read their ``.grad`` (``clip_grad_norm_(self.parameters())``, gradient logging);
+later forwards in the same step then compute as in O1, autocast casting each weight per use. Where a step comes
+before any backward, it recasts the copies of the parameters it stepped, so a second forward sees the new weights;
+the other copies keep their autograd edges, so that ``toggle_optimizer`` around the step leaves the next
+optimizer's parameters trainable.
 
 Loss scaling and skipping are O1's: the gradients the scaler unscales and checks are the fp32 parameters' own, so
 foreach and fused optimizers work unchanged. A skipped fp16 step is also checked for weights beyond fp16's range
@@ -172,10 +175,19 @@ class HalfWeights(AbstractContextManager):
     ) -> None:
         self._depth -= 1
         if self._depth == 0:
-            self._restore()
+            if self._originals:
+                self._restore()
             for handle in self._hook_handles:
                 handle.remove()
             self._hook_handles = []
+
+    def step_out(self) -> None:
+        """Put the fp32 parameters back in place for the rest of the open context (a no-op when closed).
+
+        Later forwards in the context compute as in O1: autocast casts the fp32 weights per use.
+        """
+        if self._depth > 0 and self._originals:
+            self._restore()
 
     def refresh(self, stepped: Iterable[Tensor]) -> None:
         """Recast the copies of the ``stepped`` parameters from their new fp32 values, if the context is open.
@@ -184,7 +196,7 @@ class HalfWeights(AbstractContextManager):
         gradients when it was cast, and ``toggle_optimizer`` switches the other optimizers' parameters off around a
         step; recast then, their copies would keep them out of the next optimizer's backward for good.
         """
-        if self._depth == 0:
+        if self._depth == 0 or not self._originals:
             return
         stepped_ids = {id(parameter) for parameter in stepped}
         copies: dict[int, Tensor] = {}
@@ -268,6 +280,12 @@ class O2Policy(PrecisionPolicy):
     def forward_context(self) -> AbstractContextManager:
         """Half copies of the weights in place for the duration of the forward."""
         return self._half_weights if self._half_weights is not None else super().forward_context()
+
+    @override
+    def after_backward(self) -> None:
+        """In manual optimization, put the fp32 parameters back, so that their ``.grad`` is what the user reads."""
+        if self._half_weights is not None:
+            self._half_weights.step_out()
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:

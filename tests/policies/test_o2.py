@@ -227,8 +227,41 @@ def test_o2_manual_optimization_recasts_after_a_step_inside_training_step() -> N
     """In manual optimization a forward after optimizer.step() inside training_step sees the new weights."""
     model = TwoForwards()
     fit(model, o2(), max_steps=2)
-    assert model.second_forward_weight.dtype == torch.bfloat16
-    torch.testing.assert_close(model.second_forward_weight, model.stepped_weight.bfloat16(), rtol=0, atol=0)
+    # After manual_backward the module holds its fp32 parameters again (their .grad is readable), stepped in place.
+    assert model.second_forward_weight.dtype == torch.float32
+    torch.testing.assert_close(model.second_forward_weight, model.stepped_weight, rtol=0, atol=0)
+
+
+class ReadsGradientsInTrainingStep(Net):
+    """Manual optimization that reads and clips ``.grad`` itself, in on_after_backward and in training_step."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.automatic_optimization = False
+        self.norms_after_backward: list[float] = []
+        self.norms_before_clipping: list[float] = []
+        self.norms_after_clipping: list[float] = []
+
+    def on_after_backward(self) -> None:
+        self.norms_after_backward.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        features, target = batch
+        optimizer.zero_grad()
+        self.manual_backward(F.cross_entropy(self(features), target))
+        self.norms_before_clipping.append(float(nn.utils.clip_grad_norm_(self.parameters(), 1e-3)))
+        self.norms_after_clipping.append(float(nn.utils.get_total_norm([p.grad for p in self.parameters()])))
+        optimizer.step()
+
+
+def test_o2_manual_optimization_reads_and_clips_the_fp32_gradients_in_training_step() -> None:
+    """After manual_backward, self.parameters() are the fp32 weights with their gradients, as without the plugin."""
+    model = ReadsGradientsInTrainingStep()
+    fit(model, o2(), max_steps=2)
+    assert len(model.norms_after_backward) == 2 and all(norm > 0 for norm in model.norms_after_backward)
+    assert model.norms_before_clipping == pytest.approx(model.norms_after_backward, rel=1e-4)
+    assert model.norms_after_clipping == pytest.approx([1e-3] * 2, rel=1e-3)
 
 
 # ------------------------------------------------------------------------------------------------ loss scaling
