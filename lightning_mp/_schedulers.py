@@ -7,8 +7,9 @@ optimizer.step()" when the very first step was skipped.
 The plugin puts a :class:`SkipAwareScheduler` in front of each such scheduler, in Lightning's scheduler
 configuration (so ``self.lr_schedulers()`` returns it too). The wrapper asks the plugin whether the optimizer's last
 step was skipped and, if so, does nothing; otherwise it calls the scheduler. The user's scheduler keeps its class
-and its state, nothing is written on the optimizer, every other attribute is forwarded, and the wrapper pickles as
-the scheduler it wraps: ``torch.save(self.lr_schedulers())`` writes a file that loads without lightning_mp.
+(``isinstance`` sees the wrapper as one) and its state, nothing is written on the optimizer, every other attribute
+is forwarded, and the wrapper pickles as the scheduler it wraps: ``torch.save(self.lr_schedulers())`` writes a file
+that loads without lightning_mp.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ class SkipAwareScheduler:
     def __init__(self, scheduler: Any, step_was_skipped: Callable[[], bool]) -> None:
         object.__setattr__(self, "scheduler", scheduler)
         object.__setattr__(self, "step_was_skipped", step_was_skipped)
+
+    # isinstance() falls back on ``__class__``: ``isinstance(self.lr_schedulers(), ReduceLROnPlateau)``, Lightning's
+    # manual-optimization recipe for passing the metric, holds for a wrapped scheduler; type() still tells them apart.
+    @property  # type: ignore[misc]  # overriding object.__class__ with a read-only property is the intent
+    def __class__(self) -> type:
+        """The wrapped scheduler's class."""
+        return type(self.scheduler)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """Advance the wrapped scheduler, unless its optimizer's last step was skipped."""

@@ -12,7 +12,11 @@ from collections.abc import Sequence
 
 def _describe(nonfinite_parameters: Sequence[tuple[str, tuple[int, ...]]]) -> str:
     if not nonfinite_parameters:
-        return "No parameter names were available for this optimizer."
+        return (
+            "The non-finite gradients could not be named: none was left in this process when this was raised (on"
+            " another DDP rank, or clipped by value, zeroed or replaced after the check); GradientHealthMonitor names"
+            " them as they happen."
+        )
     shown = ", ".join(f"{name} {list(shape)}" for name, shape in nonfinite_parameters)
     return f"Parameters with non-finite gradients: {shown}."
 

@@ -168,9 +168,11 @@ class Fp32Overrides:
 
     def __init__(self, patterns: Sequence[KeepFp32Pattern] = ()) -> None:
         if isinstance(patterns, (str, type)) or not isinstance(patterns, Iterable):
+            # A single valid entry is shown wrapped in a list; anything else gets a generic example.
+            example = repr(patterns) if isinstance(patterns, str) else getattr(patterns, "__name__", "nn.LayerNorm")
             raise ValueError(
                 f"keep_fp32={patterns!r} is not allowed: keep_fp32 must be a list of module types, qualified names"
-                f" or 're:' patterns, for example keep_fp32=[{patterns!r}]."
+                f" or 're:' patterns, for example keep_fp32=[{example}] (or [] for none)."
             )
         self.patterns: list[KeepFp32Pattern] = list(patterns)
         self._regexes: dict[str, re.Pattern[str]] = {}

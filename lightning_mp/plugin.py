@@ -51,6 +51,8 @@ Private names used, and why:
   Trainer drives the hook, and its device; the public ``trainer`` property raises when none is attached.
 * The torch GradScaler state key ``_growth_tracker``: torch's own ``state_dict`` names it so, and the checkpoint
   entry carries torch's five keys for Lightning's plugin to resume from.
+* ``GradScaler._device``: the device a ``scaler=`` was built for (torch has no getter); a scaler for another
+  device than the run's is refused at setup, as torch silently disables a CUDA scaler on a CPU run.
 """
 
 from __future__ import annotations
@@ -374,7 +376,8 @@ class MixedPrecision(LightningMixedPrecision):
         Trainer. Idempotent.
 
         Raises:
-            ValueError: if ``device`` was given and differs from ``device_type``.
+            ValueError: if ``device`` was given and differs from ``device_type``, or ``scaler`` is a torch
+                GradScaler built for another device.
 
         """
         if self._policy is not None:
@@ -383,6 +386,17 @@ class MixedPrecision(LightningMixedPrecision):
             raise ValueError(
                 f"MixedPrecision(device={self.device!r}) does not match the Trainer's accelerator, which runs on"
                 f" {device_type!r}. Leave device=None to follow the Trainer."
+            )
+        scaler = self._given_scaler
+        if (
+            scaler is not None
+            and not isinstance(scaler, LossScaler)
+            and torch.device(scaler._device).type != device_type
+        ):
+            raise ValueError(
+                f"MixedPrecision(scaler=GradScaler({scaler._device!r})) cannot scale a run on {device_type!r}: torch"
+                f" disables a GradScaler built for {scaler._device!r} where that device is missing, so fp16 would"
+                f" train unscaled. Pass torch.amp.GradScaler({device_type!r}, ...) (enabled=False to turn scaling off)."
             )
         self.device = device_type
         if self.requested_precision == "auto":
@@ -679,14 +693,16 @@ class MixedPrecision(LightningMixedPrecision):
         """Clip true gradients: unscale first where that has not happened yet in this optimizer step.
 
         A fused optimizer's step then sees the gradients already unscaled and does not unscale them again. In bf16
-        and fp32 nothing is scaled, so the gradients are clipped as they are (the step still checks them).
+        and fp32 nothing is scaled: the gradients are checked for inf/NaN before they are clipped, so that clipping
+        by value cannot hide an inf from the step.
         """
         wrapper, optimizer = optimizer, _raw_optimizer(optimizer)
         if isinstance(wrapper, LightningOptimizer) and self._loss_scaler is not None:
             _adopt_wrapper_unscale(self._loss_scaler, [wrapper], optimizer)
         if clip_val > 0 and self._loss_scaler is not None:
-            # In bf16 and fp32 nothing is scaled: the gradients only need to reach the optimizer's parameters (O2).
-            self._prepare_gradients(optimizer, unscale=self._loss_scaler.scales_loss)
+            # In bf16 and fp32 this only checks the gradients, before clipping: clipping by value would turn an inf
+            # into a finite gradient and the step would no longer be skipped.
+            self._prepare_gradients(optimizer, unscale=True)
         Precision.clip_gradients(
             self, optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm
         )
@@ -816,9 +832,11 @@ class MixedPrecision(LightningMixedPrecision):
 
     @override
     def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:
-        """Run Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
+        """Run the policy's and Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
         if attached_trainer(module) is None:
             return tensor
+        if self._policy is not None:
+            self._policy.after_backward()
         # As in backward: attached to a Trainer, the module is a LightningModule.
         return super().post_backward(tensor, module)  # type: ignore[arg-type]
 

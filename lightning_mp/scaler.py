@@ -12,7 +12,8 @@ One iteration (any number of optimizers, torch's contract: ``update()`` once, af
   gradients are read and never rewritten. Under DDP the flag is all-reduced (max) right there, on every path, so
   every rank takes the same decision: one collective per step, always issued in the same order, no deadlock.
 * ``step`` of a fused optimizer (Adam, AdamW, SGD with ``fused=True``) hands the flag to the fused kernel, which
-  skips the update on the device: no host sync. ``step`` of any other optimizer reads the flag (the one host sync,
+  skips the update on the device: no host sync (except fused SGD's first step with momentum, see
+  :func:`_skips_safely_on_device`). ``step`` of any other optimizer reads the flag (the one host sync,
   which torch's recipe makes too) and skips ``optimizer.step()`` when it is set.
 * ``update`` moves the scale by the pure rules of :mod:`lightning_mp._scale_rules` (hysteresis, growth capped at
   ``max_scale``, backoff, collapse at the floor). Where every flag of the iteration is already on the host they run
@@ -42,6 +43,7 @@ Private torch names used, and why:
   torch's own ``unscale_``.
 * The ``grad_scale``/``found_inf`` attributes and ``_step_supports_amp_scaling``: the protocol by which torch's
   fused optimizers skip a step on the device; set for the duration of ``step`` only, exactly as torch does.
+  Fused SGD's first momentum step is the exception, decided on the host (:func:`_skips_safely_on_device`).
 """
 
 from __future__ import annotations
@@ -83,6 +85,25 @@ _UNCHECKED = -1
 
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _skips_safely_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a fused ``optimizer`` leaves its state intact when told, through ``found_inf``, to skip its step.
+
+    Fused SGD with momentum allocates its momentum buffers uninitialised on its first step and fills them inside the
+    kernel, which returns early on ``found_inf``: a first step skipped on the device would leave garbage buffers that
+    wreck every later step (torch's own GradScaler included). That one step is decided on the host instead.
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if not isinstance(optimizer, torch.optim.SGD):
+        return True
+    return all(
+        group["momentum"] == 0 or optimizer.state.get(parameter, {}).get("momentum_buffer") is not None
+        for group in optimizer.param_groups
+        for parameter in group["params"]
+        if parameter.grad is not None
+    )
 
 
 def _distributed() -> bool:
@@ -237,6 +258,9 @@ class LossScaler(torch.amp.GradScaler):
         self.scale_growths = 0
         self.last_step_skipped = False
         self._streaks: dict[int, int] = {}
+        self._last_culprits: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+        """Per optimizer, the non-finite gradients seen at a skipped step near the streak limit, for the error: a
+        manual loop that zeroes the gradients after ``step`` leaves none to inspect once the streak is counted."""
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         """Weak references, so that a plugin reused for another model keeps no optimizer (or model) alive."""
         self._index_by_id: dict[int, int] = {}
@@ -469,7 +493,8 @@ class LossScaler(torch.amp.GradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, then run ``optimizer.step()`` unless a gradient is inf or NaN.
 
-        Fused optimizers get the flag and skip on the device (no sync). Other optimizers skip on the host.
+        Fused optimizers get the flag and skip on the device (no sync), except fused SGD's first step with momentum.
+        Other optimizers skip on the host.
 
         .. warning:: With an optimizer that is not fused this reads the inf flag: one host sync, as in torch.
 
@@ -492,8 +517,10 @@ class LossScaler(torch.amp.GradScaler):
             # No gradient at all: torch's optimizers skip such parameters, so there is nothing to check.
             self._iteration.host_flags[index] = 0.0
             return optimizer.step(*args, **kwargs)
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if _skips_safely_on_device(optimizer):
             # torch's fused-step protocol (module docstring): attributes torch.optim does not declare, set for one step.
+            if flag.device.type == "cpu":
+                self._remember_culprits_near_limit(index, flag)  # a CPU flag reads without waiting for a device
             optimizer.grad_scale = None  # type: ignore[attr-defined]
             optimizer.found_inf = flag  # type: ignore[attr-defined]
             try:
@@ -505,8 +532,19 @@ class LossScaler(torch.amp.GradScaler):
         found_inf = float(flag.item())
         self._iteration.host_flags[index] = found_inf
         if found_inf:
+            self._remember_culprits_near_limit(index, found_inf)
             return None
         return optimizer.step(*args, **kwargs)
+
+    def _remember_culprits_near_limit(self, index: int, found_inf: torch.Tensor | float) -> None:
+        """Name the non-finite gradients of a skipped step that may end the streak, while they still exist.
+
+        Only within two steps of ``max_consecutive_skips`` (the host may replay an iteration one step late), so
+        that the flag and the gradients are read on a failing run only.
+        """
+        limit = self.max_consecutive_skips
+        if limit is not None and self._streaks.get(index, 0) + 2 >= limit and bool(found_inf):
+            self._last_culprits[index] = self._culprits([index])
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """End the iteration: move the scale once, by the rules, after every optimizer of the iteration stepped.
@@ -579,6 +617,8 @@ class LossScaler(torch.amp.GradScaler):
         self.last_step_skipped = bool(skipped)
         for index in record.stepped:
             self._streaks[index] = self._streaks.get(index, 0) + 1 if index in skipped else 0
+            if index not in skipped:
+                self._last_culprits.pop(index, None)
         if record.new_scale is not None:
             self._state = replace(self._state, scale=record.new_scale)
             self._write_scale()
@@ -622,7 +662,7 @@ class LossScaler(torch.amp.GradScaler):
                     step=self.optimizer_steps,
                     consecutive_skips=streak,
                     scale=self.get_scale(),
-                    nonfinite_parameters=self._culprits([index]),
+                    nonfinite_parameters=self._culprits([index]) or self._last_culprits.get(index, []),
                     optimizer=f"optimizer {index} ({type(optimizer).__name__})" if optimizer is not None else None,
                 )
 

@@ -77,6 +77,25 @@ def test_ddp_fused_adam_overflow_on_one_rank_keeps_ranks_identical_every_step(tm
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("optimizer", "algorithm", "precision"),
+    [("fused-sgd", "norm", "16-mixed"), ("fused-adamw", "value", "bf16-mixed")],
+)
+def test_ddp_fused_optimizer_with_clipping_and_an_overflow_on_one_rank(tmp_path, optimizer, algorithm, precision):
+    """Fused SGD/AdamW with gradient clipping under DDP, an inf on rank 1 only: both ranks skip it, same params."""
+    arguments = ["--strategy", "ddp", "--out", str(tmp_path), "--optimizer", optimizer, "--precision", precision]
+    clipping = ["--gradient-clip-val", "0.05", "--gradient-clip-algorithm", algorithm]
+    run([*arguments, *clipping, "--inject-rank", "1", "--inject-at", "2,5"], timeout=90)
+    ranks = reports(tmp_path)
+    if precision == "16-mixed":
+        _assert_ranks_agree(ranks, INJECT_AT, overflowing_rank=1)
+    else:
+        assert ranks[0]["stats"] == ranks[1]["stats"] and ranks[0]["stats"]["skipped_steps"] == len(INJECT_AT)
+    assert ranks[0]["step_checksums"] == ranks[1]["step_checksums"]
+    assert len(set(ranks[0]["step_checksums"])) == len(ranks[0]["step_checksums"]) - len(INJECT_AT)
+
+
+@pytest.mark.slow
 def test_ddp_overflow_on_one_rank_is_skipped_by_every_rank(ddp_run):
     """strategy='ddp': an overflow on rank 1 only makes both ranks skip; scale and parameters stay identical."""
     _assert_ranks_agree(reports(ddp_run), INJECT_AT, overflowing_rank=1)

@@ -232,6 +232,50 @@ def test_defect_6_fused_optimizer_with_gradient_clipping_trains_like_without_the
         torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=tolerance)
 
 
+class FusedMomentumSGD(TinyRegressor):
+    def __init__(self, fused: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fused = fused
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, fused=self.fused)
+
+
+@pytest.mark.parametrize(
+    ("precision", "clip"), [("16-mixed", None), ("16-mixed", "norm"), ("16-mixed", "value"), ("bf16-mixed", None)]
+)
+def test_fused_sgd_with_momentum_survives_an_overflow_on_its_first_step(precision, clip):
+    """Fused SGD with momentum whose first step overflows trains exactly like the unfused SGD, clipped or not."""
+    torch.manual_seed(0)
+    fused = FusedMomentumSGD(fused=True, inject_at=(0,))
+    unfused = FusedMomentumSGD(fused=False, inject_at=(0,))
+    unfused.load_state_dict(fused.state_dict())
+    clipping = {"gradient_clip_val": 0.5, "gradient_clip_algorithm": clip} if clip else {}
+    plugins = [MixedPrecision(precision), MixedPrecision(precision)]
+    for model, plugin in zip((fused, unfused), plugins, strict=True):
+        make_trainer(plugin, max_steps=5, **clipping).fit(model, loader())
+    assert plugins[0].stats.skipped_steps == plugins[1].stats.skipped_steps >= 1
+    for ours, theirs in zip(fused.parameters(), unfused.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+@pytest.mark.parametrize("optimizer", ["sgd", "fused-adam"])
+def test_gradient_clipping_never_hides_an_inf_gradient_from_the_step(precision, algorithm, optimizer):
+    """An inf gradient skips its step in every precision and optimizer, even where clipping by value makes it finite."""
+    torch.manual_seed(0)
+    model = TinyRegressor(inject_at=(3,), optimizer=optimizer)
+    watch = StepWatch()
+    plugin = _plugin(precision)
+    trainer = make_trainer(
+        plugin, max_steps=5, gradient_clip_val=0.1, gradient_clip_algorithm=algorithm, callbacks=[watch]
+    )
+    trainer.fit(model, loader())
+    assert plugin.stats.skipped_steps == 1
+    assert watch.changed == [True, True, True, False, True]
+
+
 class LBFGSRegressor(TinyRegressor):
     """LBFGS with a NaN loss or a NaN gradient at one chosen step (in every closure evaluation of that step)."""
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mp import MixedPrecision
+from lightning_mp import MixedPrecision, NonFiniteStepsError
 from tests.helpers import loader, make_trainer
 
 CLIP = 1e-3
@@ -178,3 +178,101 @@ def test_an_overflow_of_the_second_optimizer_backs_off_once_after_the_batch():
     assert plugin.stats.scale_backoffs == 1
     # Every generator step saw true gradients, before and after the backoff.
     assert model.generator_grad_norms == pytest.approx(model.generator_true_grad_norms, rel=2e-2)
+
+
+class ZeroGradAfterStep(L.LightningModule):
+    """Lightning's manual recipe backward, step, zero_grad, with a NaN planted in ``layer.weight``'s gradient."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = nn.Linear(8, 1)
+        self.optimizer_name = optimizer
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self.layer(x).float(), y))
+        self.layer.weight.grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3, fused=self.optimizer_name == "fused-adam")
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+@pytest.mark.parametrize("optimizer", ["adam", "fused-adam"])
+def test_never_finite_steps_name_the_parameter_even_when_the_gradients_are_zeroed_after_the_step(precision, optimizer):
+    """NonFiniteStepsError names the parameter whose gradient was NaN, though zero_grad() ran before the check."""
+    plugin = MixedPrecision(precision, max_consecutive_skips=3)
+    with pytest.raises(
+        NonFiniteStepsError, match=r"optimizer 0 \(Adam\).*non-finite gradients: layer\.weight \[1, 8\]"
+    ):
+        make_trainer(plugin, max_steps=8).fit(ZeroGradAfterStep(optimizer), loader())
+
+
+class ManualWithScheduler(L.LightningModule):
+    """Lightning's manual recipe for schedulers: ReduceLROnPlateau gets the metric, any other just ``step()``."""
+
+    def __init__(self, plateau: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = nn.Linear(8, 1)
+        self.plateau = plateau
+        self.learning_rates: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt, scheduler = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layer(x).float(), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        if batch_idx == 2:
+            self.layer.weight.grad[0, 0] = float("inf")
+        opt.step()
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler.step(loss.detach() + 1e3 * batch_idx)  # never improves: the lr falls after every clean step
+        else:
+            scheduler.step()
+        self.learning_rates.append(opt.param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        scheduler: Any = (
+            torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+            if self.plateau
+            else torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "monitor": "loss"}}
+
+
+@pytest.mark.parametrize("plateau", [False, True])
+def test_manual_scheduler_recipe_works_and_holds_still_on_the_skipped_step(plateau):
+    """self.lr_schedulers() passes Lightning's isinstance(ReduceLROnPlateau) recipe and does not advance on a skip."""
+    model = ManualWithScheduler(plateau)
+    make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=5).fit(model, loader())
+    assert isinstance(model.lr_schedulers(), torch.optim.lr_scheduler.StepLR) != plateau
+    # Plateau's first call only records the best value; the skipped third step moves neither schedule.
+    expected = [1.0, 0.5, 0.5, 0.25, 0.125] if plateau else [0.5, 0.25, 0.25, 0.125, 0.0625]
+    assert model.learning_rates == expected
+
+
+class ClipsAnInfByValue(ZeroGradAfterStep):
+    """An inf gradient every step, clipped by value (which makes it finite again) before the step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self.layer(x).float(), y))
+        self.layer.weight.grad[0, 0] = float("inf")
+        self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="value")
+        opt.step()
+        opt.zero_grad()
+
+
+def test_never_finite_steps_whose_gradients_were_clipped_finite_say_so():
+    """When clipping by value left no non-finite gradient to name, the error says why instead of blaming names."""
+    plugin = MixedPrecision("16-mixed", max_consecutive_skips=2)
+    with pytest.raises(NonFiniteStepsError, match=r"could not be named: none was left in this process.*clipped"):
+        make_trainer(plugin, max_steps=8).fit(ClipsAnInfByValue("adam"), loader())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 from typing import Any, ClassVar
 
 import pytest
@@ -135,6 +136,16 @@ def test_regex_must_match_the_whole_name() -> None:
 def test_bad_patterns_raise_value_error(patterns: object, message: str) -> None:
     """The plugin rejects keep_fp32 entries it cannot match, naming the value and what is allowed."""
     with pytest.raises(ValueError, match=message):
+        MixedPrecision("bf16-mixed", keep_fp32=patterns)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("patterns", "example"),
+    [("head", "keep_fp32=['head']"), (nn.LayerNorm, "keep_fp32=[LayerNorm]"), (None, "keep_fp32=[nn.LayerNorm]")],
+)
+def test_a_keep_fp32_that_is_not_a_list_suggests_a_valid_list(patterns: object, example: str) -> None:
+    """The error for a keep_fp32 that is not a list suggests a list that would be accepted, never keep_fp32=[None]."""
+    with pytest.raises(ValueError, match=re.escape(f"for example {example} (or [] for none)")):
         MixedPrecision("bf16-mixed", keep_fp32=patterns)  # type: ignore[arg-type]
 
 

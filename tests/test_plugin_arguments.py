@@ -135,6 +135,16 @@ def test_a_disabled_gradscaler_turns_scaling_off():
     assert plugin.stats.skipped_steps == 1
 
 
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+def test_a_gradscaler_for_another_device_is_refused_instead_of_training_unscaled():
+    """GradScaler() (built for CUDA, which torch disables without CUDA) on a CPU run is an error naming both devices."""
+    plugin = MixedPrecision("16-mixed", scaler=torch.amp.GradScaler())
+    with pytest.raises(
+        ValueError, match=r"scaler=GradScaler\('cuda'\)\) cannot scale a run on 'cpu'.*GradScaler\('cpu'"
+    ):
+        make_trainer(plugin, max_steps=1).fit(TinyRegressor(), loader())
+
+
 def test_a_loss_scaler_passed_as_scaler_is_used_as_it_is():
     """A LossScaler given as scaler keeps its own knobs (hysteresis included)."""
     given = LossScaler("cpu", init_scale=2.0**8, hysteresis=2, growth_interval=100)

@@ -12,6 +12,7 @@ Where each hook runs::
     with forward_context(), autocast:          # every training/validation/test/predict step, Fabric's forward
         step ...
     backward, unscale, clipping, step          # the plugin's step engine, on the module's own parameters
+    after_backward()                           # O2: the fp32 parameters back in place (manual optimization)
     after_optimizer_step(optimizer, skipped)   # O2: name weights beyond fp16's range after a skip
     state_dict() / load_state_dict(state)      # the level's own state in the plugin's checkpoint entry
     teardown()                                 # end of fit/validate/test/predict, also after an exception
@@ -64,6 +65,12 @@ class PrecisionPolicy:
     def forward_context(self) -> AbstractContextManager:
         """What surrounds every forward, around the plugin's autocast; entered and left once per step."""
         return contextlib.nullcontext()
+
+    def after_backward(self) -> None:
+        """Called after every backward under the Trainer, before ``on_after_backward``.
+
+        In manual optimization this is inside the forward context; in automatic optimization, after it.
+        """
 
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
         """Called after the optimizer step, or after it was skipped."""

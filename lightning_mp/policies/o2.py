@@ -35,8 +35,12 @@ computes with, as in FSDP's mixed precision without sharding:
 A fresh half copy is made for every forward, gradient-accumulation micro-batches included: the cast is one read of
 the weights against a forward that reads them once per token, and reusing copies across backward passes would need
 the autograd graph of the cast kept alive and the copies invalidated whenever a callback edits a weight. In manual
-optimization, an optimizer step inside ``training_step`` refreshes the copies, so a second forward sees the new
-weights.
+optimization the fp32 parameters go back in place after each ``manual_backward``, so that ``on_after_backward``
+and the rest of ``training_step`` read their ``.grad`` (``clip_grad_norm_(self.parameters())``, gradient logging);
+later forwards in the same step then compute as in O1, autocast casting each weight per use. Where a step comes
+before any backward, it recasts the copies of the parameters it stepped, so a second forward sees the new weights;
+the other copies keep their autograd edges, so that ``toggle_optimizer`` around the step leaves the next
+optimizer's parameters trainable.
 
 Loss scaling and skipping are O1's: the gradients the scaler unscales and checks are the fp32 parameters' own, so
 foreach and fused optimizers work unchanged. A skipped fp16 step is also checked for weights beyond fp16's range
@@ -57,7 +61,7 @@ but they wrap one ``forward`` call, not a LightningModule's ``training_step``);
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
 
@@ -171,16 +175,38 @@ class HalfWeights(AbstractContextManager):
     ) -> None:
         self._depth -= 1
         if self._depth == 0:
-            self._restore()
+            if self._originals:
+                self._restore()
             for handle in self._hook_handles:
                 handle.remove()
             self._hook_handles = []
 
-    def refresh(self) -> None:
-        """Recast the copies from the current fp32 weights, if the context is open."""
-        if self._depth > 0:
+    def step_out(self) -> None:
+        """Put the fp32 parameters back in place for the rest of the open context (a no-op when closed).
+
+        Later forwards in the context compute as in O1: autocast casts the fp32 weights per use.
+        """
+        if self._depth > 0 and self._originals:
             self._restore()
-            self._swap_in()
+
+    def refresh(self, stepped: Iterable[Tensor]) -> None:
+        """Recast the copies of the ``stepped`` parameters from their new fp32 values, if the context is open.
+
+        The other copies, and their autograd edges, stay: a copy is differentiable only if its parameter required
+        gradients when it was cast, and ``toggle_optimizer`` switches the other optimizers' parameters off around a
+        step; recast then, their copies would keep them out of the next optimizer's backward for good.
+        """
+        if self._depth == 0 or not self._originals:
+            return
+        stepped_ids = {id(parameter) for parameter in stepped}
+        copies: dict[int, Tensor] = {}
+        for (module, name), parameter in zip(self.slots, self._originals, strict=True):
+            if parameter is None or id(parameter) not in stepped_ids or parameter.dtype != torch.float32:
+                continue
+            copy = copies.get(id(parameter))
+            if copy is None:
+                copy = copies[id(parameter)] = parameter.to(self.dtype)
+            module._parameters[name] = copy  # type: ignore[assignment]
 
     def _swap_in(self) -> None:
         copies: dict[int, Tensor] = {}
@@ -256,6 +282,12 @@ class O2Policy(PrecisionPolicy):
         return self._half_weights if self._half_weights is not None else super().forward_context()
 
     @override
+    def after_backward(self) -> None:
+        """In manual optimization, put the fp32 parameters back, so that their ``.grad`` is what the user reads."""
+        if self._half_weights is not None:
+            self._half_weights.step_out()
+
+    @override
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
         """After a skipped fp16 step, name weights beyond fp16's range; after a step inside a forward, recast.
 
@@ -266,7 +298,8 @@ class O2Policy(PrecisionPolicy):
         if skipped:
             self._check_range()
         elif self._half_weights is not None:
-            self._half_weights.refresh()  # manual optimization: a step inside training_step
+            # Manual optimization: a step inside training_step.
+            self._half_weights.refresh(p for group in optimizer.param_groups for p in group["params"])
 
     @override
     def teardown(self) -> None:

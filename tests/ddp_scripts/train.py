@@ -55,6 +55,14 @@ class RankInjectingRegressor(TinyRegressor):
         if self.global_rank == self.inject_rank:
             super().on_after_backward()
 
+    @override
+    def configure_optimizers(self) -> Any:
+        fused = {"fused-sgd": torch.optim.SGD, "fused-adamw": torch.optim.AdamW}.get(self.optimizer_name)
+        if fused is None:
+            return super().configure_optimizers()
+        momentum = {"momentum": 0.9} if fused is torch.optim.SGD else {}
+        return fused(self.parameters(), lr=self.lr, fused=True, **momentum)
+
 
 def parameter_checksum(module: nn.Module) -> str:
     digest = hashlib.sha256()
@@ -123,7 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inject-rank", type=int, default=1)
     parser.add_argument("--inject-at", default="")
     parser.add_argument("--max-steps", type=int, default=8)
-    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "fused-adam"])
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "fused-adam", "fused-adamw", "fused-sgd"])
+    parser.add_argument("--gradient-clip-val", type=float, default=None)
+    parser.add_argument("--gradient-clip-algorithm", default="norm", choices=["norm", "value"])
     parser.add_argument("--init-scale", type=float, default=2.0**8)
     parser.add_argument("--growth-interval", type=int, default=3)
     parser.add_argument("--hysteresis", type=int, default=1)
@@ -190,6 +200,8 @@ def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
         logger=logger,
         log_every_n_steps=1,
         max_steps=args.max_steps,
+        gradient_clip_val=args.gradient_clip_val,
+        gradient_clip_algorithm=args.gradient_clip_algorithm,
         enable_checkpointing=bool(args.checkpoint_every or args.save_on_exception),
     )
     trainer.fit(model, loader(), ckpt_path=ckpt_path)

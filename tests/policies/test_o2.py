@@ -223,8 +223,41 @@ def test_o2_manual_optimization_recasts_after_a_step_inside_training_step() -> N
     """In manual optimization a forward after optimizer.step() inside training_step sees the new weights."""
     model = TwoForwards()
     fit(model, o2(), max_steps=2)
-    assert model.second_forward_weight.dtype == torch.bfloat16
-    torch.testing.assert_close(model.second_forward_weight, model.stepped_weight.bfloat16(), rtol=0, atol=0)
+    # After manual_backward the module holds its fp32 parameters again (their .grad is readable), stepped in place.
+    assert model.second_forward_weight.dtype == torch.float32
+    torch.testing.assert_close(model.second_forward_weight, model.stepped_weight, rtol=0, atol=0)
+
+
+class ReadsGradientsInTrainingStep(Net):
+    """Manual optimization that reads and clips ``.grad`` itself, in on_after_backward and in training_step."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.automatic_optimization = False
+        self.norms_after_backward: list[float] = []
+        self.norms_before_clipping: list[float] = []
+        self.norms_after_clipping: list[float] = []
+
+    def on_after_backward(self) -> None:
+        self.norms_after_backward.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        features, target = batch
+        optimizer.zero_grad()
+        self.manual_backward(F.cross_entropy(self(features), target))
+        self.norms_before_clipping.append(float(nn.utils.clip_grad_norm_(self.parameters(), 1e-3)))
+        self.norms_after_clipping.append(float(nn.utils.get_total_norm([p.grad for p in self.parameters()])))
+        optimizer.step()
+
+
+def test_o2_manual_optimization_reads_and_clips_the_fp32_gradients_in_training_step() -> None:
+    """After manual_backward, self.parameters() are the fp32 weights with their gradients, as without the plugin."""
+    model = ReadsGradientsInTrainingStep()
+    fit(model, o2(), max_steps=2)
+    assert len(model.norms_after_backward) == 2 and all(norm > 0 for norm in model.norms_after_backward)
+    assert model.norms_before_clipping == pytest.approx(model.norms_after_backward, rel=1e-4)
+    assert model.norms_after_clipping == pytest.approx([1e-3] * 2, rel=1e-3)
 
 
 # ------------------------------------------------------------------------------------------------ loss scaling
@@ -622,3 +655,61 @@ def test_o2_validation_loss_is_within_2_percent_of_o0_on_the_reference_task(prec
     mixed = train_and_validate(precision, "O2", steps=60)
     assert abs(mixed["val_loss"] - baseline["val_loss"]) <= 0.02 * baseline["val_loss"]
     assert mixed["skipped_steps"] == 0
+
+
+class ToggledGAN(L.LightningModule):
+    """Lightning's GAN recipe (toggle, backward, step, zero_grad, untoggle per optimizer), optionally by closure."""
+
+    def __init__(self, use_closure: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.generator = nn.Linear(8, 8)
+        self.discriminator = nn.Linear(8, 1)
+        self.use_closure = use_closure
+
+    def _phase(self, optimizer: Any, loss_of: Any) -> None:
+        self.toggle_optimizer(optimizer)
+
+        def closure() -> Tensor:
+            loss = loss_of()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            return loss
+
+        if self.use_closure:
+            optimizer.step(closure=closure)
+        else:
+            closure()
+            optimizer.step()
+        self.untoggle_optimizer(optimizer)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        x, _ = batch
+        self._phase(opt_g, lambda: -self.discriminator(self.generator(x)).float().mean())
+        fake = self.generator(x).detach()
+        self._phase(
+            opt_d,
+            lambda: (self.discriminator(fake).float().square() + (self.discriminator(x).float() - 1).square()).mean(),
+        )
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.generator.parameters(), lr=1e-2), torch.optim.SGD(
+            self.discriminator.parameters(), lr=1e-2
+        )
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+@pytest.mark.parametrize("use_closure", [False, True])
+def test_o2_trains_a_toggled_gan_like_o1(precision, use_closure):
+    """Under O2 the GAN recipe with toggle_optimizer trains both networks, as under O1 (within half precision)."""
+    models = {}
+    for opt_level in ("O1", "O2"):
+        models[opt_level] = model = ToggledGAN(use_closure)
+        plugin = MixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8 if precision == "16-mixed" else None)
+        make_trainer(plugin, max_steps=8).fit(model, loader())
+    untrained = ToggledGAN()
+    for name, parameter in models["O2"].named_parameters():
+        assert not torch.equal(parameter, untrained.get_parameter(name)), f"{name} never trained"
+        torch.testing.assert_close(parameter, models["O1"].get_parameter(name), rtol=2e-2, atol=2e-3)
