@@ -518,9 +518,9 @@ class LossScaler(torch.amp.GradScaler):
             self._iteration.host_flags[index] = 0.0
             return optimizer.step(*args, **kwargs)
         if _skips_safely_on_device(optimizer):
-            # torch's fused-step protocol (module docstring): attributes torch.optim does not declare, set for one step.
             if flag.device.type == "cpu":
                 self._remember_culprits_near_limit(index, flag)  # a CPU flag reads without waiting for a device
+            # torch's fused-step protocol (module docstring): attributes torch.optim does not declare, set for one step.
             optimizer.grad_scale = None  # type: ignore[attr-defined]
             optimizer.found_inf = flag  # type: ignore[attr-defined]
             try:

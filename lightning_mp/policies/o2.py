@@ -206,6 +206,7 @@ class HalfWeights(AbstractContextManager):
             copy = copies.get(id(parameter))
             if copy is None:
                 copy = copies[id(parameter)] = parameter.to(self.dtype)
+            # The slot holds a plain tensor for the forward: that is the point of the swap (module docstring).
             module._parameters[name] = copy  # type: ignore[assignment]
 
     def _swap_in(self) -> None:
