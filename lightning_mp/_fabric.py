@@ -21,9 +21,10 @@ Fabric saves only what the user puts in the state, so the plugin goes there besi
    and a step post-hook is registered on it, so that the plugin knows, without a host
    synchronisation, whether ``optimizer.step()`` really ran.
 3. ``unscale_gradients`` (Fabric calls it before clipping) and ``optimizer_step`` unscale the gradients once per
-   step, with the fused inf/NaN check; clipping therefore sees true
-   gradients. On a step that will be skipped there is nothing to clip: ``main_params`` then gives no parameter,
-   so ``fabric.clip_gradients`` returns a zero norm instead of raising on the non-finite one.
+   step, with the fused inf/NaN check; clipping therefore sees true gradients. Fused optimizers too: their step is
+   then handed the inf flag and no ``grad_scale``, so it does not unscale a second time. On a step that will be
+   skipped there is nothing to clip: ``main_params`` then gives no parameter, so ``fabric.clip_gradients`` returns
+   a zero norm instead of raising on the non-finite one.
 4. The step is skipped when a gradient is not finite (under DDP when one on any rank is not); the opt level then
    hears of it (O2 names weights beyond fp16's range).
 
@@ -40,10 +41,8 @@ applied lazily at the first of:
 Every optimizer therefore unscales by the scale its gradients were produced under, and the scale moves once per
 backward-and-steps iteration, gradient accumulation included. Read the stats after the iteration's last step.
 
-Private Lightning names used:
+Private torch and Lightning names used:
 
-- ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: whether an optimizer unscales inside its
-  own step (fused); Lightning's own AMP plugins decide with it, and the plugin must agree with them.
 - ``torch.amp.GradScaler._found_inf_per_device``: the inf/NaN flags of an optimizer's unscaled gradients, which
   torch's GradScaler keeps for its own ``step``; read at clipping time only (see :meth:`FabricSteps.main_params`).
 - ``LightningModule._trainer`` (read with ``getattr``): whether the Trainer or Fabric drives a hook. The public
@@ -56,7 +55,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
@@ -138,16 +136,9 @@ class FabricSteps:
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Make the optimizer's gradients true gradients (once per step), for clipping before ``optimizer.step``.
 
-        Raises:
-            RuntimeError: for an optimizer that unscales inside its own step (``fused=True``) while the loss is
-                scaled: its gradients cannot be clipped before the step.
-
+        A fused optimizer is unscaled here too: its step then finds the gradients unscaled and does not unscale
+        them again (the scaler hands it no ``grad_scale``, only the inf flag), as in torch's AMP recipe.
         """
-        if self.loss_scaler.scales_loss and _optimizer_handles_unscaling(optimizer):
-            raise RuntimeError(
-                f"{type(optimizer).__qualname__} unscales its gradients inside its own step (fused=True), so they"
-                " cannot be clipped before it. Use the optimizer with fused=False to clip scaled fp16 gradients."
-            )
         self._unscale(optimizer)
 
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:
@@ -206,8 +197,7 @@ class FabricSteps:
         if id(optimizer) in self._stepped_since_update:
             # A second step of this optimizer with no backward in between: its gradients were made after the update.
             self.settle()
-        if not _optimizer_handles_unscaling(optimizer):
-            self.loss_scaler.unscale_(optimizer)
+        self.loss_scaler.unscale_(optimizer)
         self._unscaled.add(id(optimizer))
 
     def _connect(self, optimizer: Optimizer) -> None:

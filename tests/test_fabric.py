@@ -114,15 +114,51 @@ def test_clip_gradients_sees_true_gradients() -> None:
     assert plugin.stats.skipped_steps == 0
 
 
-def test_clipping_a_fused_optimizer_raises_a_clear_error() -> None:
-    """Fused optimizers unscale inside their step, so clipping their scaled gradients is refused with a reason."""
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed")])
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+@pytest.mark.parametrize("clip", [{"max_norm": 0.1}, {"clip_val": 0.01}])
+def test_clipping_a_fused_optimizer_matches_the_foreach_one(precision: str, clip: dict[str, float]) -> None:
+    """fabric.clip_gradients works with fused SGD: unscaled once, clipped, then stepped like foreach SGD."""
+    runs = {}
+    for kind in ("fused", "foreach"):
+        plugin = MixedPrecision(precision, init_scale=2.0**12) if precision == "16-mixed" else MixedPrecision(precision)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        module = make_model()
+        sgd = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9, **{kind: True})
+        model, optimizer = fabric.setup(module, sgd)
+        norms = []
+        for seed in range(3):
+            x, y = batch(seed)
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            norms.append(fabric.clip_gradients(model, optimizer, **clip))
+            optimizer.step()
+            optimizer.zero_grad()
+        assert plugin.stats.skipped_steps == 0
+        runs[kind] = ([p.detach().clone() for p in model.parameters()], norms)
+    for fused, foreach in zip(runs["fused"][0], runs["foreach"][0], strict=True):
+        torch.testing.assert_close(fused, foreach)
+    for fused_norm, foreach_norm in zip(runs["fused"][1], runs["foreach"][1], strict=True):
+        torch.testing.assert_close(fused_norm, foreach_norm)
+    untouched = make_model()
+    assert not torch.equal(runs["fused"][0][0], next(untouched.parameters()))
+
+
+def test_clipping_a_fused_optimizer_on_an_overflow_skips_the_step() -> None:
+    """With fused Adam an inf gradient found at clipping time clips nothing, and the step leaves the weights."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**10)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     module = make_model()
-    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), fused=True))
-    x, y = batch(0)
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-2, fused=True))
+    train_step(fabric, model, optimizer, seed=0)
+    weights = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(1)
     fabric.backward(nn.functional.mse_loss(model(x), y))
-    with pytest.raises(RuntimeError, match="fused=False"):
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert float(norm) == 0.0
+    assert all(torch.equal(before, after) for before, after in zip(weights, model.parameters(), strict=True))
+    assert (plugin.stats.skipped_steps, plugin.stats.loss_scale) == (1, 2.0**9)
 
 
 def test_lbfgs_with_a_scaled_loss_raises_type_error() -> None:
