@@ -51,6 +51,7 @@ Private torch and Lightning names used:
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -102,13 +103,18 @@ class FabricSteps:
     def __init__(self, loss_scaler: LossScaler, policy: PrecisionPolicy, module: nn.Module) -> None:
         self.loss_scaler = loss_scaler
         self.policy = policy
-        self.modules = [module]
+        self.modules: list[nn.Module] = []
         self.update_pending = False
+        self.weights_loaded = False
+        """A model's weights were loaded (``fabric.load``) since the last backward."""
+        self.scaler_state_loaded = False
+        """The plugin's own state was loaded since the last backward."""
         self._connected: list[weakref.ReferenceType[Optimizer]] = []
         """The optimizers the opt level has connected, in the order it first saw them."""
         self._unscaled: set[int] = set()
         self._stepped_since_update: set[int] = set()
         self._ran: set[int] = set()
+        self.add_module(module)
 
     def settle(self) -> None:
         """Apply the pending scale update, if a step happened since the last one."""
@@ -122,6 +128,22 @@ class FabricSteps:
         """Drive another model set up by the same Fabric (each optimizer is connected with the model it steps)."""
         if all(known is not module for known in self.modules):
             self.modules.append(module)
+            module.register_load_state_dict_post_hook(self._record_weights_loaded)
+
+    def _record_weights_loaded(self, module: nn.Module, incompatible_keys: Any) -> None:
+        self.weights_loaded = True
+
+    def _warn_if_resumed_without_scaler_state(self) -> None:
+        """Warn once when weights were loaded but the plugin's state was not: the scale restarts from init_scale."""
+        if self.weights_loaded and not self.scaler_state_loaded and self.loss_scaler.scales_loss:
+            warnings.warn(
+                "lightning_mp: fabric.load restored the model but not the plugin's state, so the loss scale starts"
+                f" again from init_scale={self.loss_scaler.get_scale():g}. To resume the scale, save and load the"
+                ' plugin in the state too: {"model": model, "optimizer": optimizer, "precision": plugin}.',
+                UserWarning,
+                stacklevel=4,
+            )
+        self.weights_loaded = self.scaler_state_loaded = False
 
     def _module_of(self, optimizer: Optimizer) -> nn.Module:
         stepped = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
@@ -130,6 +152,7 @@ class FabricSteps:
 
     def backward(self, tensor: Tensor, *args: Any, **kwargs: Any) -> None:
         """Settle the previous iteration's scale, then back-propagate the scaled loss."""
+        self._warn_if_resumed_without_scaler_state()
         self.settle()
         self.loss_scaler.scale(tensor).backward(*args, **kwargs)
 

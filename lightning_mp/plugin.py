@@ -735,6 +735,8 @@ class MixedPrecision(LightningMixedPrecision):
         else:
             self._loss_scaler.load_state_dict(scaler_state)
         self._policy.load_state_dict(state_dict.get("policy", {}))
+        if self._fabric is not None:
+            self._fabric.scaler_state_loaded = True
 
     def _warn_missing_scaler_state(self) -> None:
         if self.scaler is not None:
