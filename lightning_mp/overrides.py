@@ -162,11 +162,14 @@ class Fp32Overrides:
 
     """
 
-    def __init__(self, patterns: Sequence[KeepFp32Pattern] = ()) -> None:
+    def __init__(self, patterns: Sequence[KeepFp32Pattern] | None = ()) -> None:
+        if patterns is None:  # a config's ``keep_fp32: null``: nothing is kept in fp32
+            patterns = ()
         if isinstance(patterns, (str, type)) or not isinstance(patterns, Iterable):
+            example = f"[{patterns!r}]" if isinstance(patterns, (str, type)) else "[nn.LayerNorm, 'head', 're:.*norm']"
             raise ValueError(
                 f"keep_fp32={patterns!r} is not allowed: keep_fp32 must be a list of module types, qualified names"
-                f" or 're:' patterns, for example keep_fp32=[{patterns!r}]."
+                f" or 're:' patterns, for example keep_fp32={example}."
             )
         self.patterns: list[KeepFp32Pattern] = list(patterns)
         self._regexes: dict[str, re.Pattern[str]] = {}

@@ -73,7 +73,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_mp._compile import backward_outside_autocast
+from lightning_mp._compile import autocast_by_flags, backward_outside_autocast
 from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device
 from lightning_mp._hardware import choose_precision, device_has_native_bf16
 from lightning_mp._scale_rules import COLLAPSE_FLOOR, FLOAT32_MAX
@@ -177,7 +177,8 @@ class MixedPrecision(LightningMixedPrecision):
         loss_scale: ``"dynamic"``, or a positive float for a static scale (fp16 only).
         skip_scheduler_on_overflow: keep ``interval="step"`` schedulers from advancing on skipped steps.
         keep_fp32: modules that run in fp32 (autocast off, inputs cast to fp32, weights fp32 in O2 and O3): module
-            types, qualified names, or regular expressions prefixed with ``re:`` (:mod:`lightning_mp.overrides`).
+            types, qualified names, or regular expressions prefixed with ``re:`` (:mod:`lightning_mp.overrides`);
+            None or empty keeps none.
         max_consecutive_skips: stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
             steps in a row, in every precision; None never stops.
 
@@ -213,7 +214,7 @@ class MixedPrecision(LightningMixedPrecision):
         on_min_scale: Literal["raise", "warn"] = "raise",
         loss_scale: float | Literal["dynamic"] = "dynamic",
         skip_scheduler_on_overflow: bool = True,
-        keep_fp32: Sequence[type | str] = (),
+        keep_fp32: Sequence[type | str] | None = (),
         max_consecutive_skips: int | None = 100,
     ) -> None:
         owner = type(self).__name__
@@ -511,6 +512,11 @@ class MixedPrecision(LightningMixedPrecision):
                 yield
                 return
             assert self.device is not None
+            if torch.compiler.is_compiling():
+                # Traced inside a compiled model (torch.compile after fabric.setup): lightning_mp._compile.
+                with autocast_by_flags(self.device, self.half_dtype):
+                    yield
+                return
             # Compiled regions differentiate outside autocast, as eager autograd does (lightning_mp._compile).
             with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False), backward_outside_autocast():
                 yield

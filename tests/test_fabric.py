@@ -162,6 +162,16 @@ def test_clipping_a_fused_optimizer_on_an_overflow_skips_the_step() -> None:
     assert (plugin.stats.skipped_steps, plugin.stats.loss_scale) == (1, 2.0**9)
 
 
+def test_keep_fp32_none_keeps_nothing_and_a_bad_value_names_a_valid_example() -> None:
+    """keep_fp32=None (a config's null) means no fp32 region; keep_fp32=5 is refused with a usable example."""
+    plugin = MixedPrecision("16-mixed", keep_fp32=None)
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0)
+    assert plugin.keep_fp32 == [] and plugin.stats.optimizer_steps == 1
+    with pytest.raises(ValueError, match=r"keep_fp32=5 is not allowed.*for example keep_fp32=\[nn.LayerNorm"):
+        MixedPrecision("16-mixed", keep_fp32=5)  # type: ignore[arg-type]
+
+
 def test_lbfgs_with_a_scaled_loss_raises_type_error() -> None:
     """LBFGS re-evaluates its closure, so its fp16 steps cannot be checked: a TypeError says what to use instead."""
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed")])
