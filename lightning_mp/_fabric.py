@@ -23,8 +23,9 @@ Fabric saves only what the user puts in the state, so the plugin goes there besi
 3. ``unscale_gradients`` (Fabric calls it before clipping) and ``optimizer_step`` unscale the gradients once per
    step, with the fused inf/NaN check; clipping therefore sees true gradients. Fused optimizers too: their step is
    then handed the inf flag and no ``grad_scale``, so it does not unscale a second time. On a step that will be
-   skipped there is nothing to clip: ``main_params`` then gives no parameter, so ``fabric.clip_gradients`` returns
-   a zero norm instead of raising on the non-finite one.
+   skipped there is nothing to clip: ``main_params`` then gives a stand-in with a zero gradient instead of the
+   parameters, so ``fabric.clip_gradients`` returns a zero norm (instead of raising on the non-finite one) and
+   clipping by value has something to clip.
 4. The step is skipped when a gradient is not finite (under DDP when one on any rank is not); the opt level then
    hears of it (O2 names weights beyond fp16's range).
 
@@ -56,6 +57,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
@@ -114,6 +116,7 @@ class FabricSteps:
         self._unscaled: set[int] = set()
         self._stepped_since_update: set[int] = set()
         self._ran: set[int] = set()
+        self._stand_ins: dict[str, Tensor] = {}
         self.add_module(module)
 
     def settle(self) -> None:
@@ -171,9 +174,19 @@ class FabricSteps:
             with the device (the step reads the same flag anyway). Clipping a step that is skipped is pointless,
             and with ``error_if_nonfinite=True`` (Fabric's default) it would raise.
         """
-        if id(optimizer) in self._unscaled and self._found_inf(optimizer):
-            return []  # a list: torch warns about an empty generator, and nothing is wrong here
-        return [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        if parameters and id(optimizer) in self._unscaled and self._found_inf(optimizer):
+            # Not an empty list: torch's clip_grad_value_ fails on one (clip_grad_norm_ would return 0 for it too).
+            return [self._stand_in(parameters[0].device)]
+        return parameters
+
+    def _stand_in(self, device: torch.device) -> Tensor:
+        """A tensor with a zero gradient, clipped in place of the parameters of a step that will be skipped."""
+        stand_in = self._stand_ins.get(str(device))
+        if stand_in is None:
+            stand_in = self._stand_ins[str(device)] = torch.zeros(1, device=device)
+            stand_in.grad = torch.zeros(1, device=device)
+        return stand_in
 
     def _found_inf(self, optimizer: Optimizer) -> bool:
         flags = self.loss_scaler._found_inf_per_device(optimizer)

@@ -451,6 +451,26 @@ def test_clipping_an_overflowing_step_clips_nothing_and_the_step_is_skipped() ->
     assert plugin.stats.skipped_steps == 1
 
 
+@pytest.mark.parametrize(
+    ("precision", "opt_level"), [("16-mixed", "O1"), ("16-mixed", "O2"), ("bf16-mixed", "O1"), ("bf16-mixed", "lean")]
+)
+def test_clipping_by_value_on_an_overflowing_step_skips_it(precision: str, opt_level: str) -> None:
+    """fabric.clip_gradients(clip_val=...) on a step with an inf gradient does not raise, and the step is skipped."""
+    plugin = MixedPrecision(precision, opt_level=opt_level)
+    fabric, model, optimizer = setup(plugin, optimizer="adam")
+    weights = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(0)
+    fabric.backward(nn.functional.mse_loss(model(x).float(), y))
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    fabric.clip_gradients(model, optimizer, clip_val=0.01)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(torch.equal(b, a) for b, a in zip(weights, model.parameters(), strict=True))
+    assert plugin.stats.skipped_steps == 1
+    train_step(fabric, model, optimizer, seed=1)
+    assert not torch.equal(weights[0], next(model.parameters()))
+
+
 def test_the_plugin_pickles_and_deep_copies_mid_run() -> None:
     """After a Fabric step the plugin still pickles and deep-copies, with the step's outcome in the copy."""
     plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
