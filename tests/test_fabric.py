@@ -360,11 +360,15 @@ def test_example_script_trains_skips_and_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_fabric_ddp_ranks_agree_on_skips(tmp_path: Path) -> None:
-    """Fabric's DDP strategy on 2 CPU processes: an overflow on rank 1 only is skipped by both ranks alike."""
+@pytest.mark.parametrize(
+    "optimizer_and_clip", [["--optimizer", "sgd"], ["--optimizer", "fused-adam", "--clip", "value"]]
+)
+def test_fabric_ddp_ranks_agree_on_skips(tmp_path: Path, optimizer_and_clip: list[str]) -> None:
+    """Fabric DDP on 2 CPU processes, clipped SGD or fused Adam: an overflow on rank 1 only is skipped by both ranks."""
     script = Path(__file__).with_name("ddp_scripts") / "fabric_train.py"
+    arguments = ["--out", str(tmp_path), "--inject-rank", "1", "--inject-at", "2,5", *optimizer_and_clip]
     process = subprocess.Popen(
-        [sys.executable, str(script), "--out", str(tmp_path), "--inject-rank", "1", "--inject-at", "2,5"],
+        [sys.executable, str(script), *arguments],
         env=clean_environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
