@@ -201,12 +201,14 @@ class FabricSteps:
         """
         if isinstance(optimizer, LBFGS):
             return self._unchecked_step(optimizer, closure, **kwargs)
-        if closure is not None:
-            # A closure runs forward and fabric.backward; the scaler must see the gradients before the step.
-            closure()
+        # A closure runs forward and fabric.backward; the scaler must see the gradients before the step. Its loss
+        # is what step(closure) returns, as with torch's optimizers.
+        closure_loss = closure() if closure is not None else None
         self._unscale(optimizer)
         self._ran.discard(id(optimizer))
         output = self.loss_scaler.step(optimizer, **kwargs)
+        if closure is not None:
+            output = closure_loss
         skipped = id(optimizer) not in self._ran
         self._unscaled.discard(id(optimizer))
         self._stepped_since_update.add(id(optimizer))

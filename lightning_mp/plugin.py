@@ -252,6 +252,12 @@ class MixedPrecision(LightningMixedPrecision):
                     " scaled (bf16 has fp32's exponent range). Use loss_scale='dynamic' (the default) here, or"
                     " precision='16-mixed' for a static fp16 scale."
                 )
+        if opt_level.startswith("lean") and precision in ("16-mixed", "32-true"):
+            raise ValueError(
+                f"{owner}(precision={precision!r}, opt_level={opt_level!r}) is not allowed: {opt_level} keeps"
+                " weights and optimizer states in bf16. Use precision='bf16-mixed' (or 'auto'), or opt_level='O2'"
+                " for fp16."
+            )
         if precision == "32-true" and opt_level not in ("O0", "O1"):
             raise ValueError(
                 f"{owner}(precision='32-true', opt_level={opt_level!r}) is not allowed: {opt_level} casts to a half"

@@ -172,6 +172,25 @@ def test_keep_fp32_none_keeps_nothing_and_a_bad_value_names_a_valid_example() ->
         MixedPrecision("16-mixed", keep_fp32=5)  # type: ignore[arg-type]
 
 
+def test_a_step_with_a_closure_returns_its_loss() -> None:
+    """optimizer.step(closure) under Fabric runs the closure, steps, and returns the closure's loss, as torch does."""
+    plugin = MixedPrecision("16-mixed")
+    fabric, model, optimizer = setup(plugin)
+    x, y = batch(0)
+    losses = []
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        losses.append(loss.detach())
+        return loss
+
+    returned = [optimizer.step(closure) for _ in range(3)]
+    assert [float(loss) for loss in returned] == [float(loss) for loss in losses]
+    assert float(losses[-1]) < float(losses[0]) and plugin.stats.optimizer_steps == 3
+
+
 def test_lbfgs_with_a_scaled_loss_raises_type_error() -> None:
     """LBFGS re-evaluates its closure, so its fp16 steps cannot be checked: a TypeError says what to use instead."""
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed")])
