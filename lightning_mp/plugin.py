@@ -682,14 +682,15 @@ class MixedPrecision(LightningMixedPrecision):
         """Clip true gradients: unscale first where that has not happened yet in this optimizer step.
 
         A fused optimizer's step then sees the gradients already unscaled and does not unscale them again. In bf16
-        and fp32 nothing is scaled, so the gradients are clipped as they are (the step still checks them).
+        and fp32 nothing is scaled, so the gradients are only checked for inf/NaN before they are clipped.
         """
         wrapper, optimizer = optimizer, _raw_optimizer(optimizer)
         if isinstance(wrapper, LightningOptimizer) and self._loss_scaler is not None:
             _adopt_wrapper_unscale(self._loss_scaler, [wrapper], optimizer)
         if clip_val > 0 and self._loss_scaler is not None:
-            # In bf16 and fp32 nothing is scaled: the gradients only need to reach the optimizer's parameters (O2).
-            self._prepare_gradients(optimizer, unscale=self._loss_scaler.scales_loss)
+            # Checked before clipping in every precision (bf16 and fp32 only read them): clipping by value would turn
+            # an inf into a finite gradient, and a fused optimizer, checked at its step, would take the step.
+            self._prepare_gradients(optimizer, unscale=True)
         Precision.clip_gradients(
             self, optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm
         )

@@ -477,10 +477,13 @@ def test_clipping_an_overflowing_step_clips_nothing_and_the_step_is_skipped() ->
 @pytest.mark.parametrize(
     ("precision", "opt_level"), [("16-mixed", "O1"), ("16-mixed", "O2"), ("bf16-mixed", "O1"), ("bf16-mixed", "lean")]
 )
-def test_clipping_by_value_on_an_overflowing_step_skips_it(precision: str, opt_level: str) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_clipping_by_value_on_an_overflowing_step_skips_it(precision: str, opt_level: str, fused: bool) -> None:
     """fabric.clip_gradients(clip_val=...) on a step with an inf gradient does not raise, and the step is skipped."""
     plugin = MixedPrecision(precision, opt_level=opt_level)
-    fabric, model, optimizer = setup(plugin, optimizer="adam")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = make_model()
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-2, fused=fused))
     weights = [p.detach().clone() for p in model.parameters()]
     x, y = batch(0)
     fabric.backward(nn.functional.mse_loss(model(x).float(), y))

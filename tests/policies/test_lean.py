@@ -171,6 +171,26 @@ def test_a_skipped_step_changes_no_weight_and_no_state() -> None:
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
 
 
+@pytest.mark.parametrize("algorithm", ["value", "norm"])
+def test_an_inf_gradient_clipped_for_a_fused_optimizer_still_skips_the_step(algorithm: str) -> None:
+    """Lean with fused AdamW and gradient clipping: an injected inf is caught before clipping, and the step skipped."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean")
+    model = LeanNet("adamw-fused", inject_at=(2,))
+    weights: dict[int, Tensor] = {}
+
+    class RecordWeights(Callback):
+        def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+            weights[trainer.global_step] = model.body[0].weight.detach().clone()
+
+    trainer = make_trainer(
+        plugin, max_steps=4, gradient_clip_val=0.01, gradient_clip_algorithm=algorithm, callbacks=[RecordWeights()]
+    )
+    trainer.fit(model, classification_loader())
+    assert plugin.stats.skipped_steps == 1
+    assert torch.equal(weights[2], weights[3])  # global_step counts the skipped step too
+    assert torch.isfinite(model.body[0].weight).all() and not torch.equal(weights[1], weights[2])
+
+
 def test_persistent_bytes_per_parameter_are_8_and_10_with_kahan() -> None:
     """Weight, gradient and AdamW moments take 8 bytes per parameter; Kahan compensation adds 2."""
     for opt_level, expected in (("lean", 8), ("lean-kahan", 10)):
