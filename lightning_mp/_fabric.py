@@ -28,6 +28,9 @@ Fabric saves only what the user puts in the state, so the plugin goes there besi
    clipping by value has something to clip.
 4. The step is skipped when a gradient is not finite (under DDP when one on any rank is not); the opt level then
    hears of it (O2 names weights beyond fp16's range).
+5. BatchNorm's running statistics are copied at the first forward after a model's step, and put back after a
+   skipped step, with a device-side select on the inf flag (no host synchronisation, fused optimizers included).
+   A model compiled after ``fabric.setup`` traces the forward context, so it gets no such copy.
 
 When the scale moves. Fabric has no end-of-iteration hook, and an iteration may step several optimizers on
 gradients produced by one backward. Updating the scale right after the first of those steps would unscale the
@@ -117,6 +120,10 @@ class FabricSteps:
         self._stepped_since_update: set[int] = set()
         self._ran: set[int] = set()
         self._stand_ins: dict[str, Tensor] = {}
+        self._normalization_layers: dict[int, list[nn.Module]] = {}
+        """Per model (by id), its layers with running statistics."""
+        self._saved_running_stats: dict[int, list[Tensor]] = {}
+        """Per layer (by id), its running statistics as they were before the first forward since its last step."""
         self.add_module(module)
 
     def settle(self) -> None:
@@ -132,6 +139,32 @@ class FabricSteps:
         if all(known is not module for known in self.modules):
             self.modules.append(module)
             module.register_load_state_dict_post_hook(self._record_weights_loaded)
+            self._normalization_layers[id(module)] = [
+                layer
+                for layer in module.modules()
+                if getattr(layer, "track_running_stats", False) and getattr(layer, "running_mean", None) is not None
+            ]
+
+    def save_running_stats(self) -> None:
+        """Copy the running statistics not yet saved since their model's last step (called on every forward)."""
+        for layers in self._normalization_layers.values():
+            for layer in layers:
+                if id(layer) not in self._saved_running_stats:
+                    self._saved_running_stats[id(layer)] = [buffer.detach().clone() for buffer in _running_stats(layer)]
+
+    def _settle_running_stats(self, optimizer: Optimizer) -> None:
+        """After a step: put back the stepped model's running statistics if the step was skipped, on the device."""
+        flags = list(self.loss_scaler._found_inf_per_device(optimizer).values())
+        skipped = None
+        if flags:
+            skipped = (flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()) > 0
+        with torch.no_grad():
+            for layer in self._normalization_layers.get(id(self._module_of(optimizer)), []):
+                saved = self._saved_running_stats.pop(id(layer), None)
+                if saved is None or skipped is None:
+                    continue
+                for buffer, before in zip(_running_stats(layer), saved, strict=True):
+                    buffer.copy_(torch.where(skipped.to(buffer.device), before, buffer))
 
     def _record_weights_loaded(self, module: nn.Module, incompatible_keys: Any) -> None:
         self.weights_loaded = True
@@ -210,6 +243,7 @@ class FabricSteps:
         if closure is not None:
             output = closure_loss
         skipped = id(optimizer) not in self._ran
+        self._settle_running_stats(optimizer)
         self._unscaled.discard(id(optimizer))
         self._stepped_since_update.add(id(optimizer))
         self.update_pending = True
@@ -249,3 +283,8 @@ class FabricSteps:
 
     def _record_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._ran.add(id(optimizer))
+
+
+def _running_stats(layer: nn.Module) -> list[Tensor]:
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    return [buffer for buffer in (getattr(layer, name, None) for name in names) if buffer is not None]

@@ -513,6 +513,8 @@ class MixedPrecision(LightningMixedPrecision):
         if policy is None:
             yield
             return
+        if self._fabric is not None and not torch.compiler.is_compiling():
+            self._fabric.save_running_stats()  # a skipped step puts them back (lightning_mp._fabric)
         with policy.forward_context():
             if not policy.uses_autocast or self.half_dtype is None:
                 yield

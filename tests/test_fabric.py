@@ -497,6 +497,34 @@ def test_clipping_by_value_on_an_overflowing_step_skips_it(precision: str, opt_l
     assert not torch.equal(weights[0], next(model.parameters()))
 
 
+@pytest.mark.parametrize(("precision", "fused"), [("16-mixed", False), ("16-mixed", True), ("bf16-mixed", True)])
+def test_a_skipped_step_leaves_batchnorm_running_statistics_as_they_were(precision: str, fused: bool) -> None:
+    """A step skipped for a NaN input puts BatchNorm's running statistics back; a clean step keeps its update."""
+    plugin = MixedPrecision(precision)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-2, fused=fused))
+    norm = module[1]
+
+    def step(x: torch.Tensor) -> None:
+        fabric.backward(model(x).float().pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(batch(0)[0])
+    before = [norm.running_mean.clone(), norm.running_var.clone(), norm.num_batches_tracked.clone()]
+    poisoned = batch(1)[0]
+    poisoned[0, 0] = float("nan")
+    step(poisoned)
+    assert plugin.stats.skipped_steps == 1
+    for saved, buffer in zip(before, [norm.running_mean, norm.running_var, norm.num_batches_tracked], strict=True):
+        assert torch.equal(saved, buffer)
+    step(batch(2)[0])
+    assert plugin.stats.skipped_steps == 1 and int(norm.num_batches_tracked) == 2
+    assert not torch.equal(before[0], norm.running_mean) and torch.isfinite(norm.running_mean).all()
+
+
 def test_the_plugin_pickles_and_deep_copies_mid_run() -> None:
     """After a Fabric step the plugin still pickles and deep-copies, with the step's outcome in the copy."""
     plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
