@@ -110,10 +110,8 @@ class FabricSteps:
         self.policy = policy
         self.modules: list[nn.Module] = []
         self.update_pending = False
-        self.weights_loaded = False
-        """A model's weights were loaded (``fabric.load``) since the last backward."""
         self.scaler_state_loaded = False
-        """The plugin's own state was loaded since the last backward."""
+        """The plugin's own state was loaded (``fabric.load`` with the plugin in the state)."""
         self._connected: list[weakref.ReferenceType[Optimizer]] = []
         """The optimizers the opt level has connected, in the order it first saw them."""
         self._unscaled: set[int] = set()
@@ -138,7 +136,6 @@ class FabricSteps:
         """Drive another model set up by the same Fabric (each optimizer is connected with the model it steps)."""
         if all(known is not module for known in self.modules):
             self.modules.append(module)
-            module.register_load_state_dict_post_hook(self._record_weights_loaded)
             self._normalization_layers[id(module)] = [
                 layer
                 for layer in module.modules()
@@ -166,20 +163,21 @@ class FabricSteps:
                 for buffer, before in zip(_running_stats(layer), saved, strict=True):
                     buffer.copy_(torch.where(skipped.to(buffer.device), before, buffer))
 
-    def _record_weights_loaded(self, module: nn.Module, incompatible_keys: Any) -> None:
-        self.weights_loaded = True
+    def _warn_if_resumed_without_scaler_state(self, optimizer: Optimizer) -> None:
+        """Warn when an optimizer arrives with a loaded state but the plugin's state was not loaded.
 
-    def _warn_if_resumed_without_scaler_state(self) -> None:
-        """Warn once when weights were loaded but the plugin's state was not: the scale restarts from init_scale."""
-        if self.weights_loaded and not self.scaler_state_loaded and self.loss_scaler.scales_loss:
+        That is a resume (``fabric.load`` of the model and the optimizer) that left the plugin out of the state: the
+        fp16 scale then starts again from ``init_scale``. Fine-tuning from weights alone has no optimizer state.
+        """
+        resumed = optimizer.state and not self.scaler_state_loaded and self.loss_scaler.optimizer_steps == 0
+        if resumed and self.loss_scaler.scales_loss:
             warnings.warn(
-                "lightning_mp: fabric.load restored the model but not the plugin's state, so the loss scale starts"
-                f" again from init_scale={self.loss_scaler.get_scale():g}. To resume the scale, save and load the"
-                ' plugin in the state too: {"model": model, "optimizer": optimizer, "precision": plugin}.',
+                "lightning_mp: fabric.load restored the optimizer but not the plugin's state, so the loss scale"
+                f" starts again from init_scale={self.loss_scaler.get_scale():g}. To resume the scale, save and"
+                ' load the plugin in the state too: {"model": model, "optimizer": optimizer, "precision": plugin}.',
                 UserWarning,
-                stacklevel=4,
+                stacklevel=2,
             )
-        self.weights_loaded = self.scaler_state_loaded = False
 
     def _module_of(self, optimizer: Optimizer) -> nn.Module:
         stepped = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
@@ -188,7 +186,6 @@ class FabricSteps:
 
     def backward(self, tensor: Tensor, *args: Any, **kwargs: Any) -> None:
         """Settle the previous iteration's scale, then back-propagate the scaled loss."""
-        self._warn_if_resumed_without_scaler_state()
         self.settle()
         self.loss_scaler.scale(tensor).backward(*args, **kwargs)
 
@@ -275,6 +272,7 @@ class FabricSteps:
     def _connect(self, optimizer: Optimizer) -> None:
         if any(reference() is optimizer for reference in self._connected):
             return
+        self._warn_if_resumed_without_scaler_state(optimizer)
         module = self._module_of(optimizer)
         self.policy.connect(module, [optimizer])
         self.loss_scaler.param_names.update(self.policy.parameter_names(module))

@@ -265,26 +265,31 @@ def test_save_and_load_resume_at_the_same_scale(tmp_path: Path, opt_level: str) 
         assert expected.dtype == torch.float32 and torch.equal(expected, actual)
 
 
-def test_loading_weights_without_the_plugin_state_warns_that_the_scale_restarts(tmp_path: Path) -> None:
-    """fabric.load of model and optimizer without the plugin warns at the next backward; with the plugin it does not."""
+@pytest.mark.parametrize(
+    ("state_keys", "warns"),
+    [(("model", "optimizer"), True), (("model",), False), (("precision", "model", "optimizer"), False)],
+)
+def test_resuming_without_the_plugin_state_warns_that_the_scale_restarts(
+    tmp_path: Path, state_keys: tuple[str, ...], warns: bool
+) -> None:
+    """fabric.load of model and optimizer without the plugin warns; with it, or loading weights only, it does not."""
     path = tmp_path / "checkpoint.pt"
     plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
-    fabric, model, optimizer = setup(plugin)
+    fabric, model, optimizer = setup(plugin, optimizer="adam")
     for step in range(3):
         train_step(fabric, model, optimizer, seed=step)
     fabric.save(path, {"model": model, "optimizer": optimizer, "precision": plugin})
-    for state_keys, warns in ((("model", "optimizer"), True), (("precision", "model", "optimizer"), False)):
-        resumed = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
-        fabric, model, optimizer = setup(resumed)
-        objects = {"model": model, "optimizer": optimizer, "precision": resumed}
-        fabric.load(path, {key: objects[key] for key in state_keys}, strict=False)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            train_step(fabric, model, optimizer, seed=3)
-            train_step(fabric, model, optimizer, seed=4)
-        restarts = [w for w in caught if "starts again from init_scale=256" in str(w.message)]
-        assert len(restarts) == (1 if warns else 0), state_keys
-        assert resumed.stats.loss_scale == (2.0**10 if warns else 2.0**13)
+    resumed = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
+    fabric, model, optimizer = setup(resumed, optimizer="adam")
+    objects = {"model": model, "optimizer": optimizer, "precision": resumed}
+    fabric.load(path, {key: objects[key] for key in state_keys}, strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_step(fabric, model, optimizer, seed=3)
+        train_step(fabric, model, optimizer, seed=4)
+    restarts = [w for w in caught if "starts again from init_scale=256" in str(w.message)]
+    assert len(restarts) == (1 if warns else 0)
+    assert resumed.stats.loss_scale == (2.0**13 if "precision" in state_keys else 2.0**10)
 
 
 def test_one_scale_update_per_iteration_with_two_optimizers() -> None:
