@@ -191,6 +191,48 @@ def test_an_inf_gradient_clipped_for_a_fused_optimizer_still_skips_the_step(algo
     assert torch.isfinite(model.body[0].weight).all() and not torch.equal(weights[1], weights[2])
 
 
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "sgd-fused", "adam"])
+def test_a_skipped_fabric_step_changes_no_weight_state_or_rounding_generator(optimizer: str) -> None:
+    """Lean under Fabric, clipped: an inf gradient skips the step; weights, states and the rounding RNG stay put."""
+    from lightning.fabric import Fabric
+
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean-kahan")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = LeanNet()
+    make = {
+        "adamw-fused": lambda: torch.optim.AdamW(module.parameters(), lr=3e-2, fused=True),
+        "sgd-fused": lambda: torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9, fused=True),
+        "adam": lambda: torch.optim.Adam(module.parameters(), lr=3e-2),
+    }
+    model, fabric_optimizer = fabric.setup(module, make[optimizer]())
+    batches = list(classification_loader())
+
+    def step(index: int, inject: bool = False) -> None:
+        features, target = batches[index]
+        fabric.backward(F.cross_entropy(model(features).float(), target))
+        if inject:
+            module.body[0].weight.grad[0, 0] = float("inf")
+        fabric.clip_gradients(model, fabric_optimizer, max_norm=1.0)
+        fabric_optimizer.step()
+        fabric_optimizer.zero_grad()
+
+    step(0)
+    before = copy.deepcopy(fabric_optimizer.state_dict())
+    weights = [parameter.detach().clone() for parameter in module.parameters()]
+    step(1, inject=True)
+    after = fabric_optimizer.state_dict()
+    assert plugin.stats.skipped_steps == 1
+    assert all(torch.equal(w, p) for w, p in zip(weights, module.parameters(), strict=True))
+    assert torch.equal(before[STATE_KEY]["generators"]["cpu"], after[STATE_KEY]["generators"]["cpu"])
+    for index, state in before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, after["state"][index][key]), key
+    step(2)
+    assert not torch.equal(weights[0], module.body[0].weight)
+    drawn = fabric_optimizer.state_dict()[STATE_KEY]["generators"]["cpu"]
+    assert not torch.equal(after[STATE_KEY]["generators"]["cpu"], drawn)  # a clean step draws random numbers
+
+
 def test_persistent_bytes_per_parameter_are_8_and_10_with_kahan() -> None:
     """Weight, gradient and AdamW moments take 8 bytes per parameter; Kahan compensation adds 2."""
     for opt_level, expected in (("lean", 8), ("lean-kahan", 10)):
