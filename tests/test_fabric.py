@@ -385,10 +385,15 @@ def test_example_script_trains_skips_and_resumes(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "optimizer_and_clip", [["--optimizer", "sgd"], ["--optimizer", "fused-adam", "--clip", "value"]]
+    "optimizer_and_clip",
+    [
+        ["--optimizer", "sgd"],
+        ["--optimizer", "fused-adam", "--clip", "value"],
+        ["--optimizer", "fused-adam", "--clip", "value", "--precision", "bf16-mixed", "--opt-level", "lean"],
+    ],
 )
 def test_fabric_ddp_ranks_agree_on_skips(tmp_path: Path, optimizer_and_clip: list[str]) -> None:
-    """Fabric DDP on 2 CPU processes, clipped SGD or fused Adam: an overflow on rank 1 only is skipped by both ranks."""
+    """Fabric DDP on 2 CPU processes, clipped SGD or fused Adam (fp16, lean): an inf on rank 1 only skips both ranks."""
     script = Path(__file__).with_name("ddp_scripts") / "fabric_train.py"
     arguments = ["--out", str(tmp_path), "--inject-rank", "1", "--inject-at", "2,5", *optimizer_and_clip]
     process = subprocess.Popen(
