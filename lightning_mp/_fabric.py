@@ -27,7 +27,8 @@ Fabric saves only what the user puts in the state, so the plugin goes there besi
    parameters, so ``fabric.clip_gradients`` returns a zero norm (instead of raising on the non-finite one) and
    clipping by value has something to clip.
 4. The step is skipped when a gradient is not finite (under DDP when one on any rank is not); the opt level then
-   hears of it (O2 names weights beyond fp16's range).
+   hears of it (O2 names weights beyond fp16's range). A fused optimizer skips inside its kernel, unseen by the
+   host: the opt level hears of that skip at the next ``fabric.backward``, after the scale update.
 5. BatchNorm's running statistics are copied at the first forward after a model's step, and put back after a
    skipped step, with a device-side select on the inf flag (no host synchronisation, fused optimizers included).
    A model compiled after ``fabric.setup`` traces the forward context, so it gets no such copy.
@@ -49,6 +50,8 @@ Private torch and Lightning names used:
 
 - ``torch.amp.GradScaler._found_inf_per_device``: the inf/NaN flags of an optimizer's unscaled gradients, which
   torch's GradScaler keeps for its own ``step``; read at clipping time only (see :meth:`FabricSteps.main_params`).
+- ``Optimizer._step_supports_amp_scaling`` (read with ``getattr``, as the scaler does): a fused optimizer that skips
+  a non-finite step inside its kernel, so the opt level hears of that skip at the scale update.
 - ``LightningModule._trainer`` (read with ``getattr``): whether the Trainer or Fabric drives a hook. The public
   ``trainer`` property raises, or under Fabric returns a stand-in, when no Trainer is attached.
 """
@@ -118,6 +121,10 @@ class FabricSteps:
         self._stepped_since_update: set[int] = set()
         self._ran: set[int] = set()
         self._stand_ins: dict[str, Tensor] = {}
+        self._stepped_on_device: list[Optimizer] = []
+        """Fused optimizers stepped since the last update: they skip inside their kernel, unseen by the host."""
+        self._skipped_on_device: list[Optimizer] = []
+        """Fused optimizers whose skipped step the opt level has not heard of yet."""
         self._normalization_layers: dict[int, list[nn.Module]] = {}
         """Per model (by id), its layers with running statistics."""
         self._saved_running_stats: dict[int, list[Tensor]] = {}
@@ -131,6 +138,9 @@ class FabricSteps:
         self.update_pending = False
         self._stepped_since_update.clear()
         self.loss_scaler.update()
+        if self.loss_scaler.last_step_skipped:
+            self._skipped_on_device.extend(self._stepped_on_device)
+        self._stepped_on_device.clear()
 
     def add_module(self, module: nn.Module) -> None:
         """Drive another model set up by the same Fabric (each optimizer is connected with the model it steps)."""
@@ -185,8 +195,16 @@ class FabricSteps:
         return owners[0] if owners else self.modules[-1]
 
     def backward(self, tensor: Tensor, *args: Any, **kwargs: Any) -> None:
-        """Settle the previous iteration's scale, then back-propagate the scaled loss."""
+        """Settle the previous iteration's scale, then back-propagate the scaled loss.
+
+        Raises:
+            HalfOverflowError: under O2, when the previous step of a fused optimizer was skipped because a weight's
+                fp16 copy was inf (the host learns of such a skip at the scale update, one iteration late).
+
+        """
         self.settle()
+        while self._skipped_on_device:
+            self.policy.after_optimizer_step(self._skipped_on_device.pop(), True)
         self.loss_scaler.scale(tensor).backward(*args, **kwargs)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -240,6 +258,8 @@ class FabricSteps:
         if closure is not None:
             output = closure_loss
         skipped = id(optimizer) not in self._ran
+        if not skipped and getattr(optimizer, "_step_supports_amp_scaling", False):
+            self._stepped_on_device.append(optimizer)
         self._settle_running_stats(optimizer)
         self._unscaled.discard(id(optimizer))
         self._stepped_since_update.add(id(optimizer))

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_mp import MixedPrecision
 from lightning_mp.counting import count_syncs_and_ops
+from lightning_mp.policies.o2 import HalfOverflowError
 from tests.ddp_scripts.launch import clean_environment, finish, reports
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*opt_level='O3'")
@@ -533,6 +534,22 @@ def test_a_skipped_step_leaves_batchnorm_running_statistics_as_they_were(precisi
     step(batch(2)[0])
     assert plugin.stats.skipped_steps == 1 and int(norm.num_batches_tracked) == 2
     assert not torch.equal(before[0], norm.running_mean) and torch.isfinite(norm.running_mean).all()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_o2_names_a_weight_beyond_fp16_range_with_fused_and_foreach_adam(fused: bool) -> None:
+    """Under O2 a weight grown beyond 65504 is named by HalfOverflowError, also when fused Adam skips on the device."""
+    plugin = MixedPrecision("16-mixed", opt_level="O2")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = make_model()
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-2, fused=fused))
+    train_step(fabric, model, optimizer, seed=0)
+    with torch.no_grad():
+        module[0].weight[0, 0] = 1e5
+    with pytest.raises(HalfOverflowError, match=r"0\.weight"):
+        for seed in range(1, 3):
+            train_step(fabric, model, optimizer, seed=seed)
+    assert plugin.stats.skipped_steps == 1
 
 
 def test_the_plugin_pickles_and_deep_copies_mid_run() -> None:
