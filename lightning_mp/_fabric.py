@@ -166,7 +166,8 @@ class FabricSteps:
         if flags:
             skipped = (flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()) > 0
         with torch.no_grad():
-            for layer in self._normalization_layers.get(id(self._module_of(optimizer)), []):
+            layers = [layer for model in self._modules_of(optimizer) for layer in self._normalization_layers[id(model)]]
+            for layer in layers:
                 saved = self._saved_running_stats.pop(id(layer), None)
                 if saved is None or skipped is None:
                     continue
@@ -190,9 +191,13 @@ class FabricSteps:
             )
 
     def _module_of(self, optimizer: Optimizer) -> nn.Module:
-        stepped = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
-        owners = [m for m in self.modules if any(id(parameter) in stepped for parameter in m.parameters())]
+        owners = self._modules_of(optimizer)
         return owners[0] if owners else self.modules[-1]
+
+    def _modules_of(self, optimizer: Optimizer) -> list[nn.Module]:
+        """The models with a parameter that ``optimizer`` steps (one optimizer may step several models)."""
+        stepped = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        return [m for m in self.modules if any(id(parameter) in stepped for parameter in m.parameters())]
 
     def backward(self, tensor: Tensor, *args: Any, **kwargs: Any) -> None:
         """Settle the previous iteration's scale, then back-propagate the scaled loss.

@@ -536,6 +536,24 @@ def test_a_skipped_step_leaves_batchnorm_running_statistics_as_they_were(precisi
     assert not torch.equal(before[0], norm.running_mean) and torch.isfinite(norm.running_mean).all()
 
 
+def test_a_skipped_step_of_one_optimizer_over_two_models_restores_batchnorm_in_both() -> None:
+    """One optimizer over two set-up models: a skipped step puts back the running statistics of each model."""
+    plugin = MixedPrecision("16-mixed")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    encoder = fabric.setup_module(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16)))
+    head = fabric.setup_module(nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 1)))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.1))
+    norms = [encoder.module[1], head.module[0]]
+    poisoned = batch(0)[0]
+    poisoned[0, 0] = float("nan")
+    fabric.backward(head(encoder(poisoned)).float().pow(2).mean())
+    optimizer.step()
+    assert plugin.stats.skipped_steps == 1
+    for norm in norms:
+        assert int(norm.num_batches_tracked) == 0 and torch.equal(norm.running_mean, torch.zeros(16))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_o2_names_a_weight_beyond_fp16_range_with_fused_and_foreach_adam(fused: bool) -> None:
     """Under O2 a weight grown beyond 65504 is named by HalfOverflowError, also when fused Adam skips on the device."""
