@@ -10,6 +10,12 @@ runs its matrix products in fp16 and can overflow where eager does not.
 :func:`backward_outside_autocast` tells AOT autograd, for the regions compiled inside it, that their backward runs
 outside autocast: the compiled backward then computes what eager computes.
 
+A compiled model that holds the plugin's autocast itself (``torch.compile(model)`` after ``fabric.setup``, whose
+forward enters the plugin's forward context) cannot use ``torch.autocast`` there: dynamo restores the flag toggles
+of the ``keep_fp32`` hooks (:mod:`lightning_mp.overrides`) in the wrong order once a traced ``torch.autocast``
+block has exited, and fails with "Global autocast state changed while dynamo tracing". :func:`autocast_by_flags`
+turns autocast on and off with the same flag setters as those hooks, which dynamo traces and restores in order.
+
 Private torch names used:
 
 - ``torch._functorch.config.backward_pass_autocast``: the only switch for how AOT autograd traces the backward
@@ -19,8 +25,11 @@ Private torch names used:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Generator
 from types import TracebackType
 
+import torch
 import torch._functorch.config as functorch_config
 
 
@@ -41,4 +50,21 @@ class backward_outside_autocast:  # a class, not a generator: it runs on every f
         functorch_config.backward_pass_autocast = self._previous
 
 
-__all__ = ["backward_outside_autocast"]
+@contextlib.contextmanager
+def autocast_by_flags(device_type: str, dtype: torch.dtype) -> Generator[None, None, None]:
+    """Autocast to ``dtype`` on ``device_type`` (without its cache), set and restored with autocast's flag setters.
+
+    For code that dynamo traces only: eager code uses ``torch.autocast``, which also keeps the nesting count.
+    """
+    was_enabled = torch.is_autocast_enabled(device_type)
+    previous_dtype = torch.get_autocast_dtype(device_type)
+    torch.set_autocast_dtype(device_type, dtype)
+    torch.set_autocast_enabled(device_type, True)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device_type, was_enabled)
+        torch.set_autocast_dtype(device_type, previous_dtype)
+
+
+__all__ = ["autocast_by_flags", "backward_outside_autocast"]

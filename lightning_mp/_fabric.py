@@ -21,11 +21,17 @@ Fabric saves only what the user puts in the state, so the plugin goes there besi
    and a step post-hook is registered on it, so that the plugin knows, without a host
    synchronisation, whether ``optimizer.step()`` really ran.
 3. ``unscale_gradients`` (Fabric calls it before clipping) and ``optimizer_step`` unscale the gradients once per
-   step, with the fused inf/NaN check; clipping therefore sees true
-   gradients. On a step that will be skipped there is nothing to clip: ``main_params`` then gives no parameter,
-   so ``fabric.clip_gradients`` returns a zero norm instead of raising on the non-finite one.
+   step, with the fused inf/NaN check; clipping therefore sees true gradients. Fused optimizers too: their step is
+   then handed the inf flag and no ``grad_scale``, so it does not unscale a second time. On a step that will be
+   skipped there is nothing to clip: ``main_params`` then gives a stand-in with a zero gradient instead of the
+   parameters, so ``fabric.clip_gradients`` returns a zero norm (instead of raising on the non-finite one) and
+   clipping by value has something to clip.
 4. The step is skipped when a gradient is not finite (under DDP when one on any rank is not); the opt level then
-   hears of it (O2 names weights beyond fp16's range).
+   hears of it (O2 names weights beyond fp16's range). A fused optimizer skips inside its kernel, unseen by the
+   host: the opt level hears of that skip at the next ``fabric.backward``, after the scale update.
+5. BatchNorm's running statistics are copied at the first forward after a model's step, and put back after a
+   skipped step, with a device-side select on the inf flag (no host synchronisation, fused optimizers included).
+   A model compiled after ``fabric.setup`` traces the forward context, so it gets no such copy.
 
 When the scale moves. Fabric has no end-of-iteration hook, and an iteration may step several optimizers on
 gradients produced by one backward. Updating the scale right after the first of those steps would unscale the
@@ -40,23 +46,24 @@ applied lazily at the first of:
 Every optimizer therefore unscales by the scale its gradients were produced under, and the scale moves once per
 backward-and-steps iteration, gradient accumulation included. Read the stats after the iteration's last step.
 
-Private Lightning names used:
+Private torch and Lightning names used:
 
-- ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: whether an optimizer unscales inside its
-  own step (fused); Lightning's own AMP plugins decide with it, and the plugin must agree with them.
 - ``torch.amp.GradScaler._found_inf_per_device``: the inf/NaN flags of an optimizer's unscaled gradients, which
   torch's GradScaler keeps for its own ``step``; read at clipping time only (see :meth:`FabricSteps.main_params`).
+- ``Optimizer._step_supports_amp_scaling`` (read with ``getattr``, as the scaler does): a fused optimizer that skips
+  a non-finite step inside its kernel, so the opt level hears of that skip at the scale update.
 - ``LightningModule._trainer`` (read with ``getattr``): whether the Trainer or Fabric drives a hook. The public
   ``trainer`` property raises, or under Fabric returns a stand-in, when no Trainer is attached.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
@@ -104,13 +111,25 @@ class FabricSteps:
     def __init__(self, loss_scaler: LossScaler, policy: PrecisionPolicy, module: nn.Module) -> None:
         self.loss_scaler = loss_scaler
         self.policy = policy
-        self.modules = [module]
+        self.modules: list[nn.Module] = []
         self.update_pending = False
+        self.scaler_state_loaded = False
+        """The plugin's own state was loaded (``fabric.load`` with the plugin in the state)."""
         self._connected: list[weakref.ReferenceType[Optimizer]] = []
         """The optimizers the opt level has connected, in the order it first saw them."""
         self._unscaled: set[int] = set()
         self._stepped_since_update: set[int] = set()
         self._ran: set[int] = set()
+        self._stand_ins: dict[str, Tensor] = {}
+        self._stepped_on_device: list[Optimizer] = []
+        """Fused optimizers stepped since the last update: they skip inside their kernel, unseen by the host."""
+        self._skipped_on_device: list[Optimizer] = []
+        """Fused optimizers whose skipped step the opt level has not heard of yet."""
+        self._normalization_layers: dict[int, list[nn.Module]] = {}
+        """Per model (by id), its layers with running statistics."""
+        self._saved_running_stats: dict[int, list[Tensor]] = {}
+        """Per layer (by id), its running statistics as they were before the first forward since its last step."""
+        self.add_module(module)
 
     def settle(self) -> None:
         """Apply the pending scale update, if a step happened since the last one."""
@@ -119,35 +138,86 @@ class FabricSteps:
         self.update_pending = False
         self._stepped_since_update.clear()
         self.loss_scaler.update()
+        if self.loss_scaler.last_step_skipped:
+            self._skipped_on_device.extend(self._stepped_on_device)
+        self._stepped_on_device.clear()
 
     def add_module(self, module: nn.Module) -> None:
         """Drive another model set up by the same Fabric (each optimizer is connected with the model it steps)."""
         if all(known is not module for known in self.modules):
             self.modules.append(module)
+            self._normalization_layers[id(module)] = [
+                layer
+                for layer in module.modules()
+                if getattr(layer, "track_running_stats", False) and getattr(layer, "running_mean", None) is not None
+            ]
+
+    def save_running_stats(self) -> None:
+        """Copy the running statistics not yet saved since their model's last step (called on every forward)."""
+        for layers in self._normalization_layers.values():
+            for layer in layers:
+                if id(layer) not in self._saved_running_stats:
+                    self._saved_running_stats[id(layer)] = [buffer.detach().clone() for buffer in _running_stats(layer)]
+
+    def _settle_running_stats(self, optimizer: Optimizer) -> None:
+        """After a step: put back the stepped model's running statistics if the step was skipped, on the device."""
+        flags = list(self.loss_scaler._found_inf_per_device(optimizer).values())
+        skipped = None
+        if flags:
+            skipped = (flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()) > 0
+        with torch.no_grad():
+            layers = [layer for model in self._modules_of(optimizer) for layer in self._normalization_layers[id(model)]]
+            for layer in layers:
+                saved = self._saved_running_stats.pop(id(layer), None)
+                if saved is None or skipped is None:
+                    continue
+                for buffer, before in zip(_running_stats(layer), saved, strict=True):
+                    buffer.copy_(torch.where(skipped.to(buffer.device), before, buffer))
+
+    def _warn_if_resumed_without_scaler_state(self, optimizer: Optimizer) -> None:
+        """Warn when an optimizer arrives with a loaded state but the plugin's state was not loaded.
+
+        That is a resume (``fabric.load`` of the model and the optimizer) that left the plugin out of the state: the
+        fp16 scale then starts again from ``init_scale``. Fine-tuning from weights alone has no optimizer state.
+        """
+        resumed = optimizer.state and not self.scaler_state_loaded and self.loss_scaler.optimizer_steps == 0
+        if resumed and self.loss_scaler.scales_loss:
+            warnings.warn(
+                "lightning_mp: fabric.load restored the optimizer but not the plugin's state, so the loss scale"
+                f" starts again from init_scale={self.loss_scaler.get_scale():g}. To resume the scale, save and"
+                ' load the plugin in the state too: {"model": model, "optimizer": optimizer, "precision": plugin}.',
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _module_of(self, optimizer: Optimizer) -> nn.Module:
-        stepped = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
-        owners = [m for m in self.modules if any(id(parameter) in stepped for parameter in m.parameters())]
+        owners = self._modules_of(optimizer)
         return owners[0] if owners else self.modules[-1]
 
+    def _modules_of(self, optimizer: Optimizer) -> list[nn.Module]:
+        """The models with a parameter that ``optimizer`` steps (one optimizer may step several models)."""
+        stepped = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        return [m for m in self.modules if any(id(parameter) in stepped for parameter in m.parameters())]
+
     def backward(self, tensor: Tensor, *args: Any, **kwargs: Any) -> None:
-        """Settle the previous iteration's scale, then back-propagate the scaled loss."""
+        """Settle the previous iteration's scale, then back-propagate the scaled loss.
+
+        Raises:
+            HalfOverflowError: under O2, when the previous step of a fused optimizer was skipped because a weight's
+                fp16 copy was inf (the host learns of such a skip at the scale update, one iteration late).
+
+        """
         self.settle()
+        while self._skipped_on_device:
+            self.policy.after_optimizer_step(self._skipped_on_device.pop(), True)
         self.loss_scaler.scale(tensor).backward(*args, **kwargs)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Make the optimizer's gradients true gradients (once per step), for clipping before ``optimizer.step``.
 
-        Raises:
-            RuntimeError: for an optimizer that unscales inside its own step (``fused=True``) while the loss is
-                scaled: its gradients cannot be clipped before the step.
-
+        A fused optimizer is unscaled here too: its step then finds the gradients unscaled and does not unscale
+        them again (the scaler hands it no ``grad_scale``, only the inf flag), as in torch's AMP recipe.
         """
-        if self.loss_scaler.scales_loss and _optimizer_handles_unscaling(optimizer):
-            raise RuntimeError(
-                f"{type(optimizer).__qualname__} unscales its gradients inside its own step (fused=True), so they"
-                " cannot be clipped before it. Use the optimizer with fused=False to clip scaled fp16 gradients."
-            )
         self._unscale(optimizer)
 
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:
@@ -157,9 +227,19 @@ class FabricSteps:
             with the device (the step reads the same flag anyway). Clipping a step that is skipped is pointless,
             and with ``error_if_nonfinite=True`` (Fabric's default) it would raise.
         """
-        if id(optimizer) in self._unscaled and self._found_inf(optimizer):
-            return []  # a list: torch warns about an empty generator, and nothing is wrong here
-        return [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        if parameters and id(optimizer) in self._unscaled and self._found_inf(optimizer):
+            # Not an empty list: torch's clip_grad_value_ fails on one (clip_grad_norm_ would return 0 for it too).
+            return [self._stand_in(parameters[0].device)]
+        return parameters
+
+    def _stand_in(self, device: torch.device) -> Tensor:
+        """A tensor with a zero gradient, clipped in place of the parameters of a step that will be skipped."""
+        stand_in = self._stand_ins.get(str(device))
+        if stand_in is None:
+            stand_in = self._stand_ins[str(device)] = torch.zeros(1, device=device)
+            stand_in.grad = torch.zeros(1, device=device)
+        return stand_in
 
     def _found_inf(self, optimizer: Optimizer) -> bool:
         flags = self.loss_scaler._found_inf_per_device(optimizer)
@@ -174,13 +254,18 @@ class FabricSteps:
         """
         if isinstance(optimizer, LBFGS):
             return self._unchecked_step(optimizer, closure, **kwargs)
-        if closure is not None:
-            # A closure runs forward and fabric.backward; the scaler must see the gradients before the step.
-            closure()
+        # A closure runs forward and fabric.backward; the scaler must see the gradients before the step. Its loss
+        # is what step(closure) returns, as with torch's optimizers.
+        closure_loss = closure() if closure is not None else None
         self._unscale(optimizer)
         self._ran.discard(id(optimizer))
         output = self.loss_scaler.step(optimizer, **kwargs)
+        if closure is not None:
+            output = closure_loss
         skipped = id(optimizer) not in self._ran
+        if not skipped and getattr(optimizer, "_step_supports_amp_scaling", False):
+            self._stepped_on_device.append(optimizer)
+        self._settle_running_stats(optimizer)
         self._unscaled.discard(id(optimizer))
         self._stepped_since_update.add(id(optimizer))
         self.update_pending = True
@@ -206,13 +291,13 @@ class FabricSteps:
         if id(optimizer) in self._stepped_since_update:
             # A second step of this optimizer with no backward in between: its gradients were made after the update.
             self.settle()
-        if not _optimizer_handles_unscaling(optimizer):
-            self.loss_scaler.unscale_(optimizer)
+        self.loss_scaler.unscale_(optimizer)
         self._unscaled.add(id(optimizer))
 
     def _connect(self, optimizer: Optimizer) -> None:
         if any(reference() is optimizer for reference in self._connected):
             return
+        self._warn_if_resumed_without_scaler_state(optimizer)
         module = self._module_of(optimizer)
         self.policy.connect(module, [optimizer])
         self.loss_scaler.param_names.update(self.policy.parameter_names(module))
@@ -221,3 +306,8 @@ class FabricSteps:
 
     def _record_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._ran.add(id(optimizer))
+
+
+def _running_stats(layer: nn.Module) -> list[Tensor]:
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    return [buffer for buffer in (getattr(layer, name, None) for name in names) if buffer is not None]

@@ -166,13 +166,20 @@ class Fp32Overrides:
 
     """
 
-    def __init__(self, patterns: Sequence[KeepFp32Pattern] = ()) -> None:
+    def __init__(self, patterns: Sequence[KeepFp32Pattern] | None = ()) -> None:
+        if patterns is None:  # a config's ``keep_fp32: null``: nothing is kept in fp32
+            patterns = ()
         if isinstance(patterns, (str, type)) or not isinstance(patterns, Iterable):
             # A single valid entry is shown wrapped in a list; anything else gets a generic example.
-            example = repr(patterns) if isinstance(patterns, str) else getattr(patterns, "__name__", "nn.LayerNorm")
+            if isinstance(patterns, str):
+                example = f"[{patterns!r}]"
+            elif isinstance(patterns, type):
+                example = f"[{patterns.__name__}]"
+            else:
+                example = "[nn.LayerNorm, 'head', 're:.*norm']"
             raise ValueError(
                 f"keep_fp32={patterns!r} is not allowed: keep_fp32 must be a list of module types, qualified names"
-                f" or 're:' patterns, for example keep_fp32=[{example}] (or [] for none)."
+                f" or 're:' patterns, for example keep_fp32={example} (or [] or None for none)."
             )
         self.patterns: list[KeepFp32Pattern] = list(patterns)
         self._regexes: dict[str, re.Pattern[str]] = {}

@@ -79,7 +79,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_mp._compile import backward_outside_autocast
+from lightning_mp._compile import autocast_by_flags, backward_outside_autocast
 from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device
 from lightning_mp._hardware import choose_precision, device_has_native_bf16
 from lightning_mp._scale_rules import COLLAPSE_FLOOR, FLOAT32_MAX
@@ -183,7 +183,8 @@ class MixedPrecision(LightningMixedPrecision):
         loss_scale: ``"dynamic"``, or a positive float for a static scale (fp16 only).
         skip_scheduler_on_overflow: keep ``interval="step"`` schedulers from advancing on skipped steps.
         keep_fp32: modules that run in fp32 (autocast off, inputs cast to fp32, weights fp32 in O2 and O3): module
-            types, qualified names, or regular expressions prefixed with ``re:`` (:mod:`lightning_mp.overrides`).
+            types, qualified names, or regular expressions prefixed with ``re:`` (:mod:`lightning_mp.overrides`);
+            None or empty keeps none.
         max_consecutive_skips: stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
             steps in a row, in every precision; None never stops.
 
@@ -219,7 +220,7 @@ class MixedPrecision(LightningMixedPrecision):
         on_min_scale: Literal["raise", "warn"] = "raise",
         loss_scale: float | Literal["dynamic"] = "dynamic",
         skip_scheduler_on_overflow: bool = True,
-        keep_fp32: Sequence[type | str] = (),
+        keep_fp32: Sequence[type | str] | None = (),
         max_consecutive_skips: int | None = 100,
     ) -> None:
         owner = type(self).__name__
@@ -257,6 +258,12 @@ class MixedPrecision(LightningMixedPrecision):
                     " scaled (bf16 has fp32's exponent range). Use loss_scale='dynamic' (the default) here, or"
                     " precision='16-mixed' for a static fp16 scale."
                 )
+        if opt_level.startswith("lean") and precision in ("16-mixed", "32-true"):
+            raise ValueError(
+                f"{owner}(precision={precision!r}, opt_level={opt_level!r}) is not allowed: {opt_level} keeps"
+                " weights and optimizer states in bf16. Use precision='bf16-mixed' (or 'auto'), or opt_level='O2'"
+                " for fp16."
+            )
         if precision == "32-true" and opt_level not in ("O0", "O1"):
             raise ValueError(
                 f"{owner}(precision='32-true', opt_level={opt_level!r}) is not allowed: {opt_level} casts to a half"
@@ -529,11 +536,18 @@ class MixedPrecision(LightningMixedPrecision):
         if policy is None:
             yield
             return
+        if self._fabric is not None and not torch.compiler.is_compiling():
+            self._fabric.save_running_stats()  # a skipped step puts them back (lightning_mp._fabric)
         with policy.forward_context():
             if not policy.uses_autocast or self.half_dtype is None:
                 yield
                 return
             assert self.device is not None
+            if torch.compiler.is_compiling():
+                # Traced inside a compiled model (torch.compile after fabric.setup): lightning_mp._compile.
+                with autocast_by_flags(self.device, self.half_dtype):
+                    yield
+                return
             # Compiled regions differentiate outside autocast, as eager autograd does (lightning_mp._compile).
             with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False), backward_outside_autocast():
                 yield
@@ -693,15 +707,14 @@ class MixedPrecision(LightningMixedPrecision):
         """Clip true gradients: unscale first where that has not happened yet in this optimizer step.
 
         A fused optimizer's step then sees the gradients already unscaled and does not unscale them again. In bf16
-        and fp32 nothing is scaled: the gradients are checked for inf/NaN before they are clipped, so that clipping
-        by value cannot hide an inf from the step.
+        and fp32 nothing is scaled, so the gradients are only checked for inf/NaN before they are clipped.
         """
         wrapper, optimizer = optimizer, _raw_optimizer(optimizer)
         if isinstance(wrapper, LightningOptimizer) and self._loss_scaler is not None:
             _adopt_wrapper_unscale(self._loss_scaler, [wrapper], optimizer)
         if clip_val > 0 and self._loss_scaler is not None:
-            # In bf16 and fp32 this only checks the gradients, before clipping: clipping by value would turn an inf
-            # into a finite gradient and the step would no longer be skipped.
+            # Checked before clipping in every precision (bf16 and fp32 only read them): clipping by value would turn
+            # an inf into a finite gradient, and a fused optimizer, checked at its step, would take the step.
             self._prepare_gradients(optimizer, unscale=True)
         Precision.clip_gradients(
             self, optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm
@@ -760,6 +773,8 @@ class MixedPrecision(LightningMixedPrecision):
         else:
             self._loss_scaler.load_state_dict(scaler_state)
         self._policy.load_state_dict(state_dict.get("policy", {}))
+        if self._fabric is not None:
+            self._fabric.scaler_state_loaded = True
 
     def _warn_missing_scaler_state(self) -> None:
         if self.scaler is not None:

@@ -7,6 +7,7 @@ import csv
 import pickle
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from lightning_mp import MixedPrecision
 from lightning_mp.counting import count_syncs_and_ops
+from lightning_mp.policies.o2 import HalfOverflowError
 from tests.ddp_scripts.launch import clean_environment, finish, reports
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*opt_level='O3'")
@@ -114,15 +116,80 @@ def test_clip_gradients_sees_true_gradients() -> None:
     assert plugin.stats.skipped_steps == 0
 
 
-def test_clipping_a_fused_optimizer_raises_a_clear_error() -> None:
-    """Fused optimizers unscale inside their step, so clipping their scaled gradients is refused with a reason."""
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed")])
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+@pytest.mark.parametrize("clip", [{"max_norm": 0.1}, {"clip_val": 0.01}])
+def test_clipping_a_fused_optimizer_matches_the_foreach_one(precision: str, clip: dict[str, float]) -> None:
+    """fabric.clip_gradients works with fused SGD: unscaled once, clipped, then stepped like foreach SGD."""
+    runs = {}
+    for kind in ("fused", "foreach"):
+        plugin = MixedPrecision(precision, init_scale=2.0**12) if precision == "16-mixed" else MixedPrecision(precision)
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        module = make_model()
+        sgd = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9, **{kind: True})
+        model, optimizer = fabric.setup(module, sgd)
+        norms = []
+        for seed in range(3):
+            x, y = batch(seed)
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            norms.append(fabric.clip_gradients(model, optimizer, **clip))
+            optimizer.step()
+            optimizer.zero_grad()
+        assert plugin.stats.skipped_steps == 0
+        runs[kind] = ([p.detach().clone() for p in model.parameters()], norms)
+    for fused, foreach in zip(runs["fused"][0], runs["foreach"][0], strict=True):
+        torch.testing.assert_close(fused, foreach)
+    for fused_norm, foreach_norm in zip(runs["fused"][1], runs["foreach"][1], strict=True):
+        torch.testing.assert_close(fused_norm, foreach_norm)
+    untouched = make_model()
+    assert not torch.equal(runs["fused"][0][0], next(untouched.parameters()))
+
+
+def test_clipping_a_fused_optimizer_on_an_overflow_skips_the_step() -> None:
+    """With fused Adam an inf gradient found at clipping time clips nothing, and the step leaves the weights."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**10)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     module = make_model()
-    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), fused=True))
-    x, y = batch(0)
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-2, fused=True))
+    train_step(fabric, model, optimizer, seed=0)
+    weights = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(1)
     fabric.backward(nn.functional.mse_loss(model(x), y))
-    with pytest.raises(RuntimeError, match="fused=False"):
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert float(norm) == 0.0
+    assert all(torch.equal(before, after) for before, after in zip(weights, model.parameters(), strict=True))
+    assert (plugin.stats.skipped_steps, plugin.stats.loss_scale) == (1, 2.0**9)
+
+
+def test_keep_fp32_none_keeps_nothing_and_a_bad_value_names_a_valid_example() -> None:
+    """keep_fp32=None (a config's null) means no fp32 region; keep_fp32=5 is refused with a usable example."""
+    plugin = MixedPrecision("16-mixed", keep_fp32=None)
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0)
+    assert plugin.keep_fp32 == [] and plugin.stats.optimizer_steps == 1
+    with pytest.raises(ValueError, match=r"keep_fp32=5 is not allowed.*for example keep_fp32=\[nn.LayerNorm"):
+        MixedPrecision("16-mixed", keep_fp32=5)  # type: ignore[arg-type]
+
+
+def test_a_step_with_a_closure_returns_its_loss() -> None:
+    """optimizer.step(closure) under Fabric runs the closure, steps, and returns the closure's loss, as torch does."""
+    plugin = MixedPrecision("16-mixed")
+    fabric, model, optimizer = setup(plugin)
+    x, y = batch(0)
+    losses = []
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        losses.append(loss.detach())
+        return loss
+
+    returned = [optimizer.step(closure) for _ in range(3)]
+    assert [float(loss) for loss in returned] == [float(loss) for loss in losses]
+    assert float(losses[-1]) < float(losses[0]) and plugin.stats.optimizer_steps == 3
 
 
 def test_lbfgs_with_a_scaled_loss_raises_type_error() -> None:
@@ -197,6 +264,33 @@ def test_save_and_load_resume_at_the_same_scale(tmp_path: Path, opt_level: str) 
     assert resumed.stats == straight.stats
     for expected, actual in zip(straight_model.parameters(), resumed_model.parameters(), strict=True):
         assert expected.dtype == torch.float32 and torch.equal(expected, actual)
+
+
+@pytest.mark.parametrize(
+    ("state_keys", "warns"),
+    [(("model", "optimizer"), True), (("model",), False), (("precision", "model", "optimizer"), False)],
+)
+def test_resuming_without_the_plugin_state_warns_that_the_scale_restarts(
+    tmp_path: Path, state_keys: tuple[str, ...], warns: bool
+) -> None:
+    """fabric.load of model and optimizer without the plugin warns; with it, or loading weights only, it does not."""
+    path = tmp_path / "checkpoint.pt"
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
+    fabric, model, optimizer = setup(plugin, optimizer="adam")
+    for step in range(3):
+        train_step(fabric, model, optimizer, seed=step)
+    fabric.save(path, {"model": model, "optimizer": optimizer, "precision": plugin})
+    resumed = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
+    fabric, model, optimizer = setup(resumed, optimizer="adam")
+    objects = {"model": model, "optimizer": optimizer, "precision": resumed}
+    fabric.load(path, {key: objects[key] for key in state_keys}, strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_step(fabric, model, optimizer, seed=3)
+        train_step(fabric, model, optimizer, seed=4)
+    restarts = [w for w in caught if "starts again from init_scale=256" in str(w.message)]
+    assert len(restarts) == (1 if warns else 0)
+    assert resumed.stats.loss_scale == (2.0**13 if "precision" in state_keys else 2.0**10)
 
 
 def test_one_scale_update_per_iteration_with_two_optimizers() -> None:
@@ -291,11 +385,20 @@ def test_example_script_trains_skips_and_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_fabric_ddp_ranks_agree_on_skips(tmp_path: Path) -> None:
-    """Fabric's DDP strategy on 2 CPU processes: an overflow on rank 1 only is skipped by both ranks alike."""
+@pytest.mark.parametrize(
+    "optimizer_and_clip",
+    [
+        ["--optimizer", "sgd"],
+        ["--optimizer", "fused-adam", "--clip", "value"],
+        ["--optimizer", "fused-adam", "--clip", "value", "--precision", "bf16-mixed", "--opt-level", "lean"],
+    ],
+)
+def test_fabric_ddp_ranks_agree_on_skips(tmp_path: Path, optimizer_and_clip: list[str]) -> None:
+    """Fabric DDP on 2 CPU processes, clipped SGD or fused Adam (fp16, lean): an inf on rank 1 only skips both ranks."""
     script = Path(__file__).with_name("ddp_scripts") / "fabric_train.py"
+    arguments = ["--out", str(tmp_path), "--inject-rank", "1", "--inject-at", "2,5", *optimizer_and_clip]
     process = subprocess.Popen(
-        [sys.executable, str(script), "--out", str(tmp_path), "--inject-rank", "1", "--inject-at", "2,5"],
+        [sys.executable, str(script), *arguments],
         env=clean_environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -379,6 +482,91 @@ def test_clipping_an_overflowing_step_clips_nothing_and_the_step_is_skipped() ->
     optimizer.step()
     assert float(total_norm) == 0.0
     assert all(torch.equal(b, a) for b, a in zip(weights, model.parameters(), strict=True))
+    assert plugin.stats.skipped_steps == 1
+
+
+@pytest.mark.parametrize(
+    ("precision", "opt_level"), [("16-mixed", "O1"), ("16-mixed", "O2"), ("bf16-mixed", "O1"), ("bf16-mixed", "lean")]
+)
+@pytest.mark.parametrize("fused", [False, True])
+def test_clipping_by_value_on_an_overflowing_step_skips_it(precision: str, opt_level: str, fused: bool) -> None:
+    """fabric.clip_gradients(clip_val=...) on a step with an inf gradient does not raise, and the step is skipped."""
+    plugin = MixedPrecision(precision, opt_level=opt_level)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = make_model()
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-2, fused=fused))
+    weights = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(0)
+    fabric.backward(nn.functional.mse_loss(model(x).float(), y))
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    fabric.clip_gradients(model, optimizer, clip_val=0.01)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(torch.equal(b, a) for b, a in zip(weights, model.parameters(), strict=True))
+    assert plugin.stats.skipped_steps == 1
+    train_step(fabric, model, optimizer, seed=1)
+    assert not torch.equal(weights[0], next(model.parameters()))
+
+
+@pytest.mark.parametrize(("precision", "fused"), [("16-mixed", False), ("16-mixed", True), ("bf16-mixed", True)])
+def test_a_skipped_step_leaves_batchnorm_running_statistics_as_they_were(precision: str, fused: bool) -> None:
+    """A step skipped for a NaN input puts BatchNorm's running statistics back; a clean step keeps its update."""
+    plugin = MixedPrecision(precision)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-2, fused=fused))
+    norm = module[1]
+
+    def step(x: torch.Tensor) -> None:
+        fabric.backward(model(x).float().pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(batch(0)[0])
+    before = [norm.running_mean.clone(), norm.running_var.clone(), norm.num_batches_tracked.clone()]
+    poisoned = batch(1)[0]
+    poisoned[0, 0] = float("nan")
+    step(poisoned)
+    assert plugin.stats.skipped_steps == 1
+    for saved, buffer in zip(before, [norm.running_mean, norm.running_var, norm.num_batches_tracked], strict=True):
+        assert torch.equal(saved, buffer)
+    step(batch(2)[0])
+    assert plugin.stats.skipped_steps == 1 and int(norm.num_batches_tracked) == 2
+    assert not torch.equal(before[0], norm.running_mean) and torch.isfinite(norm.running_mean).all()
+
+
+def test_a_skipped_step_of_one_optimizer_over_two_models_restores_batchnorm_in_both() -> None:
+    """One optimizer over two set-up models: a skipped step puts back the running statistics of each model."""
+    plugin = MixedPrecision("16-mixed")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    encoder = fabric.setup_module(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16)))
+    head = fabric.setup_module(nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 1)))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.1))
+    norms = [encoder.module[1], head.module[0]]
+    poisoned = batch(0)[0]
+    poisoned[0, 0] = float("nan")
+    fabric.backward(head(encoder(poisoned)).float().pow(2).mean())
+    optimizer.step()
+    assert plugin.stats.skipped_steps == 1
+    for norm in norms:
+        assert int(norm.num_batches_tracked) == 0 and torch.equal(norm.running_mean, torch.zeros(16))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_o2_names_a_weight_beyond_fp16_range_with_fused_and_foreach_adam(fused: bool) -> None:
+    """Under O2 a weight grown beyond 65504 is named by HalfOverflowError, also when fused Adam skips on the device."""
+    plugin = MixedPrecision("16-mixed", opt_level="O2")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = make_model()
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-2, fused=fused))
+    train_step(fabric, model, optimizer, seed=0)
+    with torch.no_grad():
+        module[0].weight[0, 0] = 1e5
+    with pytest.raises(HalfOverflowError, match=r"0\.weight"):
+        for seed in range(1, 3):
+            train_step(fabric, model, optimizer, seed=seed)
     assert plugin.stats.skipped_steps == 1
 
 

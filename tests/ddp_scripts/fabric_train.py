@@ -3,6 +3,7 @@
 Run as a user would run a Fabric script, so that ``strategy="ddp"`` can re-launch it::
 
     python fabric_train.py --out DIR [--inject-rank 1 --inject-at 2,5] [--steps 8] [--opt-level O2]
+        [--optimizer fused-adam] [--clip value] [--precision bf16-mixed]
 
 After ``fabric.backward`` DDP has averaged the gradients, so an inf planted then exists on one rank only; the loss
 scaler's all-reduced inf check must make every rank skip that step. Every rank writes ``DIR/rank<rank>.json``: the
@@ -42,15 +43,22 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--inject-at", default="")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--opt-level", default="O1")
+    parser.add_argument("--precision", default="16-mixed")
+    parser.add_argument("--optimizer", choices=["sgd", "fused-adam"], default="sgd")
+    parser.add_argument("--clip", choices=["norm", "value"], default="norm")
     args = parser.parse_args(argv)
     inject_at = {int(step) for step in args.inject_at.split(",") if step}
 
-    plugin = MixedPrecision("16-mixed", opt_level=args.opt_level, init_scale=2.0**8, growth_interval=3)
+    plugin = MixedPrecision(args.precision, opt_level=args.opt_level, init_scale=2.0**8, growth_interval=3)
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[plugin])
     fabric.launch()
     fabric.seed_everything(7, verbose=False)
     module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9))
+    if args.optimizer == "fused-adam":
+        torch_optimizer: torch.optim.Optimizer = torch.optim.Adam(module.parameters(), lr=0.01, fused=True)
+    else:
+        torch_optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = fabric.setup(module, torch_optimizer)
 
     generator = torch.Generator().manual_seed(fabric.global_rank)
     steps: list[tuple[int, float, bool]] = []
@@ -60,7 +68,10 @@ def main(argv: list[str]) -> None:
         fabric.backward(loss)
         if fabric.global_rank == args.inject_rank and step in inject_at:
             module[0].weight.grad[0, 0] = float("inf")
-        fabric.clip_gradients(model, optimizer, max_norm=10.0, error_if_nonfinite=False)
+        if args.clip == "value":
+            fabric.clip_gradients(model, optimizer, clip_val=1.0)
+        else:
+            fabric.clip_gradients(model, optimizer, max_norm=10.0, error_if_nonfinite=False)
         optimizer.step()
         optimizer.zero_grad()
         stats = plugin.stats
@@ -70,7 +81,7 @@ def main(argv: list[str]) -> None:
     dist.all_gather_object(checksums, parameter_checksum(module))
     checkpoint = args.out / "fabric.ckpt"
     fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "precision": plugin})
-    resumed = MixedPrecision("16-mixed", opt_level=args.opt_level, init_scale=2.0**8, growth_interval=3)
+    resumed = MixedPrecision(args.precision, opt_level=args.opt_level, init_scale=2.0**8, growth_interval=3)
     resumed.setup_for_device("cpu")
     fabric.load(checkpoint, {"precision": resumed}, strict=False)
     report = {
