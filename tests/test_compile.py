@@ -163,7 +163,13 @@ def fabric_run(opt_level: str, compile_what: str, backend: str = BACKEND) -> tup
 
 @pytest.mark.parametrize(
     ("opt_level", "compile_what", "backend"),
-    [("O1", "submodule", "eager"), ("O2", "model", "eager"), ("O1", "after setup", "aot_eager")],
+    [
+        ("O1", "submodule", "eager"),
+        ("O2", "model", "eager"),
+        ("O1", "after setup", "aot_eager"),
+        ("O2", "after setup", "eager"),
+        ("O2", "after setup", "aot_eager"),
+    ],
 )
 def test_compiled_training_matches_eager_in_fabric(opt_level: str, compile_what: str, backend: str) -> None:
     """A Fabric run of a compiled model (or submodule) with keep_fp32 matches the eager run, without graph breaks."""

@@ -8,9 +8,9 @@ computes with, as in FSDP's mixed precision without sharding:
 1. ``convert_module`` only records which parameters compute in half: the fp32 parameters of every module except
    normalisation layers (BatchNorm, LayerNorm, GroupNorm, InstanceNorm, RMSNorm and any class whose name ends in
    ``Norm``), recurrent layers (their forward reads a cached list of their weights, not the module's slots, so
-   autocast casts those per call, as in O1) and the subtrees that ``keep_fp32`` matches. Nothing is cast, no hook
-   is attached; parameters of
-   other dtypes (fp64) and every buffer keep their dtype. In fp16 a weight beyond fp16's range (65504) is refused
+   autocast casts those per call, as in O1) and the subtrees that ``keep_fp32`` matches. Nothing is cast; the only
+   hooks attached are the ``keep_fp32`` fp32 regions (point 5). Parameters of other dtypes (fp64) and every buffer
+   keep their dtype. In fp16 a weight beyond fp16's range (65504) is refused
    by name here already.
 2. On entering the forward context (training, validation, test and predict steps, and Fabric's module forward),
    one pass over those parameters casts each to the half type (a tied parameter once for all its uses), and the
@@ -29,8 +29,12 @@ computes with, as in FSDP's mixed precision without sharding:
    already half, autocast casts no weight; because embeddings are half, the residual stream and the activations
    saved for backward are half too, which is where O2 saves memory over O1.
 5. ``keep_fp32`` subtrees keep fp32 weights and run in fp32 regions (:mod:`lightning_mp.overrides`), whose hooks
-   are attached on entering the context and removed on leaving it: after fit, or after a failed fit, the model is
-   exactly the fp32 model it was, with no hook left behind.
+   ``convert_module`` attaches once and ``teardown`` removes: after fit, or after a failed fit (the Trainer tears
+   the plugin down either way), the model is exactly the fp32 model it was, with no hook left behind. Attaching
+   them per forward instead would put ``register_forward_pre_hook`` inside the forward context, which a model
+   compiled after ``fabric.setup`` traces: dynamo cannot trace registering a hook and breaks the graph there.
+   Between forwards the hooks change nothing that matters: the fp32 subtree gets fp32 inputs with autocast off, as
+   it would in the context.
 
 A fresh half copy is made for every forward, gradient-accumulation micro-batches included: the cast is one read of
 the weights against a forward that reads them once per token, and reusing copies across backward passes would need
@@ -150,36 +154,27 @@ class HalfWeights(AbstractContextManager):
         slots: ``(module, parameter name)`` of every parameter to replace; a parameter shared by several slots is
             cast once.
         dtype: the half type.
-        fp32_roots: modules to run in fp32 regions while the copies are in place (the ``keep_fp32`` subtrees).
 
     """
 
-    def __init__(self, slots: Sequence[tuple[nn.Module, str]], dtype: torch.dtype, fp32_roots: Sequence[nn.Module]):
+    def __init__(self, slots: Sequence[tuple[nn.Module, str]], dtype: torch.dtype):
         self.slots = list(slots)
         self.dtype = dtype
-        self.fp32_roots = list(fp32_roots)
         self._depth = 0
         self._originals: list[nn.Parameter | None] = []
-        self._hook_handles: list[RemovableHandle] = []
 
     def __enter__(self) -> HalfWeights:
         self._depth += 1
         if self._depth == 1:
             self._swap_in()
-            for module in self.fp32_roots:
-                self._hook_handles += Fp32Region().attach(module)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self._depth -= 1
-        if self._depth == 0:
-            if self._originals:
-                self._restore()
-            for handle in self._hook_handles:
-                handle.remove()
-            self._hook_handles = []
+        if self._depth == 0 and self._originals:
+            self._restore()
 
     def step_out(self) -> None:
         """Put the fp32 parameters back in place for the rest of the open context (a no-op when closed).
@@ -249,10 +244,11 @@ class O2Policy(PrecisionPolicy):
         self.overrides = Fp32Overrides(self.keep_fp32)
         self._half_weights: HalfWeights | None = None
         self._half_parameters: list[tuple[str, nn.Parameter]] = []
+        self._fp32_region_handles: list[RemovableHandle] = []
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Choose the parameters that compute in half; the module itself is left unchanged.
+        """Choose the parameters that compute in half and attach the ``keep_fp32`` fp32 regions until teardown.
 
         Raises:
             HalfOverflowError: in fp16, if a chosen weight is beyond fp16's range.
@@ -273,8 +269,10 @@ class O2Policy(PrecisionPolicy):
         self._half_parameters = list(named.values())
         self._check_range()
         roots = [module.get_submodule(name) for name in outermost(self.overrides.match(module))]
-        fp32_roots = [root for root in roots if not has_fp32_region(root)]
-        self._half_weights = HalfWeights(slots, self.half_dtype, fp32_roots)
+        for root in roots:
+            if not has_fp32_region(root):  # a region the user attached is the user's to keep
+                self._fp32_region_handles += Fp32Region().attach(root)
+        self._half_weights = HalfWeights(slots, self.half_dtype)
         return module
 
     @override
@@ -304,7 +302,10 @@ class O2Policy(PrecisionPolicy):
 
     @override
     def teardown(self) -> None:
-        """Drop every reference to the model, so that a reused plugin keeps no old model alive."""
+        """Remove the fp32 regions' hooks and drop every reference to the model, so that none stays alive."""
+        for handle in self._fp32_region_handles:
+            handle.remove()
+        self._fp32_region_handles = []
         self._half_weights = None
         self._half_parameters = []
 

@@ -186,6 +186,22 @@ def test_o2_keep_fp32_module_computes_in_fp32_and_leaves_no_hook() -> None:
     assert hook_count(model) == 0
 
 
+def test_o2_keep_fp32_regions_stay_attached_across_forwards_until_teardown() -> None:
+    """Under Fabric the keep_fp32 region's hooks are attached once at setup, not per forward; teardown removes them."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    plugin = o2(keep_fp32=["2"])
+    model = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin]).setup(net)
+    hooks_after_setup = dict(net[2]._forward_pre_hooks)
+    assert len(hooks_after_setup) == 1 and hook_count(net) == 2
+    for _ in range(2):
+        assert model(torch.randn(3, 4)).dtype == torch.float32
+        assert dict(net[2]._forward_pre_hooks) == hooks_after_setup
+    plugin.teardown()
+    assert hook_count(net) == 0
+    assert all(isinstance(p, nn.Parameter) and p.dtype == torch.float32 for p in net.parameters())
+
+
 class Accumulating(Net):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         self.half_micro_batches = getattr(self, "half_micro_batches", 0) + (self.net[0].weight.dtype == torch.bfloat16)
