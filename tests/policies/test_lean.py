@@ -12,7 +12,12 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import (
+    EMAWeightAveraging,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.optim.swa_utils import get_ema_multi_avg_fn
@@ -438,3 +443,31 @@ def test_stochastic_weight_averaging_copies_its_average_into_the_bf16_model() ->
     assert model.head.weight.dtype == torch.bfloat16
     assert torch.equal(model.head.weight, average.head.weight.bfloat16())
     assert len(model.losses) == 6
+
+
+def test_resume_with_ema_weight_averaging_restores_the_bf16_model_and_the_fp32_average(tmp_path: Path) -> None:
+    """A lean run with EMAWeightAveraging resumed from a mid-run checkpoint ends bitwise equal to an unbroken one."""
+
+    def run(max_steps: int, ckpt_path: Path | None = None, save: bool = False) -> tuple[LeanNet, EMAWeightAveraging]:
+        model, ema = LeanNet(), EMAWeightAveraging(decay=0.5)
+        callbacks: list[Callback] = [ema]
+        if save:
+            callbacks.append(ModelCheckpoint(tmp_path, filename="mid", every_n_train_steps=4, save_top_k=-1))
+        trainer = make_trainer(
+            MixedPrecision("bf16-mixed", opt_level="lean"),
+            callbacks=callbacks,
+            max_steps=max_steps,
+            max_epochs=-1,
+            enable_checkpointing=save,
+        )
+        trainer.fit(model, classification_loader(), ckpt_path=ckpt_path)
+        return model, ema
+
+    unbroken_model, unbroken_ema = run(8)
+    run(4, save=True)
+    resumed_model, resumed_ema = run(8, ckpt_path=tmp_path / "mid.ckpt")
+    assert resumed_model.head.weight.dtype == torch.bfloat16
+    assert torch.equal(resumed_model.head.weight, unbroken_model.head.weight)
+    assert unbroken_ema._average_model is not None and resumed_ema._average_model is not None
+    assert resumed_ema._average_model.module.head.weight.dtype == torch.float32
+    assert torch.equal(resumed_ema._average_model.module.head.weight, unbroken_ema._average_model.module.head.weight)
