@@ -33,6 +33,18 @@ The pieces:
 
 Only ``torch.optim.Adam``, ``AdamW`` and ``SGD`` are supported (their ``fused`` and ``foreach`` forms included);
 another optimizer is refused at setup with a :class:`TypeError`.
+
+Weight averaging. Lightning's ``WeightAveraging`` (``EMAWeightAveraging`` included) and ``StochasticWeightAveraging``
+copy the model in their ``setup``, before the plugin casts it, so the averaged copy keeps fp32 weights beside the bf16
+model (4 more bytes per parameter). That is what an average needs: an EMA with ``decay=0.999`` moves by a thousandth
+of the difference each step, far below half a bf16 gap, so a bf16 copy would barely move. Per-tensor averaging
+(``avg_fn``, Lightning's ``EMAWeightAveraging``) promotes bf16 to fp32 and works. torch's foreach averaging
+(``multi_avg_fn``, or no function on a device with foreach kernels) needs one dtype across both models and fails in
+the middle of training, so ``convert_module`` refuses it at setup with a :class:`ValueError` naming ``avg_fn``.
+
+Private names used: ``WeightAveraging._average_model`` (Lightning keeps the averaged copy only there) and
+``torch.utils._foreach_utils._get_foreach_kernels_supported_devices`` (the devices where ``AveragedModel`` picks the
+foreach update, so the check matches torch's own choice).
 """
 
 from __future__ import annotations
@@ -42,8 +54,12 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import WeightAveraging
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.swa_utils import AveragedModel
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides
@@ -93,8 +109,27 @@ class LeanPolicy(PrecisionPolicy):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Cast every weight and floating buffer outside normalisations and ``keep_fp32`` to bf16, in place."""
+        """Cast every weight and floating buffer outside normalisations and ``keep_fp32`` to bf16, in place.
+
+        Raises:
+            ValueError: if a Trainer's ``WeightAveraging`` callback averages with torch's foreach update, which needs
+                the fp32 averaged copy and the bf16 model to share dtypes.
+
+        """
         convert_to_half(module, torch.bfloat16, self.overrides, keep_normalization_fp32=True, float_outputs=False)
+        for callback in _weight_averaging_callbacks(module):
+            averaged = callback._average_model
+            if averaged is not None and uses_foreach_update(averaged) and _dtypes(averaged.module) != _dtypes(module):
+                raise ValueError(
+                    f"{type(callback).__name__}(multi_avg_fn={_name(averaged.multi_avg_fn)},"
+                    f" avg_fn={_name(averaged.avg_fn)})"
+                    f" cannot average a model trained with opt_level={self.opt_level!r}: its averaged copy keeps fp32"
+                    " weights (a bf16 average would lose the small updates) while the model's are bf16, and torch's"
+                    " foreach averaging needs one dtype. Pass a per-tensor avg_fn instead: EMAWeightAveraging(decay=d)"
+                    " or WeightAveraging(avg_fn=get_ema_avg_fn(decay)) for an EMA, WeightAveraging(avg_fn="
+                    "get_swa_avg_fn()) for an equal average (both from torch.optim.swa_utils); or use opt_level='O2',"
+                    " whose model keeps fp32 weights."
+                )
         return module
 
     @override
@@ -134,6 +169,36 @@ class LeanPolicy(PrecisionPolicy):
         steps = [step for reference in self._connected if (step := reference()) is not None]
         for step, saved in zip(steps, self._saved_rounding, strict=False):
             step.load_rounding_state(saved)
+
+
+def uses_foreach_update(averaged: AveragedModel) -> bool:
+    """Whether ``averaged.update_parameters`` averages with a foreach function, which needs one dtype per pair."""
+    if averaged.multi_avg_fn is not None:
+        return True
+    return averaged.avg_fn is None and averaged.n_averaged.device.type in _get_foreach_kernels_supported_devices()
+
+
+def _weight_averaging_callbacks(module: nn.Module) -> list[WeightAveraging]:
+    """The ``WeightAveraging`` callbacks of the Trainer ``module`` is attached to; none outside a Trainer."""
+    if not isinstance(module, LightningModule) or module.fabric is not None:
+        return []
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # not attached to a Trainer
+        return []
+    # Trainer.callbacks is public, but the callback connector assigns it outside __init__, where mypy does not see it.
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+    return [callback for callback in callbacks if isinstance(callback, WeightAveraging)]
+
+
+def _name(function: object) -> str:
+    """``function``'s qualified name; its ``repr`` when it has none (``None``)."""
+    return getattr(function, "__qualname__", repr(function))
+
+
+def _dtypes(module: nn.Module) -> list[torch.dtype]:
+    """The dtypes of ``module``'s parameters and buffers, in the order ``AveragedModel`` pairs them."""
+    return [tensor.dtype for tensor in (*module.parameters(), *module.buffers())]
 
 
 class LeanKahanPolicy(LeanPolicy):

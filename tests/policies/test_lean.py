@@ -12,8 +12,15 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import (
+    EMAWeightAveraging,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+    WeightAveraging,
+)
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
@@ -398,3 +405,69 @@ def test_lean_under_fabric_trains_bf16_weights_skips_and_resumes_exactly(tmp_pat
     assert straight.stats.skipped_steps == 1 and resumed.stats == straight.stats
     for expected, actual in zip(straight_model.parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(expected, actual)
+
+
+def test_ema_weight_averaging_keeps_an_fp32_average_of_the_bf16_weights() -> None:
+    """Lightning's EMAWeightAveraging trains with lean: fp32 average, bf16 model, the average copied in at the end."""
+    model = LeanNet()
+    ema = EMAWeightAveraging(decay=0.5)
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level="lean"), callbacks=[ema], max_steps=4)
+    trainer.fit(model, classification_loader())
+    averaged = ema._average_model
+    assert averaged is not None
+    assert averaged.module.head.weight.dtype == torch.float32
+    assert model.head.weight.dtype == torch.bfloat16
+    assert int(averaged.n_averaged) == 4
+    assert torch.equal(model.head.weight, averaged.module.head.weight.bfloat16())
+    assert not torch.equal(averaged.module.head.weight, averaged.module.head.weight.bfloat16().float())
+
+
+def test_foreach_weight_averaging_is_refused_at_setup_naming_the_per_tensor_alternative() -> None:
+    """WeightAveraging(multi_avg_fn=...) with lean fails before the first step with a ValueError naming avg_fn."""
+    model = LeanNet()
+    averaging = WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.999))
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level="lean"), callbacks=[averaging], max_steps=2)
+    with pytest.raises(ValueError, match=r"multi_avg_fn=get_ema_multi_avg_fn.*get_ema_avg_fn\(decay\).*'O2'"):
+        trainer.fit(model, classification_loader())
+    assert model.losses == []
+
+
+def test_stochastic_weight_averaging_copies_its_average_into_the_bf16_model() -> None:
+    """Lightning's StochasticWeightAveraging trains with lean and leaves the bf16 model holding its fp32 average."""
+    model = LeanNet()
+    swa = StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level="lean"), callbacks=[swa], max_steps=-1, max_epochs=3)
+    trainer.fit(model, classification_loader(batches=2))
+    average = swa._average_model
+    assert average.head.weight.dtype == torch.float32
+    assert model.head.weight.dtype == torch.bfloat16
+    assert torch.equal(model.head.weight, average.head.weight.bfloat16())
+    assert len(model.losses) == 6
+
+
+def test_resume_with_ema_weight_averaging_restores_the_bf16_model_and_the_fp32_average(tmp_path: Path) -> None:
+    """A lean run with EMAWeightAveraging resumed from a mid-run checkpoint ends bitwise equal to an unbroken one."""
+
+    def run(max_steps: int, ckpt_path: Path | None = None, save: bool = False) -> tuple[LeanNet, EMAWeightAveraging]:
+        model, ema = LeanNet(), EMAWeightAveraging(decay=0.5)
+        callbacks: list[Callback] = [ema]
+        if save:
+            callbacks.append(ModelCheckpoint(tmp_path, filename="mid", every_n_train_steps=4, save_top_k=-1))
+        trainer = make_trainer(
+            MixedPrecision("bf16-mixed", opt_level="lean"),
+            callbacks=callbacks,
+            max_steps=max_steps,
+            max_epochs=-1,
+            enable_checkpointing=save,
+        )
+        trainer.fit(model, classification_loader(), ckpt_path=ckpt_path)
+        return model, ema
+
+    unbroken_model, unbroken_ema = run(8)
+    run(4, save=True)
+    resumed_model, resumed_ema = run(8, ckpt_path=tmp_path / "mid.ckpt")
+    assert resumed_model.head.weight.dtype == torch.bfloat16
+    assert torch.equal(resumed_model.head.weight, unbroken_model.head.weight)
+    assert unbroken_ema._average_model is not None and resumed_ema._average_model is not None
+    assert resumed_ema._average_model.module.head.weight.dtype == torch.float32
+    assert torch.equal(resumed_ema._average_model.module.head.weight, unbroken_ema._average_model.module.head.weight)
