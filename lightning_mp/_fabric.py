@@ -49,7 +49,8 @@ backward-and-steps iteration, gradient accumulation included. Read the stats aft
 Private torch and Lightning names used:
 
 - ``torch.amp.GradScaler._found_inf_per_device``: the inf/NaN flags of an optimizer's unscaled gradients, which
-  torch's GradScaler keeps for its own ``step``; read at clipping time only (see :meth:`FabricSteps.main_params`).
+  torch's GradScaler keeps for its own ``step``; used on the device, without a sync, to put back the running
+  statistics of a skipped step. At clipping time :meth:`LossScaler.found_inf` reads the same flags.
 - ``Optimizer._step_supports_amp_scaling`` (read with ``getattr``, as the scaler does): a fused optimizer that skips
   a non-finite step inside its kernel, so the opt level hears of that skip at the scale update.
 - ``LightningModule._trainer`` (read with ``getattr``): whether the Trainer or Fabric drives a hook. The public
@@ -228,7 +229,7 @@ class FabricSteps:
             and with ``error_if_nonfinite=True`` (Fabric's default) it would raise.
         """
         parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-        if parameters and id(optimizer) in self._unscaled and self._found_inf(optimizer):
+        if parameters and id(optimizer) in self._unscaled and self.loss_scaler.found_inf(optimizer):
             # Not an empty list: torch's clip_grad_value_ fails on one (clip_grad_norm_ would return 0 for it too).
             return [self._stand_in(parameters[0].device)]
         return parameters
@@ -240,10 +241,6 @@ class FabricSteps:
             stand_in = self._stand_ins[str(device)] = torch.zeros(1, device=device)
             stand_in.grad = torch.zeros(1, device=device)
         return stand_in
-
-    def _found_inf(self, optimizer: Optimizer) -> bool:
-        flags = self.loss_scaler._found_inf_per_device(optimizer)
-        return any(bool(flag.item()) for flag in flags.values())
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         """Unscale, then step unless a gradient is inf or NaN; the scale update waits (module docstring).

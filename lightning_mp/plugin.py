@@ -43,10 +43,10 @@ Private names used, and why:
 
 * ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: Lightning's test for optimizers that
   unscale inside their own step (fused Adam/AdamW/SGD), the same test Lightning's plugin makes.
-* ``torch.amp.grad_scaler.OptState`` and ``GradScaler._per_optimizer_states``: whether an optimizer was already
-  unscaled in this iteration (so that an explicit ``scaler.unscale_(opt)`` is not repeated) and its inf flag,
-  which torch's ``step`` and ``update`` read the same way; and, when that ``unscale_`` went through Lightning's
-  ``LightningOptimizer`` wrapper, moving its record to the wrapped optimizer. Three small functions below.
+* ``GradScaler._per_optimizer_states``: when an explicit ``scaler.unscale_(opt)`` went through Lightning's
+  ``LightningOptimizer`` wrapper, its record moves to the wrapped optimizer (``_adopt_wrapper_unscale``), so that
+  the plugin does not unscale again. Whether an optimizer was unscaled, and its inf flag, come from
+  :meth:`LossScaler.is_unscaled` and :meth:`LossScaler.found_inf`.
 * ``LightningModule._trainer`` (read with ``getattr``, here and through :mod:`lightning_mp._fabric`): whether a
   Trainer drives the hook, and its device; the public ``trainer`` property raises when none is attached.
 * The torch GradScaler state key ``_growth_tracker``: torch's own ``state_dict`` names it so, and the checkpoint
@@ -75,7 +75,6 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from torch.amp.grad_scaler import OptState
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
@@ -106,13 +105,7 @@ _HALF_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 _TORCH_SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
 
-def _is_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
-    """Whether ``unscale_(optimizer)`` already ran since the scaler's last ``update()``."""
-    state = scaler._per_optimizer_states.get(id(optimizer))
-    return state is not None and state["stage"] is OptState.UNSCALED
-
-
-def _adopt_wrapper_unscale(scaler: torch.amp.GradScaler, wrappers: Sequence[Any], optimizer: Optimizer) -> None:
+def _adopt_wrapper_unscale(scaler: LossScaler, wrappers: Sequence[Any], optimizer: Optimizer) -> None:
     """Record an ``unscale_`` the user made through a LightningOptimizer as made on the optimizer it wraps.
 
     ``opt = self.optimizers()`` is a LightningOptimizer that shares its optimizer's ``param_groups``, so
@@ -121,17 +114,8 @@ def _adopt_wrapper_unscale(scaler: torch.amp.GradScaler, wrappers: Sequence[Any]
     """
     states = scaler._per_optimizer_states
     for wrapper in wrappers:
-        if wrapper.optimizer is optimizer and _is_unscaled(scaler, wrapper):
+        if wrapper.optimizer is optimizer and scaler.is_unscaled(wrapper):
             states[id(optimizer)] = states.pop(id(wrapper))
-
-
-def _found_inf(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
-    """Whether the last step of ``optimizer`` found an inf or NaN, and so was skipped.
-
-    .. warning:: For fused optimizers the flag is still on the device: reading it synchronises.
-    """
-    flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
-    return any(bool(flag) for flag in flags)
 
 
 def _device_type(owner: str, device: Any) -> str:
@@ -615,7 +599,7 @@ class MixedPrecision(LightningMixedPrecision):
             skipped = loss_scaler.last_step_skipped
         else:
             # The scale moves when the training step returns; this optimizer's own verdict is needed now.
-            skipped = _found_inf(loss_scaler, optimizer)
+            skipped = loss_scaler.found_inf(optimizer)
         self._skipped_by_optimizer[id(optimizer)] = skipped
         policy.after_optimizer_step(optimizer, skipped)
         return step_output
@@ -625,7 +609,7 @@ class MixedPrecision(LightningMixedPrecision):
         assert self._loss_scaler is not None
         # Without gradients (a training_step that returned None) there is nothing to unscale, and an unscale_
         # recorded now would wrongly mark the next batch's gradients as already unscaled.
-        if unscale and _has_gradients(optimizer) and not _is_unscaled(self._loss_scaler, optimizer):
+        if unscale and _has_gradients(optimizer) and not self._loss_scaler.is_unscaled(optimizer):
             self._loss_scaler.unscale_(optimizer)
 
     def _end_iteration(self) -> None:

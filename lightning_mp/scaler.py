@@ -374,8 +374,23 @@ class LossScaler(torch.amp.GradScaler):
         return super().scale(outputs)
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether :meth:`unscale_` already ran for ``optimizer`` in this iteration (a second call would raise)."""
-        return self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+        """Whether :meth:`unscale_` already ran for ``optimizer`` in this iteration (a second call would raise).
+
+        Asking records nothing for an optimizer the scaler has not seen.
+        """
+        state = self._per_optimizer_states.get(id(optimizer))
+        return state is not None and state["stage"] is OptState.UNSCALED
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the gradients unscaled for ``optimizer`` in this iteration hold an inf or NaN: its step is skipped.
+
+        False before :meth:`unscale_` ran for it. Asking records nothing for an optimizer the scaler has not seen.
+
+        .. warning:: Reads the device flag on the host: a synchronisation on CUDA.
+        """
+        state = self._per_optimizer_states.get(id(optimizer))
+        flags = state["found_inf_per_device"].values() if state is not None else ()
+        return any(bool(flag) for flag in flags)
 
     def _optimizer_index(self, optimizer: torch.optim.Optimizer) -> int:
         # Keyed by the param_groups list, which a wrapper (Lightning's LightningOptimizer) shares with the optimizer
