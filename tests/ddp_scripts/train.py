@@ -56,6 +56,14 @@ class RankInjectingRegressor(TinyRegressor):
             super().on_after_backward()
 
     @override
+    def teardown(self, stage: str) -> None:
+        # Lightning leaves the process group up after fit, and the workers of ddp_spawn and ddp_notebook exit right
+        # after it: gloo torn down by the interpreter's exit can abort a successful run ("terminate called without an
+        # active exception"). This hook runs in every process, after the last collective of the fit.
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    @override
     def configure_optimizers(self) -> Any:
         fused = {"fused-sgd": torch.optim.SGD, "fused-adamw": torch.optim.AdamW}.get(self.optimizer_name)
         if fused is None:
@@ -205,10 +213,6 @@ def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
         enable_checkpointing=bool(args.checkpoint_every or args.save_on_exception),
     )
     trainer.fit(model, loader(), ckpt_path=ckpt_path)
-    if dist.is_available() and dist.is_initialized():
-        # Lightning leaves the process group up after fit; tearing gloo down in the interpreter's exit instead can
-        # abort the process ("terminate called without an active exception") after a successful run.
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
