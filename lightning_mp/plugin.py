@@ -171,6 +171,10 @@ class MixedPrecision(LightningMixedPrecision):
             None or empty keeps none.
         max_consecutive_skips: stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
             steps in a row, in every precision; None never stops.
+        recast_in_backward: O2 only: autograd saves the fp32 parameters instead of their half copies, and backward
+            casts them again, so the copies never outlive the forward (2 bytes per parameter less at the start of
+            backward, for one cast per weight in backward). Set it to False for a training step that calls
+            ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``), which refuse saved-tensor hooks.
 
     Numbers may be Python, numpy or 0-d tensor scalars; booleans must be ``True`` or ``False``.
 
@@ -206,6 +210,7 @@ class MixedPrecision(LightningMixedPrecision):
         skip_scheduler_on_overflow: bool = True,
         keep_fp32: Sequence[type | str] | None = (),
         max_consecutive_skips: int | None = 100,
+        recast_in_backward: bool = True,
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "precision", precision, PRECISIONS, PRECISION_ALIASES)
@@ -214,6 +219,12 @@ class MixedPrecision(LightningMixedPrecision):
             device = _device_type(owner, device)
         consecutive_hysteresis = check_flag(owner, "consecutive_hysteresis", consecutive_hysteresis)
         skip_scheduler_on_overflow = check_flag(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
+        recast_in_backward = check_flag(owner, "recast_in_backward", recast_in_backward)
+        if not recast_in_backward and opt_level != "O2":
+            raise ValueError(
+                f"{owner}(opt_level={opt_level!r}, recast_in_backward=False) is not allowed: only O2 makes the half"
+                " weight copies that it recasts in backward. Leave recast_in_backward=True, or use opt_level='O2'."
+            )
         torch_knobs = {
             "init_scale": plain_scalar(init_scale),
             "growth_factor": plain_scalar(growth_factor),
@@ -269,6 +280,7 @@ class MixedPrecision(LightningMixedPrecision):
         self.device = device
         self.loss_scale = loss_scale
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
+        self.recast_in_backward = recast_in_backward
         self.keep_fp32 = Fp32Overrides(keep_fp32).patterns
         self.precision_reason = "asked for" if precision != "auto" else ""
         self._given_scaler = scaler
@@ -402,7 +414,8 @@ class MixedPrecision(LightningMixedPrecision):
         self._warn_about_slow_half(device_type)
         opt_level = "O0" if self.precision == "32-true" else self.opt_level
         policy_class = POLICIES[opt_level]
-        self._policy = policy_class(self.half_dtype, keep_fp32=self.keep_fp32)
+        options = {"recast_in_backward": self.recast_in_backward} if opt_level == "O2" else {}
+        self._policy = policy_class(self.half_dtype, keep_fp32=self.keep_fp32, **options)
         self._loss_scaler = self._build_loss_scaler(device_type, policy_class)
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None

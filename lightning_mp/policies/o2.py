@@ -20,8 +20,17 @@ computes with, as in FSDP's mixed precision without sharding:
    ``_to_copy`` per parameter forward and one backward, the casts autocast makes per use in O1, and no Python call
    per parameter. A single flat cast (concatenate, cast, split) would dispatch more ops, briefly need an fp32 copy
    of every weight, and tie all copies to one storage, so that none is freed before the last.
-3. On leaving the context, also on an exception, the real parameters go back in place. The half copies live on
-   only as long as the autograd graph saves them for backward, and are freed with it.
+3. On leaving the context, also on an exception, the real parameters go back in place, and the half copies are
+   freed: autograd does not keep them for backward. While the context is open, a saved-tensor hook
+   (``torch.autograd.graph.saved_tensors_hooks``) replaces every half copy that an op saves for backward (a
+   matrix product saves its weight, or a transposed view of it) by a note of its fp32 parameter, the parameter's
+   version and the view's geometry; backward casts the parameter again when it needs the weight. The copies
+   therefore exist only while the forward runs, and backward holds one weight copy at a time, not all of them:
+   at the start of backward, where training's memory peaks, that is 2 bytes per parameter less, for one extra
+   cast per weight in backward (the forward made the same cast once). Activations are saved as usual. A
+   parameter changed in place between the forward and its backward (an optimizer step, a weight edit) would make
+   the recast differ from what the forward computed with; the backward then raises, naming the parameter, as torch
+   raises in fp32 for a saved tensor modified in place.
 4. ``torch.autocast`` stays on in the half type around the forward, as a safety net for what is not a parameter:
    fp32 inputs of matrix products are cast to half, losses and softmax-like reductions run in fp32 (so the scaled
    loss is fp32), and normalisation layers compute in fp32 (CUDA autocast upcasts them; on the CPU their kernels
@@ -59,13 +68,14 @@ step.
 Private torch names used: ``nn.Module._parameters`` (the only way to put a plain tensor in a parameter's slot while
 keeping the module's parameter order; ``torch.nn.utils.stateless`` and ``torch.func.functional_call`` do the same,
 but they wrap one ``forward`` call, not a LightningModule's ``training_step``);
-``nn.modules.batchnorm._NormBase`` (the common base of the batch and instance norms).
+``nn.modules.batchnorm._NormBase`` (the common base of the batch and instance norms); ``Tensor._version`` (the
+in-place version counter autograd itself checks saved tensors against: the recast in backward checks it too).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
 
@@ -144,37 +154,114 @@ def overflowing_weights(named: Sequence[tuple[str, Tensor]], dtype: torch.dtype)
     return [name for name, _ in hits], [value for _, value in hits]
 
 
+class SavedWeight:
+    """A half copy that an op saved for backward, kept as its fp32 parameter and recast when backward needs it.
+
+    Args:
+        parameter: the fp32 parameter the copy was cast from.
+        name: its qualified name, for the error message.
+        dtype: the half type.
+        view: ``(size, stride, storage_offset)`` of the saved tensor within the copy (a transposed weight, say).
+
+    """
+
+    __slots__ = ("dtype", "name", "parameter", "version", "view")
+
+    def __init__(self, parameter: Tensor, name: str, dtype: torch.dtype, view: tuple[torch.Size, tuple[int, ...], int]):
+        self.parameter = parameter
+        self.name = name
+        self.dtype = dtype
+        self.view = view
+        self.version = parameter._version
+
+    def recast(self) -> Tensor:
+        """The saved tensor again: the parameter cast to half, viewed as the op saw it.
+
+        Raises:
+            RuntimeError: if the parameter was changed in place since the forward.
+
+        """
+        if self.parameter._version != self.version:
+            raise RuntimeError(
+                f"lightning_mp O2: the fp32 weight {self.name!r} was modified in place (an optimizer step or an"
+                " in-place edit) after the forward that computed with it and before that forward's backward. The"
+                " gradients would be computed with weights the forward did not use; torch raises the same error in"
+                " fp32 for a saved tensor modified in place. Run backward before stepping or editing the weights."
+            )
+        copy = self.parameter.to(self.dtype)
+        size, stride, offset = self.view
+        if copy.size() == size and copy.stride() == stride and offset == 0:
+            return copy
+        return copy.as_strided(size, stride, offset)
+
+
+def _unpack(saved: Tensor | SavedWeight) -> Tensor:
+    return saved.recast() if isinstance(saved, SavedWeight) else saved
+
+
 class HalfWeights(AbstractContextManager):
     """Context manager that puts differentiable half copies in place of chosen fp32 parameters, then restores them.
 
-    Re-entrant: a nested ``with`` (a forward context inside another) changes nothing. :meth:`refresh` recasts the
-    copies while the context is open, after the weights changed.
+    While it is open, the copies that ops save for backward are saved as their fp32 parameters instead and recast in
+    backward (:class:`SavedWeight`), so that no copy outlives the forward. Re-entrant: a nested ``with`` (a forward
+    context inside another) changes nothing. :meth:`refresh` recasts the copies while the context is open, after
+    the weights changed.
 
     Args:
         slots: ``(module, parameter name)`` of every parameter to replace; a parameter shared by several slots is
             cast once.
         dtype: the half type.
+        names: qualified name of each parameter by ``id``, for error messages.
+        recast_in_backward: save the parameter, not its copy, for backward (the default); ``False`` keeps the
+            copies saved until backward frees them, as autocast does.
 
     """
 
-    def __init__(self, slots: Sequence[tuple[nn.Module, str]], dtype: torch.dtype):
+    def __init__(
+        self,
+        slots: Sequence[tuple[nn.Module, str]],
+        dtype: torch.dtype,
+        names: Mapping[int, str] | None = None,
+        recast_in_backward: bool = True,
+    ):
         self.slots = list(slots)
         self.dtype = dtype
+        self.names = dict(names or {})
+        self.recast_in_backward = recast_in_backward
         self._depth = 0
         self._originals: list[nn.Parameter | None] = []
+        self._copies: dict[int, tuple[Tensor, nn.Parameter]] = {}
+        """Storage address of each live copy -> the copy and its parameter (the copies are alive: slots hold them)."""
+        self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._recasting = False
 
     def __enter__(self) -> HalfWeights:
         self._depth += 1
         if self._depth == 1:
+            # Inside a compiled region the compiler decides what the graph saves; a hook there would break the graph.
+            self._recasting = self.recast_in_backward and not torch.compiler.is_compiling()
             self._swap_in()
+            if self._recasting:
+                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+                self._saved_hooks.__enter__()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self._depth -= 1
-        if self._depth == 0 and self._originals:
-            self._restore()
+        if self._depth == 0:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
+            if self._originals:
+                self._restore()
+            if hooks is not None and isinstance(exc, RuntimeError) and "saved tensor hooks" in str(exc):
+                raise RuntimeError(
+                    "lightning_mp O2 recasts the half weight copies in backward through a saved-tensor hook, and"
+                    " torch.func transforms (grad, vjp, jacrev, hessian) refuse to run under one. Pass"
+                    " MixedPrecision(..., opt_level='O2', recast_in_backward=False) to keep the copies saved instead."
+                ) from exc
 
     def step_out(self) -> None:
         """Put the fp32 parameters back in place for the rest of the open context (a no-op when closed).
@@ -200,9 +287,30 @@ class HalfWeights(AbstractContextManager):
                 continue
             copy = copies.get(id(parameter))
             if copy is None:
-                copy = copies[id(parameter)] = parameter.to(self.dtype)
+                copy = copies[id(parameter)] = self._cast(parameter)
             # The slot holds a plain tensor for the forward: that is the point of the swap (module docstring).
             module._parameters[name] = copy  # type: ignore[assignment]
+        live = {id(module._parameters[name]) for module, name in self.slots}
+        self._copies = {address: entry for address, entry in self._copies.items() if id(entry[0]) in live}
+
+    def _cast(self, parameter: nn.Parameter) -> Tensor:
+        copy = parameter.to(self.dtype)
+        if self._recasting and copy.numel():  # an empty tensor has no storage address of its own
+            self._copies[copy.untyped_storage().data_ptr()] = (copy, parameter)
+        return copy
+
+    def _pack(self, tensor: Tensor) -> Tensor | SavedWeight:
+        """What autograd keeps for backward: a copy (or a view of one) becomes a :class:`SavedWeight`."""
+        if tensor.dtype != self.dtype or type(tensor) is not Tensor or not self._copies:
+            return tensor
+        if tensor.layout != torch.strided or tensor.numel() == 0:
+            return tensor
+        entry = self._copies.get(tensor.untyped_storage().data_ptr())
+        if entry is None:
+            return tensor
+        _, parameter = entry
+        view = (tensor.size(), tensor.stride(), int(tensor.storage_offset()))
+        return SavedWeight(parameter, self.names.get(id(parameter), "<unnamed>"), self.dtype, view)
 
     def _swap_in(self) -> None:
         copies: dict[int, Tensor] = {}
@@ -214,7 +322,7 @@ class HalfWeights(AbstractContextManager):
                 continue
             copy = copies.get(id(parameter))
             if copy is None:
-                copy = copies[id(parameter)] = parameter.to(self.dtype)
+                copy = copies[id(parameter)] = self._cast(parameter)
             # A plain tensor in a parameter's slot is the point of the swap (module docstring).
             module._parameters[name] = copy  # type: ignore[assignment]
 
@@ -222,6 +330,7 @@ class HalfWeights(AbstractContextManager):
         for (module, name), parameter in zip(self.slots, self._originals, strict=True):
             module._parameters[name] = parameter
         self._originals = []
+        self._copies = {}
 
 
 class O2Policy(PrecisionPolicy):
@@ -230,6 +339,8 @@ class O2Policy(PrecisionPolicy):
     Args:
         half_dtype: ``torch.float16`` or ``torch.bfloat16``.
         keep_fp32: module types, qualified names or ``re:`` patterns whose modules compute in fp32.
+        recast_in_backward: save the fp32 parameters for backward and recast them there, instead of their half
+            copies (module docstring, point 3).
 
     Raises:
         ValueError: if ``half_dtype`` is not a half type, or a ``keep_fp32`` entry is invalid.
@@ -239,8 +350,11 @@ class O2Policy(PrecisionPolicy):
     opt_level = "O2"
     uses_autocast = True
 
-    def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
+    def __init__(
+        self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = (), recast_in_backward: bool = True
+    ) -> None:
         super().__init__(check_half_dtype(type(self).__name__, half_dtype), keep_fp32)
+        self.recast_in_backward = recast_in_backward
         self.overrides = Fp32Overrides(self.keep_fp32)
         self._half_weights: HalfWeights | None = None
         self._half_parameters: list[tuple[str, nn.Parameter]] = []
@@ -272,7 +386,8 @@ class O2Policy(PrecisionPolicy):
         for root in roots:
             if not has_fp32_region(root):  # a region the user attached is the user's to keep
                 self._fp32_region_handles += Fp32Region().attach(root)
-        self._half_weights = HalfWeights(slots, self.half_dtype)
+        names = {id(parameter): name for name, parameter in self._half_parameters}
+        self._half_weights = HalfWeights(slots, self.half_dtype, names, self.recast_in_backward)
         return module
 
     @override
@@ -317,4 +432,4 @@ class O2Policy(PrecisionPolicy):
             raise HalfOverflowError(names, largest, torch.float16)
 
 
-__all__ = ["HalfOverflowError", "HalfWeights", "O2Policy", "check_half_dtype", "is_normalization"]
+__all__ = ["HalfOverflowError", "HalfWeights", "O2Policy", "SavedWeight", "check_half_dtype", "is_normalization"]

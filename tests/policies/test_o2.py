@@ -729,3 +729,140 @@ def test_o2_trains_a_toggled_gan_like_o1(precision, use_closure):
     for name, parameter in models["O2"].named_parameters():
         assert not torch.equal(parameter, untrained.get_parameter(name)), f"{name} never trained"
         torch.testing.assert_close(parameter, models["O1"].get_parameter(name), rtol=2e-2, atol=2e-3)
+
+
+# ------------------------------------------------------------------------------------------------ recast in backward
+
+
+class Mixed(nn.Module):
+    """A conv (saves its weight as is), linears (save a transposed view) and a tied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(10, 6)
+        self.conv = nn.Conv1d(6, 6, 3, padding=1)
+        self.hidden = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embedding(tokens)
+        x = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        return self.head(torch.relu(self.hidden(x)))
+
+
+def halved(model: nn.Module, recast: bool) -> Any:
+    from lightning_mp.policies.o2 import HalfWeights
+
+    slots = [(m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)]
+    names = {id(p): n for n, p in model.named_parameters()}
+    return HalfWeights(slots, torch.bfloat16, names, recast_in_backward=recast)
+
+
+def o2_gradients(recast: bool, create_graph: bool = False) -> tuple[dict[str, Tensor], list[weakref.ref]]:
+    model = Mixed()
+    tokens = torch.randint(0, 10, (2, 5), generator=torch.Generator().manual_seed(1))
+    with halved(model, recast), torch.autocast("cpu", dtype=torch.bfloat16):
+        copies = [weakref.ref(model.hidden.weight), weakref.ref(model.conv.weight), weakref.ref(model.head.weight)]
+        loss = model(tokens).float().square().mean()
+    if create_graph:  # a gradient penalty: the gradient's norm is part of the loss
+        (grad,) = torch.autograd.grad(loss, model.hidden.weight, create_graph=True)
+        loss = loss + grad.square().sum()
+    gc.collect()
+    alive = [ref for ref in copies if ref() is not None]
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, alive
+
+
+def test_o2_half_copies_are_freed_when_the_forward_ends_and_backward_recasts_them_exactly() -> None:
+    """With the recast, no half copy outlives the forward context; the gradients are bitwise those of saved copies."""
+    recast, alive_recast = o2_gradients(recast=True)
+    saved, alive_saved = o2_gradients(recast=False)
+    assert alive_recast == []
+    assert len(alive_saved) == 3  # autograd keeps every copy until backward: what the recast saves
+    assert (
+        recast.keys()
+        == saved.keys()
+        == {"embedding.weight", "conv.weight", "conv.bias", "hidden.weight", "hidden.bias"}
+    )
+    for name in recast:
+        assert recast[name].dtype == torch.float32
+        assert torch.equal(recast[name], saved[name]), name
+
+
+def test_o2_recast_supports_a_gradient_penalty_with_create_graph() -> None:
+    """Double backward (a gradient penalty) through recast weights gives the gradients of saved copies."""
+    recast, _ = o2_gradients(recast=True, create_graph=True)
+    saved, _ = o2_gradients(recast=False, create_graph=True)
+    for name in saved:
+        torch.testing.assert_close(recast[name], saved[name], rtol=0, atol=0)
+
+
+def test_o2_backward_after_an_in_place_weight_change_raises_naming_the_weight() -> None:
+    """A weight changed between the forward and its backward is named, as torch does for fp32 saved tensors."""
+    model = Mixed()
+    with halved(model, recast=True), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.zeros(1, 3, dtype=torch.long)).float().sum()
+    with torch.no_grad():
+        model.hidden.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"'hidden\.weight' was modified in place"):
+        loss.backward()
+
+
+class LossHolder(Net):
+    """Records whether the last linear's half copy (which backward needs) is still alive when backward starts."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.copy_ref = weakref.ref(self.net[3].weight)
+        return super().training_step(batch, batch_idx)
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        gc.collect()
+        self.copy_alive_at_backward = self.copy_ref() is not None
+
+
+@pytest.mark.parametrize(("recast", "alive"), [(True, False), (False, True)])
+def test_o2_trainer_backward_starts_without_half_copies_unless_recast_is_off(recast: bool, alive: bool) -> None:
+    """In a Trainer run the half copies are gone when backward starts; recast_in_backward=False keeps them saved."""
+    model = LossHolder()
+    fit(model, o2(recast_in_backward=recast), max_steps=2)
+    assert model.copy_alive_at_backward is alive
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+class PerSampleGradNorms(Net):
+    """Logs per-sample gradient norms of the head with torch.func inside training_step."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        features, target = batch
+        head = self.net[3]
+        params = {k: v.detach() for k, v in head.named_parameters()}
+        hidden = self.net[:3](features).detach()
+
+        def sample_loss(p: dict[str, Tensor], h: Tensor, t: Tensor) -> Tensor:
+            return F.cross_entropy(functional_call(head, p, (h[None],)), t[None])
+
+        grads = torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))(params, hidden, target)
+        self.per_sample_norm = grads["weight"].flatten(1).norm(dim=1)
+        return super().training_step(batch, batch_idx)
+
+
+def test_o2_torch_func_in_the_step_needs_recast_off_and_the_error_says_so() -> None:
+    """torch.func refuses saved-tensor hooks: the error names recast_in_backward=False, which then trains."""
+    with pytest.raises(RuntimeError, match=r"recast_in_backward=False"):
+        fit(PerSampleGradNorms(), o2(), max_steps=1)
+    model = PerSampleGradNorms()
+    fit(model, o2(recast_in_backward=False), max_steps=2)
+    assert model.per_sample_norm.shape == (8,) and torch.isfinite(model.per_sample_norm).all()
+
+
+@pytest.mark.parametrize("value", ["yes", 1.0, None])
+def test_recast_in_backward_must_be_a_boolean(value: Any) -> None:
+    with pytest.raises((TypeError, ValueError), match="recast_in_backward"):
+        MixedPrecision("bf16-mixed", opt_level="O2", recast_in_backward=value)
+
+
+def test_recast_in_backward_off_is_refused_outside_o2() -> None:
+    with pytest.raises(ValueError, match=r"opt_level='O1', recast_in_backward=False\) is not allowed"):
+        MixedPrecision("bf16-mixed", opt_level="O1", recast_in_backward=False)
