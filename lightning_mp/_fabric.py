@@ -46,11 +46,11 @@ applied lazily at the first of:
 Every optimizer therefore unscales by the scale its gradients were produced under, and the scale moves once per
 backward-and-steps iteration, gradient accumulation included. Read the stats after the iteration's last step.
 
+A skipped step's running statistics are put back by :meth:`LossScaler.step_verdict`: a bool where the host already
+read the verdict, else the device flag, used in ``torch.where`` without a sync.
+
 Private torch and Lightning names used:
 
-- ``torch.amp.GradScaler._found_inf_per_device``: the inf/NaN flags of an optimizer's unscaled gradients, which
-  torch's GradScaler keeps for its own ``step``; used on the device, without a sync, to put back the running
-  statistics of a skipped step. At clipping time :meth:`LossScaler.found_inf` reads the same flags.
 - ``Optimizer._step_supports_amp_scaling`` (read with ``getattr``, as the scaler does): a fused optimizer that skips
   a non-finite step inside its kernel, so the opt level hears of that skip at the scale update.
 - ``LightningModule._trainer`` (read with ``getattr``): whether the Trainer or Fabric drives a hook. The public
@@ -162,18 +162,18 @@ class FabricSteps:
 
     def _settle_running_stats(self, optimizer: Optimizer) -> None:
         """After a step: put back the stepped model's running statistics if the step was skipped, on the device."""
-        flags = list(self.loss_scaler._found_inf_per_device(optimizer).values())
-        skipped = None
-        if flags:
-            skipped = (flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()) > 0
+        skipped = self.loss_scaler.step_verdict(optimizer)
         with torch.no_grad():
             layers = [layer for model in self._modules_of(optimizer) for layer in self._normalization_layers[id(model)]]
             for layer in layers:
                 saved = self._saved_running_stats.pop(id(layer), None)
-                if saved is None or skipped is None:
+                if saved is None or skipped is None or skipped is False:
                     continue
                 for buffer, before in zip(_running_stats(layer), saved, strict=True):
-                    buffer.copy_(torch.where(skipped.to(buffer.device), before, buffer))
+                    if skipped is True:
+                        buffer.copy_(before)
+                    else:  # a device flag: decided on the device, without a sync
+                        buffer.copy_(torch.where(skipped.to(buffer.device) > 0, before, buffer))
 
     def _warn_if_resumed_without_scaler_state(self, optimizer: Optimizer) -> None:
         """Warn when an optimizer arrives with a loaded state but the plugin's state was not loaded.

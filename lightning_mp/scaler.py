@@ -14,7 +14,10 @@ One iteration (any number of optimizers, torch's contract: ``update()`` once, af
 * ``step`` of a fused optimizer (Adam, AdamW, SGD with ``fused=True``) hands the flag to the fused kernel, which
   skips the update on the device: no host sync (except fused SGD's first step with momentum, see
   :func:`_skips_safely_on_device`). ``step`` of any other optimizer reads the flag (the one host sync,
-  which torch's recipe makes too) and skips ``optimizer.step()`` when it is set.
+  which torch's recipe makes too) and skips ``optimizer.step()`` when it is set. In check mode in one process such
+  an optimizer gets no flag at all: ``unscale_`` stacks its gradients' inf-norms (one op, as the flag check was) and
+  ``step`` reads them on the host (the same one sync), so nothing the scaler keeps between iterations is touched,
+  and the peak memory of a bf16 step is exactly that of a step without a scaler.
 * ``update`` moves the scale by the pure rules of :mod:`lightning_mp._scale_rules` (hysteresis, growth capped at
   ``max_scale``, backoff, collapse at the floor). Where every flag of the iteration is already on the host they run
   there and the device scale is rewritten only when it changes; otherwise (fused optimizers) they run on the device
@@ -141,13 +144,22 @@ class _IterationRecord:
         """Optimizer index -> the preallocated flags it used."""
         self.readers: dict[int, Reader] = {}
         """Optimizer index -> a reader of its flag's host copy, once published."""
+        self.norms: dict[int, torch.Tensor] = {}
+        """Optimizer index -> the inf-norms of its gradients, where its step reads them on the host (check mode)."""
         self.new_scale: float | None = None
         self.device_ruled = False
         self.ready: torch.cuda.Event | None = None
 
     @property
     def checked(self) -> bool:
-        return bool(self.device_flags or self.host_flags)
+        return bool(self.device_flags or self.host_flags or self.norms)
+
+    def verdict_from_norms(self, index: int) -> float:
+        """1.0 if a gradient norm of optimizer ``index`` is inf or NaN, else 0.0; read once (one host sync)."""
+        found_inf = self.host_flags.get(index)
+        if found_inf is None:
+            found_inf = self.host_flags[index] = float(not all(map(math.isfinite, self.norms[index].tolist())))
+        return found_inf
 
     @property
     def on_host(self) -> bool:
@@ -155,6 +167,8 @@ class _IterationRecord:
         return set(self.device_flags) <= set(self.host_flags)
 
     def read(self) -> dict[int, bool]:
+        for index in self.norms:  # an unscale_ whose step never came
+            self.verdict_from_norms(index)
         if self.ready is not None:
             self.ready.synchronize()
         flags = {index: bool(read()) for index, read in self.readers.items()}
@@ -389,8 +403,28 @@ class LossScaler(torch.amp.GradScaler):
         .. warning:: Reads the device flag on the host: a synchronisation on CUDA.
         """
         state = self._per_optimizer_states.get(id(optimizer))
-        flags = state["found_inf_per_device"].values() if state is not None else ()
-        return any(bool(flag) for flag in flags)
+        if state is None:
+            return False
+        index = self._index_by_id.get(id(optimizer.param_groups))
+        if index is not None and index in self._iteration.norms:
+            return bool(self._iteration.verdict_from_norms(index))
+        return any(bool(flag) for flag in state["found_inf_per_device"].values())
+
+    def step_verdict(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor | None:
+        """Whether ``optimizer``'s step of this iteration is (or will be) skipped, without waiting for a device.
+
+        Returns:
+            a bool where the host already knows; else the device flag (a 0-d tensor, 1.0 when skipped), for
+            sync-free use such as ``torch.where``; None before :meth:`unscale_` ran for it.
+
+        """
+        index = self._index_by_id.get(id(optimizer.param_groups))
+        if index is None:
+            return None
+        record = self._iteration
+        if index in record.host_flags or index in record.norms:
+            return bool(record.verdict_from_norms(index) if index in record.norms else record.host_flags[index])
+        return record.device_flags.get(index)
 
     def _optimizer_index(self, optimizer: torch.optim.Optimizer) -> int:
         # Keyed by the param_groups list, which a wrapper (Lightning's LightningOptimizer) shares with the optimizer
@@ -459,6 +493,13 @@ class LossScaler(torch.amp.GradScaler):
                     grad = grad._values()
                 grads[grad.device][grad.dtype].append(grad)
         per_device: dict[torch.device, torch.Tensor] = {}
+        if not self.scales_loss and len(grads) == 1 and not _distributed() and not _skips_safely_on_device(optimizer):
+            (per_dtype,) = grads.values()
+            if len(per_dtype) == 1:
+                # The step decides on the host anyway: it reads these norms (its one sync), and no flag is kept.
+                (tensors,) = per_dtype.values()
+                self._iteration.norms[index] = torch.stack(torch._foreach_norm(tensors, math.inf))
+                return per_device
         for device, per_dtype in grads.items():
             flag = per_device[device] = self._zeroed_flag(index, device)
             inv_scale, one = self._inv_scale, self._one
@@ -528,6 +569,12 @@ class LossScaler(torch.amp.GradScaler):
         self._iteration.stepped.add(index)
         flag = self._iteration.device_flags.get(index)
         state["stage"] = OptState.STEPPED
+        if index in self._iteration.norms:
+            found_inf = self._iteration.verdict_from_norms(index)
+            if found_inf:
+                self._remember_culprits_near_limit(index, found_inf)
+                return None
+            return optimizer.step(*args, **kwargs)
         if flag is None:
             # No gradient at all: torch's optimizers skip such parameters, so there is nothing to check.
             self._iteration.host_flags[index] = 0.0

@@ -508,7 +508,9 @@ def test_clipping_by_value_on_an_overflowing_step_skips_it(precision: str, opt_l
     assert not torch.equal(weights[0], next(model.parameters()))
 
 
-@pytest.mark.parametrize(("precision", "fused"), [("16-mixed", False), ("16-mixed", True), ("bf16-mixed", True)])
+@pytest.mark.parametrize(
+    ("precision", "fused"), [("16-mixed", False), ("16-mixed", True), ("bf16-mixed", True), ("bf16-mixed", False)]
+)
 def test_a_skipped_step_leaves_batchnorm_running_statistics_as_they_were(precision: str, fused: bool) -> None:
     """A step skipped for a NaN input puts BatchNorm's running statistics back; a clean step keeps its update."""
     plugin = MixedPrecision(precision)

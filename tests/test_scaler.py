@@ -367,3 +367,42 @@ def test_a_scaler_pickles_after_training_and_continues_exactly(model_and_optimiz
     assert restored.state_dict() == scaler.state_dict()
     _step(restored, model, optimizer, overflow=False)
     assert restored.get_scale() == 512.0 and restored.stats().optimizer_steps == 4
+
+
+def _check_mode_backward(model: nn.Linear, overflow: bool) -> None:
+    model.zero_grad(set_to_none=True)
+    model(torch.ones(2, 4)).pow(2).mean().backward()
+    if overflow:
+        model.weight.grad[0, 0] = float("nan")
+
+
+def test_check_mode_with_a_host_decided_step_keeps_no_flag_between_iterations(model_and_optimizer):
+    """Check mode with a non-fused optimizer reads the gradient norms at the step and keeps no device flag after it."""
+    from lightning_mp.counting import count_syncs_and_ops
+
+    model, optimizer = model_and_optimizer
+    scaler = LossScaler("cpu", mode="check")
+    for overflow in (False, True, False):
+        before = model.weight.detach().clone()
+        _check_mode_backward(model, overflow)
+        with count_syncs_and_ops() as counts:
+            scaler.unscale_(optimizer)
+            found = scaler.found_inf(optimizer)  # asked before the step (clipping): read once, reused by the step
+            scaler.step(optimizer)
+        scaler.update()
+        assert counts.syncs == 1 and found is overflow
+        assert torch.equal(model.weight, before) is overflow
+        assert scaler._flags == {}  # nothing on the device outlives the iteration
+    assert scaler.skipped_steps == 1 and scaler.optimizer_steps == 3
+
+
+def test_check_mode_unscale_then_update_without_a_step_is_a_recorded_check(model_and_optimizer):
+    """unscale_ alone records a check (update accepts it, as torch's does) and its verdict is known before update."""
+    model, optimizer = model_and_optimizer
+    scaler = LossScaler("cpu", mode="check", max_consecutive_skips=None)
+    _check_mode_backward(model, overflow=True)
+    scaler.unscale_(optimizer)
+    assert scaler.step_verdict(optimizer) is True and scaler.found_inf(optimizer)
+    scaler.update()  # torch raises "No inf checks were recorded" when unscale_ recorded nothing
+    assert scaler.optimizer_steps == 0 and scaler.skipped_steps == 0
+    assert scaler.step_verdict(optimizer) is None  # a new iteration knows nothing yet
