@@ -27,7 +27,8 @@ computes with, as in FSDP's mixed precision without sharding:
    version and the view's geometry; backward casts the parameter again when it needs the weight. The copies
    therefore exist only while the forward runs, and backward holds one weight copy at a time, not all of them:
    at the start of backward, where training's memory peaks, that is 2 bytes per parameter less, for one extra
-   cast per weight in backward (the forward made the same cast once). Activations are saved as usual. A
+   cast per weight in backward (the forward made the same cast once). Activations, and a copy the forward edited
+   in place (it no longer equals a recast), are saved as usual. A
    parameter changed in place between the forward and its backward (an optimizer step, a weight edit) would make
    the recast differ from what the forward computed with; the backward then raises, naming the parameter, as torch
    raises in fp32 for a saved tensor modified in place.
@@ -306,7 +307,7 @@ class HalfWeights(AbstractContextManager):
         if tensor.layout != torch.strided or tensor.numel() == 0:
             return tensor
         entry = self._copies.get(tensor.untyped_storage().data_ptr())
-        if entry is None:
+        if entry is None or tensor._version != 0:  # a copy edited in place no longer equals a recast: keep it
             return tensor
         _, parameter = entry
         view = (tensor.size(), tensor.stride(), int(tensor.storage_offset()))

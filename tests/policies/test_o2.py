@@ -866,3 +866,30 @@ def test_recast_in_backward_must_be_a_boolean(value: Any) -> None:
 def test_recast_in_backward_off_is_refused_outside_o2() -> None:
     with pytest.raises(ValueError, match=r"opt_level='O1', recast_in_backward=False\) is not allowed"):
         MixedPrecision("bf16-mixed", opt_level="O1", recast_in_backward=False)
+
+
+class EditsItsCopy(nn.Module):
+    """Doubles its weight's half copy in place inside the forward (O2 lets a forward edit the copy, not the weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            self.second.weight.mul_(2.0)
+        return self.second(torch.relu(self.first(x)))
+
+
+def test_o2_a_half_copy_edited_in_place_is_saved_as_edited_not_recast() -> None:
+    """Backward must see the weights the forward used: an edited copy is kept, not recast from the fp32 weight."""
+    grads = []
+    for recast in (True, False):
+        model = EditsItsCopy()
+        with halved(model, recast), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.ones(3, 4)).float().sum()
+        loss.backward()
+        grads.append(model.first.weight.grad)
+    assert torch.equal(grads[0], grads[1])
