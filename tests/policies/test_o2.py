@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
@@ -893,3 +894,34 @@ def test_o2_a_half_copy_edited_in_place_is_saved_as_edited_not_recast() -> None:
         loss.backward()
         grads.append(model.first.weight.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+class Checkpointed(L.LightningModule):
+    """A block under torch.utils.checkpoint (non-reentrant), or the same block run plainly."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        self.head = nn.Linear(8, 4)
+        self.checkpointed = checkpointed
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        features, target = batch
+        hidden = checkpoint(self.block, features, use_reentrant=False) if self.checkpointed else self.block(features)
+        return F.cross_entropy(self.head(hidden), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_o2_activation_checkpointing_trains_exactly_as_without_it() -> None:
+    """Non-reentrant activation checkpointing under O2 recomputes the block in backward and gives the same weights."""
+    weights = []
+    for checkpointed in (True, False):
+        model = Checkpointed(checkpointed)
+        make_trainer(o2(), max_steps=STEPS).fit(model, loader())
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(weights[0], weights[1])
+    assert not torch.equal(weights[0], torch.cat([p.detach().flatten() for p in Checkpointed(False).parameters()]))
