@@ -155,7 +155,7 @@ class _IterationRecord:
         return bool(self.device_flags or self.host_flags or self.norms)
 
     def verdict_from_norms(self, index: int) -> float:
-        """1.0 if a gradient norm of optimizer ``index`` is inf or NaN, else 0.0; read once (one host sync)."""
+        """Optimizer ``index``'s verdict on the host (1.0: skip); from its gradient norms, read once (one sync)."""
         found_inf = self.host_flags.get(index)
         if found_inf is None:
             found_inf = self.host_flags[index] = float(not all(map(math.isfinite, self.norms[index].tolist())))
@@ -402,13 +402,9 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: Reads the device flag on the host: a synchronisation on CUDA.
         """
-        state = self._per_optimizer_states.get(id(optimizer))
-        if state is None:
+        if self._per_optimizer_states.get(id(optimizer)) is None:
             return False
-        index = self._index_by_id.get(id(optimizer.param_groups))
-        if index is not None and index in self._iteration.norms:
-            return bool(self._iteration.verdict_from_norms(index))
-        return any(bool(flag) for flag in state["found_inf_per_device"].values())
+        return bool(self.step_verdict(optimizer))
 
     def step_verdict(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor | None:
         """Whether ``optimizer``'s step of this iteration is (or will be) skipped, without waiting for a device.
@@ -423,7 +419,7 @@ class LossScaler(torch.amp.GradScaler):
             return None
         record = self._iteration
         if index in record.host_flags or index in record.norms:
-            return bool(record.verdict_from_norms(index) if index in record.norms else record.host_flags[index])
+            return bool(record.verdict_from_norms(index))
         return record.device_flags.get(index)
 
     def _optimizer_index(self, optimizer: torch.optim.Optimizer) -> int:
@@ -570,16 +566,11 @@ class LossScaler(torch.amp.GradScaler):
         flag = self._iteration.device_flags.get(index)
         state["stage"] = OptState.STEPPED
         if index in self._iteration.norms:
-            found_inf = self._iteration.verdict_from_norms(index)
-            if found_inf:
-                self._remember_culprits_near_limit(index, found_inf)
-                return None
-            return optimizer.step(*args, **kwargs)
-        if flag is None:
+            found_inf = self._iteration.verdict_from_norms(index)  # check mode's one host read
+        elif flag is None:
             # No gradient at all: torch's optimizers skip such parameters, so there is nothing to check.
-            self._iteration.host_flags[index] = 0.0
-            return optimizer.step(*args, **kwargs)
-        if _skips_safely_on_device(optimizer):
+            found_inf = self._iteration.host_flags[index] = 0.0
+        elif _skips_safely_on_device(optimizer):
             if flag.device.type == "cpu":
                 self._remember_culprits_near_limit(index, flag)  # a CPU flag reads without waiting for a device
             # torch's fused-step protocol (module docstring): attributes torch.optim does not declare, set for one step.
@@ -591,8 +582,8 @@ class LossScaler(torch.amp.GradScaler):
                 # As torch's GradScaler does: the protocol's attributes live only for the duration of the step.
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
-        found_inf = float(flag.item())
-        self._iteration.host_flags[index] = found_inf
+        else:
+            found_inf = self._iteration.host_flags[index] = float(flag.item())
         if found_inf:
             self._remember_culprits_near_limit(index, found_inf)
             return None
