@@ -68,12 +68,13 @@ def plant_inf(network: nn.Module) -> None:
 
 
 class NormalizedRegressor(L.LightningModule):
-    """:func:`make_network` as a LightningModule with one of :data:`OPTIMIZERS`, planting an inf at :data:`INF_STEP`."""
+    """:func:`make_network` as a LightningModule with one of :data:`OPTIMIZERS`, planting an inf at ``inf_step``."""
 
-    def __init__(self, optimizer: str) -> None:
+    def __init__(self, optimizer: str, inf_step: int | None = INF_STEP) -> None:
         super().__init__()
         self.network = make_network()
         self.optimizer_name = optimizer
+        self.inf_step = inf_step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
@@ -83,7 +84,7 @@ class NormalizedRegressor(L.LightningModule):
         return nn.functional.mse_loss(self(x).float(), y)
 
     def on_after_backward(self) -> None:
-        if self.global_step == INF_STEP:
+        if self.global_step == self.inf_step:
             plant_inf(self.network)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -92,7 +93,7 @@ class NormalizedRegressor(L.LightningModule):
 
 def make_plugin(precision: str, opt_level: str, **kwargs: Any) -> MixedPrecision:
     """The plugin under test; fp16 starts at a scale the tiny model never overflows, so only the planted step skips."""
-    if precision == "16-mixed":
+    if precision == "16-mixed" and "scaler" not in kwargs:
         kwargs.setdefault("init_scale", 2.0**8)
     return MixedPrecision(precision, opt_level=opt_level, **kwargs)  # type: ignore[arg-type]
 
@@ -139,6 +140,6 @@ def assert_trained_and_skipped(network: nn.Module, plugin: MixedPrecision) -> No
     """Every weight and running statistic finite; the planted step, and no other, skipped."""
     for name, tensor in [*network.named_parameters(), *network.named_buffers()]:
         assert torch.isfinite(tensor.float()).all(), f"{name} is not finite"
-    stats = plugin.stats
-    assert stats.optimizer_steps == STEPS
-    assert stats.skipped_steps == 1
+    # The state dict waits for the last iteration's flag, which on a GPU the host reads one iteration late.
+    counters = plugin.state_dict()["scaler"]["counters"]
+    assert (counters["optimizer_steps"], counters["skipped_steps"]) == (STEPS, 1)
