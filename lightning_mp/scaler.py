@@ -9,8 +9,8 @@ One iteration (any number of optimizers, torch's contract: ``update()`` once, af
 * ``unscale_`` (explicit, or implicit in ``step``) runs one fused kernel per device and dtype over the optimizer's
   gradients: in fp16 it multiplies them by the preallocated ``1/S`` and sets that optimizer's preallocated inf flag;
   in bf16 and fp32 ("check" mode, nothing scaled) it takes the inf-norm of each gradient and checks the norms, so the
-  gradients are read and never rewritten. The norms come out in float32 whatever the gradients' dtype: CUDA's check
-  kernel refuses bf16 (:data:`UNSCALE_KERNEL_DTYPES`), so scaled bf16 gradients are multiplied, then checked.
+  gradients are read and never rewritten. bf16 gradients' norms come out in float32: CUDA's check kernel refuses
+  bf16 (:data:`UNSCALE_KERNEL_DTYPES`); scaled bf16 gradients are multiplied, then checked, for the same reason.
   Under DDP the flag is all-reduced (max) right there, on every path, so every rank takes the same decision: one
   collective per step, always issued in the same order, no deadlock.
 * ``step`` of a fused optimizer (Adam, AdamW, SGD with ``fused=True``) hands the flag to the fused kernel, which
@@ -118,8 +118,12 @@ torch's ``aten/src/ATen/native/cuda/AmpKernels.cu``): bf16 is refused there, alt
 
 
 def _inf_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The inf-norm of each tensor, in float32 whatever the tensors' dtype: one kernel, no extra cast."""
-    return list(torch._foreach_norm(tensors, math.inf, dtype=torch.float32))
+    """The inf-norm of each tensor (all of one dtype), in a dtype CUDA's check kernel takes: one kernel, no cast.
+
+    bf16 norms come out in float32; other dtypes keep theirs (torch refuses to narrow float64 norms to float32).
+    """
+    dtype = None if tensors[0].dtype in UNSCALE_KERNEL_DTYPES else torch.float32
+    return list(torch._foreach_norm(tensors, math.inf, dtype=dtype))
 
 
 def _distributed() -> bool:

@@ -131,10 +131,11 @@ def test_every_mode_calls_cuda_kernels_with_dtypes_cuda_accepts(
         assert guard.calls["_fused_adamw_"] >= 1
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("mode", ["dynamic", "check"])
-def test_scaler_checks_bf16_gradients_with_dtypes_cuda_accepts(mode: str) -> None:
-    """A LossScaler used by hand on bf16 gradients unscales them and skips an inf step, in dtypes CUDA takes."""
-    weight = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+def test_scaler_checks_bf16_and_float64_gradients_with_dtypes_cuda_accepts(mode: str, dtype: torch.dtype) -> None:
+    """A LossScaler used by hand on bf16 or fp64 gradients unscales them and skips an inf step, in dtypes CUDA takes."""
+    weight = torch.nn.Parameter(torch.ones(4, dtype=dtype))
     bias = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight, bias], lr=1.0, foreach=True)
     scaler = LossScaler("cpu", init_scale=4.0, mode=mode)  # type: ignore[arg-type]
@@ -151,6 +152,6 @@ def test_scaler_checks_bf16_gradients_with_dtypes_cuda_accepts(mode: str) -> Non
             scaler.update()
     assert guard.refusals == []
     assert guard.calls["_amp_foreach_non_finite_check_and_unscale_"] >= 1
-    assert torch.equal(unscaled[0], torch.full((4,), 2.0, dtype=torch.bfloat16))
-    assert torch.equal(weight.detach(), torch.full((4,), -1.0, dtype=torch.bfloat16))
+    assert torch.equal(unscaled[0], torch.full((4,), 2.0, dtype=dtype))
+    assert torch.equal(weight.detach(), torch.full((4,), -1.0, dtype=dtype))
     assert (scaler.optimizer_steps, scaler.skipped_steps) == (2, 1)
