@@ -99,10 +99,19 @@ def make_plugin(precision: str, opt_level: str, **kwargs: Any) -> MixedPrecision
 
 
 def train_with_trainer(
-    device: str, precision: str, opt_level: str, optimizer: str, compile_backend: str | None = None, **trainer: Any
+    device: str,
+    precision: str,
+    opt_level: str,
+    optimizer: str,
+    compile_backend: str | None = None,
+    plugin: MixedPrecision | None = None,
+    **trainer: Any,
 ) -> tuple[nn.Module, MixedPrecision]:
-    """Fit :class:`NormalizedRegressor` for :data:`STEPS` steps on ``device``; the trained network and the plugin."""
-    plugin = make_plugin(precision, opt_level)
+    """Fit :class:`NormalizedRegressor` for :data:`STEPS` steps on ``device``; the trained network and the plugin.
+
+    ``plugin`` replaces the one built from ``precision`` and ``opt_level``.
+    """
+    plugin = plugin or make_plugin(precision, opt_level)
     model = NormalizedRegressor(optimizer)
     fitted = torch.compile(model, backend=compile_backend) if compile_backend else model
     options: dict[str, Any] = {"accelerator": device, "max_steps": STEPS}
@@ -112,10 +121,15 @@ def train_with_trainer(
 
 
 def train_with_fabric(
-    device: str, precision: str, opt_level: str, optimizer: str, compile_backend: str | None = None
+    device: str,
+    precision: str,
+    opt_level: str,
+    optimizer: str,
+    compile_backend: str | None = None,
+    plugin: MixedPrecision | None = None,
 ) -> tuple[nn.Module, MixedPrecision]:
     """The same run under ``Fabric(accelerator=device)``, the plugin given no device; the network and the plugin."""
-    plugin = make_plugin(precision, opt_level)
+    plugin = plugin or make_plugin(precision, opt_level)
     fabric = Fabric(accelerator=device, devices=1, plugins=[plugin])
     network = make_network()
     module = torch.compile(network, backend=compile_backend) if compile_backend else network

@@ -28,12 +28,14 @@ from lightning_mp import (
     to_inference,
 )
 from tests.cuda.matrix import (
+    FRONT_ENDS,
     PRECISION_LEVELS,
     NormalizedRegressor,
     assert_trained_and_skipped,
     make_network,
     make_plugin,
     on_device,
+    train,
     train_with_trainer,
 )
 from tests.helpers import make_trainer, read_events, regression_data, scalars, texts
@@ -41,14 +43,13 @@ from tests.helpers import make_trainer, read_events, regression_data, scalars, t
 pytestmark = pytest.mark.filterwarnings("ignore:.*opt_level='O3'", "ignore:lightning_mp:UserWarning")
 
 
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
 @pytest.mark.parametrize("device", [on_device("cpu"), on_device("cuda")])
-def test_a_torch_grad_scaler_passed_as_scaler_is_honoured(device: str) -> None:
+def test_a_torch_grad_scaler_passed_as_scaler_is_honoured(device: str, front_end: str) -> None:
     """GradScaler(device, init_scale, growth_interval) sets the scale's start and growth; the inf step backs it off."""
     scaler = torch.amp.GradScaler(device, init_scale=2.0**8, growth_interval=2)
     plugin = make_plugin("16-mixed", "O1", scaler=scaler)
-    make_trainer(plugin, accelerator=device, max_steps=5).fit(
-        NormalizedRegressor("sgd-momentum"), DataLoader(regression_data(), batch_size=8)
-    )
+    train(front_end, device, "16-mixed", "O1", "sgd-momentum", plugin=plugin)
     stats = plugin.stats
     # 256 grows to 512 after two clean steps, halves at the inf step, and grows again after the next two.
     assert (stats.scale_growths, stats.scale_backoffs, stats.skipped_steps) == (2, 1, 1)
@@ -91,7 +92,7 @@ def test_the_four_monitors_write_tensorboard_events_on_the_device(device: str, t
         log_every_n_steps=1,
         max_steps=6,  # on a GPU a fused step's skip reaches the host, and the logs, one iteration late
     )
-    with pytest.warns(RuntimeWarning, match="network"):  # GradientHealthMonitor names the overflowing parameter
+    with pytest.warns(RuntimeWarning, match="skipped because gradients were not finite"):  # GradientHealthMonitor
         trainer.fit(NormalizedRegressor("fused-adamw"), DataLoader(regression_data(), batch_size=8))
     events = read_events(logger.log_dir)
     assert scalars(events, "precision/loss_scale")
