@@ -825,7 +825,8 @@ class MixedPrecision(LightningMixedPrecision):
         """Leave the inputs as they are (autocast and the opt level cast them); under Fabric, check their device.
 
         Raises:
-            ValueError: under Fabric, when the inputs live on another device type than the plugin's autocast.
+            ValueError: under Fabric, when the inputs live on another device type than the model, or the model on
+                another than a ``device`` given (see :meth:`_follow_fabric_device`).
 
         """
         if self._fabric is not None:

@@ -1,7 +1,8 @@
 """Every precision x opt level x optimizer x front end trains with finite weights and skips a planted inf step.
 
-The bodies run on ``"cuda"`` (``pytest -m cuda tests/cuda``) and on ``"cpu"``, a few cases in the fast loop and the
-rest marked slow, which keeps the test logic itself proven where no GPU is present.
+The bodies run on ``"cuda"`` (``pytest -m cuda tests/cuda``) for every case, and on ``"cpu"`` for a few (two eager
+ones in the fast loop, some compiled ones marked slow), which keeps the test logic proven where no GPU is present;
+``tests/test_cuda_kernel_dtypes.py`` trains every eager case on the CPU under its dtype guard.
 """
 
 from __future__ import annotations
@@ -19,20 +20,26 @@ from tests.cuda.matrix import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*opt_level='O3'", "ignore:lightning_mp:UserWarning")
 
-_FAST_ON_CPU = {("bf16-mixed", "lean", "fused-adamw"), ("16-mixed", "O2", "sgd-momentum")}
+_ON_CPU_FAST = {("bf16-mixed", "lean", "fused-adamw"), ("16-mixed", "O2", "sgd-momentum")}
+"""The eager cases the CPU runs, in the fast loop: tests/test_cuda_kernel_dtypes.py runs every eager case on the CPU."""
+_ON_CPU_COMPILED = {("32-true", "O0"), ("16-mixed", "O2"), ("bf16-mixed", "O3"), ("bf16-mixed", "lean")}
+"""The compiled cases the CPU runs (slow); tests/test_compile.py covers O1 and O2's compiled regions in depth."""
 COMPILE_BACKEND = {"cuda": "inductor", "cpu": "aot_eager"}
 """torch.compile's default on a GPU; on the CPU dynamo's capture with AOT autograd, without code generation."""
 
 
 def _cases(compiled: bool) -> list:
+    """Every case on CUDA; on the CPU the subset above, so that the bodies are proven without repeating the guard."""
     cases = []
-    for device in ("cpu", "cuda"):
-        for precision, opt_level in PRECISION_LEVELS:
-            # Compilation changes the forward and backward, not the step: one optimizer covers it.
-            for optimizer in OPTIMIZERS[:1] if compiled else OPTIMIZERS:
-                fast = not compiled and (precision, opt_level, optimizer) in _FAST_ON_CPU
-                marks = [] if fast else [pytest.mark.slow]
-                device_param = on_device(device, *marks)
+    for precision, opt_level in PRECISION_LEVELS:
+        # Compilation changes the forward and backward, not the step: one optimizer covers it.
+        for optimizer in OPTIMIZERS[:1] if compiled else OPTIMIZERS:
+            for device in ("cpu", "cuda"):
+                if device == "cpu" and compiled and (precision, opt_level) not in _ON_CPU_COMPILED:
+                    continue
+                if device == "cpu" and not compiled and (precision, opt_level, optimizer) not in _ON_CPU_FAST:
+                    continue
+                device_param = on_device(device, *([pytest.mark.slow] if compiled else []))
                 cases.append(
                     pytest.param(device_param.values[0], precision, opt_level, optimizer, marks=device_param.marks)
                 )
