@@ -9,6 +9,11 @@ Fabric calls a precision plugin at fewer points than the Trainer, and with other
     optimizer.step()                     optimizer_step(optimizer, **kwargs)
     fabric.save / fabric.load            state_dict / load_state_dict         when the plugin is in the state
 
+Fabric converts the model before it moves it to its device, and tells a plugin nothing of its accelerator. Without a
+``device=``, the plugin sets up for the device the model is on, or for CUDA where a CPU model will likely move, and at
+every forward (``convert_input``) autocasts where the model now is (:meth:`FabricSteps.device_type`); a ``device=``
+or an ``"auto"`` precision choice that the model's device contradicts raises there.
+
 Fabric saves only what the user puts in the state, so the plugin goes there beside the model and the optimizer:
 ``fabric.save(path, {"model": model, "optimizer": optimizer, "precision": plugin})``. Its state holds the scaler
 (scale, trackers, counters); the model and the optimizer hold the fp32 weights and states at every opt level but O3.
@@ -81,8 +86,7 @@ def attached_trainer(module: nn.Module | None) -> Any:
 def check_input_device(data: Any, device_type: str) -> None:
     """Raise when a tensor in ``data`` is on another device type than the plugin's autocast would cover.
 
-    Fabric converts the model before moving it, so the plugin cannot see the run's device at setup; a GPU run with
-    the plugin resolved for the CPU would autocast nothing without this check.
+    Without this check, inputs left on another device than the model's would run outside autocast, unnoticed.
 
     Raises:
         ValueError: naming the device types and the fix.
@@ -93,8 +97,8 @@ def check_input_device(data: Any, device_type: str) -> None:
     other = sorted(found - {device_type})
     if other:
         raise ValueError(
-            f"MixedPrecision(device={device_type!r}) autocasts on {device_type!r}, but the model's inputs are on"
-            f" {other}. Pass MixedPrecision(device={other[0]!r}) when Fabric runs on {other[0]!r}."
+            f"MixedPrecision autocasts on {device_type!r}, where the model is, but the model's inputs are on {other}."
+            f" Move them to the model's device first (fabric.to_device(batch))."
         )
 
 
@@ -152,6 +156,11 @@ class FabricSteps:
                 for layer in module.modules()
                 if getattr(layer, "track_running_stats", False) and getattr(layer, "running_mean", None) is not None
             ]
+
+    def device_type(self) -> str | None:
+        """The device type the models' parameters are on now (Fabric moves them after the plugin converted them)."""
+        parameter = next((p for module in self.modules for p in module.parameters()), None)
+        return parameter.device.type if parameter is not None else None
 
     def save_running_stats(self) -> None:
         """Copy the running statistics not yet saved since their model's last step (called on every forward)."""

@@ -148,7 +148,8 @@ class MixedPrecision(LightningMixedPrecision):
         precision: ``"auto"`` (bf16 where the device runs it natively, else fp16 on GPUs and fp32 on CPUs),
             ``"16-mixed"`` (fp16 with loss scaling; real fp16 on the CPU too), ``"bf16-mixed"`` or ``"32-true"``.
         device: the autocast device type (``"cpu"``, ``"cuda"``, ...; an index as in ``"cuda:0"`` is ignored, as
-            autocast works per device type); None takes it from the Trainer's accelerator at setup.
+            autocast works per device type); None takes it from the Trainer's accelerator at setup, or under Fabric
+            from the device Fabric moved the model to (checked at every forward; a contradicting ``device`` raises).
         scaler: a ``torch.amp.GradScaler`` whose settings (scale, growth and backoff factors, growth interval,
             ``enabled``) the loss scaler takes over, as Lightning's plugin would use it; fp16 only. A
             :class:`~lightning_mp.LossScaler` is used as it is. Leave it None to set the knobs below.
@@ -278,6 +279,8 @@ class MixedPrecision(LightningMixedPrecision):
         self.precision = precision  # resolved at setup when "auto"
         self.opt_level = opt_level
         self.device = device
+        self.requested_device = device
+        """The ``device`` given; None follows the Trainer's accelerator, or under Fabric the model's device."""
         self.loss_scale = loss_scale
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self.recast_in_backward = recast_in_backward
@@ -796,8 +799,11 @@ class MixedPrecision(LightningMixedPrecision):
 
     def _convert_for_fabric(self, module: nn.Module) -> nn.Module:
         parameter = next(module.parameters(), None)
-        # Fabric converts before moving the model, so the parameters' device is not the run's: device= wins.
-        self.setup_for_device(self.device or (parameter.device.type if parameter is not None else "cpu"))
+        placed = parameter.device.type if parameter is not None else "cpu"
+        # Fabric converts before it moves the model, and tells a plugin nothing of its accelerator: a model still on
+        # the CPU is assumed to go where Fabric's accelerator="auto" would put it, and the first forward confirms it.
+        assumed = placed if placed != "cpu" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.setup_for_device(self.device or assumed)
         assert self._policy is not None and self._loss_scaler is not None
         module = self._policy.convert_module(module)
         if self._fabric is None:
@@ -819,12 +825,43 @@ class MixedPrecision(LightningMixedPrecision):
         """Leave the inputs as they are (autocast and the opt level cast them); under Fabric, check their device.
 
         Raises:
-            ValueError: under Fabric, when the inputs live on another device type than the plugin's autocast.
+            ValueError: under Fabric, when the inputs live on another device type than the model, or the model on
+                another than a ``device`` given (see :meth:`_follow_fabric_device`).
 
         """
-        if self._fabric is not None and self.device is not None:
+        if self._fabric is not None:
+            self._follow_fabric_device()
+            assert self.device is not None
             check_input_device(data, self.device)
         return data
+
+    def _follow_fabric_device(self) -> None:
+        """Autocast where Fabric put the model; refuse a ``device=`` or an ``"auto"`` choice that the run contradicts.
+
+        Raises:
+            ValueError: when ``device`` was given and the model is on another device type, or when
+                ``precision="auto"`` chose, for the device assumed at ``fabric.setup``, another precision than it
+                chooses for the model's device.
+
+        """
+        assert self._fabric is not None
+        run_device = self._fabric.device_type()
+        if run_device is None or run_device == self.device:
+            return
+        if self.requested_device is not None:
+            raise ValueError(
+                f"MixedPrecision(device={self.requested_device!r}) does not match Fabric's device: the model runs on"
+                f" {run_device!r}. Leave device=None to follow Fabric, or pass device={run_device!r}."
+            )
+        if self.requested_precision == "auto":
+            choice, _ = choose_precision(run_device, self.opt_level)
+            if choice != self.precision:
+                raise ValueError(
+                    f"MixedPrecision(precision='auto') chose {self.precision!r} at fabric.setup for {self.device!r},"
+                    f" but Fabric runs the model on {run_device!r}, where 'auto' means {choice!r}. Pass"
+                    f" MixedPrecision(device={run_device!r}), or the precision itself."
+                )
+        self.device = run_device
 
     @override
     def convert_output(self, data: Any) -> Any:

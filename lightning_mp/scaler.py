@@ -9,8 +9,10 @@ One iteration (any number of optimizers, torch's contract: ``update()`` once, af
 * ``unscale_`` (explicit, or implicit in ``step``) runs one fused kernel per device and dtype over the optimizer's
   gradients: in fp16 it multiplies them by the preallocated ``1/S`` and sets that optimizer's preallocated inf flag;
   in bf16 and fp32 ("check" mode, nothing scaled) it takes the inf-norm of each gradient and checks the norms, so the
-  gradients are read and never rewritten. Under DDP the flag is all-reduced (max) right there, on every path, so
-  every rank takes the same decision: one collective per step, always issued in the same order, no deadlock.
+  gradients are read and never rewritten. bf16 gradients' norms come out in float32: CUDA's check kernel refuses
+  bf16 (:data:`UNSCALE_KERNEL_DTYPES`); scaled bf16 gradients are multiplied, then checked, for the same reason.
+  Under DDP the flag is all-reduced (max) right there, on every path, so every rank takes the same decision: one
+  collective per step, always issued in the same order, no deadlock.
 * ``step`` of a fused optimizer (Adam, AdamW, SGD with ``fused=True``) hands the flag to the fused kernel, which
   skips the update on the device: no host sync (except fused SGD's first step with momentum, see
   :func:`_skips_safely_on_device`). ``step`` of any other optimizer reads the flag (the one host sync,
@@ -42,6 +44,7 @@ Private torch names used, and why:
 * ``torch._amp_foreach_non_finite_check_and_unscale_``: the fused unscale-and-check kernel (no public equivalent).
 * ``torch._amp_update_scale_``: torch's device-side scale rule, used when the flag is not on the host.
 * ``torch._foreach_norm``: one kernel for the inf-norms of all gradients in check mode.
+* ``torch._foreach_mul_``: one kernel to unscale bf16 gradients, which the unscale kernel refuses on CUDA.
 * ``Tensor._values()``: the stored values of a sparse gradient, which are what needs unscaling and checking, as in
   torch's own ``unscale_``.
 * The ``grad_scale``/``found_inf`` attributes and ``_step_supports_amp_scaling``: the protocol by which torch's
@@ -107,6 +110,20 @@ def _skips_safely_on_device(optimizer: torch.optim.Optimizer) -> bool:
         for parameter in group["params"]
         if parameter.grad is not None
     )
+
+
+UNSCALE_KERNEL_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
+"""The dtypes CUDA's ``_amp_foreach_non_finite_check_and_unscale_`` takes (``AT_DISPATCH_FLOATING_TYPES_AND_HALF`` in
+torch's ``aten/src/ATen/native/cuda/AmpKernels.cu``): bf16 is refused there, although the CPU kernel accepts it."""
+
+
+def _inf_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The inf-norm of each tensor (all of one dtype), in a dtype CUDA's check kernel takes: one kernel, no cast.
+
+    bf16 norms come out in float32; other dtypes keep theirs (torch refuses to narrow float64 norms to float32).
+    """
+    dtype = None if tensors[0].dtype in UNSCALE_KERNEL_DTYPES else torch.float32
+    return list(torch._foreach_norm(tensors, math.inf, dtype=dtype))
 
 
 def _distributed() -> bool:
@@ -494,19 +511,22 @@ class LossScaler(torch.amp.GradScaler):
             if len(per_dtype) == 1:
                 # The step decides on the host anyway: it reads these norms (its one sync), and no flag is kept.
                 (tensors,) = per_dtype.values()
-                self._iteration.norms[index] = torch.stack(torch._foreach_norm(tensors, math.inf))
+                self._iteration.norms[index] = torch.stack(_inf_norms(tensors))
                 return per_device
         for device, per_dtype in grads.items():
             flag = per_device[device] = self._zeroed_flag(index, device)
             inv_scale, one = self._inv_scale, self._one
             assert inv_scale is not None and one is not None
-            for tensors in per_dtype.values():
-                if self.scales_loss:
+            for dtype, tensors in per_dtype.items():
+                if self.scales_loss and dtype in UNSCALE_KERNEL_DTYPES:
                     torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_scale.to(device))
-                else:
-                    # Check mode reads the gradients: inf-norms in one kernel, then the flag from those norms.
-                    norms = torch._foreach_norm(tensors, math.inf)
-                    torch._amp_foreach_non_finite_check_and_unscale_(norms, flag, one.to(device))
+                    continue
+                if self.scales_loss:
+                    # bf16 gradients under a loss scale: CUDA's unscale kernel refuses them, so multiply, then check.
+                    torch._foreach_mul_(tensors, inv_scale.to(device))
+                # Check mode reads the gradients: inf-norms in one kernel (float32, which every device's check
+                # kernel takes), then the flag from those norms.
+                torch._amp_foreach_non_finite_check_and_unscale_(_inf_norms(tensors), flag, one.to(device))
         if not per_device and _distributed():
             # Every rank must join the all-reduce, even one whose optimizer has no gradient this iteration.
             assert self._scale is not None

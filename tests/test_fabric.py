@@ -353,9 +353,9 @@ def test_stats_as_dict_logs_through_fabric_log_dict(tmp_path: Path) -> None:
 
 
 def test_inputs_on_another_device_type_raise_value_error() -> None:
-    """A plugin resolved for the CPU refuses inputs on another device type, naming the device= to pass."""
+    """Inputs on another device type than the model's are refused, naming both and the fix (fabric.to_device)."""
     _, model, _ = setup(MixedPrecision("16-mixed"))
-    with pytest.raises(ValueError, match="device='meta'"):
+    with pytest.raises(ValueError, match=r"autocasts on 'cpu'.*inputs are on \['meta'\].*fabric\.to_device"):
         model(torch.empty(2, 8, device="meta"))
 
 
