@@ -21,7 +21,6 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -44,7 +43,6 @@ from lightning_mp.bench.workloads import (
     SIZES,
     WORKLOADS,
     auto_size,
-    workload_shape,
 )
 
 GPU_WORKLOAD_SIZES = ("tiny", "full")
@@ -211,10 +209,11 @@ def model_description(spec: RunSpec) -> str:
     if spec.workload == MARKOV:
         return f"TinyTransformerLM, size {spec.size!r} ({SIZES[spec.size].describe()}){compiled}"
     workload = WORKLOADS[spec.workload]
-    size: Literal["full", "tiny"] = "full" if spec.size == "full" else "tiny"
-    shape = workload_shape(spec.workload, size, spec.batch_size)
     optimizer = spec.optimizer or workload.optimizer
-    return f"{workload.description} ({spec.workload}), size {size!r} ({shape.describe()}), {optimizer} AdamW{compiled}"
+    return (
+        f"{workload.description} ({spec.workload}), size {spec.size!r} ({spec.shape().describe()}),"
+        f" {optimizer} AdamW{compiled}"
+    )
 
 
 def _timing_report(

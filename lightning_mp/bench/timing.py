@@ -57,6 +57,7 @@ from lightning_mp.bench.workloads import (
     WORKLOADS,
     OptimizerKind,
     RepeatedBatch,
+    Shape,
     WorkloadModule,
     markov_task,
     workload_shape,
@@ -98,6 +99,10 @@ class RunSpec:
     batch_size: int | None = None
     optimizer: OptimizerKind | None = None
     compile: bool = False
+
+    def shape(self) -> Shape:
+        """The GPU workload's shape at this size and batch size."""
+        return workload_shape(self.workload, "full" if self.size == "full" else "tiny", self.batch_size)
 
 
 class StepTimer(L.Callback):
@@ -313,7 +318,7 @@ def step_units(spec: RunSpec) -> tuple[int, str]:
     if spec.workload == MARKOV:
         size = SIZES[spec.size]
         return size.batch_size * size.seq_len, "tokens"
-    shape = workload_shape(spec.workload, "full" if spec.size == "full" else "tiny", spec.batch_size)
+    shape = spec.shape()
     return shape.units_per_step(), shape.unit
 
 
@@ -348,7 +353,7 @@ def _task(spec: RunSpec, total_steps: int) -> tuple[L.LightningModule, Callable[
     if spec.workload == MARKOV:
         data, model = markov_task(SIZES[spec.size], total_steps, spec.seed)
         return model, lambda trainer, module: trainer.fit(module, datamodule=data)
-    shape = workload_shape(spec.workload, "full" if spec.size == "full" else "tiny", spec.batch_size)
+    shape = spec.shape()
     module = WorkloadModule(shape.build(), spec.optimizer or WORKLOADS[spec.workload].optimizer)
     device = torch.device("cuda" if spec.accelerator == "gpu" else "cpu")
     batches = RepeatedBatch(shape, total_steps, device, spec.seed)
