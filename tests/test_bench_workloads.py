@@ -20,7 +20,8 @@ from lightning_mp.bench.configurations import (
     default_configurations,
     float32_matmul,
 )
-from lightning_mp.bench.timing import RunSpec, run_configuration, run_worker, step_units
+from lightning_mp.bench.report import difference_lines, summarize, target_lines
+from lightning_mp.bench.timing import RunResult, RunSpec, run_configuration, run_worker, step_units
 from lightning_mp.bench.workloads import GPU_WORKLOADS, WORKLOADS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -164,3 +165,34 @@ def test_benchmark_refuses_flags_that_do_not_fit_the_workload(
     with pytest.raises(SystemExit):
         bench.parse_args(["--accelerator", "cpu", *argv])
     assert message in capsys.readouterr().err
+
+
+def runs(name: str, median_ms: float, syncs: float) -> list[RunResult]:
+    return [
+        RunResult(name, [median_ms / 1e3] * 3, 1.0, 100.0, 90.0, None, [median_ms / 1e3] * 3, 1, repeat, None, syncs)
+        for repeat in range(2)
+    ]
+
+
+def test_launch_bound_targets_allow_more_and_crashed_setups_take_part_in_no_comparison() -> None:
+    """The launch-bound LM lets the monitors add 10% and O1 3%; a crashed setup is in no difference or target line."""
+    results = [
+        *runs("lightning-fp16", 10.0, 1.0),
+        *runs("O1-fp16", 10.25, 1.0),
+        *runs("O1-fp16+monitors", 11.0, 1.5),
+        RunResult.crashed("lightning-bf16", "NotImplementedError: bf16"),
+        *runs("O1-bf16", 10.0, 0.0),
+    ]
+    summaries = summarize(results, units_per_step=100)
+    assert summaries["lightning-bf16"].error == "NotImplementedError: bf16"
+    assert summaries["O1-bf16"].vs_builtin is None and summaries["O1-fp16"].vs_builtin == pytest.approx(10 / 10.25)
+    launch_bound = target_lines(summaries, "gpu", WORKLOADS["lm-small"].budgets)
+    assert any(
+        line.startswith("O1-fp16+monitors: monitors cost at most 10%") and "met" in line for line in launch_bound
+    )
+    assert any(line.startswith("O1-fp16 at most 3% slower") and line.endswith("met") for line in launch_bound)
+    assert "O1-fp16 host syncs per step no more than Lightning's built-in: 1.00 against 1.00 -> met" in launch_bound
+    large = target_lines(summaries, "gpu", WORKLOADS["lm-200m"].budgets)
+    assert any(line.startswith("O1-fp16+monitors: monitors cost at most 3%") and "MISSED" in line for line in large)
+    assert any(line.startswith("O1-fp16 at most 2% slower") and "MISSED" in line for line in large)
+    assert not any("lightning-bf16" in line for line in [*launch_bound, *difference_lines(summaries)])

@@ -42,6 +42,7 @@ from lightning_mp.bench.workloads import (
     OPTIMIZER_KINDS,
     SIZES,
     WORKLOADS,
+    TimeBudgets,
     auto_size,
 )
 
@@ -49,8 +50,6 @@ GPU_WORKLOAD_SIZES = ("tiny", "full")
 """The sizes of a GPU workload: ``full`` is what the GPU runs, ``tiny`` the same code small enough for the CPU."""
 DEFAULT_SYNC_STEPS = 10
 """Steps in which a GPU workload's runs count host syncs: a multiple of the monitors' and the logger's interval."""
-LAUNCH_BOUND_MONITOR_BUDGET_PERCENT = 10.0
-"""What the monitors may add to a step of the launch-bound LM, where every host call shows (3% elsewhere)."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -77,7 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--optimizer", choices=OPTIMIZER_KINDS, help="AdamW implementation of the GPU workloads (default: their own)"
     )
-    parser.add_argument("--compile", action="store_true", help="train torch.compile(model)")
+    parser.add_argument("--compile", action="store_true", help="compile the model's forward with torch.compile")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 20, quick 8)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 3, quick 2)")
     parser.add_argument(
@@ -243,7 +242,8 @@ def _timing_report(
         threads=args.threads,
         in_process=args.in_process,
         gpu_workload=spec.workload != MARKOV,
-        monitor_budget_percent=LAUNCH_BOUND_MONITOR_BUDGET_PERCENT if spec.workload == "lm-small" else 3.0,
+        budgets=TimeBudgets() if spec.workload == MARKOV else WORKLOADS[spec.workload].budgets,
+        sync_steps=spec.sync_steps,
     )
     return report(summarize(results, units), context, breakdowns)
 
