@@ -20,7 +20,7 @@ from lightning_mp.bench.configurations import (
     default_configurations,
     float32_matmul,
 )
-from lightning_mp.bench.report import difference_lines, summarize, target_lines
+from lightning_mp.bench.report import ReportContext, difference_lines, report, summarize, target_lines
 from lightning_mp.bench.timing import RunResult, RunSpec, run_configuration, run_worker, step_units
 from lightning_mp.bench.workloads import GPU_WORKLOADS, WORKLOADS
 
@@ -196,3 +196,15 @@ def test_launch_bound_targets_allow_more_and_crashed_setups_take_part_in_no_comp
     assert any(line.startswith("O1-fp16+monitors: monitors cost at most 3%") and "MISSED" in line for line in large)
     assert any(line.startswith("O1-fp16 at most 2% slower") and "MISSED" in line for line in large)
     assert not any("lightning-bf16" in line for line in [*launch_bound, *difference_lines(summaries)])
+
+
+def test_a_setup_that_crashed_in_one_repeat_keeps_its_figures_and_the_report_says_so() -> None:
+    """A run that crashes after others finished leaves the finished figures in the table and a loud line below it."""
+    results = [*runs("fp32", 20.0, 0.0), *runs("O1-fp16", 10.0, 1.0)[:1]]
+    results.append(RunResult.crashed("O1-fp16", "OutOfMemoryError: CUDA out of memory", repeat=1))
+    summaries = summarize(results, units_per_step=100)
+    context = ReportContext("a model", "tokens", "cpu", 1, 3, 2, ["CPU: test"], {"fp32": 1.0}, 32, ((0, 0, 0),) * 2, 1)
+    text = report(summaries, context, {})
+    row = next(line for line in text.splitlines() if line.startswith("| O1-fp16 |"))
+    assert row.split("|")[2].strip() == "10.0"
+    assert "**O1-fp16 crashed in 1 run(s) (repeat 2: OutOfMemoryError: CUDA out of memory)" in text

@@ -16,5 +16,56 @@
 """
 
 from lightning_mp.bench.cli import main, parse_args
+from lightning_mp.bench.configurations import CONFIGURATIONS, FP32, Configuration, default_configurations
+from lightning_mp.bench.counts import counts_report, counts_table
+from lightning_mp.bench.machine import load_warnings, machine_description, matmul_rates
+from lightning_mp.bench.memory import (
+    MEMORY_CONFIGURATIONS,
+    MemoryBreakdown,
+    measure_memory,
+    memory_report,
+    memory_table,
+)
+from lightning_mp.bench.report import ReportContext, Summary, report, summarize
+from lightning_mp.bench.timing import (
+    RunResult,
+    RunSpec,
+    paired_ratios,
+    resolution,
+    run_configuration,
+    unresolved_comparisons,
+)
+from lightning_mp.bench.workloads import SIZES, WORKLOADS, ModelSize, Workload
 
-__all__ = ["main", "parse_args"]
+__all__ = [
+    "CONFIGURATIONS",
+    "FP32",
+    "MEMORY_CONFIGURATIONS",
+    "SIZES",
+    "WORKLOADS",
+    "Configuration",
+    "MemoryBreakdown",
+    "ModelSize",
+    "ReportContext",
+    "RunResult",
+    "RunSpec",
+    "Summary",
+    "Workload",
+    "counts_report",
+    "counts_table",
+    "default_configurations",
+    "load_warnings",
+    "machine_description",
+    "main",
+    "matmul_rates",
+    "measure_memory",
+    "memory_report",
+    "memory_table",
+    "paired_ratios",
+    "parse_args",
+    "report",
+    "resolution",
+    "run_configuration",
+    "summarize",
+    "unresolved_comparisons",
+]

@@ -94,7 +94,9 @@ def machine_description(accelerator: str) -> list[str]:
     ]
     if accelerator == "gpu":
         major, minor = torch.cuda.get_device_capability()
-        lines.append(f"GPU: {torch.cuda.get_device_name()} (compute capability {major}.{minor})")
+        lines.append(
+            f"GPU: {torch.cuda.get_device_name()} (compute capability {major}.{minor}), CUDA {torch.version.cuda}"
+        )
     lines.append(f"torch {torch.__version__}, lightning {L.__version__}, Python {platform.python_version()}")
     return lines
 

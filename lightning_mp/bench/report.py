@@ -25,7 +25,11 @@ DEFAULT_BUDGETS = TimeBudgets()
 
 @dataclass
 class Summary:
-    """One configuration's measurements pooled over its repeats (``error`` set, and NaN measurements, if it crashed)."""
+    """One configuration's measurements pooled over its repeats.
+
+    ``error`` is set, and the measurements are NaN, where every run crashed; ``crashes`` lists the errors of the runs
+    that crashed, by repeat, also where others finished.
+    """
 
     name: str
     median_seconds: float
@@ -44,6 +48,7 @@ class Summary:
     paired_vs_builtin: list[float] = field(default_factory=list)
     syncs_per_step: float | None = None
     error: str | None = None
+    crashes: list[str] = field(default_factory=list)
 
 
 def summarize(results: Sequence[RunResult], units_per_step: int) -> dict[str, Summary]:
@@ -54,10 +59,15 @@ def summarize(results: Sequence[RunResult], units_per_step: int) -> dict[str, Su
     summaries: dict[str, Summary] = {}
     for name in dict.fromkeys(result.configuration for result in results):
         runs = [result for result in results if result.configuration == name and result.error is None]
+        crashes = [
+            f"repeat {result.repeat + 1}: {result.error}"
+            for result in results
+            if result.configuration == name and result.error is not None
+        ]
         if not runs:
             error = next(result.error for result in results if result.configuration == name)
             nan = float("nan")
-            summaries[name] = Summary(name, nan, nan, nan, nan, nan, nan, [], 0, error=error)
+            summaries[name] = Summary(name, nan, nan, nan, nan, nan, nan, [], 0, error=error, crashes=crashes)
             continue
         syncs = [run.syncs_per_step for run in runs if run.syncs_per_step is not None]
         seconds = [s for run in runs for s in run.step_seconds]
@@ -76,6 +86,7 @@ def summarize(results: Sequence[RunResult], units_per_step: int) -> dict[str, Su
             cpu_share=min(run.cpu_share for run in runs),
             wait_share=max(wait_shares) if len(wait_shares) == len(runs) else None,
             syncs_per_step=statistics.median(syncs) if syncs else None,
+            crashes=crashes,
         )
     for summary in summaries.values():
         if summary.error is not None:
@@ -261,6 +272,12 @@ def report(summaries: dict[str, Summary], context: ReportContext, breakdowns: di
         *_sync_line(context),
         "",
         markdown_table(summaries, context.accelerator, context.unit, context.gpu_workload),
+        *(
+            f"\n**{name} crashed in {len(s.crashes)} run(s) ({'; '.join(s.crashes)}); its figures are from the runs"
+            " that finished.**"
+            for name, s in ran.items()
+            if s.crashes
+        ),
         "",
         "Differences (median of the paired speed-ups, their range, and whether they are resolved):",
         "",
