@@ -396,6 +396,9 @@ def _train_and_measure(name: str, spec: RunSpec, profile: bool, repeat: int) -> 
         else:
             pre_fit = current_rss_mib()
         if spec.compile:
+            # Each run compiles afresh: in one process, earlier runs' graphs would otherwise count towards dynamo's
+            # recompile limit, past which it silently runs eagerly.
+            torch.compiler.reset()
             # Compiles the module's forward in place: the plugins and Lightning still see the same module tree, and
             # training_step (with its logging) runs eagerly around the compiled forward.
             model.compile()
