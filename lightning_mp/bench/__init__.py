@@ -6,7 +6,7 @@
 - :mod:`~lightning_mp.bench.configurations`: the precision setups compared (fp32 with and without TF32,
   Lightning's built-in plugins, ``MixedPrecision`` at each opt level, with and without the monitors);
 - :mod:`~lightning_mp.bench.workloads` and :mod:`~lightning_mp.bench.models`: what is trained (the Markov-text model
-  on the CPU; a ~220M-parameter GPT-like LM, ResNet-50 and a launch-bound LM on CUDA, each with a tiny CPU shape);
+  on the CPU; a 219M-parameter GPT-like LM, ResNet-50 and a launch-bound LM on CUDA, each with a tiny CPU shape);
 - :mod:`~lightning_mp.bench.timing`: step time from paired, alternating, repeated runs, and host syncs per step;
 - :mod:`~lightning_mp.bench.machine`: the machine and its load, which decide whether a timing can be trusted;
 - :mod:`~lightning_mp.bench.report`: the timing report, its paired differences and the targets;

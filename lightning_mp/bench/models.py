@@ -3,7 +3,7 @@
 :class:`GPTLike` is a decoder-only transformer: token and learned position embeddings, ``n_layers`` pre-norm
 blocks (causal self-attention through :func:`torch.nn.functional.scaled_dot_product_attention`, which picks the
 flash or memory-efficient kernel where it can, then a 4x GELU MLP), a final LayerNorm and an untied head. With
-d_model 1024, 12 layers and a 32768-token vocabulary it has about 220M parameters: 12 x 12.6M in the blocks,
+d_model 1024, 12 layers and a 32768-token vocabulary it has 219M parameters: 12 x 12.6M in the blocks,
 33.6M in each of the embedding and the head.
 
 :class:`ResNet` is the bottleneck ResNet (v1.5: the stride sits on the 3x3 convolution) with BatchNorm after

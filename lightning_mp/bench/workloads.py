@@ -7,7 +7,7 @@ a few minutes.
 
 The GPU-sized workloads (the default on CUDA) measure work of the size users train:
 
-- ``lm-200m``: a GPT-like LM of about 220M parameters (d_model 1024, 12 layers, vocab 32768, seq 1024, batch 8)
+- ``lm-200m``: a GPT-like LM of 219M parameters (d_model 1024, 12 layers, vocab 32768, seq 1024, batch 8)
   with fused AdamW;
 - ``resnet50``: ResNet-50 in ``channels_last`` on 224x224 images (batch 64; ``--batch-size 256`` for the large
   batch) with foreach AdamW;
