@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_mp import MixedPrecision, bench
+from lightning_mp.bench.cli import run_spec
 from lightning_mp.bench.configurations import (
     CONFIGURATIONS,
     GPU_WORKLOAD_CONFIGURATIONS,
@@ -22,7 +23,7 @@ from lightning_mp.bench.configurations import (
 )
 from lightning_mp.bench.report import ReportContext, difference_lines, report, summarize, target_lines
 from lightning_mp.bench.timing import RunResult, RunSpec, run_configuration, run_worker, step_units
-from lightning_mp.bench.workloads import GPU_WORKLOADS, WORKLOADS
+from lightning_mp.bench.workloads import GPU_WORKLOADS, WORKLOADS, auto_size
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -145,6 +146,14 @@ def test_strict_fp32_turns_tf32_off_for_the_run_and_restores_torchs_setting() ->
         with float32_matmul(CONFIGURATIONS[name].float32_matmul):
             assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == inside
         assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
+
+
+def test_markov_and_gpu_workloads_in_one_command_each_get_their_own_size() -> None:
+    """`--workload markov lm-small` on the CPU runs the Markov model at its auto size and lm-small's tiny shape."""
+    args = bench.parse_args(["--workload", "markov", "lm-small", "--accelerator", "cpu", "--batch-size", "3"])
+    markov, small = run_spec(args, "markov"), run_spec(args, "lm-small")
+    assert markov.size == auto_size("cpu") and markov.sync_steps == 0
+    assert small.size == "tiny" and small.sync_steps == 10 and step_units(small) == (3 * 8, "tokens")
 
 
 @pytest.mark.parametrize(

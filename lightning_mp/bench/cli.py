@@ -155,7 +155,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _resolve_workloads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Fill in ``args.workload`` and, for the Markov model, ``args.size``; refuse flags that do not fit them."""
+    """Fill in ``args.workload`` and the sizes; refuse flags that do not fit the workloads.
+
+    ``args.size`` becomes the Markov model's size; ``args.gpu_workload_size`` keeps what the GPU workloads were asked
+    for (``auto``, ``tiny`` or ``full``).
+    """
     if args.workload is None:
         on_gpu_by_default = args.accelerator == "gpu" and not (args.quick or args.memory or args.counts)
         args.workload = list(GPU_WORKLOADS) if on_gpu_by_default else [MARKOV]
@@ -165,27 +169,28 @@ def _resolve_workloads(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(f"{flag} measures the {MARKOV} model: --workload {' '.join(gpu_workloads)} is not allowed with it")
     if args.worker is not None and len(args.workload) != 1:
         parser.error(f"--worker runs one workload, got --workload {' '.join(args.workload)}")
-    if MARKOV in args.workload:
-        if args.size == "full":
-            parser.error(f"--size full is a size of the GPU workloads; the {MARKOV} model takes {', '.join(SIZES)}")
-        for flag, value in (("--batch-size", args.batch_size), ("--optimizer", args.optimizer)):
-            if value is not None:
-                parser.error(f"{flag} {value} applies to the GPU workloads; the {MARKOV} model takes --size")
-        if args.size == "auto":
-            args.size = "tiny" if args.quick else "medium" if args.memory else auto_size(args.accelerator)
     if gpu_workloads and args.size not in ("auto", *GPU_WORKLOAD_SIZES):
         parser.error(
             f"--size {args.size} is a size of the {MARKOV} model; --workload {' '.join(gpu_workloads)} takes auto,"
             f" {' or '.join(GPU_WORKLOAD_SIZES)}"
         )
+    args.gpu_workload_size = args.size
+    if MARKOV in args.workload:
+        if args.size == "full":
+            parser.error(f"--size full is a size of the GPU workloads; the {MARKOV} model takes {', '.join(SIZES)}")
+        for flag, value in (("--batch-size", args.batch_size), ("--optimizer", args.optimizer)):
+            if value is not None and not gpu_workloads:
+                parser.error(f"{flag} {value} applies to the GPU workloads; the {MARKOV} model takes --size")
+        if args.size == "auto":
+            args.size = "tiny" if args.quick else "medium" if args.memory else auto_size(args.accelerator)
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
 
 
 def run_spec(args: argparse.Namespace, workload: str) -> RunSpec:
     """What every run of ``workload`` trains, from the command line's flags."""
-    size = args.size
-    if workload != MARKOV and size == "auto":
+    size = args.size if workload == MARKOV else args.gpu_workload_size
+    if size == "auto":
         size = "full" if args.accelerator == "gpu" else "tiny"
     default_sync_steps = 0 if workload == MARKOV else DEFAULT_SYNC_STEPS
     return RunSpec(
@@ -270,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.filterwarnings("ignore")
         _emit(run_memory(args), args.out)
         return 0
-    if args.accelerator == "cpu" and not device_has_native_bf16("cpu"):
+    if MARKOV in args.workload and args.accelerator == "cpu" and not device_has_native_bf16("cpu"):
         print(
             "note: this CPU has no AVX512-BF16 or AMX, so bf16 matrix products are emulated and far slower than fp32;"
             f" using the {args.size!r} model size.",
