@@ -11,17 +11,15 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from lightning_mp.bench import (
+from lightning_mp.bench import main, parse_args
+from lightning_mp.bench.memory import (
     MEMORY_CONFIGURATIONS,
-    SIZES,
     MemoryBreakdown,
-    ModelSize,
-    main,
     measure_memory,
     memory_report,
     memory_table,
-    parse_args,
 )
+from lightning_mp.bench.workloads import SIZES, ModelSize
 from lightning_mp.tasks import TinyTransformerLM
 
 SMALL = ModelSize(d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=8, vocab_size=128)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_mp import LossScaler, MixedPrecision
-from lightning_mp._step_counts import OPTIMIZERS, PRECISIONS, count_iteration, tiny_language_model
+from lightning_mp.bench.counts import OPTIMIZERS, PRECISIONS, count_iteration, tiny_language_model
 from lightning_mp.counting import count_syncs_and_ops
 from tests.helpers import TinyRegressor, loader, make_trainer
 

@@ -1,0 +1,71 @@
+"""The benchmark: what each precision setup costs in time, memory and host work, as Markdown tables.
+
+``python -m lightning_mp.bench`` runs it (``--help`` lists the flags). One job per module:
+
+- :mod:`~lightning_mp.bench.cli`: the command line, and which benchmark runs on what;
+- :mod:`~lightning_mp.bench.configurations`: the precision setups compared (fp32 with and without TF32,
+  Lightning's built-in plugins, ``MixedPrecision`` at each opt level, with and without the monitors);
+- :mod:`~lightning_mp.bench.workloads` and :mod:`~lightning_mp.bench.models`: what is trained (the Markov-text model
+  on the CPU; a 219M-parameter GPT-like LM, ResNet-50 and a launch-bound LM on CUDA, each with a tiny CPU shape);
+- :mod:`~lightning_mp.bench.timing`: step time from paired, alternating, repeated runs, and host syncs per step;
+- :mod:`~lightning_mp.bench.machine`: the machine and its load, which decide whether a timing can be trusted;
+- :mod:`~lightning_mp.bench.report`: the timing report, its paired differences and the targets;
+- :mod:`~lightning_mp.bench.memory`: tensor memory of one step, split by category (``--memory``);
+- :mod:`~lightning_mp.bench.counts`: host syncs and ops of one iteration against torch's loop and Lightning's
+  plugin (``--counts``).
+"""
+
+from lightning_mp.bench.cli import main, parse_args
+from lightning_mp.bench.configurations import CONFIGURATIONS, FP32, Configuration, default_configurations
+from lightning_mp.bench.counts import counts_report, counts_table
+from lightning_mp.bench.machine import load_warnings, machine_description, matmul_rates
+from lightning_mp.bench.memory import (
+    MEMORY_CONFIGURATIONS,
+    MemoryBreakdown,
+    measure_memory,
+    memory_report,
+    memory_table,
+)
+from lightning_mp.bench.report import ReportContext, Summary, report, summarize
+from lightning_mp.bench.timing import (
+    RunResult,
+    RunSpec,
+    paired_ratios,
+    resolution,
+    run_configuration,
+    unresolved_comparisons,
+)
+from lightning_mp.bench.workloads import SIZES, WORKLOADS, ModelSize, Workload
+
+__all__ = [
+    "CONFIGURATIONS",
+    "FP32",
+    "MEMORY_CONFIGURATIONS",
+    "SIZES",
+    "WORKLOADS",
+    "Configuration",
+    "MemoryBreakdown",
+    "ModelSize",
+    "ReportContext",
+    "RunResult",
+    "RunSpec",
+    "Summary",
+    "Workload",
+    "counts_report",
+    "counts_table",
+    "default_configurations",
+    "load_warnings",
+    "machine_description",
+    "main",
+    "matmul_rates",
+    "measure_memory",
+    "memory_report",
+    "memory_table",
+    "paired_ratios",
+    "parse_args",
+    "report",
+    "resolution",
+    "run_configuration",
+    "summarize",
+    "unresolved_comparisons",
+]

@@ -1,0 +1,307 @@
+"""Tensor memory of one training step per configuration (``--memory``): the peak, split by category.
+
+Each configuration trains one warm-up step on the CPU, then one step under ``torch.profiler`` with
+``profile_memory``, ``record_shapes`` and ``with_stack`` (torch's memory profile requires all three: the Python
+tracer is what tells parameters and optimizer states apart). The memory timeline gives the peak of the tensor
+bytes alive, its split by category at that moment, and the weights, gradients and optimizer states kept at the end
+of the step. The last step's gradients are freed before profiling: the timeline only sees a tensor made before it
+started once an op touches it, and Lightning frees them untouched. The byte counts depend on the model and torch's
+kernels, not on the machine, and since counting bytes needs no fast fp16, the fp16 configurations are measured too.
+
+Two more steps count the host work of a steady step with :mod:`lightning_mp.counting`: its compute ops in one
+batch, its Python calls in the next (so that the op counter's own frames are not counted as Python calls).
+
+Private torch names, because torch offers no public way to read the categorised timeline:
+``torch.profiler.profile._memory_profile``, ``torch.profiler._memory_profiler.MemoryProfileTimeline`` and its
+``_coalesce_timeline``, ``Category`` and ``_CATEGORY_TO_INDEX`` (the column of each category).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import lightning as L
+import torch
+from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, Category, MemoryProfileTimeline
+from typing_extensions import override
+
+from lightning_mp.bench.configurations import CONFIGURATIONS, FP32
+from lightning_mp.bench.workloads import SIZES, ModelSize, markov_task
+from lightning_mp.counting import PythonCalls, StepCounts, count_python_calls, count_syncs_and_ops
+
+MEMORY_CONFIGURATIONS = (FP32, "lightning-bf16", "O1-bf16", "O2-bf16", "lean-bf16", "O1-fp16", "O2-fp16")
+"""What ``--memory`` measures by default: the fp16 ones too, since byte counts need no fast fp16."""
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Tensor bytes of one steady-state training step, from the profiler's memory timeline.
+
+    Attributes:
+        configuration: the configuration's name.
+        parameters: the model's parameter count.
+        peak_bytes: the most tensor bytes alive at any moment of the step.
+        weights: bytes in parameters at the peak (O2's half copies included: they sit in the modules).
+        gradients: bytes in gradients at the peak.
+        optimizer_state: bytes in optimizer states at the peak.
+        activations: bytes in activations saved or produced by the forward at the peak.
+        other: inputs, temporaries, autograd details and unclassified tensors at the peak.
+        persistent_bytes: weights, gradients and optimizer states alive at the end of the step: what training keeps
+            between steps.
+        python_calls: Python function calls of one later training batch, hooks to hooks (0: not counted).
+        compute_ops: dispatched compute ops (no views, no host reads) of one later training batch (0: not counted).
+
+    """
+
+    configuration: str
+    parameters: int
+    peak_bytes: int
+    weights: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    other: int
+    persistent_bytes: int
+    python_calls: int = 0
+    compute_ops: int = 0
+
+    @property
+    def persistent_bytes_per_parameter(self) -> float:
+        """Bytes kept between steps per parameter: 16 with AdamW for fp32, O1 and O2, plus its step counters."""
+        return self.persistent_bytes / self.parameters
+
+
+_CATEGORY_FIELDS: dict[Category | None, str] = {
+    Category.PARAMETER: "weights",
+    Category.GRADIENT: "gradients",
+    Category.OPTIMIZER_STATE: "optimizer_state",
+    Category.ACTIVATION: "activations",
+}
+
+
+_KEPT = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
+"""What a model keeps between steps: Lightning frees gradients at the next step's ``zero_grad``."""
+
+
+def breakdown_from_timeline(
+    times_and_sizes: tuple[list[int], list[list[int]]], configuration: str, parameters: int
+) -> MemoryBreakdown:
+    """The peak and its split by category from a coalesced memory timeline (one row of sizes per timestamp)."""
+    _, sizes = times_and_sizes
+    totals = [sum(row) for row in sizes]
+    at_peak = sizes[max(range(len(totals)), key=totals.__getitem__)]
+    split = dict.fromkeys(("weights", "gradients", "optimizer_state", "activations", "other"), 0)
+    for category, index in _CATEGORY_TO_INDEX.items():
+        split[_CATEGORY_FIELDS.get(category, "other")] += at_peak[index + 1]  # column 0 is unused by torch
+    split["other"] += at_peak[0]
+    at_end = sizes[-1]
+    persistent = sum(at_end[_CATEGORY_TO_INDEX[category] + 1] for category in _CATEGORY_FIELDS if category in _KEPT)
+    return MemoryBreakdown(configuration, parameters, max(totals), persistent_bytes=persistent, **split)
+
+
+class MemoryTimelineCallback(L.Callback):
+    """Profile the tensor memory of one training batch, forward to optimizer step, and keep the coalesced timeline."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.timeline: tuple[list[int], list[list[int]]] | None = None
+        self._profiler: torch.profiler.profile | None = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == self.batch:
+            # The timeline sees a tensor made before profiling only once an op touches it; Lightning frees the last
+            # step's gradients without touching them. Freeing them here makes every byte of the step visible.
+            for optimizer in trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            self._profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU],
+                profile_memory=True,
+                record_shapes=True,
+                with_stack=True,
+            )
+            self._profiler.__enter__()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx != self.batch or self._profiler is None:
+            return
+        self._profiler.__exit__(None, None, None)
+        timeline = MemoryProfileTimeline(self._profiler._memory_profile())
+        self.timeline = timeline._coalesce_timeline("cpu")
+        self._profiler = None
+
+
+class HostWorkCallback(L.Callback):
+    """Count the compute ops of one training batch and the Python calls of the next, from batch start to batch end.
+
+    Two batches, because the op counter's own Python frames would otherwise be counted as Python calls.
+    """
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.compute_ops = 0
+        self.python_calls = 0
+        self._region: contextlib.ExitStack | None = None
+        self._counts: StepCounts | PythonCalls | None = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx in (self.batch, self.batch + 1):
+            self._region = contextlib.ExitStack()
+            if batch_idx == self.batch:
+                self._counts = self._region.enter_context(count_syncs_and_ops())
+            else:
+                self._counts = self._region.enter_context(count_python_calls())
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._region is None:
+            return
+        self._region.close()
+        if isinstance(self._counts, StepCounts):
+            self.compute_ops = self._counts.compute_ops
+        elif isinstance(self._counts, PythonCalls):
+            self.python_calls = self._counts.python_calls
+        self._region = self._counts = None
+
+
+def measure_memory(name: str, size: ModelSize, seed: int = 0, warmup: int = 1) -> MemoryBreakdown:
+    """Train ``warmup`` steps under configuration ``name`` on the CPU, then profile the memory of the next one.
+
+    Two more steps count the host work of a steady step: its compute ops, then its Python calls.
+    """
+    L.seed_everything(seed, verbose=False)
+    data, model = markov_task(size, warmup + 3, seed)
+    recorder = MemoryTimelineCallback(batch=warmup)
+    host_work = HostWorkCallback(batch=warmup + 1)
+    arguments = CONFIGURATIONS[name].trainer_arguments()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=warmup + 3,
+        logger=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{**arguments, "callbacks": [recorder, host_work, *arguments.get("callbacks", [])]},
+    )
+    with warnings.catch_warnings():
+        # The memory profiler reads ``.grad`` of every parameter slot a module call sees; under O2 the slots hold
+        # the half copies, which are not leaves, and torch warns about that read.
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        trainer.fit(model, datamodule=data)
+    assert recorder.timeline is not None
+    memory = breakdown_from_timeline(recorder.timeline, name, sum(p.numel() for p in model.parameters()))
+    return replace(memory, python_calls=host_work.python_calls, compute_ops=host_work.compute_ops)
+
+
+def _mib(value: int) -> str:
+    return f"{value / 2**20:.2f}"
+
+
+def memory_table(results: Sequence[MemoryBreakdown]) -> str:
+    """One row per configuration: the peak, its split by category, its ratio to fp32, and bytes kept per parameter."""
+    fp32 = next((result for result in results if result.configuration == FP32), None)
+    lines = [
+        "| configuration | peak (MiB) | vs fp32 | weights | gradients | optimizer state | activations | other"
+        " | persistent (B/param) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        ratio = f"{r.peak_bytes / fp32.peak_bytes:.3f}" if fp32 is not None else "-"
+        lines.append(
+            f"| {r.configuration} | {_mib(r.peak_bytes)} | {ratio} | {_mib(r.weights)} | {_mib(r.gradients)}"
+            f" | {_mib(r.optimizer_state)} | {_mib(r.activations)} | {_mib(r.other)}"
+            f" | {r.persistent_bytes_per_parameter:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def memory_target_lines(results: Sequence[MemoryBreakdown]) -> list[str]:
+    """The issue's memory targets with their measured values, for the configurations that ran."""
+    by_name = {result.configuration: result for result in results}
+    lines = []
+
+    def verdict(met: bool) -> str:
+        return "met" if met else "MISSED"
+
+    def ratio(name: str, reference: str) -> float:
+        return by_name[name].peak_bytes / by_name[reference].peak_bytes
+
+    for o2, o1 in (("O2-bf16", "O1-bf16"), ("O2-fp16", "O1-fp16")):
+        if {o2, FP32} <= by_name.keys():
+            value = ratio(o2, FP32)
+            lines.append(f"{o2} peak <= 0.85x fp32: {value:.3f}x -> {verdict(value <= 0.85)}")
+        if {o2, o1} <= by_name.keys():
+            value = ratio(o2, o1)
+            lines.append(f"{o2} peak <= 0.95x {o1}: {value:.3f}x -> {verdict(value <= 0.95)}")
+        if o2 in by_name:
+            value = round(by_name[o2].persistent_bytes_per_parameter, 2)  # AdamW's step counters add 4 B per tensor
+            lines.append(f"{o2} persistent state <= 16 B/param: {value:.2f} -> {verdict(value <= 16)}")
+    if {"O1-bf16", "lightning-bf16"} <= by_name.keys():
+        value = ratio("O1-bf16", "lightning-bf16")
+        lines.append(f"O1-bf16 peak <= Lightning's bf16-mixed: {value:.3f}x -> {verdict(value <= 1)}")
+    if {"O2-bf16", "O1-bf16"} <= by_name.keys() and by_name["O1-bf16"].python_calls:
+        value = by_name["O2-bf16"].python_calls / by_name["O1-bf16"].python_calls
+        lines.append(f"O2-bf16 Python calls <= 1.10x O1-bf16: {value:.3f}x -> {verdict(value <= 1.10)}")
+    if {"O2-bf16", "lightning-bf16"} <= by_name.keys() and by_name["lightning-bf16"].compute_ops:
+        value = by_name["O2-bf16"].compute_ops / by_name["lightning-bf16"].compute_ops
+        lines.append(f"O2-bf16 compute ops <= 1.05x Lightning's bf16-mixed: {value:.3f}x -> {verdict(value <= 1.05)}")
+    return lines
+
+
+def host_work_table(results: Sequence[MemoryBreakdown]) -> str:
+    """One row per configuration: Python calls and compute ops of one steady training batch."""
+    lines = ["| configuration | Python calls / step | compute ops / step |", "|---|---:|---:|"]
+    lines += [f"| {r.configuration} | {r.python_calls:,} | {r.compute_ops:,} |" for r in results]
+    return "\n".join(lines)
+
+
+def memory_report(results: Sequence[MemoryBreakdown], size_name: str, size: ModelSize) -> str:
+    """The ``--memory`` report: the model, the table (MiB of tensor memory) and the targets."""
+    parameters = results[0].parameters if results else 0
+    parts = [
+        "### lightning_mp memory benchmark",
+        "",
+        f"- Model: TinyTransformerLM, size {size_name!r} ({size.describe()}), {parameters:,} parameters, AdamW",
+        "- Peak tensor bytes of one steady-state training step (forward, backward, optimizer step), from"
+        " torch.profiler's memory timeline; the split is the one at the peak. Independent of the machine.",
+        "",
+        memory_table(results),
+        "",
+        "Host work of one steady training batch (hooks to hooks), counted with lightning_mp.counting:",
+        "",
+        host_work_table(results),
+        "",
+        "Targets:",
+        "",
+        *(f"- {line}" for line in memory_target_lines(results)),
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def run_memory(args: argparse.Namespace) -> str:
+    """Measure every configuration of ``args.configs`` in this process and return the report."""
+    size = SIZES[args.size]
+    results = []
+    for name in args.configs:
+        results.append(measure_memory(name, size, args.seed))
+        print(f"[memory] {name}: peak {results[-1].peak_bytes / 2**20:.2f} MiB", file=sys.stderr, flush=True)
+    return memory_report(results, args.size, size)
