@@ -6,8 +6,8 @@ none of these limits, but three fewer mantissa bits than fp16. Whether a model t
 values fall, layer by layer, and that can be measured in fp32 before any half-precision step.
 
 :func:`advise` runs ``batches`` training batches in fp32 on a deep copy of the model (the model itself, its
-buffers, gradients and the random number generators are left as they were) and records, for every module that is
-a leaf or holds parameters of its own:
+buffers, gradients, the random number generators and the batches are left as they were) and records, for every
+module that is a leaf or holds parameters of its own:
 
 - the largest absolute activation, over the floating inputs and outputs of its forward;
 - the largest absolute gradient, over the gradients of its outputs and of its own parameters;
@@ -435,7 +435,9 @@ def advise(
                 if batch_idx == batches:
                     break
                 work.zero_grad(set_to_none=True)
-                loss = _training_loss(work, move_data_to_device(batch, device), batch_idx, loss_fn)
+                # A copy: a model that writes into its input (ELU(inplace=True) first) must not change the data.
+                own_batch = apply_to_collection(move_data_to_device(batch, device), Tensor, torch.clone)
+                loss = _training_loss(work, own_batch, batch_idx, loss_fn)
                 if loss is not None:
                     loss.backward()
                 for module, tally in tallies.items():

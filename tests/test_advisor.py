@@ -129,6 +129,15 @@ def test_advisor_changes_nothing_it_measures() -> None:
     assert torch.equal(next(iter(data))[0], next(iter(loader()))[0])
 
 
+def test_advisor_leaves_batches_alone_when_the_model_writes_into_its_input() -> None:
+    """A model with ELU(inplace=True) first, measured on a list of the user's tensors, leaves those tensors alone."""
+    model = nn.Sequential(nn.ELU(inplace=True), nn.Linear(8, 2))
+    batches = [(torch.randn(8, 8) * 3, torch.randint(0, 2, (8,))) for _ in range(2)]
+    before = [x.clone() for x, _ in batches]
+    advise(model, batches, batches=2, loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), capabilities=NATIVE_CPU)
+    assert all(torch.equal(x, given) for (x, _), given in zip(batches, before, strict=True))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
