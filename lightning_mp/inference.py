@@ -65,7 +65,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -155,12 +154,6 @@ def to_inference(
             " representative batch to measure it on."
         )
     patterns = Fp32Overrides(keep_fp32).patterns
-    for name, why in _tied_to_kept(model, patterns).items():
-        warnings.warn(
-            f"to_inference: {name!r} is kept in fp32 too: {why}, and tied weights are one tensor, in one dtype.",
-            UserWarning,
-            stacklevel=2,
-        )
     converted = _convert(model, dtype, patterns, keep_normalization_fp32)
     if batch is None:
         # nn.Module types __setattr__ for tensors and submodules; any other value becomes a plain attribute.
@@ -199,37 +192,9 @@ def _convert(
     converted = copy.deepcopy(model)
     converted.eval()
     converted.requires_grad_(False)
-    overrides = Fp32Overrides([*keep_fp32, *_tied_to_kept(converted, keep_fp32)])
+    overrides = Fp32Overrides(keep_fp32)
     convert_to_half(converted, dtype, overrides, keep_normalization_fp32=keep_normalization_fp32, float_outputs=False)
     return converted
-
-
-def _tied_to_kept(model: nn.Module, keep_fp32: Sequence[KeepFp32Pattern]) -> dict[str, str]:
-    """The modules that share a parameter with a ``keep_fp32`` module, mapped to why they must stay fp32 as well.
-
-    Tied weights (an embedding and the output layer that reuses its matrix) are one tensor, so they have one dtype:
-    keeping one side in fp32 keeps the other in fp32 too, or the first forward of either side mixes dtypes. Ties
-    through several modules are followed to the end.
-    """
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for module_name, module in model.named_modules():
-        for parameter_name, parameter in module.named_parameters(recurse=False):
-            owners.setdefault(id(parameter), []).append((module_name, parameter_name))
-    tied = [names for names in owners.values() if len(names) > 1]
-    partners: dict[str, str] = {}
-    while True:
-        kept = {id(module) for module in Fp32Overrides([*keep_fp32, *partners]).kept_modules(model)}
-        found = {
-            name: f"'{name}.{parameter}' is tied to '{kept_name}.{kept_parameter}', which stays fp32"
-            for names in tied
-            for kept_name, kept_parameter in names
-            if id(model.get_submodule(kept_name)) in kept
-            for name, parameter in names
-            if id(model.get_submodule(name)) not in kept and name not in partners
-        }
-        if not found:
-            return partners
-        partners.update(found)
 
 
 @dataclass(frozen=True)
