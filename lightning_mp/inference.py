@@ -132,7 +132,7 @@ def to_inference(
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"to_inference(model={type(model).__name__}) is not allowed: model must be an nn.Module.")
-    if dtype not in HALF_DTYPES:
+    if not (isinstance(dtype, torch.dtype) and dtype in HALF_DTYPES):
         raise ValueError(
             f"to_inference(dtype={dtype!r}) is not allowed: dtype must be torch.bfloat16 or torch.float16."
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch import LightningModule
@@ -149,6 +150,7 @@ def test_compare_takes_positional_and_keyword_batches() -> None:
     ("call", "message"),
     [
         (lambda: to_inference(Classifier(), dtype=torch.float32), r"dtype=torch.float32\) is not allowed"),
+        (lambda: to_inference(Classifier(), dtype=np.array([1.0, 2.0])), r"dtype=array\(\[1., 2.\]\)\) is not allowed"),
         (lambda: to_inference("model"), r"to_inference\(model=str\) is not allowed: model must be an nn.Module"),
         (lambda: to_inference(Classifier(), keep_fp32="head"), r"keep_fp32='head' is not allowed"),
         (lambda: compare(Classifier(), None, features()), r"compare\(converted=NoneType\) is not allowed"),
