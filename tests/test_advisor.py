@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch import LightningModule
@@ -146,6 +147,8 @@ def test_advisor_leaves_batches_alone_when_the_model_writes_into_its_input() -> 
         ({"model": "model"}, r"advise\(model=str\) is not allowed"),
         ({"dataloader": 3}, r"advise\(dataloader=3\) is not allowed: dataloader must be an iterable"),
         ({"dataloader": []}, r"the data loader yielded no batch"),
+        ({"batches": np.array([1, 2])}, r"advise\(batches=array\(\[1, 2\]\)\) is not allowed: .* an integer >= 1"),
+        ({"batches": 1.0}, r"advise\(batches=1.0\) is not allowed: batches must be an integer >= 1"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs: dict, message: str) -> None:
@@ -153,6 +156,14 @@ def test_bad_arguments_raise_value_error(kwargs: dict, message: str) -> None:
     arguments = {"model": Planted(), "dataloader": loader(), "batches": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         advise(**arguments)
+
+
+def test_numbers_and_choices_of_any_kind_are_checked_naming_the_argument() -> None:
+    """A numpy count is a count; an array where a precision belongs is a ValueError naming precision."""
+    advice = advise(Planted(), loader(), batches=np.int64(1), capabilities=NATIVE_CPU)
+    assert advice.batches == 1 and type(advice.batches) is int
+    with pytest.raises(ValueError, match=r"plugin_kwargs\(precision=array\(\[1., 2.\]\)\) is not supported"):
+        advice.plugin_kwargs(np.array([1.0, 2.0]))
 
 
 class ManualPlanted(Planted):
