@@ -80,7 +80,7 @@ from typing_extensions import override
 
 from lightning_mp._compile import autocast_by_flags, backward_outside_autocast
 from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device
-from lightning_mp._hardware import choose_precision, device_has_native_bf16
+from lightning_mp._hardware import choose_precision, device_has_native_bf16, emulated_bf16_warning
 from lightning_mp._scale_rules import FLOAT32_MAX, STATIC_SCALE_FLOOR
 from lightning_mp._schedulers import SkipAwareScheduler
 from lightning_mp._validation import check_choice, check_flag, check_number, exact, plain_scalar
@@ -463,17 +463,7 @@ class MixedPrecision(LightningMixedPrecision):
                 " with AVX512-BF16 or AMX."
             )
         elif not device_has_native_bf16("cpu"):
-            # Under "auto" the reason already says why bf16 was chosen anyway (O2/O3 need a half type) and how to
-            # get fp32's speed; repeat exactly that, so that no message contradicts the choice.
-            why = (
-                f"precision='auto' chose 'bf16-mixed' because {self.precision_reason}."
-                if self.requested_precision == "auto"
-                else "precision='auto' with opt_level='O1' trains in fp32 here."
-            )
-            rank_zero_warn(
-                "lightning_mp: this CPU has no native bf16 (no AVX512-BF16 or AMX), so 'bf16-mixed' is emulated and"
-                f" can be 10-100x slower than fp32. {why}"
-            )
+            rank_zero_warn(emulated_bf16_warning(self.requested_precision, self.opt_level, self.precision_reason))
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

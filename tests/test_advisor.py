@@ -301,3 +301,33 @@ def test_auto_on_a_cpu_that_emulates_bf16_warns_in_agreement_with_its_choice(mon
     (slowness,) = [str(warning.message) for warning in caught if "emulated" in str(warning.message)]
     assert f"precision='auto' chose 'bf16-mixed' because {plugin.precision_reason}." in slowness
     assert "opt_level='O1'" in slowness and "would pick" not in slowness
+
+
+@pytest.mark.filterwarnings("ignore:lightning_mp. opt_level='O3'")
+@pytest.mark.parametrize(
+    ("opt_level", "advice"),
+    [
+        ("O1", "Use precision='32-true' for fp32's speed here."),
+        ("O2", "opt_level='O2' keeps the weights in a half type; precision='32-true' with opt_level='O1' trains"),
+        ("O3", "opt_level='O3' keeps the weights in a half type"),
+        ("lean", "opt_level='lean' keeps the weights in a half type"),
+    ],
+)
+def test_explicit_bf16_on_a_cpu_that_emulates_it_gives_advice_for_what_was_asked(
+    monkeypatch, opt_level: str, advice: str
+) -> None:
+    """precision='bf16-mixed' on a CPU without bf16 warns about its speed without talking as if 'auto' was asked."""
+    monkeypatch.setattr(hardware, "cpu_flags", frozenset)  # a CPU whose kernel reports no bf16 flags
+    plugin = MixedPrecision("bf16-mixed", opt_level=opt_level)
+    with pytest.warns(UserWarning, match="emulated") as caught:
+        plugin.setup_for_device("cpu")
+    (slowness,) = [str(warning.message) for warning in caught if "emulated" in str(warning.message)]
+    assert advice in slowness and "auto" not in slowness
+
+
+def test_explicit_bf16_on_a_cpu_with_native_bf16_does_not_warn_about_speed(monkeypatch) -> None:
+    """On a CPU with AVX512-BF16, precision='bf16-mixed' sets up without a slowness warning."""
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MixedPrecision("bf16-mixed").setup_for_device("cpu")
