@@ -63,7 +63,7 @@ import functools
 import warnings
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
@@ -81,7 +81,7 @@ from typing_extensions import override
 from lightning_mp._compile import autocast_by_flags, backward_outside_autocast
 from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device
 from lightning_mp._hardware import choose_precision, device_has_native_bf16, emulated_bf16_warning
-from lightning_mp._scale_rules import FLOAT32_MAX, STATIC_SCALE_FLOOR
+from lightning_mp._scale_rules import FLOAT32_MAX, STATIC_SCALE_FLOOR, OnMinScale
 from lightning_mp._schedulers import SkipAwareScheduler
 from lightning_mp._validation import check_choice, check_flag, check_number, exact, plain_scalar
 from lightning_mp.overrides import Fp32Overrides, cast_low_precision
@@ -126,6 +126,12 @@ def _device_type(owner: str, device: Any) -> str:
     return device
 
 
+def _precision_name(owner: str, precision: Any) -> PrecisionName:
+    """``precision`` checked: one of :data:`PRECISIONS`, else an error with a "did you mean" for a near miss."""
+    check_choice(owner, "precision", precision, PRECISIONS, PRECISION_ALIASES)
+    return cast(PrecisionName, precision)
+
+
 def _static_scale_or_dynamic(owner: str, loss_scale: Any) -> float | Literal["dynamic"]:
     """``loss_scale`` checked: ``"dynamic"``, or a static scale as a Python float."""
     loss_scale = plain_scalar(loss_scale)
@@ -161,6 +167,9 @@ class MixedPrecision(LightningMixedPrecision):
     Args:
         precision: ``"auto"`` (bf16 where the device runs it natively, else fp16 on GPUs and fp32 on CPUs),
             ``"16-mixed"`` (fp16 with loss scaling; real fp16 on the CPU too), ``"bf16-mixed"`` or ``"32-true"``.
+            The annotation also takes any string or int, so that LightningCLI hands ``fp16`` or ``16`` to this
+            constructor, whose error says "did you mean '16-mixed'", instead of refusing it in its own type check;
+            ``on_min_scale`` and ``loss_scale`` take any string for the same reason.
         device: the autocast device type (``"cpu"``, ``"cuda"``, ...; an index as in ``"cuda:0"`` is ignored, as
             autocast works per device type); None takes it from the Trainer's accelerator at setup.
         scaler: a ``torch.amp.GradScaler`` whose settings (scale, growth and backoff factors, growth interval,
@@ -207,7 +216,7 @@ class MixedPrecision(LightningMixedPrecision):
 
     def __init__(
         self,
-        precision: PrecisionName = "auto",
+        precision: PrecisionName | str | int = "auto",
         device: str | None = None,
         scaler: torch.amp.GradScaler | None = None,
         *,
@@ -220,15 +229,15 @@ class MixedPrecision(LightningMixedPrecision):
         consecutive_hysteresis: bool = False,
         min_scale: float | None = None,
         max_scale: float = 2.0**24,
-        on_min_scale: Literal["raise", "warn"] = "raise",
-        loss_scale: float | Literal["dynamic"] = "dynamic",
+        on_min_scale: Literal["raise", "warn"] | str = "raise",
+        loss_scale: float | Literal["dynamic"] | str = "dynamic",
         skip_scheduler_on_overflow: bool = True,
         keep_fp32: Sequence[type | str] | None = (),
         max_consecutive_skips: int | None = 100,
         recast_in_backward: bool = True,
     ) -> None:
         owner = type(self).__name__
-        check_choice(owner, "precision", precision, PRECISIONS, PRECISION_ALIASES)
+        precision = _precision_name(owner, precision)
         check_choice(owner, "opt_level", opt_level, POLICIES, OPT_LEVEL_ALIASES)
         if device is not None:
             device = _device_type(owner, device)
@@ -257,7 +266,7 @@ class MixedPrecision(LightningMixedPrecision):
             consecutive_hysteresis=consecutive_hysteresis,
             min_scale=min_scale,
             max_scale=max_scale,
-            on_min_scale=on_min_scale,
+            on_min_scale=cast(OnMinScale, on_min_scale),  # checked there
             max_consecutive_skips=max_consecutive_skips,
         )
         if loss_scale != "dynamic" and precision in ("bf16-mixed", "32-true"):
