@@ -19,9 +19,10 @@ first thing to lose precision) and makes the model reject fp32 inputs. :func:`to
 - the largest absolute difference between the outputs;
 - the largest relative difference, ``max |converted - fp32| / max |fp32|`` (relative to the output's scale, so that
   outputs near zero do not make it meaningless);
-- for classifiers, the share of samples whose top-1 class is the same in both. A sample whose scores hold a NaN or
-  an inf, in either model, disagrees: ``argmax`` of a NaN row is meaningless (a broken model that always says class 0
-  would otherwise agree with a classifier that predicts class 0).
+- for classifiers, the share of predictions (score vectors over the last dimension: one per sample, or per token)
+  whose top-1 class is the same in both. A prediction whose scores hold a NaN or an inf, in either model,
+  disagrees: ``argmax`` of a NaN row is meaningless (a broken model that always says class 0 would otherwise agree
+  with a classifier that predicts class 0).
 
 Each model runs on its own copy of the batch, so a model that writes into its input (``nn.ELU(inplace=True)`` as the
 first layer) changes neither the caller's batch nor what the other model sees.
@@ -230,12 +231,12 @@ class ParityReport:
         samples: the batch size (first dimension of the output).
         max_abs_error: ``max |converted - fp32|`` over every output element; ``inf`` if an output is not finite.
         max_rel_error: ``max_abs_error / max |fp32|``; ``inf`` if an output is not finite.
-        top1_agreement: share of samples whose argmax over the last dimension agrees, a sample with a NaN or inf
-            score disagreeing; None for non-classifiers.
+        top1_agreement: share of predictions (score vectors over the last dimension) whose argmax agrees, one with a
+            NaN or inf score disagreeing; None for non-classifiers.
         nonfinite_outputs: how many output elements of the converted model are NaN or inf.
         nonfinite_reference: how many output elements of the fp32 model are NaN or inf.
-        nonfinite_samples: for classifiers, how many samples hold a NaN or inf score in either model; each counts
-            as a disagreement in ``top1_agreement``.
+        nonfinite_predictions: for classifiers, how many predictions hold a NaN or inf score in either model; each
+            counts as a disagreement in ``top1_agreement``.
 
     """
 
@@ -246,7 +247,7 @@ class ParityReport:
     top1_agreement: float | None
     nonfinite_outputs: int = 0
     nonfinite_reference: int = 0
-    nonfinite_samples: int = 0
+    nonfinite_predictions: int = 0
 
     @property
     def finite(self) -> bool:
@@ -262,8 +263,9 @@ class ParityReport:
         ]
         if self.top1_agreement is not None:
             lines.append(f"  top-1 agreement      {self.top1_agreement:.2%}")
-            if self.nonfinite_samples:
-                lines[-1] += f"  ({self.nonfinite_samples} sample(s) with NaN or inf scores count as disagreeing)"
+            if self.nonfinite_predictions:
+                count = self.nonfinite_predictions
+                lines[-1] += f"  ({count} prediction(s) with NaN or inf scores count as disagreeing)"
         if self.nonfinite_outputs:
             lines.append(f"  FAILED: {self.nonfinite_outputs} output value(s) of the {name} model are NaN or inf")
         if self.nonfinite_reference:
@@ -445,9 +447,9 @@ def compare(
     if classifier is None:
         classifier = isinstance(raw_reference, Tensor) and reference.ndim >= 2 and reference.shape[-1] >= 2
     agreement = None
-    nonfinite_samples = 0
+    nonfinite_predictions = 0
     if classifier:
-        agreement, nonfinite_samples = _top1_agreement(reference, output)
+        agreement, nonfinite_predictions = _top1_agreement(reference, output)
     report = ParityReport(
         dtype=_half_dtype_of(converted),
         samples=int(reference.shape[0]) if reference.ndim else 1,
@@ -456,7 +458,7 @@ def compare(
         top1_agreement=agreement,
         nonfinite_outputs=nonfinite_outputs,
         nonfinite_reference=nonfinite_reference,
-        nonfinite_samples=nonfinite_samples,
+        nonfinite_predictions=nonfinite_predictions,
     )
     if verbose:
         print(report)
@@ -464,9 +466,9 @@ def compare(
 
 
 def _top1_agreement(reference: Tensor, output: Tensor) -> tuple[float, int]:
-    """The share of samples whose argmax agrees, and how many samples hold a NaN or inf score in either model.
+    """The share of predictions whose argmax agrees, and how many hold a NaN or inf score in either model.
 
-    A sample with a non-finite score disagrees, whatever its argmax says.
+    A prediction is a score vector over the last dimension; one with a non-finite score disagrees, whatever its argmax.
 
     .. warning:: Reads two numbers back to the host.
     """

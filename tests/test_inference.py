@@ -333,8 +333,8 @@ def test_top1_agreement_counts_nan_scores_as_disagreement(capsys: pytest.Capture
     with torch.no_grad():
         broken.bias.fill_(float("nan"))
     report = compare(model, broken, features(16))
-    assert report.top1_agreement == 0.0 and report.nonfinite_samples == 16
-    assert "16 sample(s) with NaN or inf scores count as disagreeing" in capsys.readouterr().out
+    assert report.top1_agreement == 0.0 and report.nonfinite_predictions == 16
+    assert "16 prediction(s) with NaN or inf scores count as disagreeing" in capsys.readouterr().out
     one_bad = to_inference(model, dtype=torch.float16)
     with torch.no_grad():
         one_bad.weight[1, 0] = float("inf")  # only samples with x[:, 0] != 0 get an inf score: all 16 here
