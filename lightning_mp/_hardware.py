@@ -144,6 +144,34 @@ def precision_for(capabilities: DeviceCapabilities, opt_level: str = "O1") -> tu
     return "32-true", f"{device} emulates both half types, which are slower than fp32 there"
 
 
+def emulated_bf16_warning(requested_precision: str, opt_level: str, reason: str = "") -> str:
+    """The warning for bf16 on a CPU that emulates it, with advice that fits what the user asked for.
+
+    Args:
+        requested_precision: what the user passed: ``"auto"`` or ``"bf16-mixed"``.
+        opt_level: the opt level; O0 and O1 can train in fp32 instead, the others keep half weights.
+        reason: under ``"auto"``, why it chose bf16 (:func:`precision_for`), repeated so no message contradicts it.
+
+    Example:
+        >>> emulated_bf16_warning("bf16-mixed", "O1").endswith("Use precision='32-true' for fp32's speed here.")
+        True
+
+    """
+    if requested_precision == "auto":
+        advice = f"precision='auto' chose 'bf16-mixed' because {reason}."
+    elif opt_level in ("O0", "O1"):
+        advice = "Use precision='32-true' for fp32's speed here."
+    else:
+        advice = (
+            f"opt_level={opt_level!r} keeps the weights in a half type; precision='32-true' with opt_level='O1' trains"
+            " at fp32's speed here."
+        )
+    return (
+        "lightning_mp: this CPU has no native bf16 (no AVX512-BF16 or AMX), so 'bf16-mixed' is emulated and can be"
+        f" 10-100x slower than fp32. {advice}"
+    )
+
+
 def choose_precision(device_type: str, opt_level: str = "O1") -> tuple[ResolvedPrecision, str]:
     """Pick the precision for ``precision="auto"`` on this machine's ``device_type`` and say why.
 

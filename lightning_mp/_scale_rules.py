@@ -17,7 +17,9 @@ The rules (dynamic mode; static and check modes never move the scale):
 
 The scale is a float32 on the device, so every scale here is rounded to float32 and kept inside ``[floor, max_scale]``
 after rounding. Since the floor is at least ``2**-24`` and ``max_scale`` at most float32's largest value, ``1/scale``
-is always finite.
+is always finite. A static scale is the user's own choice and is not bound by the dynamic floor: it may be any normal
+float32 (from ``2**-126``, whose inverse ``2**126`` is still finite, to float32's largest), for example a scale below
+1 that shrinks a loss whose gradients would overflow fp16.
 """
 
 from __future__ import annotations
@@ -27,9 +29,17 @@ import struct
 from dataclasses import InitVar, dataclass, fields
 from typing import Any, Literal
 
-from lightning_mp._validation import INT32_MAX, check_bool, check_choice, check_number
+from lightning_mp._validation import INT32_MAX, check_bool, check_choice, check_number, exact
 
-__all__ = ["COLLAPSE_FLOOR", "FLOAT32_MAX", "ScaleState", "ScalerSettings", "Transition", "next_state"]
+__all__ = [
+    "COLLAPSE_FLOOR",
+    "FLOAT32_MAX",
+    "STATIC_SCALE_FLOOR",
+    "ScaleState",
+    "ScalerSettings",
+    "Transition",
+    "next_state",
+]
 
 ScalingMode = Literal["dynamic", "static", "check"]
 OnMinScale = Literal["raise", "warn"]
@@ -40,6 +50,10 @@ COLLAPSE_FLOOR = 2.0**-24
 
 FLOAT32_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
 """The largest finite float32: a larger scale would be inf on the device."""
+
+STATIC_SCALE_FLOOR = 2.0**-126
+"""The smallest static scale: float32's smallest normal number. Its inverse ``2**126`` is finite in float32, and a
+normal scale is not flushed to zero where denormals are."""
 
 
 def to_float32(value: float) -> float:
@@ -71,18 +85,20 @@ class ScalerSettings:
     Numbers may be Python numbers, numpy scalars or 0-d tensors; they are stored as Python ``int``/``float``.
 
     Args:
-        init_scale: the first scale (dynamic) or the fixed scale (static); ignored in check mode.
+        init_scale: the first scale, in ``[min_scale, max_scale]`` (dynamic), or the fixed scale, in
+            ``[2**-126, float32's largest]`` (static, any normal float32); ignored in check mode.
         growth_factor: multiplier after ``growth_interval`` clean iterations; > 1 (capped at ``max_scale``).
         backoff_factor: multiplier on an overflow that exhausts the hysteresis; in (0, 1).
         growth_interval: clean iterations in a row before the scale grows; in [1, 2**31 - 1].
-        hysteresis: overflows tolerated before the scale backs off; 1 is torch's behaviour.
+        hysteresis: overflows tolerated before the scale backs off, in [1, 2**31 - 1]; 1 is torch's behaviour.
         consecutive_hysteresis: refill the hysteresis tracker after every clean iteration, not only after a growth.
         min_scale: the floor, at least ``2**-24``; None means ``2**-24``.
         max_scale: the ceiling, at most float32's largest value.
         on_min_scale: ``"raise"`` or ``"warn"`` (stay at the floor) when a backoff would go below the floor.
         mode: ``"dynamic"``, ``"static"`` (fixed ``init_scale``) or ``"check"`` (nothing scaled, non-finite steps
             skipped).
-        max_consecutive_skips: skipped steps in a row of one optimizer that stop the run; None never stops.
+        max_consecutive_skips: skipped steps in a row of one optimizer that stop the run, in [1, 2**31 - 1]; None
+            never stops.
         owner: the name used in error messages (``"LossScaler"``, ``"MixedPrecision"``); not stored.
 
     Raises:
@@ -139,7 +155,7 @@ class ScalerSettings:
             normalised["init_scale"] = 1.0
         elif self.mode == "static":
             normalised["init_scale"] = check_number(
-                owner, "init_scale", self.init_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX
+                owner, "init_scale", self.init_scale, at_least=STATIC_SCALE_FLOOR, at_most=FLOAT32_MAX
             )
         else:
             low = normalised.get("min_scale", COLLAPSE_FLOOR)
@@ -147,8 +163,8 @@ class ScalerSettings:
             if not low <= init_scale <= normalised["max_scale"]:
                 raise ValueError(
                     f"{owner}(init_scale={self.init_scale!r}) is not allowed: init_scale must lie in"
-                    f" [min_scale, max_scale] = [{low:g}, {normalised['max_scale']:g}] (min_scale=None means the"
-                    f" floor {COLLAPSE_FLOOR:g})."
+                    f" [min_scale, max_scale] = [{exact(low)}, {exact(normalised['max_scale'])}] (min_scale=None means"
+                    f" the floor {exact(COLLAPSE_FLOOR)})."
                 )
             normalised["init_scale"] = init_scale
         for name, value in normalised.items():

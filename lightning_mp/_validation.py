@@ -49,18 +49,16 @@ def suggest(value: Any, allowed: Iterable[Any], aliases: Mapping[Any, Any] | Non
 def check_choice(
     owner: str, name: str, value: Any, allowed: Iterable[Any], aliases: Mapping[Any, Any] | None = None
 ) -> None:
-    """Raise unless ``value`` is one of ``allowed``; the message says "did you mean" for a near miss.
+    """Raise unless ``value`` is one of ``allowed`` (of the same type); the message says "did you mean" for a near miss.
 
     Raises:
         ValueError: naming the argument, the value given, what is allowed and, where one exists, the near miss.
 
     """
     allowed = list(allowed)
-    try:
-        ok = value in allowed
-    except TypeError:  # an unhashable value compared with a mapping's keys
-        ok = False
-    if not ok:
+    # Only a value of the choice's own type can equal it: ``==`` on a numpy array or a tensor compares elementwise,
+    # and ``in`` would then ask the truth value of an array, or accept a one-element array.
+    if not any(type(value) is type(choice) and value == choice for choice in allowed):
         guess = suggest(value, allowed, aliases)
         hint = f" Did you mean {name}={guess!r}?" if guess is not None else ""
         raise ValueError(f"{owner}({name}={value!r}) is not supported: {name} must be one of {allowed}.{hint}")
@@ -121,6 +119,22 @@ def _as_python_number(value: Any, integer: bool) -> int | float | None:
         return math.inf
 
 
+def exact(value: float) -> str:
+    """``value`` written so that it reads back exactly: an integer in full, a tiny power of two as ``2**-24``.
+
+    Example:
+        >>> exact(2**31 - 1), exact(2.0**-24), exact(0.5), exact(1e300)
+        ('2147483647', '2**-24', '0.5', '1e+300')
+
+    """
+    if isinstance(value, int) or (value.is_integer() and abs(value) < 2**53):
+        return str(int(value))
+    mantissa, exponent = math.frexp(value)
+    if mantissa == 0.5 and exponent <= -9:
+        return f"2**{exponent - 1}"
+    return repr(value)
+
+
 def check_number(
     owner: str,
     name: str,
@@ -134,6 +148,8 @@ def check_number(
 ) -> Any:
     """Raise unless ``value`` is a finite real number (an int if ``integer``) within the given bounds.
 
+    The message prints the bounds exactly (:func:`exact`): ``<= 2147483647``, not ``<= 2.14748e+09``.
+
     Returns:
         ``value`` as a Python ``int`` (``integer=True``) or ``float``.
 
@@ -144,13 +160,13 @@ def check_number(
     kind = "an integer" if integer else "a finite number"
     bounds = []
     if above is not None:
-        bounds.append(f"> {above:g}")
+        bounds.append(f"> {exact(above)}")
     if at_least is not None:
-        bounds.append(f">= {at_least:g}")
+        bounds.append(f">= {exact(at_least)}")
     if below is not None:
-        bounds.append(f"< {below:g}")
+        bounds.append(f"< {exact(below)}")
     if at_most is not None:
-        bounds.append(f"<= {at_most:g}")
+        bounds.append(f"<= {exact(at_most)}")
     allowed = kind + (" " + " and ".join(bounds) if bounds else "")
     number = _as_python_number(value, integer)
     ok = (

@@ -6,8 +6,8 @@ none of these limits, but three fewer mantissa bits than fp16. Whether a model t
 values fall, layer by layer, and that can be measured in fp32 before any half-precision step.
 
 :func:`advise` runs ``batches`` training batches in fp32 on a deep copy of the model (the model itself, its
-buffers, gradients and the random number generators are left as they were) and records, for every module that is
-a leaf or holds parameters of its own:
+buffers, gradients, the random number generators and the batches are left as they were) and records, for every
+module that is a leaf or holds parameters of its own:
 
 - the largest absolute activation, over the floating inputs and outputs of its forward;
 - the largest absolute gradient, over the gradients of its outputs and of its own parameters;
@@ -64,6 +64,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp._hardware import AMPERE, DeviceCapabilities
+from lightning_mp._validation import check_choice, check_number
 
 FP16_MAX = 65504.0
 FP16_SMALLEST_SUBNORMAL = 2.0**-24
@@ -145,12 +146,9 @@ class Advice:
             {'precision': '16-mixed', 'keep_fp32': ['blowup'], 'init_scale': 256.0}
 
         """
-        chosen = precision or self.precision
-        if chosen not in ("bf16-mixed", "16-mixed", "32-true"):
-            raise ValueError(
-                f"Advice.plugin_kwargs(precision={precision!r}) is not allowed: precision must be 'bf16-mixed',"
-                " '16-mixed', '32-true' or None."
-            )
+        if precision is not None:
+            check_choice("Advice.plugin_kwargs", "precision", precision, ("bf16-mixed", "16-mixed", "32-true", None))
+        chosen = self.precision if precision is None else precision
         if chosen == "32-true":
             return {"precision": "32-true"}
         kwargs: dict[str, Any] = {"precision": chosen, "keep_fp32": list(self.keep_fp32)}
@@ -397,8 +395,7 @@ def advise(
         raise ValueError(
             f"advise(dataloader={dataloader!r}) is not allowed: dataloader must be an iterable of batches."
         )
-    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
-        raise ValueError(f"advise(batches={batches!r}) is not allowed: batches must be an integer >= 1.")
+    batches = check_number("advise", "batches", batches, at_least=1, integer=True)
     if loss_fn is None and not isinstance(model, LightningModule):
         raise ValueError(
             f"advise(model={type(model).__name__}, loss_fn=None) is not allowed: a plain nn.Module needs"
@@ -435,7 +432,9 @@ def advise(
                 if batch_idx == batches:
                     break
                 work.zero_grad(set_to_none=True)
-                loss = _training_loss(work, move_data_to_device(batch, device), batch_idx, loss_fn)
+                # A copy: a model that writes into its input (ELU(inplace=True) first) must not change the data.
+                own_batch = apply_to_collection(move_data_to_device(batch, device), Tensor, torch.clone)
+                loss = _training_loss(work, own_batch, batch_idx, loss_fn)
                 if loss is not None:
                     loss.backward()
                 for module, tally in tallies.items():

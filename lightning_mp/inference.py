@@ -6,7 +6,9 @@ first thing to lose precision) and makes the model reject fp32 inputs. :func:`to
 
 1. deep-copies the model, so the original is untouched, and puts the copy in eval mode without gradients;
 2. casts weights and floating buffers to the half type, keeping normalisation layers and ``keep_fp32`` modules in
-   fp32 (:func:`~lightning_mp.policies.o3.convert_to_half`, with the normalisation layers O3 would cast kept fp32);
+   fp32 (:func:`~lightning_mp.policies.o3.convert_to_half`, with the normalisation layers O3 would cast kept fp32).
+   Tied weights are one tensor with one dtype, so a module tied to a kept one is kept too (with a warning): keeping
+   only one side would make the first forward mix fp32 and half;
 3. gives every module with half weights a pre-hook that casts its floating inputs to the half type, so the copy takes
    fp32 or half inputs alike. Its outputs are in the half type (fp32 from a ``keep_fp32`` last layer).
 
@@ -17,8 +19,13 @@ first thing to lose precision) and makes the model reject fp32 inputs. :func:`to
 - the largest absolute difference between the outputs;
 - the largest relative difference, ``max |converted - fp32| / max |fp32|`` (relative to the output's scale, so that
   outputs near zero do not make it meaningless);
-- for classifiers, the share of samples whose top-1 class is the same in both (torchmetrics'
-  ``MulticlassAccuracy`` with the fp32 model's argmax as the target).
+- for classifiers, the share of predictions (score vectors over the last dimension: one per sample, or per token)
+  whose top-1 class is the same in both. A prediction whose scores hold a NaN or an inf, in either model,
+  disagrees: ``argmax`` of a NaN row is meaningless (a broken model that always says class 0 would otherwise agree
+  with a classifier that predicts class 0).
+
+Each model runs on its own copy of the batch, so a model that writes into its input (``nn.ELU(inplace=True)`` as the
+first layer) changes neither the caller's batch nor what the other model sees.
 
 **An error budget.** ``to_inference(model, dtype, batch=x, max_rel_error=1e-2)`` also measures each layer, and keeps
 in fp32 the layers that would break the budget:
@@ -66,8 +73,8 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_mp._validation import check_number
 from lightning_mp.overrides import Fp32Overrides, KeepFp32Pattern, cast_low_precision
 from lightning_mp.policies.o2 import HALF_DTYPES
 from lightning_mp.policies.o3 import convert_to_half
@@ -105,7 +112,8 @@ def to_inference(
         model: the trained model (an ``nn.Module`` or a ``LightningModule``).
         dtype: ``torch.bfloat16`` or ``torch.float16``.
         keep_fp32: module types, qualified names or ``re:`` patterns that stay fp32 (see
-            :mod:`lightning_mp.overrides`).
+            :mod:`lightning_mp.overrides`). A module whose weights are tied to a kept one's stays fp32 too, with a
+            warning: the shared tensor has one dtype.
         keep_normalization_fp32: keep normalisation layers in fp32, as opt level O2 does.
         batch: a representative input (as :func:`compare` takes it). With it, the copy's ``parity`` attribute holds
             the per-layer :class:`ParityTable`.
@@ -125,21 +133,20 @@ def to_inference(
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"to_inference(model={type(model).__name__}) is not allowed: model must be an nn.Module.")
-    if dtype not in HALF_DTYPES:
+    if not (isinstance(dtype, torch.dtype) and dtype in HALF_DTYPES):
         raise ValueError(
             f"to_inference(dtype={dtype!r}) is not allowed: dtype must be torch.bfloat16 or torch.float16."
         )
     _check_bool("to_inference", "keep_normalization_fp32", keep_normalization_fp32)
     _check_bool("to_inference", "verbose", verbose)
-    if max_rel_error is not None and (
-        isinstance(max_rel_error, bool)
-        or not isinstance(max_rel_error, (int, float))
-        or not (math.isfinite(max_rel_error) and max_rel_error > 0)
-    ):
-        raise ValueError(
-            f"to_inference(max_rel_error={max_rel_error!r}) is not allowed: max_rel_error must be None or a finite"
-            " number > 0, relative to the largest fp32 output."
-        )
+    if max_rel_error is not None:
+        try:
+            max_rel_error = check_number("to_inference", "max_rel_error", max_rel_error, above=0)
+        except ValueError:
+            raise ValueError(
+                f"to_inference(max_rel_error={max_rel_error!r}) is not allowed: max_rel_error must be None or a"
+                " finite number > 0, relative to the largest fp32 output."
+            ) from None
     if batch is not None:
         _check_batch("to_inference", batch)
     elif max_rel_error is not None:
@@ -224,9 +231,12 @@ class ParityReport:
         samples: the batch size (first dimension of the output).
         max_abs_error: ``max |converted - fp32|`` over every output element; ``inf`` if an output is not finite.
         max_rel_error: ``max_abs_error / max |fp32|``; ``inf`` if an output is not finite.
-        top1_agreement: share of predictions whose argmax over the last dimension agrees; None for non-classifiers.
+        top1_agreement: share of predictions (score vectors over the last dimension) whose argmax agrees, one with a
+            NaN or inf score disagreeing; None for non-classifiers.
         nonfinite_outputs: how many output elements of the converted model are NaN or inf.
         nonfinite_reference: how many output elements of the fp32 model are NaN or inf.
+        nonfinite_predictions: for classifiers, how many predictions hold a NaN or inf score in either model; each
+            counts as a disagreement in ``top1_agreement``.
 
     """
 
@@ -237,6 +247,7 @@ class ParityReport:
     top1_agreement: float | None
     nonfinite_outputs: int = 0
     nonfinite_reference: int = 0
+    nonfinite_predictions: int = 0
 
     @property
     def finite(self) -> bool:
@@ -252,6 +263,9 @@ class ParityReport:
         ]
         if self.top1_agreement is not None:
             lines.append(f"  top-1 agreement      {self.top1_agreement:.2%}")
+            if self.nonfinite_predictions:
+                count = self.nonfinite_predictions
+                lines[-1] += f"  ({count} prediction(s) with NaN or inf scores count as disagreeing)"
         if self.nonfinite_outputs:
             lines.append(f"  FAILED: {self.nonfinite_outputs} output value(s) of the {name} model are NaN or inf")
         if self.nonfinite_reference:
@@ -393,7 +407,9 @@ def compare(
         fp32_model: the reference model, in fp32.
         converted: the half-precision model, for example from :func:`to_inference`.
         batch: the model's input: a tensor, a tuple or list of positional inputs, or a dict of keyword inputs. The
-            fp32 model gets it with half tensors cast to fp32; the converted model gets it as it is.
+            fp32 model gets it with half tensors cast to fp32; the converted model gets it as it is. Each model runs on
+            its own copy, so neither the caller's batch nor the other model's input is changed by a model that writes
+            into its input.
         classifier: whether the output holds class scores over its last dimension; None decides from the output:
             a single tensor, at least 2-D, with a last dimension of at least 2.
         verbose: print the report.
@@ -431,10 +447,9 @@ def compare(
     if classifier is None:
         classifier = isinstance(raw_reference, Tensor) and reference.ndim >= 2 and reference.shape[-1] >= 2
     agreement = None
+    nonfinite_predictions = 0
     if classifier:
-        accuracy = MulticlassAccuracy(num_classes=reference.shape[-1], average="micro").to(reference.device)
-        accuracy.update(output.argmax(-1).flatten(), reference.argmax(-1).flatten())
-        agreement = float(accuracy.compute())
+        agreement, nonfinite_predictions = _top1_agreement(reference, output)
     report = ParityReport(
         dtype=_half_dtype_of(converted),
         samples=int(reference.shape[0]) if reference.ndim else 1,
@@ -443,13 +458,29 @@ def compare(
         top1_agreement=agreement,
         nonfinite_outputs=nonfinite_outputs,
         nonfinite_reference=nonfinite_reference,
+        nonfinite_predictions=nonfinite_predictions,
     )
     if verbose:
         print(report)
     return report
 
 
+def _top1_agreement(reference: Tensor, output: Tensor) -> tuple[float, int]:
+    """The share of predictions whose argmax agrees, and how many hold a NaN or inf score in either model.
+
+    A prediction is a score vector over the last dimension; one with a non-finite score disagrees, whatever its argmax.
+
+    .. warning:: Reads two numbers back to the host.
+    """
+    scores, reference_scores = output.reshape(-1, output.shape[-1]), reference.reshape(-1, reference.shape[-1])
+    finite = torch.isfinite(scores).all(-1) & torch.isfinite(reference_scores).all(-1)
+    agrees = (scores.argmax(-1) == reference_scores.argmax(-1)) & finite
+    return float(agrees.double().mean()), int((~finite).sum())
+
+
 def _run(model: nn.Module, batch: Any) -> Any:
+    """Run ``model`` in eval mode without gradients on a copy of ``batch``, which it may change in place."""
+    batch = _detached_copy(batch)
     was_training = model.training
     model.eval()
     try:

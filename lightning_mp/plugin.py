@@ -63,7 +63,7 @@ import functools
 import warnings
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
@@ -80,10 +80,10 @@ from typing_extensions import override
 
 from lightning_mp._compile import autocast_by_flags, backward_outside_autocast
 from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device
-from lightning_mp._hardware import choose_precision, device_has_native_bf16
-from lightning_mp._scale_rules import COLLAPSE_FLOOR, FLOAT32_MAX
+from lightning_mp._hardware import choose_precision, device_has_native_bf16, emulated_bf16_warning
+from lightning_mp._scale_rules import FLOAT32_MAX, STATIC_SCALE_FLOOR, OnMinScale
 from lightning_mp._schedulers import SkipAwareScheduler
-from lightning_mp._validation import check_choice, check_flag, check_number, plain_scalar
+from lightning_mp._validation import check_choice, check_flag, check_number, exact, plain_scalar
 from lightning_mp.overrides import Fp32Overrides, cast_low_precision
 from lightning_mp.policies import POLICIES, PrecisionPolicy
 from lightning_mp.scaler import LossScaler, ScalerSettings, ScalingMode
@@ -126,6 +126,26 @@ def _device_type(owner: str, device: Any) -> str:
     return device
 
 
+def _precision_name(owner: str, precision: Any) -> PrecisionName:
+    """``precision`` checked: one of :data:`PRECISIONS`, else an error with a "did you mean" for a near miss."""
+    check_choice(owner, "precision", precision, PRECISIONS, PRECISION_ALIASES)
+    return cast(PrecisionName, precision)
+
+
+def _static_scale_or_dynamic(owner: str, loss_scale: Any) -> float | Literal["dynamic"]:
+    """``loss_scale`` checked: ``"dynamic"``, or a static scale as a Python float."""
+    loss_scale = plain_scalar(loss_scale)
+    if isinstance(loss_scale, str) and loss_scale == "dynamic":
+        return "dynamic"
+    try:
+        return check_number(owner, "loss_scale", loss_scale, at_least=STATIC_SCALE_FLOOR, at_most=FLOAT32_MAX)
+    except ValueError:
+        raise ValueError(
+            f"{owner}(loss_scale={loss_scale!r}) is not allowed: loss_scale must be 'dynamic' or a static scale, a"
+            f" finite number >= {exact(STATIC_SCALE_FLOOR)} and <= {exact(FLOAT32_MAX)} (float32's largest)."
+        ) from None
+
+
 def _raw_optimizer(optimizer: Any) -> Any:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
@@ -147,6 +167,9 @@ class MixedPrecision(LightningMixedPrecision):
     Args:
         precision: ``"auto"`` (bf16 where the device runs it natively, else fp16 on GPUs and fp32 on CPUs),
             ``"16-mixed"`` (fp16 with loss scaling; real fp16 on the CPU too), ``"bf16-mixed"`` or ``"32-true"``.
+            The annotation also takes any string or int, so that LightningCLI hands ``fp16`` or ``16`` to this
+            constructor, whose error says "did you mean '16-mixed'", instead of refusing it in its own type check;
+            ``on_min_scale`` and ``loss_scale`` take any string for the same reason.
         device: the autocast device type (``"cpu"``, ``"cuda"``, ...; an index as in ``"cuda:0"`` is ignored, as
             autocast works per device type); None takes it from the Trainer's accelerator at setup, or under Fabric
             from the device Fabric moved the model to (checked at every forward; a contradicting ``device`` raises).
@@ -154,24 +177,25 @@ class MixedPrecision(LightningMixedPrecision):
             ``enabled``) the loss scaler takes over, as Lightning's plugin would use it; fp16 only. A
             :class:`~lightning_mp.LossScaler` is used as it is. Leave it None to set the knobs below.
         opt_level: ``"O0"`` (fp32 baseline) or ``"O1"`` (autocast, fp32 weights), and any other registered level.
-        init_scale: the first loss scale (fp16); None means torch's ``2**16``.
+        init_scale: the first loss scale (fp16), in ``[min_scale, max_scale]``; None means torch's ``2**16``.
         growth_factor: scale multiplier after ``growth_interval`` clean iterations; > 1; None means 2.
         backoff_factor: scale multiplier on overflow; in (0, 1); None means 0.5.
-        growth_interval: clean iterations in a row before the scale grows; >= 1; None means 2000.
-        hysteresis: overflows tolerated before the scale backs off (DeepSpeed's and Megatron's meaning);
-            1 is torch's behaviour.
+        growth_interval: clean iterations in a row before the scale grows; in [1, 2**31 - 1]; None means 2000.
+        hysteresis: overflows tolerated before the scale backs off (DeepSpeed's and Megatron's meaning), in
+            [1, 2**31 - 1]; 1 is torch's behaviour.
         consecutive_hysteresis: refill the hysteresis after every clean step instead of only after a growth.
-        min_scale: the scale's floor; None means the collapse floor ``2**-24``.
-        max_scale: the scale never grows past this.
+        min_scale: the scale's floor, from ``2**-24`` to ``max_scale``; None means the collapse floor ``2**-24``.
+        max_scale: the scale never grows past this; from ``2**-24`` to float32's largest value.
         on_min_scale: ``"raise"`` :class:`~lightning_mp.errors.LossScaleCollapseError` or ``"warn"`` and stay at the
             floor when an overflow would push the scale below it.
-        loss_scale: ``"dynamic"``, or a positive float for a static scale (fp16 only).
+        loss_scale: ``"dynamic"``, or a static scale (fp16 only): any normal float32, from ``2**-126`` (whose inverse
+            is finite) to float32's largest.
         skip_scheduler_on_overflow: keep ``interval="step"`` schedulers from advancing on skipped steps.
         keep_fp32: modules that run in fp32 (autocast off, inputs cast to fp32, weights fp32 in O2 and O3): module
             types, qualified names, or regular expressions prefixed with ``re:`` (:mod:`lightning_mp.overrides`);
             None or empty keeps none.
         max_consecutive_skips: stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
-            steps in a row, in every precision; None never stops.
+            steps in a row (1 to 2**31 - 1), in every precision; None never stops.
         recast_in_backward: O2 only: autograd saves the fp32 parameters instead of their half copies, and backward
             casts them again, so the copies never outlive the forward (2 bytes per parameter less at the start of
             backward, for one cast per weight in backward). Set it to False for a training step that calls
@@ -193,7 +217,7 @@ class MixedPrecision(LightningMixedPrecision):
 
     def __init__(
         self,
-        precision: PrecisionName = "auto",
+        precision: PrecisionName | str | int = "auto",
         device: str | None = None,
         scaler: torch.amp.GradScaler | None = None,
         *,
@@ -206,18 +230,19 @@ class MixedPrecision(LightningMixedPrecision):
         consecutive_hysteresis: bool = False,
         min_scale: float | None = None,
         max_scale: float = 2.0**24,
-        on_min_scale: Literal["raise", "warn"] = "raise",
-        loss_scale: float | Literal["dynamic"] = "dynamic",
+        on_min_scale: Literal["raise", "warn"] | str = "raise",
+        loss_scale: float | Literal["dynamic"] | str = "dynamic",
         skip_scheduler_on_overflow: bool = True,
         keep_fp32: Sequence[type | str] | None = (),
         max_consecutive_skips: int | None = 100,
         recast_in_backward: bool = True,
     ) -> None:
         owner = type(self).__name__
-        check_choice(owner, "precision", precision, PRECISIONS, PRECISION_ALIASES)
+        precision = _precision_name(owner, precision)
         check_choice(owner, "opt_level", opt_level, POLICIES, OPT_LEVEL_ALIASES)
         if device is not None:
             device = _device_type(owner, device)
+        loss_scale = _static_scale_or_dynamic(owner, loss_scale)
         consecutive_hysteresis = check_flag(owner, "consecutive_hysteresis", consecutive_hysteresis)
         skip_scheduler_on_overflow = check_flag(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         recast_in_backward = check_flag(owner, "recast_in_backward", recast_in_backward)
@@ -242,18 +267,15 @@ class MixedPrecision(LightningMixedPrecision):
             consecutive_hysteresis=consecutive_hysteresis,
             min_scale=min_scale,
             max_scale=max_scale,
-            on_min_scale=on_min_scale,
+            on_min_scale=cast(OnMinScale, on_min_scale),  # checked there
             max_consecutive_skips=max_consecutive_skips,
         )
-        loss_scale = plain_scalar(loss_scale)
-        if loss_scale != "dynamic":
-            loss_scale = check_number(owner, "loss_scale", loss_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX)
-            if precision in ("bf16-mixed", "32-true"):
-                raise ValueError(
-                    f"{owner}(precision={precision!r}, loss_scale={loss_scale!r}) is not allowed: only fp16 is"
-                    " scaled (bf16 has fp32's exponent range). Use loss_scale='dynamic' (the default) here, or"
-                    " precision='16-mixed' for a static fp16 scale."
-                )
+        if loss_scale != "dynamic" and precision in ("bf16-mixed", "32-true"):
+            raise ValueError(
+                f"{owner}(precision={precision!r}, loss_scale={loss_scale!r}) is not allowed: only fp16 is"
+                " scaled (bf16 has fp32's exponent range). Use loss_scale='dynamic' (the default) here, or"
+                " precision='16-mixed' for a static fp16 scale."
+            )
         if opt_level.startswith("lean") and precision in ("16-mixed", "32-true"):
             raise ValueError(
                 f"{owner}(precision={precision!r}, opt_level={opt_level!r}) is not allowed: {opt_level} keeps"
@@ -453,17 +475,7 @@ class MixedPrecision(LightningMixedPrecision):
                 " with AVX512-BF16 or AMX."
             )
         elif not device_has_native_bf16("cpu"):
-            # Under "auto" the reason already says why bf16 was chosen anyway (O2/O3 need a half type) and how to
-            # get fp32's speed; repeat exactly that, so that no message contradicts the choice.
-            why = (
-                f"precision='auto' chose 'bf16-mixed' because {self.precision_reason}."
-                if self.requested_precision == "auto"
-                else "precision='auto' with opt_level='O1' trains in fp32 here."
-            )
-            rank_zero_warn(
-                "lightning_mp: this CPU has no native bf16 (no AVX512-BF16 or AMX), so 'bf16-mixed' is emulated and"
-                f" can be 10-100x slower than fp32. {why}"
-            )
+            rank_zero_warn(emulated_bf16_warning(self.requested_precision, self.opt_level, self.precision_reason))
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

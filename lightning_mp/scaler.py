@@ -71,6 +71,7 @@ from lightning_mp._host_mirror import HostMirror, Reader
 from lightning_mp._scale_rules import (
     COLLAPSE_FLOOR,
     FLOAT32_MAX,
+    STATIC_SCALE_FLOOR,
     OnMinScale,
     ScalerSettings,
     ScaleState,
@@ -208,19 +209,20 @@ class LossScaler(torch.amp.GradScaler):
     Args:
         device: the device type of the gradients (``"cpu"``, ``"cuda"``, ...); None picks ``"cuda"`` when it is
             available, else ``"cpu"``.
-        init_scale: the scale of the first step (the fixed scale in static mode).
+        init_scale: the scale of the first step, in ``[min_scale, max_scale]``; in static mode the fixed scale, any
+            normal float32 (``2**-126`` to float32's largest, so that ``1/scale`` is finite).
         growth_factor: multiplier applied after ``growth_interval`` clean iterations; > 1.
         backoff_factor: multiplier applied on an overflow that exhausts the hysteresis; in (0, 1).
-        growth_interval: clean iterations in a row before the scale grows; >= 1.
-        hysteresis: overflows tolerated before the scale backs off; 1 is torch's behaviour.
+        growth_interval: clean iterations in a row before the scale grows; in [1, 2**31 - 1].
+        hysteresis: overflows tolerated before the scale backs off, in [1, 2**31 - 1]; 1 is torch's behaviour.
         consecutive_hysteresis: refill the hysteresis tracker after every clean iteration, not only after a growth.
         min_scale: the floor, at least ``2**-24``; None means ``2**-24``.
-        max_scale: the ceiling the scale never grows past.
+        max_scale: the ceiling the scale never grows past, from ``2**-24`` to float32's largest value.
         on_min_scale: ``"raise"`` a :class:`~lightning_mp.errors.LossScaleCollapseError` or ``"warn"`` and stay at
             the floor when an overflow would push the scale below it.
         mode: ``"dynamic"``, ``"static"`` (fixed ``init_scale``) or ``"check"`` (no scaling, skip non-finite steps).
         max_consecutive_skips: raise :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
-            steps in a row of one optimizer, in every mode; None disables the guard.
+            steps in a row of one optimizer (1 to 2**31 - 1), in every mode; None disables the guard.
 
     Raises:
         ValueError: for any argument outside its allowed range, naming it, its value and what is allowed.
@@ -623,8 +625,8 @@ class LossScaler(torch.amp.GradScaler):
         """End the iteration: move the scale once, by the rules, after every optimizer of the iteration stepped.
 
         Args:
-            new_scale: set the scale to this value instead; it must lie in ``[floor, max_scale]`` (any float32
-                scale with a finite inverse in static mode).
+            new_scale: set the scale to this value instead; it must lie in ``[floor, max_scale]`` (in static mode
+                any normal float32, from ``2**-126``, whose inverse is finite, to float32's largest).
 
         Raises:
             LossScaleCollapseError: when an overflow would push the scale below its floor and
@@ -663,7 +665,8 @@ class LossScaler(torch.amp.GradScaler):
         owner = f"{type(self).__name__}.update"
         if not self.scales_loss:
             raise ValueError(f"{owner}(new_scale={new_scale!r}) is not allowed: check mode scales nothing.")
-        low, high = (self.settings.floor, self.max_scale) if self.mode == "dynamic" else (COLLAPSE_FLOOR, FLOAT32_MAX)
+        static = (STATIC_SCALE_FLOOR, FLOAT32_MAX)
+        low, high = (self.settings.floor, self.max_scale) if self.mode == "dynamic" else static
         value = check_number(owner, "new_scale", new_scale, at_least=low, at_most=high)
         return float32_within(value, low, high)
 

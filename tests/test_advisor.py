@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch import LightningModule
@@ -129,6 +130,15 @@ def test_advisor_changes_nothing_it_measures() -> None:
     assert torch.equal(next(iter(data))[0], next(iter(loader()))[0])
 
 
+def test_advisor_leaves_batches_alone_when_the_model_writes_into_its_input() -> None:
+    """A model with ELU(inplace=True) first, measured on a list of the user's tensors, leaves those tensors alone."""
+    model = nn.Sequential(nn.ELU(inplace=True), nn.Linear(8, 2))
+    batches = [(torch.randn(8, 8) * 3, torch.randint(0, 2, (8,))) for _ in range(2)]
+    before = [x.clone() for x, _ in batches]
+    advise(model, batches, batches=2, loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), capabilities=NATIVE_CPU)
+    assert all(torch.equal(x, given) for (x, _), given in zip(batches, before, strict=True))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -137,6 +147,8 @@ def test_advisor_changes_nothing_it_measures() -> None:
         ({"model": "model"}, r"advise\(model=str\) is not allowed"),
         ({"dataloader": 3}, r"advise\(dataloader=3\) is not allowed: dataloader must be an iterable"),
         ({"dataloader": []}, r"the data loader yielded no batch"),
+        ({"batches": np.array([1, 2])}, r"advise\(batches=array\(\[1, 2\]\)\) is not allowed: .* an integer >= 1"),
+        ({"batches": 1.0}, r"advise\(batches=1.0\) is not allowed: batches must be an integer >= 1"),
     ],
 )
 def test_bad_arguments_raise_value_error(kwargs: dict, message: str) -> None:
@@ -144,6 +156,14 @@ def test_bad_arguments_raise_value_error(kwargs: dict, message: str) -> None:
     arguments = {"model": Planted(), "dataloader": loader(), "batches": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         advise(**arguments)
+
+
+def test_numbers_and_choices_of_any_kind_are_checked_naming_the_argument() -> None:
+    """A numpy count is a count; an array where a precision belongs is a ValueError naming precision."""
+    advice = advise(Planted(), loader(), batches=np.int64(1), capabilities=NATIVE_CPU)
+    assert advice.batches == 1 and type(advice.batches) is int
+    with pytest.raises(ValueError, match=r"plugin_kwargs\(precision=array\(\[1., 2.\]\)\) is not supported"):
+        advice.plugin_kwargs(np.array([1.0, 2.0]))
 
 
 class ManualPlanted(Planted):
@@ -281,3 +301,33 @@ def test_auto_on_a_cpu_that_emulates_bf16_warns_in_agreement_with_its_choice(mon
     (slowness,) = [str(warning.message) for warning in caught if "emulated" in str(warning.message)]
     assert f"precision='auto' chose 'bf16-mixed' because {plugin.precision_reason}." in slowness
     assert "opt_level='O1'" in slowness and "would pick" not in slowness
+
+
+@pytest.mark.filterwarnings("ignore:lightning_mp. opt_level='O3'")
+@pytest.mark.parametrize(
+    ("opt_level", "advice"),
+    [
+        ("O1", "Use precision='32-true' for fp32's speed here."),
+        ("O2", "opt_level='O2' keeps the weights in a half type; precision='32-true' with opt_level='O1' trains"),
+        ("O3", "opt_level='O3' keeps the weights in a half type"),
+        ("lean", "opt_level='lean' keeps the weights in a half type"),
+    ],
+)
+def test_explicit_bf16_on_a_cpu_that_emulates_it_gives_advice_for_what_was_asked(
+    monkeypatch, opt_level: str, advice: str
+) -> None:
+    """precision='bf16-mixed' on a CPU without bf16 warns about its speed without talking as if 'auto' was asked."""
+    monkeypatch.setattr(hardware, "cpu_flags", frozenset)  # a CPU whose kernel reports no bf16 flags
+    plugin = MixedPrecision("bf16-mixed", opt_level=opt_level)
+    with pytest.warns(UserWarning, match="emulated") as caught:
+        plugin.setup_for_device("cpu")
+    (slowness,) = [str(warning.message) for warning in caught if "emulated" in str(warning.message)]
+    assert advice in slowness and "auto" not in slowness
+
+
+def test_explicit_bf16_on_a_cpu_with_native_bf16_does_not_warn_about_speed(monkeypatch) -> None:
+    """On a CPU with AVX512-BF16, precision='bf16-mixed' sets up without a slowness warning."""
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MixedPrecision("bf16-mixed").setup_for_device("cpu")

@@ -15,10 +15,9 @@ from tests.helpers import read_events
 CONFIG = Path(__file__).parents[1] / "examples" / "cli_config.yaml"
 
 
-def test_cli_yaml_with_plugin_and_monitors_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """The example YAML builds MixedPrecision from class_path/init_args, attaches the monitors and trains."""
-    monkeypatch.chdir(tmp_path)
-    cli = LightningCLI(
+def fit_from_example_config(*overrides: str) -> LightningCLI:
+    """Run ``fit`` from the example YAML on a tiny model for 3 steps, with ``overrides`` as extra CLI arguments."""
+    return LightningCLI(
         TinyTransformerLM,
         MarkovTextDataModule,
         args=[
@@ -35,8 +34,15 @@ def test_cli_yaml_with_plugin_and_monitors_trains(tmp_path: Path, monkeypatch: p
             "--model.seq_len=16",
             "--data.seq_len=16",
             "--data.batch_size=8",
+            *overrides,
         ],
     )
+
+
+def test_cli_yaml_with_plugin_and_monitors_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The example YAML builds MixedPrecision from class_path/init_args, attaches the monitors and trains."""
+    monkeypatch.chdir(tmp_path)
+    cli = fit_from_example_config()
     trainer = cli.trainer
     plugin = trainer.precision_plugin
     assert isinstance(plugin, MixedPrecision)
@@ -48,3 +54,27 @@ def test_cli_yaml_with_plugin_and_monitors_trains(tmp_path: Path, monkeypatch: p
     assert {LossScaleMonitor, GradientHealthMonitor, LayerDtypeMonitor} <= kinds
     events = read_events(trainer.logger.log_dir)
     assert "precision/loss_scale" in events.Tags()["scalars"]
+
+
+@pytest.mark.parametrize(
+    ("argument", "given", "message"),
+    [
+        ("precision", "fp16", r"MixedPrecision\(precision='fp16'\) .* Did you mean precision='16-mixed'\?"),
+        ("precision", "16", r"MixedPrecision\(precision='?16'?\) .* Did you mean precision='16-mixed'\?"),
+        ("precision", "16-mxied", r"MixedPrecision\(precision='16-mxied'\) .* Did you mean precision='16-mixed'\?"),
+        ("precision", "bf16-true", r"MixedPrecision\(precision='bf16-true'\) .* Did you mean precision='bf16-mixed'\?"),
+        ("on_min_scale", "Raise", r"MixedPrecision\(on_min_scale='Raise'\) .* Did you mean on_min_scale='raise'\?"),
+        (
+            "loss_scale",
+            "Dynamic",
+            r"MixedPrecision\(loss_scale='Dynamic'\) is not allowed: loss_scale must be 'dynamic'",
+        ),
+    ],
+)
+def test_a_wrong_value_in_the_cli_gets_the_plugins_own_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argument: str, given: str, message: str
+):
+    """fp16, 16 or a typo in the YAML or on the command line reaches the constructor, whose error names the fix."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        fit_from_example_config(f"--trainer.plugins.init_args.{argument}={given}")

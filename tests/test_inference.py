@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch import LightningModule
@@ -149,6 +150,7 @@ def test_compare_takes_positional_and_keyword_batches() -> None:
     ("call", "message"),
     [
         (lambda: to_inference(Classifier(), dtype=torch.float32), r"dtype=torch.float32\) is not allowed"),
+        (lambda: to_inference(Classifier(), dtype=np.array([1.0, 2.0])), r"dtype=array\(\[1., 2.\]\)\) is not allowed"),
         (lambda: to_inference("model"), r"to_inference\(model=str\) is not allowed: model must be an nn.Module"),
         (lambda: to_inference(Classifier(), keep_fp32="head"), r"keep_fp32='head' is not allowed"),
         (lambda: compare(Classifier(), None, features()), r"compare\(converted=NoneType\) is not allowed"),
@@ -302,3 +304,84 @@ def test_layer_errors_are_measured_on_inputs_that_later_in_place_ops_cannot_chan
     table = to_inference(ReusesInPlace(), dtype=torch.bfloat16, batch=features(32), verbose=False).parity
     assert [layer.name for layer in table.layers] == ["a", "b", "c"]
     assert all(layer.max_rel_error < 0.02 for layer in table.layers), str(table)
+
+
+def test_compare_gives_each_model_the_batch_as_given_when_a_model_writes_into_its_input() -> None:
+    """An ELU(inplace=True) first layer changes neither the caller's batch nor the converted model's input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ELU(inplace=True), nn.Linear(8, 3))
+    x = features(64) * 3
+    given = x.clone()
+    fast = to_inference(model, dtype=torch.float16)
+    report = compare(model, fast, x, verbose=False)
+    assert torch.equal(x, given)
+    with torch.no_grad():
+        truth = (fast(given.clone()).float() - model(given.clone())).abs().max() / model(given.clone()).abs().max()
+    assert report.max_rel_error == pytest.approx(float(truth), rel=1e-6) and report.max_rel_error < 2e-3
+    budgeted = to_inference(model, dtype=torch.float16, batch=x, max_rel_error=2e-3, verbose=False)
+    assert torch.equal(x, given)
+    assert budgeted.parity.kept_fp32 == () and budgeted[1].weight.dtype == torch.float16
+
+
+def test_top1_agreement_counts_nan_scores_as_disagreement(capsys: pytest.CaptureFixture) -> None:
+    """A half classifier whose scores are all NaN agrees with no sample, even where the fp32 model says class 0."""
+    model = nn.Linear(8, 3)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.copy_(torch.tensor([1.0, 0.0, 0.0]))  # always class 0, as argmax of a NaN row is
+    broken = to_inference(model, dtype=torch.float16)
+    with torch.no_grad():
+        broken.bias.fill_(float("nan"))
+    report = compare(model, broken, features(16))
+    assert report.top1_agreement == 0.0 and report.nonfinite_predictions == 16
+    assert "16 prediction(s) with NaN or inf scores count as disagreeing" in capsys.readouterr().out
+    one_bad = to_inference(model, dtype=torch.float16)
+    with torch.no_grad():
+        one_bad.weight[1, 0] = float("inf")  # only samples with x[:, 0] != 0 get an inf score: all 16 here
+    assert compare(model, one_bad, features(16), verbose=False).top1_agreement == 0.0
+
+
+class TiedHead(nn.Module):
+    """An embedding whose matrix the output layer reuses, as language models tie them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.mid, self.head = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.mid(self.embed(tokens)))
+
+
+@pytest.mark.parametrize("kept", ["head", "embed"])
+def test_keep_fp32_on_one_side_of_tied_weights_keeps_the_tie_in_fp32(kept: str) -> None:
+    """Keeping one side of a tie in fp32 keeps both (with a warning naming them); the copy runs and stays tied."""
+    model, tokens = TiedHead(), torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(0))
+    other = "embed" if kept == "head" else "head"
+    with pytest.warns(
+        UserWarning, match=rf"'{other}' is kept in fp32 too: '{other}.weight' is tied to '{kept}.weight'"
+    ):
+        fast = to_inference(model, dtype=torch.float16, keep_fp32=[kept])
+    assert fast.head.weight is fast.embed.weight and fast.embed.weight.dtype == torch.float32
+    assert fast.mid.weight.dtype == torch.float16
+    report = compare(model, fast, tokens, verbose=False)
+    assert report.finite and report.max_rel_error < 1e-2
+
+
+def test_an_error_budget_that_keeps_one_side_of_a_tie_keeps_the_other() -> None:
+    """A budget that keeps only the tied head in fp32 converts without a dtype error and meets the budget."""
+    model, tokens = TiedHead(), torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the embedding and mid are exact in fp16; only the head's sums round
+        model.embed.weight.copy_(model.embed.weight.half().float())
+        model.mid.weight.copy_(torch.eye(8))
+        model.mid.bias.zero_()
+    table = to_inference(model, dtype=torch.float16, batch=tokens, max_rel_error=1e-7, verbose=False).parity
+    assert table.kept_fp32 == ("head",) and table.within_budget and table.output.finite
+
+
+@pytest.mark.parametrize("budget", [10**400, float("inf"), float("nan"), "0.1", True])
+def test_an_error_budget_outside_the_numbers_is_a_value_error_naming_it(budget: object) -> None:
+    """max_rel_error too large for a float, inf, NaN, a string or a bool is refused naming max_rel_error."""
+    with pytest.raises(ValueError, match=r"max_rel_error must be None or a finite number > 0"):
+        to_inference(Classifier(), batch=features(), max_rel_error=budget)

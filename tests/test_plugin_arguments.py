@@ -82,6 +82,49 @@ def test_numbers_of_the_wrong_kind_name_the_argument(kwargs, argument):
         MixedPrecision(**kwargs)
 
 
+@pytest.mark.parametrize("array", [np.array([1.0, 2.0]), np.array(["16-mixed"]), torch.tensor([1.0, 2.0])])
+@pytest.mark.parametrize("argument", ["precision", "opt_level", "device", "on_min_scale", "loss_scale", "init_scale"])
+def test_an_array_where_a_choice_or_a_number_belongs_names_the_argument(argument, array):
+    """An array (even one holding an allowed string) is refused with a ValueError naming the argument and the value."""
+    precision = {"precision": array} if argument == "precision" else {"precision": "16-mixed"}
+    with pytest.raises(
+        ValueError, match=rf"MixedPrecision\({argument}=(array|tensor)\(.*\) is not (allowed|supported)"
+    ):
+        MixedPrecision(**{**precision, **({} if argument == "precision" else {argument: array})})
+
+
+@pytest.mark.parametrize("argument", ["hysteresis", "max_consecutive_skips", "growth_interval"])
+def test_count_limits_are_printed_exactly_and_the_limit_itself_is_accepted(argument):
+    """Counts up to 2**31 - 1 are accepted; beyond, the message prints the limit as 2147483647, not 2.14748e+09."""
+    MixedPrecision("16-mixed", **{argument: 2**31 - 1})
+    with pytest.raises(
+        ValueError, match=rf"{argument}=1000000000000000000\) .* must be an integer >= 1 and <= 2147483647\.$"
+    ):
+        MixedPrecision("16-mixed", **{argument: 10**18})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_scale": 1e-9}, r"min_scale must be a finite number >= 2\*\*-24 and <= 3\.4028234663852886e\+38\.$"),
+        ({"init_scale": 2.0**25}, r"\[min_scale, max_scale\] = \[2\*\*-24, 16777216\]"),
+        ({"loss_scale": 2.0**-127}, r"'dynamic' or a static scale, a finite number >= 2\*\*-126 and <= 3\.40282"),
+        ({"loss_scale": "Dynamic"}, r"loss_scale='Dynamic'\) is not allowed: loss_scale must be 'dynamic' or"),
+    ],
+)
+def test_scale_limits_are_printed_exactly(kwargs, message):
+    """The scale bounds in messages read back exactly: 2**-24, float32's largest in full, 16777216."""
+    with pytest.raises(ValueError, match=message):
+        MixedPrecision("16-mixed", **kwargs)
+
+
+def test_a_static_loss_scale_below_the_dynamic_floor_is_used_as_given():
+    """loss_scale=2**-25 (a normal float32 with a finite inverse) trains with exactly that fixed scale."""
+    plugin = MixedPrecision("16-mixed", loss_scale=2.0**-25)
+    make_trainer(plugin, max_steps=2).fit(TinyRegressor(), loader())
+    assert plugin.stats.loss_scale == 2.0**-25 and plugin.stats.skipped_steps == 0
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_static_loss_scale_without_fp16_fails_in_the_constructor(precision):
     """MixedPrecision('32-true', loss_scale=128.0) fails when built, not later at fit."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import re
 from pathlib import Path
 
@@ -101,10 +102,58 @@ def test_the_readme_knob_table_gives_the_defaults_the_plugin_uses() -> None:
         "growth_interval": scaler.get_growth_interval(),
     }
     signature = inspect.signature(MixedPrecision.__init__).parameters
-    rows = readme_table("| argument | default | meaning |")
+    rows = readme_table("| argument | default | allowed | meaning |")
     assert len(rows) == 12
-    for argument_cell, default_cell, _ in rows:
+    for argument_cell, default_cell, _, _ in rows:
         argument = argument_cell.strip("`")
         documented = ast.literal_eval(default_cell.strip("`").replace("2**16", "65536").replace("2**24", "16777216"))
         actual = effective.get(argument, signature[argument].default)
         assert documented == actual, argument
+
+
+def readme_number(text: str) -> float:
+    """A bound as the knob table writes it: ``2**-24``, ``2147483647``, ``3.4028234663852886e+38``, or the default
+    of another knob that bounds this one (``min_scale`` is the floor ``2**-24``, ``max_scale`` its default)."""
+    defaults = {"min_scale": 2.0**-24, "max_scale": 2.0**24}
+    if text in defaults:
+        return defaults[text]
+    power = re.fullmatch(r"2\*\*(-?\d+)", text)
+    return 2.0 ** int(power.group(1)) if power else ast.literal_eval(text)
+
+
+def plugin_with(argument: str, value: float) -> MixedPrecision:
+    """``MixedPrecision("16-mixed", argument=value)``, with the first scale moved inside a probed ``min_scale`` or
+    ``max_scale`` (it must lie in ``[min_scale, max_scale]``)."""
+    room = {
+        "min_scale": {"init_scale": min(max(value, 2.0**16), 2.0**24)},
+        "max_scale": {"init_scale": min(value, 2.0**16)},
+    }
+    return MixedPrecision("16-mixed", **{argument: value, **room.get(argument, {})})
+
+
+def test_the_readme_knob_table_gives_the_bounds_the_plugin_enforces() -> None:
+    """Each bound in the README's "allowed" column is exact: the bound is accepted (or refused, if strict) and the
+    next number past it is refused with a ValueError that prints the bound as the README does."""
+    probes = 0
+    for argument_cell, _, allowed_cell, _ in readme_table("| argument | default | allowed | meaning |"):
+        argument = argument_cell.strip("`")
+        integer = "an integer" in allowed_cell
+        for low, low_op, high_op, high in re.findall(r"`(\S+) (<=?) x (<=?) (\S+)`", allowed_cell):
+            bounds = [(low, low_op, -1), (high, high_op, +1)]
+            for text, op, outward in bounds:
+                bound = readme_number(text)
+                past = bound + outward if integer else math.nextafter(bound, outward * math.inf)
+                inside = bound - outward if integer else math.nextafter(bound, -outward * math.inf)
+                accepted, refused = (bound, past) if op == "<=" else (inside, bound)
+                plugin_with(argument, int(accepted) if integer else accepted)
+                message = rf"{argument}=.* not allowed: .*{re.escape(text) if text[0].isdigit() else ''}"
+                with pytest.raises(ValueError, match=message):
+                    plugin_with(argument, int(refused) if integer else refused)
+                probes += 1
+        for op, text in re.findall(r"`x (>) (\S+)`", allowed_cell):
+            bound = readme_number(text)
+            MixedPrecision("16-mixed", **{argument: math.nextafter(bound, math.inf)})
+            with pytest.raises(ValueError, match=rf"{argument}=.* must be a finite number {op} {re.escape(text)}"):
+                MixedPrecision("16-mixed", **{argument: bound})
+            probes += 1
+    assert probes == 17

@@ -118,6 +118,41 @@ def test_static_mode_keeps_the_scale_and_skips_overflows(model_and_optimizer):
     assert scaler.get_scale() == 128.0 and scaler.skipped_steps == 1
 
 
+@pytest.mark.parametrize("scale", [2.0**-25, 2.0**-126])
+def test_a_static_scale_below_the_dynamic_floor_scales_and_unscales_exactly(scale):
+    """A static scale under 2**-24 with a finite inverse is accepted and the optimizer sees the true gradients."""
+    torch.manual_seed(0)
+    model, x = nn.Linear(4, 2), torch.randn(3, 4)
+    model(x).pow(2).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = LossScaler("cpu", init_scale=scale, mode="static")
+    scaler.scale(model(x).pow(2).sum()).backward()
+    scaler.unscale_(optimizer)
+    for parameter, gradient in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, gradient)
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == scale and scaler.skipped_steps == 0
+    restored = LossScaler("cpu", init_scale=scale, mode="static")
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.get_scale() == scale
+
+
+def test_static_new_scale_accepts_every_normal_float32_and_nothing_below():
+    """update(new_scale=...) in static mode takes 2**-126, float32's smallest normal, and refuses 2**-127."""
+    scaler = LossScaler("cpu", init_scale=1.0, mode="static")
+    scaler.update(new_scale=2.0**-126)
+    assert scaler.get_scale() == 2.0**-126
+    with pytest.raises(
+        ValueError, match=r"new_scale must be a finite number >= 2\*\*-126 and <= 3\.4028234663852886e\+38"
+    ):
+        scaler.update(new_scale=2.0**-127)
+    with pytest.raises(ValueError, match=r"init_scale must be a finite number >= 2\*\*-126"):
+        LossScaler("cpu", init_scale=2.0**-127, mode="static")
+
+
 def test_check_mode_scales_nothing_and_skips_non_finite(model_and_optimizer):
     """Check mode (bf16/fp32) leaves the loss as it is but still refuses to step on inf gradients."""
     model, optimizer = model_and_optimizer

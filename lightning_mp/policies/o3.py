@@ -12,6 +12,8 @@ Conversion (:func:`convert_to_half`, in place, before the model moves to its dev
 
 1. Every parameter and floating buffer below or at fp32 is cast to the half type, except in batch norms and in the
    subtrees that ``keep_fp32`` matches; fp64 tensors keep their dtype.
+   Tied weights are one tensor with one dtype, so a module that shares a parameter with a kept one is kept too,
+   with a warning: keeping one side only would make the first forward mix fp32 and half.
 2. Hooks make the dtypes meet: a module with half weights casts its floating inputs to the half type; a kept
    normalisation layer computes in fp32 and hands its output back in the half type; the root module returns fp32
    outputs, so that the loss is computed in fp32.
@@ -76,6 +78,34 @@ def _castable(tensor: Tensor | None, dtype: torch.dtype) -> bool:
     return tensor is not None and tensor.is_floating_point() and tensor.dtype not in (dtype, torch.float64)
 
 
+def _tied_to_kept(model: nn.Module, overrides: Fp32Overrides) -> dict[str, str]:
+    """The modules that share a parameter with a module ``overrides`` keeps, mapped to why they must stay fp32 too.
+
+    Tied weights (an embedding and the output layer that reuses its matrix) are one tensor, so they have one dtype:
+    keeping one side in fp32 keeps the other in fp32 too, or the first forward of either side mixes dtypes. Ties
+    through several modules are followed to the end.
+    """
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules():
+        for parameter_name, parameter in module.named_parameters(recurse=False):
+            owners.setdefault(id(parameter), []).append((module_name, parameter_name))
+    tied = [names for names in owners.values() if len(names) > 1]
+    partners: dict[str, str] = {}
+    while True:
+        kept = {id(module) for module in Fp32Overrides([*overrides.patterns, *partners]).kept_modules(model)}
+        found = {
+            name: f"'{name}.{parameter}' is tied to '{kept_name}.{kept_parameter}', which stays fp32"
+            for names in tied
+            for kept_name, kept_parameter in names
+            if id(model.get_submodule(kept_name)) in kept
+            for name, parameter in names
+            if id(model.get_submodule(name)) not in kept and name not in partners
+        }
+        if not found:
+            return partners
+        partners.update(found)
+
+
 def convert_to_half(
     module: nn.Module,
     dtype: torch.dtype,
@@ -98,6 +128,13 @@ def convert_to_half(
             normalisation layers are cast: their running statistics accumulate over the whole run (O3).
 
     """
+    partners = _tied_to_kept(module, overrides)
+    for name, why in partners.items():
+        rank_zero_warn(
+            f"lightning_mp: {name!r} is kept in fp32 too: {why}, and tied weights are one tensor, in one dtype."
+        )
+    if partners:
+        overrides = Fp32Overrides([*overrides.patterns, *partners])
     kept = overrides.kept_modules(module)
     overrides.apply(module)
     for child in module.modules():

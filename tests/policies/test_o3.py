@@ -134,3 +134,30 @@ def test_o3_keeps_an_eps_the_half_type_represents(precision: str, eps: float) ->
     trainer = make_trainer(MixedPrecision(precision, opt_level="O3"), max_steps=2)
     trainer.fit(model)
     assert trainer.optimizers[0].param_groups[0]["eps"] == eps
+
+
+class TiedNet(Net):
+    """An embedding whose matrix the output layer reuses (tied weights), over 10 tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10, bias=False))
+        self.net[2].weight = self.net[0].weight
+
+    def train_dataloader(self) -> DataLoader:
+        tokens = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(tokens, tokens), batch_size=8)
+
+
+@pytest.mark.filterwarnings("ignore:lightning_mp. opt_level='O3'")
+@pytest.mark.parametrize("opt_level", ["O3", "lean"])
+def test_keep_fp32_on_one_side_of_tied_weights_keeps_the_tie_fp32_and_trains(opt_level: str) -> None:
+    """keep_fp32 on a tied head keeps the shared matrix fp32 on both sides, says so, and the model trains."""
+    model = TiedNet()
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level, keep_fp32=["net.2"]), max_steps=3)
+    with pytest.warns(UserWarning, match=r"'net.0' is kept in fp32 too: 'net.0.weight' is tied to 'net.2.weight'"):
+        trainer.fit(model)
+    assert model.net[2].weight is model.net[0].weight and model.net[0].weight.dtype == torch.float32
+    assert model.net[1].weight.dtype == torch.bfloat16
+    assert model.losses[-1] < model.losses[0]
