@@ -36,6 +36,12 @@ writes a NaN into the weights. The scaler's state and the counters are saved in 
 exactly on resume. The checkpoint entry also holds torch's five GradScaler keys, so Lightning's own plugin resumes
 from it (or, after a bf16/fp32 run, starts from the initial scale).
 
+A plugin drives one run at a time, and each run starts as with a new plugin: a Trainer's fit (or a ``fabric.setup``
+after the previous Fabric loop's steps) builds the opt level and the scaler again, so neither the previous run's
+scale, counters and skip streaks nor a checkpoint's rounding state reach it; its own ``ckpt_path`` restores them.
+:attr:`MixedPrecision.stats` keeps the last run's counters until the next run starts. A run from another live
+thread while one runs is refused; the run ends at ``teardown`` (the Trainer's, or ``plugin.teardown()`` for Fabric).
+
 The plugin subclasses Lightning's ``MixedPrecision`` so that Lightning's ``ThroughputMonitor`` counts FLOPs in the
 half dtype, and so that Lightning itself restores the legacy ``native_amp_scaling_state`` checkpoint key.
 
@@ -471,7 +477,14 @@ class MixedPrecision(LightningMixedPrecision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Resolve the precision from the Trainer's device, then let the opt level convert the module in place."""
+        """Resolve the precision from the Trainer's device, then let the opt level convert the module in place.
+
+        A fit starts a new run (module docstring): the opt level and the scaler are built afresh.
+
+        Raises:
+            RuntimeError: when a run in another thread uses the plugin now.
+
+        """
         trainer = attached_trainer(module)
         if trainer is None:
             return self._convert_for_fabric(module)
@@ -577,7 +590,12 @@ class MixedPrecision(LightningMixedPrecision):
     @override
     # Lightning's Trainer hook takes the LightningModule that Fabric's base hook leaves out (Lightning's own ignore).
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks."""
+        """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks.
+
+        Raises:
+            TypeError: if ``tensor`` is not a tensor (``manual_backward(loss.item())``).
+
+        """
         if attached_trainer(module) is None:
             return tensor  # Fabric ignores what this returns: FabricSteps.backward scales the loss.
         check_loss("manual_backward", tensor)

@@ -7,6 +7,7 @@ import csv
 import pickle
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -700,3 +701,45 @@ def test_a_scale_that_training_cannot_make_is_refused_at_fabric_load(tmp_path: P
     with pytest.raises(ValueError, match=rf"key 'scale' holds {scale}; expected a finite positive number"):
         fabric.load(path, {"model": model, "optimizer": optimizer, "precision": plugin})
     assert plugin.stats.loss_scale == 2.0**16
+
+
+@pytest.mark.parametrize("clip", [{"max_norm": float("inf")}, {"clip_val": float("inf")}])
+def test_an_infinite_clipping_threshold_clips_nothing_and_steps(clip: dict[str, float]) -> None:
+    """fabric.clip_gradients with an infinite threshold (torch's idiom for 'norm only') steps as without clipping."""
+    runs = []
+    for clipped in (True, False):
+        plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+        fabric, model, optimizer = setup(plugin)
+        x, y = batch(0)
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        if clipped:
+            fabric.clip_gradients(model, optimizer, **clip)
+        optimizer.step()
+        assert plugin.stats.skipped_steps == 0
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for clipped_weight, plain_weight in zip(*runs, strict=True):
+        assert torch.equal(clipped_weight, plain_weight)
+
+
+def test_a_fabric_run_in_another_thread_is_refused_while_one_runs() -> None:
+    """fabric.setup with a plugin that another live thread's loop drives raises; after its teardown it works."""
+    plugin = MixedPrecision("16-mixed")
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0)
+    outcome: list[Any] = []
+
+    def other_run() -> None:
+        try:
+            other_fabric, other_model, other_optimizer = setup(plugin)
+            train_step(other_fabric, other_model, other_optimizer, seed=1)
+            outcome.append(plugin.stats.optimizer_steps)
+        except RuntimeError as error:
+            outcome.append(error)
+
+    for _ in range(2):
+        thread = threading.Thread(target=other_run)
+        thread.start()
+        thread.join(timeout=60)
+        plugin.teardown()
+    assert isinstance(outcome[0], RuntimeError) and "already driving a run in another thread" in str(outcome[0])
+    assert outcome[1] == 1
