@@ -41,7 +41,8 @@ Private torch names used, and why:
   the getters) see a consistent object.
 * ``torch._amp_foreach_non_finite_check_and_unscale_``: the fused unscale-and-check kernel (no public equivalent).
 * ``torch._amp_update_scale_``: torch's device-side scale rule, used when the flag is not on the host.
-* ``torch._foreach_norm``: one kernel for the inf-norms of all gradients in check mode.
+* ``torch._foreach_norm``: one kernel for the inf-norms of all gradients in check mode, and in
+  :meth:`LossScaler.recheck_gradients`.
 * ``Tensor._values()``: the stored values of a sparse gradient, which are what needs unscaling and checking, as in
   torch's own ``unscale_``.
 * The ``grad_scale``/``found_inf`` attributes and ``_step_supports_amp_scaling``: the protocol by which torch's
