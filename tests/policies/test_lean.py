@@ -565,3 +565,20 @@ def test_a_rounding_state_without_a_seed_is_refused_at_load_naming_the_field(tmp
     torch.save(checkpoint, path)
     with pytest.raises(ValueError, match=r"\['rounding'\]\[0\] holds .*expected a dict with 'seed'"):
         _fabric_lean_run(range(0), resume=path)
+
+
+def test_a_damaged_rounding_state_in_a_trainer_checkpoint_is_refused_at_resume(tmp_path: Path) -> None:
+    """A Trainer checkpoint whose optimizer holds a damaged rounding state fails at resume, naming the field."""
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level="lean"), max_steps=2)
+    trainer.fit(LeanNet(), classification_loader())
+    path = tmp_path / "lean.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["optimizer_states"][0][STATE_KEY]["seed"] = "abc"
+    torch.save(checkpoint, path)
+    resumed = LeanNet()
+    with pytest.raises(ValueError, match=r"optimizer.state_dict\(\)\['stochastic_rounding'\]\['seed'\] holds 'abc'"):
+        make_trainer(MixedPrecision("bf16-mixed", opt_level="lean"), max_steps=4).fit(
+            resumed, classification_loader(), ckpt_path=path
+        )
+    assert resumed.losses == []
