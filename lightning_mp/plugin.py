@@ -734,8 +734,9 @@ class MixedPrecision(LightningMixedPrecision):
         """Clip true gradients: unscale first where that has not happened yet in this optimizer step.
 
         A fused optimizer's step then sees the gradients already unscaled and does not unscale them again. In bf16
-        and fp32 nothing is scaled, so the gradients are only checked for inf/NaN before they are clipped, and the
-        clipped ones once more (on the device), so that a step whose clipping made them non-finite is skipped.
+        and fp32 nothing is scaled, so the gradients are only checked for inf/NaN before they are clipped. In every
+        precision the clipped gradients are checked once more, on the device (:meth:`LossScaler.recheck_gradients`),
+        so that a step whose clipping made them non-finite is skipped, never applied.
 
         Raises:
             ValueError: if ``clip_val`` is NaN or negative (0 means no clipping, as in Lightning).
