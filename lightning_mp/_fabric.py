@@ -30,7 +30,9 @@ Fabric saves only what the user puts in the state, so the plugin goes there besi
    then handed the inf flag and no ``grad_scale``, so it does not unscale a second time. On a step that will be
    skipped there is nothing to clip: ``main_params`` then gives a stand-in with a zero gradient instead of the
    parameters, so ``fabric.clip_gradients`` returns a zero norm (instead of raising on the non-finite one) and
-   clipping by value has something to clip.
+   clipping by value has something to clip. Fabric does not show the plugin its clipping arguments, so the step
+   checks clipped gradients again (:meth:`LossScaler.recheck_gradients`, on the device): a NaN ``max_norm`` or
+   ``clip_val`` makes every gradient NaN, and that step is skipped, never applied.
 4. The step is skipped when a gradient is not finite (under DDP when one on any rank is not); the opt level then
    hears of it (O2 names weights beyond fp16's range). A fused optimizer skips inside its kernel, unseen by the
    host: the opt level hears of that skip at the next ``fabric.backward``, after the scale update.
@@ -102,6 +104,20 @@ def check_input_device(data: Any, device_type: str) -> None:
         )
 
 
+def check_loss(call: str, tensor: Any) -> None:
+    """Raise unless ``tensor`` is a tensor that backward can differentiate.
+
+    Raises:
+        TypeError: naming ``call``, the value and what is allowed.
+
+    """
+    if not isinstance(tensor, Tensor):
+        raise TypeError(
+            f"{call}(tensor={tensor!r}) is not allowed: expected the loss as a torch.Tensor that requires grad, got"
+            f" a {type(tensor).__name__}. Pass the tensor the model's forward produced, not its .item()."
+        )
+
+
 class FabricSteps:
     """Backward, clipping and optimizer steps of :class:`~lightning_mp.MixedPrecision` under Fabric.
 
@@ -126,6 +142,8 @@ class FabricSteps:
         self._stepped_since_update: set[int] = set()
         self._ran: set[int] = set()
         self._stand_ins: dict[str, Tensor] = {}
+        self._finite_before_clipping: set[int] = set()
+        """Optimizers whose gradients ``main_params`` found finite before ``fabric.clip_gradients`` clipped them."""
         self._stepped_on_device: list[Optimizer] = []
         """Fused optimizers stepped since the last update: they skip inside their kernel, unseen by the host."""
         self._skipped_on_device: list[Optimizer] = []
@@ -135,6 +153,11 @@ class FabricSteps:
         self._saved_running_stats: dict[int, list[Tensor]] = {}
         """Per layer (by id), its running statistics as they were before the first forward since its last step."""
         self.add_module(module)
+
+    @property
+    def has_stepped(self) -> bool:
+        """Whether an optimizer stepped (or clipped) in this loop: a later ``fabric.setup`` starts another run."""
+        return bool(self._connected)
 
     def settle(self) -> None:
         """Apply the pending scale update, if a step happened since the last one."""
@@ -213,10 +236,12 @@ class FabricSteps:
         """Settle the previous iteration's scale, then back-propagate the scaled loss.
 
         Raises:
+            TypeError: if ``tensor`` is not a tensor (a loss read with ``.item()`` has no graph to differentiate).
             HalfOverflowError: under O2, when the previous step of a fused optimizer was skipped because a weight's
                 fp16 copy was inf (the host learns of such a skip at the scale update, one iteration late).
 
         """
+        check_loss("fabric.backward", tensor)
         self.settle()
         while self._skipped_on_device:
             self.policy.after_optimizer_step(self._skipped_on_device.pop(), True)
@@ -238,9 +263,11 @@ class FabricSteps:
             and with ``error_if_nonfinite=True`` (Fabric's default) it would raise.
         """
         parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-        if parameters and id(optimizer) in self._unscaled and self.loss_scaler.found_inf(optimizer):
-            # Not an empty list: torch's clip_grad_value_ fails on one (clip_grad_norm_ would return 0 for it too).
-            return [self._stand_in(parameters[0].device)]
+        if parameters and id(optimizer) in self._unscaled:
+            if self.loss_scaler.found_inf(optimizer):
+                # Not an empty list: torch's clip_grad_value_ fails on one (clip_grad_norm_ would return 0 for it).
+                return [self._stand_in(parameters[0].device)]
+            self._finite_before_clipping.add(id(optimizer))
         return parameters
 
     def _stand_in(self, device: torch.device) -> Tensor:
@@ -263,6 +290,10 @@ class FabricSteps:
         # A closure runs forward and fabric.backward; the scaler must see the gradients before the step. Its loss
         # is what step(closure) returns, as with torch's optimizers.
         closure_loss = closure() if closure is not None else None
+        if id(optimizer) in self._unscaled:
+            # Unscaled and checked for fabric.clip_gradients: clipping (a NaN max_norm or clip_val) may have made
+            # the checked gradients non-finite since.
+            self.loss_scaler.recheck_gradients(optimizer)
         self._unscale(optimizer)
         self._ran.discard(id(optimizer))
         output = self.loss_scaler.step(optimizer, **kwargs)
@@ -275,6 +306,15 @@ class FabricSteps:
         self._unscaled.discard(id(optimizer))
         self._stepped_since_update.add(id(optimizer))
         self.update_pending = True
+        if skipped and id(optimizer) in self._finite_before_clipping:
+            warnings.warn(
+                "lightning_mp: fabric.clip_gradients made finite gradients inf or NaN, so this optimizer step was"
+                " skipped. Pass fabric.clip_gradients a max_norm or clip_val that is a positive number (not NaN),"
+                " and a norm_type that is a positive number.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._finite_before_clipping.discard(id(optimizer))
         self.policy.after_optimizer_step(optimizer, skipped)
         return output
 

@@ -36,6 +36,12 @@ writes a NaN into the weights. The scaler's state and the counters are saved in 
 exactly on resume. The checkpoint entry also holds torch's five GradScaler keys, so Lightning's own plugin resumes
 from it (or, after a bf16/fp32 run, starts from the initial scale).
 
+A plugin drives one run at a time, and each run starts as with a new plugin: a Trainer's fit (or a ``fabric.setup``
+after the previous Fabric loop's steps) builds the opt level and the scaler again, so neither the previous run's
+scale, counters and skip streaks nor a checkpoint's rounding state reach it; its own ``ckpt_path`` restores them.
+:attr:`MixedPrecision.stats` keeps the last run's counters until the next run starts. A run from another live
+thread while one runs is refused; the run ends at ``teardown`` (the Trainer's, or ``plugin.teardown()`` for Fabric).
+
 The plugin subclasses Lightning's ``MixedPrecision`` so that Lightning's ``ThroughputMonitor`` counts FLOPs in the
 half dtype, and so that Lightning itself restores the legacy ``native_amp_scaling_state`` checkpoint key.
 
@@ -60,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import replace
@@ -71,6 +78,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.plugins.precision.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -79,7 +87,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_mp._compile import autocast_by_flags, backward_outside_autocast
-from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device
+from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device, check_loss
 from lightning_mp._hardware import choose_precision, device_has_native_bf16, emulated_bf16_warning
 from lightning_mp._scale_rules import FLOAT32_MAX, STATIC_SCALE_FLOOR, OnMinScale
 from lightning_mp._schedulers import SkipAwareScheduler
@@ -101,6 +109,8 @@ PRECISION_ALIASES: dict[Any, str] = {
 OPT_LEVEL_ALIASES: dict[Any, str] = {level: f"O{level}" for level in range(4)}
 TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 """The keys of ``torch.amp.GradScaler.state_dict()``: Lightning's own plugin loads exactly these."""
+_RUN_CLAIMS = threading.Lock()
+"""Serialises the claims of runs on plugins (:meth:`MixedPrecision._claim_run`)."""
 _HALF_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 _TORCH_SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
@@ -317,6 +327,8 @@ class MixedPrecision(LightningMixedPrecision):
         self._skipped_by_optimizer: dict[int, bool] = {}
         self._stepped_this_iteration = False
         self._fabric: FabricSteps | None = None
+        self._run_thread: int | None = None
+        """The ident of the thread whose run (a Trainer's fit, or a Fabric loop) the plugin drives now."""
 
     @staticmethod
     def _knobs_of(owner: str, scaler: Any, precision: str, loss_scale: Any, knobs: dict[str, Any]) -> dict[str, Any]:
@@ -479,9 +491,20 @@ class MixedPrecision(LightningMixedPrecision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Resolve the precision from the Trainer's device, then let the opt level convert the module in place."""
-        if attached_trainer(module) is None:
+        """Resolve the precision from the Trainer's device, then let the opt level convert the module in place.
+
+        A fit starts a new run (module docstring): the opt level and the scaler are built afresh.
+
+        Raises:
+            RuntimeError: when a run in another thread uses the plugin now.
+
+        """
+        trainer = attached_trainer(module)
+        if trainer is None:
             return self._convert_for_fabric(module)
+        self._claim_run()
+        if trainer.state.fn == TrainerFn.FITTING and self._policy is not None:
+            self._start_new_run()
         self.setup_for_device(self._trainer_device_type(module))
         assert self._policy is not None
         return self._policy.convert_module(module)
@@ -581,9 +604,15 @@ class MixedPrecision(LightningMixedPrecision):
     @override
     # Lightning's Trainer hook takes the LightningModule that Fabric's base hook leaves out (Lightning's own ignore).
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks."""
+        """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks.
+
+        Raises:
+            TypeError: if ``tensor`` is not a tensor (``manual_backward(loss.item())``).
+
+        """
         if attached_trainer(module) is None:
             return tensor  # Fabric ignores what this returns: FabricSteps.backward scales the loss.
+        check_loss("manual_backward", tensor)
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return Precision.pre_backward(self, tensor, module)
@@ -719,8 +748,20 @@ class MixedPrecision(LightningMixedPrecision):
         """Clip true gradients: unscale first where that has not happened yet in this optimizer step.
 
         A fused optimizer's step then sees the gradients already unscaled and does not unscale them again. In bf16
-        and fp32 nothing is scaled, so the gradients are only checked for inf/NaN before they are clipped.
+        and fp32 nothing is scaled, so the gradients are only checked for inf/NaN before they are clipped. In every
+        precision the clipped gradients are checked once more, on the device (:meth:`LossScaler.recheck_gradients`),
+        so that a step whose clipping made them non-finite is skipped, never applied.
+
+        Raises:
+            ValueError: if ``clip_val`` is NaN or negative (0 means no clipping, as in Lightning).
+
         """
+        if isinstance(clip_val, bool) or not isinstance(clip_val, int | float) or not clip_val >= 0:
+            raise ValueError(
+                f"clip_gradients(gradient_clip_val={clip_val!r}) is not allowed: expected a number >= 0 (0 clips"
+                " nothing, inf computes the norm without clipping). A NaN threshold would write NaN into every"
+                " gradient."
+            )
         wrapper, optimizer = optimizer, _raw_optimizer(optimizer)
         if isinstance(wrapper, LightningOptimizer) and self._loss_scaler is not None:
             _adopt_wrapper_unscale(self._loss_scaler, [wrapper], optimizer)
@@ -731,6 +772,8 @@ class MixedPrecision(LightningMixedPrecision):
         Precision.clip_gradients(
             self, optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm
         )
+        if clip_val > 0 and self._loss_scaler is not None:
+            self._loss_scaler.recheck_gradients(optimizer)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 
@@ -760,7 +803,14 @@ class MixedPrecision(LightningMixedPrecision):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from this plugin's state, or from torch's five-key GradScaler dict (Lightning's own plugin)."""
+        """Restore from this plugin's state, or from torch's five-key GradScaler dict (Lightning's own plugin).
+
+        Raises:
+            ValueError: if the state is malformed (a damaged checkpoint), naming the field, its value and what is
+                allowed; checked when it is loaded, before anything changes.
+
+        """
+        _check_plugin_state(state_dict)
         if self._loss_scaler is None or self._policy is None:
             self._pending_state = dict(state_dict)
             return
@@ -809,7 +859,50 @@ class MixedPrecision(LightningMixedPrecision):
     # ------------------------------------------------------------------------------------------------ Fabric
     # Fabric drives the plugin through these hooks and the dispatch lines above (lightning_mp._fabric).
 
+    def _claim_run(self) -> None:
+        """Make this thread's run the plugin's one run; a run of another live thread holds it until its teardown.
+
+        Raises:
+            RuntimeError: when another thread's run uses the plugin now: the two would share one scaler and
+                opt level, and corrupt each other's steps.
+
+        """
+        with _RUN_CLAIMS:
+            if self._claimed_by_other_thread():
+                raise RuntimeError(
+                    f"{self!r} is already driving a run in another thread, and one plugin drives one run at a time:"
+                    " its scaler and opt level hold that run's state. Give each Trainer or Fabric its own plugin"
+                    " (copy.deepcopy(plugin) copies the settings), or start this run after the other ended (its"
+                    " teardown)."
+                )
+            self._run_thread = threading.get_ident()
+
+    def _claimed_by_other_thread(self) -> bool:
+        """Whether a run of another thread, still alive, holds the plugin (asked under ``_RUN_CLAIMS``)."""
+        owner = self._run_thread
+        return owner not in (None, threading.get_ident()) and any(t.ident == owner for t in threading.enumerate())
+
+    def _start_new_run(self) -> None:
+        """Forget the previous run: the next setup builds a fresh opt level and scaler, as a new plugin would.
+
+        A ``LossScaler`` given as ``scaler=`` is the caller's object and keeps its state.
+        """
+        if self._policy is not None:
+            self._policy.teardown()
+        self._policy = None
+        self._loss_scaler = None
+        self._fabric = None
+        self.precision = self.requested_precision
+        self.device = self.requested_device
+        self._normalization_layers = []
+        self._saved_running_stats = None
+        self._skipped_by_optimizer = {}
+        self._stepped_this_iteration = False
+
     def _convert_for_fabric(self, module: nn.Module) -> nn.Module:
+        self._claim_run()
+        if self._fabric is not None and self._fabric.has_stepped:
+            self._start_new_run()  # a fabric.setup after the previous loop's steps starts another run
         parameter = next(module.parameters(), None)
         placed = parameter.device.type if parameter is not None else "cpu"
         # Fabric converts before it moves the model, and tells a plugin nothing of its accelerator: a model still on
@@ -926,15 +1019,21 @@ class MixedPrecision(LightningMixedPrecision):
         """
         if self._fabric is not None:
             self._fabric.settle()
-        return {**self.__dict__, "_fabric": None}
+        return {**self.__dict__, "_fabric": None, "_run_thread": None}
 
     @override
     def teardown(self) -> None:
         """Apply a pending Fabric scale update, so that the counters include the last step; release the model.
 
         The opt level drops its references (O2's parameter slots), and so do the running-statistic layers, so that a
-        reused plugin keeps no previous model alive.
+        reused plugin keeps no previous model alive. The plugin is then free for another run, in any thread. A
+        teardown from another thread than the run's (a second Trainer that was refused the plugin) leaves the run
+        alone.
         """
+        with _RUN_CLAIMS:
+            if self._claimed_by_other_thread():
+                return
+            self._run_thread = None
         if self._fabric is not None:
             self._fabric.settle()
         if self._policy is not None:
@@ -944,6 +1043,37 @@ class MixedPrecision(LightningMixedPrecision):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r}, opt_level={self.opt_level!r})"
+
+
+def _check_plugin_state(state_dict: Any) -> None:
+    """Raise unless ``state_dict`` has the shape of :meth:`MixedPrecision.state_dict` (or torch's GradScaler dict).
+
+    The values inside ``'scaler'`` and ``'policy'`` are checked by the scaler and the opt level that load them.
+
+    Raises:
+        ValueError: naming the field, its value and what is allowed.
+
+    """
+    if not isinstance(state_dict, dict):
+        raise ValueError(
+            f"The checkpoint's MixedPrecision state holds {state_dict!r}; expected a dict, as"
+            " MixedPrecision.state_dict() returns (or torch's GradScaler.state_dict()). The checkpoint is damaged."
+        )
+    for key, allowed in (("scaler", "the loss scaler's state"), ("policy", "the opt level's state")):
+        if key in state_dict and not isinstance(state_dict[key], dict):
+            raise ValueError(
+                f"The checkpoint's MixedPrecision state has {key!r}={state_dict[key]!r}; expected a dict ({allowed})."
+            )
+    precision = state_dict.get("precision", "auto")
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(
+            f"The checkpoint's MixedPrecision state has 'precision'={precision!r}; expected one of {list(PRECISIONS)}."
+        )
+    opt_level = state_dict.get("opt_level", "O1")
+    if not isinstance(opt_level, str) or opt_level not in POLICIES:
+        raise ValueError(
+            f"The checkpoint's MixedPrecision state has 'opt_level'={opt_level!r}; expected one of {list(POLICIES)}."
+        )
 
 
 def _count_closure_step(loss_scaler: LossScaler, skipped: bool) -> None:

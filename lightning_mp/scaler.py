@@ -43,7 +43,8 @@ Private torch names used, and why:
   the getters) see a consistent object.
 * ``torch._amp_foreach_non_finite_check_and_unscale_``: the fused unscale-and-check kernel (no public equivalent).
 * ``torch._amp_update_scale_``: torch's device-side scale rule, used when the flag is not on the host.
-* ``torch._foreach_norm``: one kernel for the inf-norms of all gradients in check mode.
+* ``torch._foreach_norm``: one kernel for the inf-norms of all gradients in check mode, and in
+  :meth:`LossScaler.recheck_gradients`.
 * ``torch._foreach_mul_``: one kernel to unscale bf16 gradients, which the unscale kernel refuses on CUDA.
 * ``Tensor._values()``: the stored values of a sparse gradient, which are what needs unscaling and checking, as in
   torch's own ``unscale_``.
@@ -486,6 +487,44 @@ class LossScaler(torch.amp.GradScaler):
         if combined is not None:
             self._iteration.device_flags[index] = combined
 
+    def recheck_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check ``optimizer``'s unscaled gradients again before its step, and skip the step if one is now inf or NaN.
+
+        For code that changes the gradients between :meth:`unscale_` and :meth:`step`: clipping with a NaN
+        threshold, for one, turns finite gradients into NaN after they were checked. The new check is folded into
+        the step's verdict, so such a step is skipped and counted like an overflow. Does nothing before
+        :meth:`unscale_`. Under DDP the gradients were already averaged, so every rank finds the same.
+
+        .. warning:: Where the verdict is a device flag, it is updated on the device (no sync). Where the host
+            already read it (bf16 and fp32 with an optimizer that is not fused), the step reads it once more.
+
+        """
+        index = self._index_by_id.get(id(optimizer.param_groups))
+        record = self._iteration
+        if index is None or index in record.stepped or not (index in record.norms or index in record.device_flags):
+            return
+        grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    grad = param.grad._values() if param.grad.is_sparse else param.grad
+                    grads[grad.device].append(grad)
+        home = record.device_flags[index].device if index in record.device_flags else None
+        norms = [
+            torch.stack(torch._foreach_norm(tensors, math.inf)).float().to(home or device, non_blocking=True)
+            for device, tensors in grads.items()
+        ]
+        if not norms:
+            return
+        if index in record.norms:
+            if not record.host_flags.get(index):  # a skip already decided stays one; else read again at the step
+                record.host_flags.pop(index, None)
+                record.norms[index] = torch.cat([record.norms[index], *norms])
+            return
+        flag = record.device_flags[index]
+        nonfinite = (~torch.isfinite(torch.cat(norms))).any()
+        flag.copy_(torch.maximum(flag, nonfinite.to(flag.dtype)))
+
     @staticmethod
     def _combine(per_device: dict[torch.device, torch.Tensor]) -> torch.Tensor | None:
         if not per_device:
@@ -857,8 +896,9 @@ class LossScaler(torch.amp.GradScaler):
         """Restore the scale, the trackers and the counters, validated and fitted to this run's settings.
 
         Accepts torch's five-key GradScaler dict as well (counters then start from zero). This run's settings win
-        over the dict's (a difference is warned about); a scale outside ``[floor, max_scale]`` and trackers beyond
-        this run's ``growth_interval``/``hysteresis`` are clamped with a warning naming the key and both values.
+        over the dict's (a difference is warned about); a positive scale outside ``[floor, max_scale]`` and trackers
+        beyond this run's ``growth_interval``/``hysteresis`` are clamped with a warning naming the key and both
+        values. A scale of 0, a negative one or a non-finite one cannot come from training and is refused.
 
         Raises:
             RuntimeError: if ``state_dict`` is empty.
@@ -936,10 +976,13 @@ class LossScaler(torch.amp.GradScaler):
             raise ValueError(f"{owner}: the dict has no key 'scale'; expected the loss scale, a positive number.")
         raw_scale = state_dict["scale"]
         try:
-            scale = check_number(owner, "scale", raw_scale, at_least=-math.inf)
+            # Training never makes a scale of 0, a negative one or a non-finite one: such a value is damage.
+            scale = check_number(owner, "scale", raw_scale, above=0)
         except ValueError:
             raise ValueError(
-                f"{owner}: key 'scale' holds {raw_scale!r}; expected a finite positive number (the loss scale)."
+                f"{owner}: key 'scale' holds {raw_scale!r}; expected a finite positive number (the loss scale). No"
+                " training writes such a scale, so the checkpoint is damaged: restore another one, or drop the"
+                " scaler's state to start again from init_scale."
             ) from None
         low, high = settings.floor, settings.max_scale
         if not low <= scale <= high:

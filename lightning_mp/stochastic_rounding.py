@@ -374,9 +374,19 @@ class StochasticRoundingStep:
         generators = {str(device): generator.get_state() for device, generator in self._generators.items()}
         return {"seed": self.seed, "kahan": self.kahan, "generators": {**self._pending_generator_states, **generators}}
 
-    def load_rounding_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`rounding_state` returned; each generator resumes at its saved position."""
-        self.seed = int(state["seed"])
+    def load_rounding_state(self, state: dict[str, Any], field: str = STATE_KEY) -> None:
+        """Restore what :meth:`rounding_state` returned; each generator resumes at its saved position.
+
+        Args:
+            state: the saved rounding state.
+            field: where ``state`` was found, for the error message.
+
+        Raises:
+            ValueError: if ``state`` is malformed (:func:`check_rounding_state`), before anything changes.
+
+        """
+        state = check_rounding_state(field, state)
+        self.seed = state["seed"]
         self._generators.clear()
         self._pending_generator_states = {name: value.clone() for name, value in state["generators"].items()}
 
@@ -388,8 +398,60 @@ class StochasticRoundingStep:
         state_dict = dict(state_dict)
         saved = state_dict.pop(STATE_KEY, None)
         if saved is not None:
-            self.load_rounding_state(saved)
+            self.load_rounding_state(saved, f"optimizer.state_dict()[{STATE_KEY!r}]")
         return state_dict
+
+
+def check_rounding_state(field: str, state: Any) -> dict[str, Any]:
+    """Check a saved rounding state (what :meth:`StochasticRoundingStep.rounding_state` returns) at load time.
+
+    A generator saved for the CPU is tried on a scratch generator, so that a damaged one fails here, not at the
+    first step.
+
+    Args:
+        field: where ``state`` was found, for the error message.
+        state: the saved rounding state.
+
+    Returns:
+        the state, with the seed as a Python ``int``.
+
+    Raises:
+        ValueError: naming the field, its value and what is allowed.
+
+    """
+    expected = "a dict with 'seed' (an integer in [0, 2**64)), 'kahan' (a bool) and 'generators' (a dict)"
+    if not isinstance(state, dict) or not {"seed", "generators"} <= state.keys():
+        raise ValueError(f"The checkpoint's {field} holds {state!r}; expected {expected}.")
+    seed = state["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"The checkpoint's {field}['seed'] holds {seed!r}; expected an integer in [0, 2**64).")
+    kahan = state.get("kahan", False)
+    if not isinstance(kahan, bool):
+        raise ValueError(f"The checkpoint's {field}['kahan'] holds {kahan!r}; expected True or False.")
+    generators = state["generators"]
+    if not isinstance(generators, dict):
+        raise ValueError(
+            f"The checkpoint's {field}['generators'] holds {generators!r}; expected a dict from a device name to"
+            " the generator's state (a uint8 tensor)."
+        )
+    for name, value in generators.items():
+        where = f"{field}['generators'][{name!r}]"
+        try:
+            device = torch.device(name)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"The checkpoint's {where} names no device; expected a name such as 'cpu'.") from None
+        if not isinstance(value, Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+            raise ValueError(
+                f"The checkpoint's {where} holds {value!r}; expected a generator state (a 1-d uint8 tensor)."
+            )
+        if device.type == "cpu":
+            try:
+                torch.Generator().set_state(value)
+            except RuntimeError as error:
+                raise ValueError(
+                    f"The checkpoint's {where} is not a CPU generator state ({value.numel()} bytes): {error}"
+                ) from None
+    return {**state, "seed": seed, "kahan": kahan}
 
 
 UpdateRule = Callable[[list[Tensor], list[Tensor], dict[str, list[Tensor]], list[Tensor], Optimizer], None]

@@ -233,3 +233,58 @@ def test_our_resume_from_our_checkpoint_with_torchs_keys_still_restores_everythi
     make_trainer(plugin, max_steps=5, callbacks=[first]).fit(TinyRegressor(), loader(), ckpt_path=path)
     assert first.scale == 2.0**8
     assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps) == (5, 1)
+
+
+def _fp16_checkpoint(tmp_path: Path) -> Path:
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="fp16")
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**9)
+    make_trainer(plugin, max_steps=2, callbacks=[checkpoints], enable_checkpointing=True).fit(TinyRegressor(), loader())
+    return tmp_path / "fp16.ckpt"
+
+
+def _resume_with_entry(path: Path, entry: Any) -> None:
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["MixedPrecision"] = entry(checkpoint["MixedPrecision"])
+    torch.save(checkpoint, path)
+    make_trainer(MixedPrecision("16-mixed"), max_steps=4).fit(TinyRegressor(), loader(), ckpt_path=path)
+
+
+@pytest.mark.parametrize("scale", [0.0, -4.0])
+def test_a_scale_that_training_cannot_make_is_refused_at_resume(tmp_path, scale):
+    """A checkpoint whose loss scale is 0 or negative is refused, naming 'scale' and the value, not clamped."""
+    path = _fp16_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=rf"key 'scale' holds {scale}; expected a finite positive number"):
+        _resume_with_entry(path, lambda entry: {**entry, "scaler": {**entry["scaler"], "scale": scale}})
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        (lambda entry: None, r"MixedPrecision state holds None; expected a dict"),
+        (lambda entry: "garbage", r"MixedPrecision state holds 'garbage'; expected a dict"),
+        (lambda entry: [], r"MixedPrecision state holds \[\]; expected a dict"),
+        (lambda entry: {**entry, "scaler": "abc"}, r"'scaler'='abc'; expected a dict \(the loss scaler's state\)"),
+    ],
+)
+def test_a_malformed_plugin_entry_is_refused_naming_the_field(tmp_path, entry, match):
+    """A checkpoint whose MixedPrecision entry is malformed fails with a ValueError naming the field and the value."""
+    path = _fp16_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        _resume_with_entry(path, entry)
+
+
+def test_a_reused_plugin_starts_each_fit_as_a_fresh_plugin_would(tmp_path):
+    """After a resumed fit, a reused plugin trains an unrelated fit with the initial scale and zero counters."""
+    path = _fp16_checkpoint(tmp_path)
+    reused = MixedPrecision("16-mixed", init_scale=2.0**7, growth_interval=1)
+    make_trainer(reused, max_steps=4).fit(TinyRegressor(), loader(), ckpt_path=path)
+    assert reused.stats.optimizer_steps == 4
+    fresh = MixedPrecision("16-mixed", init_scale=2.0**7, growth_interval=1)
+    models = {}
+    for name, plugin in (("reused", reused), ("fresh", fresh)):
+        torch.manual_seed(0)
+        models[name] = TinyRegressor(inject_at=(1,))
+        make_trainer(plugin, max_steps=3).fit(models[name], loader())
+    assert reused.stats == fresh.stats
+    for name, value in models["fresh"].state_dict().items():
+        assert torch.equal(value, models["reused"].state_dict()[name]), name

@@ -7,6 +7,7 @@ import csv
 import pickle
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -582,3 +583,163 @@ def test_the_plugin_pickles_and_deep_copies_mid_run() -> None:
         assert copied.stats.skipped_steps == 1
     train_step(fabric, model, optimizer, seed=1)
     assert plugin.stats.optimizer_steps == 2
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+@pytest.mark.parametrize("kind", ["foreach", "fused"])
+@pytest.mark.parametrize("clip", [{"max_norm": float("nan")}, {"clip_val": float("nan")}])
+def test_a_nan_clipping_threshold_never_reaches_the_weights(precision: str, kind: str, clip: dict[str, float]) -> None:
+    """fabric.clip_gradients with a NaN threshold makes the gradients NaN: that step is skipped, the weights stay."""
+    plugin = MixedPrecision(precision)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = make_model()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1, **{kind: True}))
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = batch(0)
+    fabric.backward(nn.functional.mse_loss(model(x), y))
+    fabric.clip_gradients(model, optimizer, **clip)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    optimizer.zero_grad()
+    for parameter, weight in zip(model.parameters(), before, strict=True):
+        assert torch.equal(parameter, weight)
+    assert plugin.stats.skipped_steps == 1
+    # The host learns of a fused optimizer's skip only at the scale update; an unfused one's at once, and says why.
+    assert any("clip_gradients made finite gradients inf or NaN" in str(w.message) for w in caught) == (kind != "fused")
+    train_step(fabric, model, optimizer, seed=1)
+    assert plugin.stats.skipped_steps == 1 and plugin.stats.consecutive_skips == 0
+
+
+def test_backward_of_a_number_names_the_argument() -> None:
+    """fabric.backward(loss.item()) raises a TypeError naming the argument, not 'float' has no attribute 'backward'."""
+    fabric, model, _ = setup(MixedPrecision("16-mixed"))
+    x, y = batch(0)
+    loss = nn.functional.mse_loss(model(x), y)
+    with pytest.raises(TypeError, match=r"fabric.backward\(tensor=.*\) is not allowed: expected the loss as a torch"):
+        fabric.backward(loss.item())
+
+
+def test_a_new_fabric_run_with_a_reused_plugin_starts_with_no_skip_streak() -> None:
+    """A plugin whose previous Fabric run ended on a skipped step reports consecutive_skips 0 after clean steps."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0)
+    train_step(fabric, model, optimizer, seed=1, inject=True)
+    assert plugin.stats.consecutive_skips == 1
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=2)
+    train_step(fabric, model, optimizer, seed=3)
+    assert plugin.stats.consecutive_skips == 0 and not plugin.stats.last_step_skipped
+
+
+def test_a_reused_plugin_trains_a_new_fabric_run_like_a_fresh_plugin() -> None:
+    """A second Fabric run with the same plugin starts from init_scale and zero counters, as a new plugin would."""
+    reused = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
+    fabric, model, optimizer = setup(reused)
+    for seed in range(3):
+        train_step(fabric, model, optimizer, seed=seed, inject=seed == 2)
+    runs = {}
+    for name, plugin in (
+        ("reused", reused),
+        ("fresh", MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)),
+    ):
+        fabric, model, optimizer = setup(plugin)
+        for seed in range(3):
+            train_step(fabric, model, optimizer, seed=seed)
+        runs[name] = (plugin.stats, [p.detach().clone() for p in model.parameters()])
+    assert runs["reused"][0] == runs["fresh"][0]
+    for reused_weight, fresh_weight in zip(runs["reused"][1], runs["fresh"][1], strict=True):
+        assert torch.equal(reused_weight, fresh_weight)
+
+
+def _saved_fabric_state(tmp_path: Path, precision: str = "16-mixed") -> Path:
+    plugin = MixedPrecision(precision)
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0)
+    path = tmp_path / "state.ckpt"
+    fabric.save(path, {"model": model, "optimizer": optimizer, "precision": plugin})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda s: [s["scaler"]], r"MixedPrecision state holds \[\{.*\}\]; expected a dict"),
+        (lambda s: None, r"MixedPrecision state holds None; expected a dict"),
+        (lambda s: {**s, "scaler": None}, r"'scaler'=None; expected a dict \(the loss scaler's state\)"),
+        (lambda s: {**s, "scaler": [1]}, r"'scaler'=\[1\]; expected a dict"),
+        (lambda s: {**s, "policy": "O1"}, r"'policy'='O1'; expected a dict \(the opt level's state\)"),
+        (lambda s: {**s, "precision": 16}, r"'precision'=16; expected one of \['auto', '16-mixed'"),
+        (lambda s: {**s, "opt_level": None}, r"'opt_level'=None; expected one of \['O0'"),
+        (lambda s: {**s, "scaler": {**s["scaler"], "counters": "x"}}, r"key 'counters' holds 'x'"),
+    ],
+)
+def test_damaged_plugin_state_is_refused_at_fabric_load_naming_the_field(
+    tmp_path: Path, damage: Any, match: str
+) -> None:
+    """fabric.load of a checkpoint whose plugin state is damaged raises a ValueError naming the field and value."""
+    path = _saved_fabric_state(tmp_path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["precision"] = damage(checkpoint["precision"])
+    torch.save(checkpoint, path)
+    plugin = MixedPrecision("16-mixed")
+    fabric, model, optimizer = setup(plugin)
+    with pytest.raises(ValueError, match=match):
+        fabric.load(path, {"model": model, "optimizer": optimizer, "precision": plugin})
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_scale_that_training_cannot_make_is_refused_at_fabric_load(tmp_path: Path, scale: float) -> None:
+    """A checkpoint whose loss scale is 0, negative or not finite is refused at fabric.load, naming 'scale'."""
+    path = _saved_fabric_state(tmp_path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["precision"]["scaler"]["scale"] = scale
+    torch.save(checkpoint, path)
+    plugin = MixedPrecision("16-mixed")
+    fabric, model, optimizer = setup(plugin)
+    with pytest.raises(ValueError, match=rf"key 'scale' holds {scale}; expected a finite positive number"):
+        fabric.load(path, {"model": model, "optimizer": optimizer, "precision": plugin})
+    assert plugin.stats.loss_scale == 2.0**16
+
+
+@pytest.mark.parametrize("clip", [{"max_norm": float("inf")}, {"clip_val": float("inf")}])
+def test_an_infinite_clipping_threshold_clips_nothing_and_steps(clip: dict[str, float]) -> None:
+    """fabric.clip_gradients with an infinite threshold (torch's idiom for 'norm only') steps as without clipping."""
+    runs = []
+    for clipped in (True, False):
+        plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+        fabric, model, optimizer = setup(plugin)
+        x, y = batch(0)
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        if clipped:
+            fabric.clip_gradients(model, optimizer, **clip)
+        optimizer.step()
+        assert plugin.stats.skipped_steps == 0
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for clipped_weight, plain_weight in zip(*runs, strict=True):
+        assert torch.equal(clipped_weight, plain_weight)
+
+
+def test_a_fabric_run_in_another_thread_is_refused_while_one_runs() -> None:
+    """fabric.setup with a plugin that another live thread's loop drives raises; after its teardown it works."""
+    plugin = MixedPrecision("16-mixed")
+    fabric, model, optimizer = setup(plugin)
+    train_step(fabric, model, optimizer, seed=0)
+    outcome: list[Any] = []
+
+    def other_run() -> None:
+        try:
+            other_fabric, other_model, other_optimizer = setup(plugin)
+            train_step(other_fabric, other_model, other_optimizer, seed=1)
+            outcome.append(plugin.stats.optimizer_steps)
+        except RuntimeError as error:
+            outcome.append(error)
+
+    for _ in range(2):
+        thread = threading.Thread(target=other_run)
+        thread.start()
+        thread.join(timeout=60)
+        plugin.teardown()
+    assert isinstance(outcome[0], RuntimeError) and "already driving a run in another thread" in str(outcome[0])
+    assert outcome[1] == 1

@@ -8,6 +8,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -454,3 +455,107 @@ def test_defect_13_throughput_monitor_counts_the_half_dtype(tmp_path, precision,
     with open(f"{logger.log_dir}/metrics.csv") as file:
         rows = list(csv.DictReader(file))
     assert any(row.get("train/samples") for row in rows)
+
+
+class ManualNanClipper(ManualClipper):
+    """Manual optimization that clips with a chosen threshold."""
+
+    def __init__(self, clip_val: float) -> None:
+        super().__init__()
+        self.clip_val = clip_val
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        self.manual_backward(TinyRegressor.training_step(self, batch, batch_idx))
+        self.clip_gradients(opt, gradient_clip_val=self.clip_val, gradient_clip_algorithm="norm")
+        opt.step()
+
+
+@pytest.mark.parametrize("clip_val", [math.nan, -1.0])
+def test_manual_clip_gradients_refuses_a_nan_or_negative_threshold(clip_val):
+    """self.clip_gradients(opt, gradient_clip_val=nan) raises a ValueError naming it; no weight becomes NaN."""
+    torch.manual_seed(0)
+    model = ManualNanClipper(clip_val)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=rf"gradient_clip_val={clip_val}\) is not allowed: expected a number >= 0"):
+        make_trainer(_plugin("16-mixed"), max_steps=2).fit(model, loader())
+    for parameter, weight in zip(model.parameters(), before, strict=True):
+        assert torch.equal(parameter, weight)
+
+
+class NumberBackward(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.manual_backward(super().training_step(batch, batch_idx).item())
+
+
+def test_manual_backward_of_a_number_names_the_argument():
+    """self.manual_backward(loss.item()) raises a TypeError naming the argument and the fix."""
+    with pytest.raises(TypeError, match=r"manual_backward\(tensor=.*\) is not allowed: .*not its \.item\(\)"):
+        make_trainer(_plugin("16-mixed"), max_steps=1).fit(NumberBackward(), loader())
+
+
+class WaitForRefusal(L.Callback):
+    """Holds the first training step until the other thread's fit was refused, so that the two fits overlap."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.refused = threading.Event()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.started.set()
+        assert self.refused.wait(timeout=60)
+
+
+def test_a_plugin_shared_by_two_concurrent_fits_refuses_the_second():
+    """Two threads fitting with one plugin: the second is refused clearly; the first trains like a solo run."""
+    torch.manual_seed(0)
+    solo = TinyRegressor()
+    make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=6).fit(solo, loader())
+
+    shared = MixedPrecision("16-mixed", init_scale=2.0**8)
+    gate, errors = WaitForRefusal(), {}
+    torch.manual_seed(0)
+    first = TinyRegressor()
+
+    def fit(name: str, model: TinyRegressor, callbacks: list[L.Callback]) -> None:
+        try:
+            make_trainer(shared, max_steps=6, callbacks=callbacks).fit(model, loader())
+        except RuntimeError as error:
+            errors[name] = error
+        finally:
+            if name == "second":
+                gate.refused.set()
+
+    threads = [threading.Thread(target=fit, args=("first", first, [gate]))]
+    threads[0].start()
+    assert gate.started.wait(timeout=60)
+    threads.append(threading.Thread(target=fit, args=("second", TinyRegressor(), [])))
+    threads[1].start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert list(errors) == ["second"]
+    assert "already driving a run in another thread" in str(errors["second"])
+    assert shared.stats == solo.trainer.precision_plugin.stats
+    for name, value in solo.state_dict().items():
+        assert torch.equal(value, first.state_dict()[name]), name
+
+
+def test_a_plugin_reused_by_fits_in_threads_one_after_the_other_trains_each():
+    """Fits that take turns with one plugin, each in its own thread, all train: only concurrent use is refused."""
+    shared = MixedPrecision("16-mixed")
+    steps_per_fit = []
+
+    def fit() -> None:
+        make_trainer(shared, max_steps=2).fit(TinyRegressor(), loader())
+        steps_per_fit.append(shared.stats.optimizer_steps)
+
+    for _ in range(2):
+        thread = threading.Thread(target=fit)
+        thread.start()
+        thread.join(timeout=120)
+    fit()
+    assert steps_per_fit == [2, 2, 2]

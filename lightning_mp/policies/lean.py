@@ -27,7 +27,9 @@ The pieces:
    generator's state, so a resumed run continues exactly. fp32 parameters are stepped by the optimizer itself.
    Optimizers may be connected one at a time and in any number (Fabric connects each at its first step).
 3. The policy's own state (saved with the plugin's) repeats each connected optimizer's rounding state, in connection
-   order, for loops that load an optimizer's state before the policy has connected it (Fabric's ``load``).
+   order, for loops that load an optimizer's state before the policy has connected it (Fabric's ``load``). An
+   optimizer that arrives with a state but no such copy (the plugin left out of Fabric's state) is warned about: its
+   rounding restarts from the seed. Saved states are checked when they are loaded.
 4. A skipped step (non-finite gradients) never calls the optimizer, so nothing changes and no random numbers are
    drawn.
 
@@ -49,6 +51,7 @@ foreach update, so the check matches torch's own choice).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -65,7 +68,7 @@ from typing_extensions import override
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies.base import PrecisionPolicy
 from lightning_mp.policies.o3 import convert_to_half
-from lightning_mp.stochastic_rounding import StochasticRoundingStep
+from lightning_mp.stochastic_rounding import StochasticRoundingStep, check_rounding_state
 
 
 class LeanPolicy(PrecisionPolicy):
@@ -148,7 +151,9 @@ class LeanPolicy(PrecisionPolicy):
                 step = StochasticRoundingStep(optimizer, kahan=self.kahan)
                 index = len(self._connected)
                 if index < len(self._saved_rounding):
-                    step.load_rounding_state(self._saved_rounding[index])
+                    step.load_rounding_state(self._saved_rounding[index], f"['policy']['rounding'][{index}]")
+                elif optimizer.state:
+                    _warn_rounding_restarts(optimizer)
                 self._steps[id(optimizer)] = step
                 self._connected.append(weakref.ref(step))
         return optimizers
@@ -164,11 +169,40 @@ class LeanPolicy(PrecisionPolicy):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the rounding state of connected optimizers now, and of the others when they connect."""
-        self._saved_rounding = list(state_dict.get("rounding", []))
+        """Restore the rounding state of connected optimizers now, and of the others when they connect.
+
+        Raises:
+            ValueError: if a rounding state is malformed, naming its field, before anything changes.
+
+        """
+        rounding = state_dict.get("rounding", [])
+        if not isinstance(rounding, list):
+            raise ValueError(
+                f"The checkpoint's ['policy']['rounding'] holds {rounding!r}; expected a list of rounding states, one"
+                " per optimizer."
+            )
+        self._saved_rounding = [
+            check_rounding_state(f"['policy']['rounding'][{index}]", saved) for index, saved in enumerate(rounding)
+        ]
         steps = [step for reference in self._connected if (step := reference()) is not None]
-        for step, saved in zip(steps, self._saved_rounding, strict=False):
-            step.load_rounding_state(saved)
+        for index, (step, saved) in enumerate(zip(steps, self._saved_rounding, strict=False)):
+            step.load_rounding_state(saved, f"['policy']['rounding'][{index}]")
+
+
+def _warn_rounding_restarts(optimizer: Optimizer) -> None:
+    """Warn that a resumed optimizer's stochastic rounding restarts: its saved rounding state was not loaded.
+
+    An optimizer with a state before it is connected was loaded first (Fabric's ``load``), while no hook was there
+    to take the rounding state out of its ``state_dict``; only the plugin's own state repeats it.
+    """
+    warnings.warn(
+        f"lightning_mp: {type(optimizer).__name__} was restored before opt_level='lean' connected it, and the"
+        " plugin's state was not loaded, so its stochastic rounding restarts from the seed: the resumed run is not"
+        " bit for bit the uninterrupted one. Save and load the plugin in the state too:"
+        ' {"model": model, "optimizer": optimizer, "precision": plugin}.',
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def uses_foreach_update(averaged: AveragedModel) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -354,6 +355,116 @@ def test_an_optimizer_loaded_before_it_is_connected_resumes_exactly_from_the_plu
     step(resumed, resumed_optimizer, 2)
     for name, value in model.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[name]), name
+
+
+def _fabric_lean_run(
+    steps: range, plugin_in_state: bool = True, save: Path | None = None, resume: Path | None = None
+) -> tuple[MixedPrecision, nn.Module]:
+    """A lean Fabric loop of ``steps``; it saves after them or resumes before them, the plugin in the state or not."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model, optimizer = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer}
+    if plugin_in_state:
+        state["precision"] = plugin
+    if resume is not None:
+        fabric.load(resume, state)
+    for step in steps:
+        generator = torch.Generator().manual_seed(step)
+        features, target = torch.randn(8, 8, generator=generator), torch.randn(8, 1, generator=generator)
+        fabric.backward(F.mse_loss(model(features).float(), target))
+        optimizer.step()
+        optimizer.zero_grad()
+    if save is not None:
+        fabric.save(save, state)
+    return plugin, model
+
+
+def test_a_reused_plugin_does_not_carry_a_checkpoints_rounding_state_into_the_next_fit(tmp_path: Path) -> None:
+    """A lean plugin that resumed one fit trains the next, unrelated fit exactly as a fresh plugin would."""
+    first = make_trainer(MixedPrecision("bf16-mixed", opt_level="lean"), max_steps=2)
+    first.fit(LeanNet(), classification_loader())
+    checkpoint = tmp_path / "first.ckpt"
+    first.save_checkpoint(checkpoint)
+
+    reused = MixedPrecision("bf16-mixed", opt_level="lean")
+    make_trainer(reused, max_steps=3).fit(LeanNet(), classification_loader(), ckpt_path=checkpoint)
+    gc.collect()  # the resumed fit's optimizer is gone, as in a script that moved on
+    by_reused = LeanNet()  # seeds torch: both plugins' rounding generators start from that seed
+    make_trainer(reused, max_steps=3).fit(by_reused, classification_loader())
+    by_fresh = LeanNet()
+    make_trainer(MixedPrecision("bf16-mixed", opt_level="lean"), max_steps=3).fit(by_fresh, classification_loader())
+    for name, value in by_fresh.state_dict().items():
+        assert torch.equal(value, by_reused.state_dict()[name]), name
+
+
+def test_a_fabric_resume_without_the_plugin_in_the_state_warns_that_rounding_restarts(tmp_path: Path) -> None:
+    """fabric.load of model and optimizer alone warns that lean's rounding restarts; with the plugin it is exact."""
+    path = tmp_path / "lean.ckpt"
+    _fabric_lean_run(range(3), save=path)
+    with pytest.warns(UserWarning, match=r"stochastic rounding restarts.*\"precision\": plugin"):
+        _fabric_lean_run(range(3, 5), plugin_in_state=False, resume=path)
+    _, straight = _fabric_lean_run(range(5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _, resumed = _fabric_lean_run(range(3, 5), resume=path)
+    for expected, actual in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(expected, actual)
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        ({"seed": "abc"}, r"\['policy'\]\['rounding'\]\[0\]\['seed'\] holds 'abc'; expected an integer"),
+        ({"seed": None}, r"\['seed'\] holds None; expected an integer"),
+        ({"generators": None}, r"\['generators'\] holds None; expected a dict"),
+        ({"generators": {"cpu": torch.zeros(3, dtype=torch.uint8)}}, r"\['generators'\]\['cpu'\] is not a CPU"),
+        ({"generators": {"cpu": [1, 2]}}, r"\['generators'\]\['cpu'\] holds \[1, 2\]; expected a generator state"),
+        ({"kahan": "yes"}, r"\['kahan'\] holds 'yes'; expected True or False"),
+    ],
+)
+def test_a_damaged_rounding_state_is_refused_at_fabric_load_naming_the_field(
+    tmp_path: Path, damage: dict[str, Any], match: str
+) -> None:
+    """fabric.load of a checkpoint with a damaged rounding state fails at the load, naming the field and the value."""
+    path = tmp_path / "lean.ckpt"
+    _fabric_lean_run(range(2), save=path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["precision"]["policy"]["rounding"][0].update(damage)
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match=match):
+        _fabric_lean_run(range(0), resume=path)
+
+
+def test_a_rounding_state_without_a_seed_is_refused_at_load_naming_the_field(tmp_path: Path) -> None:
+    """A rounding state that lost its seed fails at fabric.load, naming the field, instead of KeyError: 'seed'."""
+    path = tmp_path / "lean.ckpt"
+    _fabric_lean_run(range(2), save=path)
+    checkpoint = torch.load(path, weights_only=False)
+    del checkpoint["precision"]["policy"]["rounding"][0]["seed"]
+    checkpoint["optimizer"][STATE_KEY]["generators"] = "garbage"
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match=r"\['rounding'\]\[0\] holds .*expected a dict with 'seed'"):
+        _fabric_lean_run(range(0), resume=path)
+
+
+def test_a_damaged_rounding_state_in_a_trainer_checkpoint_is_refused_at_resume(tmp_path: Path) -> None:
+    """A Trainer checkpoint whose optimizer holds a damaged rounding state fails at resume, naming the field."""
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level="lean"), max_steps=2)
+    trainer.fit(LeanNet(), classification_loader())
+    path = tmp_path / "lean.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["optimizer_states"][0][STATE_KEY]["seed"] = "abc"
+    torch.save(checkpoint, path)
+    resumed = LeanNet()
+    with pytest.raises(ValueError, match=r"optimizer.state_dict\(\)\['stochastic_rounding'\]\['seed'\] holds 'abc'"):
+        make_trainer(MixedPrecision("bf16-mixed", opt_level="lean"), max_steps=4).fit(
+            resumed, classification_loader(), ckpt_path=path
+        )
+    assert resumed.losses == []
 
 
 @pytest.fixture(scope="module")
