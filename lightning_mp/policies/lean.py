@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -83,8 +83,6 @@ class LeanPolicy(PrecisionPolicy):
     opt_level = "lean"
     uses_autocast = False
     scales_by_default = False
-    kahan: ClassVar[bool] = False
-    """Whether each bf16 weight also keeps a bf16 Kahan compensation buffer."""
 
     def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
         if half_dtype is not torch.bfloat16:
@@ -116,7 +114,14 @@ class LeanPolicy(PrecisionPolicy):
                 the fp32 averaged copy and the bf16 model to share dtypes.
 
         """
-        convert_to_half(module, torch.bfloat16, self.overrides, keep_normalization_fp32=True, float_outputs=False)
+        convert_to_half(
+            module,
+            torch.bfloat16,
+            self.overrides,
+            keep_normalization_fp32=True,
+            float_outputs=False,
+            handles=self.hook_handles,
+        )
         for callback in _weight_averaging_callbacks(module):
             averaged = callback._average_model
             if averaged is not None and uses_foreach_update(averaged) and _dtypes(averaged.module) != _dtypes(module):
@@ -142,6 +147,7 @@ class LeanPolicy(PrecisionPolicy):
             TypeError: if an optimizer is not ``Adam``, ``AdamW`` or ``SGD``.
 
         """
+        optimizers = super().connect(module, optimizers)
         self._connected = [reference for reference in self._connected if reference() is not None]
         for optimizer in optimizers:
             if self.rounding_step(optimizer) is None:

@@ -83,7 +83,6 @@ from types import TracebackType
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides, Fp32Region, has_fp32_region, outermost
@@ -359,7 +358,6 @@ class O2Policy(PrecisionPolicy):
         self.overrides = Fp32Overrides(self.keep_fp32)
         self._half_weights: HalfWeights | None = None
         self._half_parameters: list[tuple[str, nn.Parameter]] = []
-        self._fp32_region_handles: list[RemovableHandle] = []
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -386,7 +384,7 @@ class O2Policy(PrecisionPolicy):
         roots = [module.get_submodule(name) for name in outermost(self.overrides.match(module))]
         for root in roots:
             if not has_fp32_region(root):  # a region the user attached is the user's to keep
-                self._fp32_region_handles += Fp32Region().attach(root)
+                self.hook_handles += Fp32Region().attach(root)
         names = {id(parameter): name for name, parameter in self._half_parameters}
         self._half_weights = HalfWeights(slots, self.half_dtype, names, self.recast_in_backward)
         return module
@@ -419,9 +417,7 @@ class O2Policy(PrecisionPolicy):
     @override
     def teardown(self) -> None:
         """Remove the fp32 regions' hooks and drop every reference to the model, so that none stays alive."""
-        for handle in self._fp32_region_handles:
-            handle.remove()
-        self._fp32_region_handles = []
+        super().teardown()
         self._half_weights = None
         self._half_parameters = []
 
