@@ -100,6 +100,17 @@ class LeanPolicy(PrecisionPolicy):
         """The steps in the order their optimizers were connected: the order of :meth:`state_dict`."""
         self._saved_rounding: list[dict[str, Any]] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (and deep-copy) the settings and loaded state, not the weak ties to the connected optimizers.
+
+        A copy connects the optimizers of its own run, as a fresh policy does.
+        """
+        return {**self.__dict__, "_steps": None, "_connected": []}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._steps = weakref.WeakValueDictionary()
+
     def rounding_step(self, optimizer: Optimizer) -> StochasticRoundingStep | None:
         """The stochastic-rounding step attached to ``optimizer``, if it was connected."""
         step = self._steps.get(id(optimizer))

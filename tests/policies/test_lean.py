@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import pickle
 import weakref
 from pathlib import Path
 from typing import Any
@@ -367,6 +368,31 @@ def test_a_reused_plugin_keeps_no_reference_to_the_previous_model() -> None:
     del model, trainer
     gc.collect()
     assert model_reference() is None and optimizer_reference() is None
+
+
+@pytest.mark.parametrize("copy_plugin", [lambda plugin: pickle.loads(pickle.dumps(plugin)), copy.deepcopy])
+def test_a_plugin_pickles_after_fit_and_the_copy_trains_like_a_fresh_one(copy_plugin: Any) -> None:
+    """A lean plugin pickles and deep-copies after fit, as its __getstate__ promises; the copy trains as a new one."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean-kahan")
+    make_trainer(plugin, max_steps=2).fit(LeanNet(), classification_loader())
+    trained_by = {}
+    for name, each in (("copy", copy_plugin(plugin)), ("fresh", MixedPrecision("bf16-mixed", opt_level="lean-kahan"))):
+        trained_by[name] = model = LeanNet()
+        make_trainer(each, max_steps=3).fit(model, classification_loader())
+    for name, value in trained_by["fresh"].state_dict().items():
+        assert torch.equal(trained_by["copy"].state_dict()[name], value), name
+
+
+def test_a_plugin_pickles_in_the_middle_of_a_fabric_run() -> None:
+    """Under Fabric, whose loop never tears the plugin down, the lean plugin pickles between steps."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = LeanNet()
+    module, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    features, target = next(iter(classification_loader()))
+    fabric.backward(F.cross_entropy(module(features).float(), target))
+    optimizer.step()
+    assert pickle.loads(pickle.dumps(plugin)).opt_level == "lean"
 
 
 def test_an_optimizer_loaded_before_it_is_connected_resumes_exactly_from_the_plugin_state() -> None:
