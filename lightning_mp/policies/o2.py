@@ -94,7 +94,6 @@ from types import TracebackType
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
@@ -232,7 +231,8 @@ class SavedWeight:
 
 def _swappable(parameter: Tensor) -> bool:
     """An fp32 parameter with values: a lazy one stays in place until its module's first forward materialises it."""
-    return parameter.dtype == torch.float32 and not is_lazy(parameter)
+    # isinstance, not torch's is_lazy: dynamo traces it in a model compiled after fabric.setup, without a graph break.
+    return parameter.dtype == torch.float32 and not isinstance(parameter, nn.UninitializedParameter)
 
 
 def _unpack(saved: Tensor | SavedWeight) -> Tensor:
@@ -464,7 +464,11 @@ class O2Policy(PrecisionPolicy):
     def _check_range(self) -> None:
         if self.half_dtype != torch.float16:
             return
-        materialized = [(name, parameter) for name, parameter in self._half_parameters if not is_lazy(parameter)]
+        materialized = [
+            (name, parameter)
+            for name, parameter in self._half_parameters
+            if not isinstance(parameter, nn.UninitializedParameter)
+        ]
         names, largest = overflowing_weights(materialized, torch.float16)
         if names:
             raise HalfOverflowError(names, largest, torch.float16)
