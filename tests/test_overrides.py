@@ -311,6 +311,25 @@ def test_after_fit_the_model_is_plain_torch_and_exports(opt_level: str) -> None:
     assert_plain_and_exportable(model, model.layer)
 
 
+class FailingBoringModel(BoringModel):
+    """Raises in its first training step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        raise RuntimeError("the user's training step failed")
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_after_a_failed_fit_the_model_holds_no_hook(opt_level: str) -> None:
+    """A fit that raises in training_step still leaves the model without the plugin's hooks."""
+    torch.manual_seed(0)
+    model = FailingBoringModel()
+    model.layer = nn.Sequential(nn.Linear(32, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level, keep_fp32=["layer.2"]))
+    with pytest.raises(RuntimeError, match="training step failed"):
+        trainer.fit(model)
+    assert hook_count(model) == 0
+
+
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 def test_validate_after_fit_runs_with_the_hooks_again_and_leaves_none(opt_level: str) -> None:
     """trainer.validate after fit converts the model again for its run (fp32 batches) and leaves it plain."""
