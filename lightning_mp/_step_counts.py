@@ -37,7 +37,12 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "fused Adam": lambda params: torch.optim.Adam(params, lr=1e-3, fused=True),
     "fused AdamW": lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True),
     "fused SGD": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, fused=True),
+    "foreach Adam": lambda params: torch.optim.Adam(params, lr=1e-3, foreach=True),
     "foreach AdamW": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
+    "foreach SGD": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
+    "single-tensor Adam": lambda params: torch.optim.Adam(params, lr=1e-3, foreach=False),
+    "single-tensor AdamW": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False),
+    "single-tensor SGD": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=False),
 }
 CONTESTANTS = ("torch loop", "Lightning", "lightning_mp", "LossScaler")
 _HALF = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}

@@ -175,6 +175,10 @@ class MixedPrecision(LightningMixedPrecision):
             casts them again, so the copies never outlive the forward (2 bytes per parameter less at the start of
             backward, for one cast per weight in backward). Set it to False for a training step that calls
             ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``), which refuse saved-tensor hooks.
+        skip_nonfinite: bf16 and fp32 only. True (the default) skips every step whose gradients hold an inf or a
+            NaN, without a host sync for torch's Adam, AdamW, SGD and Adagrad (:mod:`lightning_mp.scaler`). False
+            checks nothing, as Lightning's ``"bf16-mixed"`` and ``"32-true"`` do: such a step then writes inf/NaN
+            into the weights, and ``stats.skipped_steps`` stays 0. fp16 always skips (its overflows are routine).
 
     Numbers may be Python, numpy or 0-d tensor scalars; booleans must be ``True`` or ``False``.
 
@@ -211,6 +215,7 @@ class MixedPrecision(LightningMixedPrecision):
         keep_fp32: Sequence[type | str] | None = (),
         max_consecutive_skips: int | None = 100,
         recast_in_backward: bool = True,
+        skip_nonfinite: bool = True,
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "precision", precision, PRECISIONS, PRECISION_ALIASES)
@@ -220,6 +225,13 @@ class MixedPrecision(LightningMixedPrecision):
         consecutive_hysteresis = check_flag(owner, "consecutive_hysteresis", consecutive_hysteresis)
         skip_scheduler_on_overflow = check_flag(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         recast_in_backward = check_flag(owner, "recast_in_backward", recast_in_backward)
+        skip_nonfinite = check_flag(owner, "skip_nonfinite", skip_nonfinite)
+        if not skip_nonfinite and precision == "16-mixed":
+            raise ValueError(
+                f"{owner}(precision='16-mixed', skip_nonfinite=False) is not allowed: fp16 overflows routinely, and"
+                " a scaled step whose gradients overflowed must be skipped. Use skip_nonfinite=False with"
+                " 'bf16-mixed' or '32-true' only."
+            )
         if not recast_in_backward and opt_level != "O2":
             raise ValueError(
                 f"{owner}(opt_level={opt_level!r}, recast_in_backward=False) is not allowed: only O2 makes the half"
@@ -243,6 +255,7 @@ class MixedPrecision(LightningMixedPrecision):
             max_scale=max_scale,
             on_min_scale=on_min_scale,
             max_consecutive_skips=max_consecutive_skips,
+            skip_nonfinite=skip_nonfinite,
         )
         loss_scale = plain_scalar(loss_scale)
         if loss_scale != "dynamic":
