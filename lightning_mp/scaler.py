@@ -179,19 +179,6 @@ def _configured_fused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             vars(optimizer).pop("_need_device_dtype_check_for_fused", None)
 
 
-def _revert_skipped_step_counts(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-    """Take back the step count a skipped fused Adagrad step added (its kernel skips, its counters do not)."""
-    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            if parameter.grad is not None:
-                step = optimizer.state[parameter]["step"]
-                by_device[step.device].append(step)
-    for device, steps in by_device.items():
-        flag = found_inf.to(device, non_blocking=True)
-        torch._foreach_sub_(steps, [flag] * len(steps))
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -738,14 +725,10 @@ class LossScaler(torch.amp.GradScaler):
         if flag.device.type == "cpu":
             self._remember_culprits_near_limit(index, flag)  # a CPU flag reads without waiting for a device
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            output = self._step_with_protocol(optimizer, grad_scale, flag, *args, **kwargs)
-        else:
-            _place_steps_for_fused(optimizer)
-            with _configured_fused(optimizer):
-                output = self._step_with_protocol(optimizer, grad_scale, flag, *args, **kwargs)
-        if isinstance(optimizer, torch.optim.Adagrad):
-            _revert_skipped_step_counts(optimizer, flag)
-        return output
+            return self._step_with_protocol(optimizer, grad_scale, flag, *args, **kwargs)
+        _place_steps_for_fused(optimizer)
+        with _configured_fused(optimizer):
+            return self._step_with_protocol(optimizer, grad_scale, flag, *args, **kwargs)
 
     @staticmethod
     def _step_with_protocol(
