@@ -224,8 +224,9 @@ class FabricSteps:
         """The parameters whose gradients Fabric clips; none on a step that will be skipped for inf/NaN gradients.
 
         .. warning:: After the gradients were unscaled this reads the inf/NaN flag, which synchronises the host
-            with the device (the step reads the same flag anyway). Clipping a step that is skipped is pointless,
-            and with ``error_if_nonfinite=True`` (Fabric's default) it would raise.
+            with the device, also where the step itself would skip on the device (fused optimizers, and bf16/fp32
+            steps handed to the fused kernel). Clipping a step that is skipped is pointless, and with
+            ``error_if_nonfinite=True`` (Fabric's default) it would raise.
         """
         parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
         if parameters and id(optimizer) in self._unscaled and self.loss_scaler.found_inf(optimizer):

@@ -11,13 +11,33 @@ One iteration (any number of optimizers, torch's contract: ``update()`` once, af
   in bf16 and fp32 ("check" mode, nothing scaled) it takes the inf-norm of each gradient and checks the norms, so the
   gradients are read and never rewritten. Under DDP the flag is all-reduced (max) right there, on every path, so
   every rank takes the same decision: one collective per step, always issued in the same order, no deadlock.
-* ``step`` of a fused optimizer (Adam, AdamW, SGD with ``fused=True``) hands the flag to the fused kernel, which
-  skips the update on the device: no host sync (except fused SGD's first step with momentum, see
-  :func:`_skips_safely_on_device`). ``step`` of any other optimizer reads the flag (the one host sync,
-  which torch's recipe makes too) and skips ``optimizer.step()`` when it is set. In check mode in one process such
-  an optimizer gets no flag at all: ``unscale_`` stacks its gradients' inf-norms (one op, as the flag check was) and
-  ``step`` reads them on the host (the same one sync), so nothing the scaler keeps between iterations is touched,
-  and the peak memory of a bf16 step is exactly that of a step without a scaler.
+* ``step`` of a fused optimizer (Adam, AdamW, SGD, Adagrad with ``fused=True``, or any optimizer that declares
+  ``_step_supports_amp_scaling``) follows torch's ``GradScaler.step``: the optimizer gets the flag as ``found_inf``
+  and, when nothing unscaled its gradients yet, the scale as ``grad_scale`` (times a ``grad_scale`` the user set),
+  and skips the update on the device; one whose ``step`` takes ``grad_scaler=`` gets the scaler instead.
+* In check mode (bf16, fp32), Adam, AdamW, SGD and Adagrad in their foreach or single-tensor form are **handed to
+  torch's fused kernel of the same update rule**: for that one step their param groups read ``fused=True``, they get
+  the flag as ``found_inf``, and the kernel skips on the device (:func:`_has_fused_form`). No host sync, where
+  reading the flag cost one per step: on a GPU the host keeps queueing kernels while backward runs, which is what
+  makes Lightning's unchecked ``bf16-mixed`` fast. The user's optimizer object, its ``param_groups`` (restored after
+  the step), its state layout and its checkpoints stay those of the form the user chose; two things differ. The
+  trajectory is the fused kernel's: the same rule evaluated in another order, so single roundings differ (within a
+  few float32 roundings of the weights, tested). And ``state["step"]``, which the foreach and single-tensor forms
+  keep on the CPU, moves once to the parameter's device as the fused kernel needs it; torch loads a checkpoint's
+  step count onto either device for every form, so checkpoints resume both ways. The flag stays allocated
+  between iterations (one float32 per optimizer and device, as for fused optimizers). Two alternatives were measured on
+  the CPU (``lightning_mp.counting``, foreach AdamW on a 30-tensor LM): the hand-off adds 0 syncs and runs the
+  update in 5 ops against foreach's 11; a device-side select of the old or the new weights and states would cost
+  253 ops and 2x the state's memory, and still read the CPU step count on the host.
+* Everything else decides on the host: ``step`` reads the flag (the one host sync, which torch's recipe makes too)
+  and skips ``optimizer.step()`` when it is set. That is fp16 with a non-fused optimizer, and in check mode the
+  optimizers torch cannot skip on the device: custom optimizers without the protocol, subclasses of torch's (their
+  ``step`` may differ), complex parameters, sparse gradients, ``differentiable=True``, and fused SGD's first step
+  with momentum (:func:`_skips_safely_on_device`). In check mode in one process such an optimizer gets no flag at
+  all: ``unscale_`` stacks its gradients' inf-norms (one op, as the flag check was) and ``step`` reads them on the
+  host (the same one sync), so nothing the scaler keeps between iterations is touched. ``skip_nonfinite=False``
+  turns the check off in check mode, as Lightning's bf16 and fp32 plugins have none: no op and no sync for any
+  optimizer, and a non-finite step then reaches the weights.
 * ``update`` moves the scale by the pure rules of :mod:`lightning_mp._scale_rules` (hysteresis, growth capped at
   ``max_scale``, backoff, collapse at the floor). Where every flag of the iteration is already on the host they run
   there and the device scale is rewritten only when it changes; otherwise (fused optimizers) they run on the device
@@ -46,7 +66,11 @@ Private torch names used, and why:
   torch's own ``unscale_``.
 * The ``grad_scale``/``found_inf`` attributes and ``_step_supports_amp_scaling``: the protocol by which torch's
   fused optimizers skip a step on the device; set for the duration of ``step`` only, exactly as torch does.
-  Fused SGD's first momentum step is the exception, decided on the host (:func:`_skips_safely_on_device`).
+  Fused SGD's first momentum step is the exception, decided on the host (:func:`_skips_safely_on_device`). The
+  overridden ``_check_inf_per_device`` is torch's check without unscaling, which that protocol calls.
+* The param-group keys ``fused`` and ``foreach``, set for the duration of a handed-off step (there is no public way
+  to run an optimizer's fused kernel on its own state), and the attribute ``_need_device_dtype_check_for_fused``
+  that SGD and Adagrad then write on the optimizer, removed again afterwards.
 """
 
 from __future__ import annotations
@@ -693,6 +717,7 @@ class LossScaler(torch.amp.GradScaler):
                 FutureWarning,
                 stacklevel=3,
             )
+            # torch's Optimizer.step declares no grad_scaler; this optimizer's own step does.
             output = optimizer.step(*args, **kwargs, grad_scaler=self)  # type: ignore[call-overload]
             state["stage"] = OptState.STEPPED
             return output

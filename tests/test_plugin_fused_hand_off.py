@@ -98,3 +98,19 @@ def test_resume_continues_exactly_and_checkpoints_cross_with_lightnings_bf16(tmp
     optimizer = back.trainer.optimizers[0]
     assert optimizer.param_groups[0]["foreach"] is True  # the user's configuration, as saved
     assert [optimizer.state[p]["step"].item() for p in back.parameters()] == [16.0] * 4  # 15 applied, then one
+
+
+def test_skip_nonfinite_is_validated_and_refused_for_fp16():
+    """skip_nonfinite must be a bool, and fp16 refuses False (its overflows must be skipped), naming the argument."""
+    with pytest.raises(ValueError, match=r"skip_nonfinite='no'\) is not allowed"):
+        MixedPrecision("bf16-mixed", skip_nonfinite="no")
+    with pytest.raises(ValueError, match=r"\(precision='16-mixed', skip_nonfinite=False\) is not allowed"):
+        MixedPrecision("16-mixed", skip_nonfinite=False)
+
+
+def test_skip_nonfinite_false_lets_a_nan_step_through_like_lightning():
+    """With skip_nonfinite=False a NaN step reaches the weights and nothing counts as skipped, as in Lightning."""
+    model = TinyRegressor(inject_at=(1,), optimizer="foreach AdamW")
+    plugin = MixedPrecision("bf16-mixed", skip_nonfinite=False)
+    make_trainer(plugin, max_steps=3).fit(model, loader())
+    assert not _finite(model) and plugin.stats.skipped_steps == 0
