@@ -302,7 +302,9 @@ class MixedPrecision(LightningMixedPrecision):
         self._pending_state: dict[str, Any] | None = None
         self._normalization_layers: list[nn.Module] = []
         self._saved_running_stats: list[Tensor] | None = None
-        self._skipped_by_optimizer: dict[int, bool] = {}
+        self._skipped_by_optimizer: dict[int, bool | Tensor] = {}
+        """Per optimizer, its last step's verdict: a bool, or the device flag of a step skipped on the device."""
+        self._iteration_verdicts: list[bool | Tensor] = []
         self._stepped_this_iteration = False
         self._fabric: FabricSteps | None = None
 
@@ -525,8 +527,13 @@ class MixedPrecision(LightningMixedPrecision):
         return model, optimizers, lr_schedulers
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
-        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one."""
-        return self._skipped_by_optimizer.get(id(_raw_optimizer(optimizer)), False)
+        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one.
+
+        .. warning:: Where the step was decided on the device (fused optimizers; in bf16 and fp32 every optimizer the
+            scaler hands to a fused kernel), this reads its inf flag: one host sync. An ``interval="step"``
+            scheduler asks it after every step.
+        """
+        return bool(self._skipped_by_optimizer.get(id(_raw_optimizer(optimizer)), False))
 
     def _lbfgs_refusal(self) -> str:
         return (
@@ -620,13 +627,21 @@ class MixedPrecision(LightningMixedPrecision):
             return optimizer.step(**kwargs)
         step_output = loss_scaler.step(optimizer, **kwargs)
         self._stepped_this_iteration = True
+        # This step's own verdict, read before the update: on an accelerator the scaler's host view of a verdict
+        # decided on the device is one iteration old after it.
+        verdict = loss_scaler.step_verdict(optimizer)
+        verdict = verdict if verdict is not None else False
+        self._iteration_verdicts.append(verdict)
         if model.automatic_optimization:
             self._end_iteration()
             skipped = loss_scaler.last_step_skipped
+            # On an accelerator that host view is one iteration old where the device decided the step, so the
+            # schedulers ask the flag itself (two alternate: it holds this step's verdict through the next batch).
+            on_device = isinstance(verdict, Tensor) and verdict.device.type != "cpu"
+            self._skipped_by_optimizer[id(optimizer)] = verdict if on_device else skipped
         else:
             # The scale moves when the training step returns; this optimizer's own verdict is needed now.
-            skipped = loss_scaler.found_inf(optimizer)
-        self._skipped_by_optimizer[id(optimizer)] = skipped
+            skipped = self._skipped_by_optimizer[id(optimizer)] = loss_scaler.found_inf(optimizer)
         policy.after_optimizer_step(optimizer, skipped)
         return step_output
 
@@ -645,9 +660,9 @@ class MixedPrecision(LightningMixedPrecision):
         try:
             self._loss_scaler.update()
         finally:
-            # Asked only when there are statistics to put back, so that models without them never read the verdict.
-            if self._saved_running_stats is not None and self._loss_scaler.last_step_skipped:
-                self._restore_running_stats()
+            verdicts, self._iteration_verdicts = self._iteration_verdicts, []
+            if self._saved_running_stats is not None:
+                self._restore_running_stats(verdicts)
             self._saved_running_stats = None
 
     def _checked_closure_step(
@@ -691,12 +706,20 @@ class MixedPrecision(LightningMixedPrecision):
             return
         self._saved_running_stats = [buffer.detach().clone() for buffer in self._running_stat_buffers()]
 
-    def _restore_running_stats(self) -> None:
+    def _restore_running_stats(self, verdicts: Sequence[bool | Tensor] = (True,)) -> None:
+        """Put the running statistics back where a step of the iteration was skipped.
+
+        A verdict still on the device selects the old or the new statistics there, without a host sync.
+        """
         if self._saved_running_stats is None:
             return
+        flags = [v for v in verdicts if isinstance(v, Tensor)]
+        if not flags and not any(verdicts):
+            return
+        skipped = torch.stack([f.float() for f in flags]).amax() > 0 if flags and not any(verdicts) else None
         with torch.no_grad():
             for buffer, saved in zip(self._running_stat_buffers(), self._saved_running_stats, strict=True):
-                buffer.copy_(saved)
+                buffer.copy_(saved if skipped is None else torch.where(skipped.to(buffer.device), saved, buffer))
 
     def _running_stat_buffers(self) -> list[Tensor]:
         names = ("running_mean", "running_var", "num_batches_tracked")

@@ -158,3 +158,29 @@ def test_skip_nonfinite_false_is_refused_where_the_loss_is_scaled(mode):
         LossScaler("cpu", mode=mode, skip_nonfinite=False)
     with pytest.raises(ValueError, match=r"skip_nonfinite='no'\) is not allowed: skip_nonfinite must be True or"):
         LossScaler("cpu", mode="check", skip_nonfinite="no")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_foreach_adamw_step_never_syncs_and_its_step_count_moves_to_the_device():
+    """On CUDA a bf16/fp32 foreach AdamW step and update make no host sync, a NaN step changes nothing, and the step
+    count lives on the device from the first handed-off step on (as with fused=True)."""
+    model = _model().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True)
+    scaler = LossScaler("cuda", mode="check")
+    for step in range(4):
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step)).cuda()
+        model(x).pow(2).mean().backward()
+        if step == 3:
+            model[0].weight.grad[0, 0] = float("nan")
+        weights = [p.detach().clone() for p in model.parameters()]
+        with count_syncs_and_ops() as counts:
+            scaler.step(optimizer)
+            scaler.update()
+        if step > 0:
+            assert counts.syncs == 0, counts.sync_ops
+    for before, after in zip(weights, model.parameters(), strict=True):
+        assert torch.equal(before, after)
+    steps = [optimizer.state[p]["step"] for p in model.parameters()]
+    assert all(s.device.type == "cuda" and s.item() == 3 for s in steps)
+    assert optimizer.param_groups[0]["foreach"] is True and not optimizer.param_groups[0]["fused"]
