@@ -210,6 +210,10 @@ class MixedPrecision(LightningMixedPrecision):
             casts them again, so the copies never outlive the forward (2 bytes per parameter less at the start of
             backward, for one cast per weight in backward). Set it to False for a training step that calls
             ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``), which refuse saved-tensor hooks.
+        skip_nonfinite: bf16 and fp32 only. True (the default) skips every step whose gradients hold an inf or a
+            NaN, without a host sync for torch's Adam, AdamW, SGD and Adagrad (:mod:`lightning_mp.scaler`). False
+            checks nothing, as Lightning's ``"bf16-mixed"`` and ``"32-true"`` do: such a step then writes inf/NaN
+            into the weights, and ``stats.skipped_steps`` stays 0. fp16 always skips (its overflows are routine).
 
     Numbers may be Python, numpy or 0-d tensor scalars; booleans must be ``True`` or ``False``.
 
@@ -246,6 +250,7 @@ class MixedPrecision(LightningMixedPrecision):
         keep_fp32: Sequence[type | str] | None = (),
         max_consecutive_skips: int | None = 100,
         recast_in_backward: bool = True,
+        skip_nonfinite: bool = True,
     ) -> None:
         owner = type(self).__name__
         precision = _precision_name(owner, precision)
@@ -256,6 +261,13 @@ class MixedPrecision(LightningMixedPrecision):
         consecutive_hysteresis = check_flag(owner, "consecutive_hysteresis", consecutive_hysteresis)
         skip_scheduler_on_overflow = check_flag(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         recast_in_backward = check_flag(owner, "recast_in_backward", recast_in_backward)
+        skip_nonfinite = check_flag(owner, "skip_nonfinite", skip_nonfinite)
+        if not skip_nonfinite and precision == "16-mixed":
+            raise ValueError(
+                f"{owner}(precision='16-mixed', skip_nonfinite=False) is not allowed: fp16 overflows routinely, and"
+                " a scaled step whose gradients overflowed must be skipped. Use skip_nonfinite=False with"
+                " 'bf16-mixed' or '32-true' only."
+            )
         if not recast_in_backward and opt_level != "O2":
             raise ValueError(
                 f"{owner}(opt_level={opt_level!r}, recast_in_backward=False) is not allowed: only O2 makes the half"
@@ -279,6 +291,7 @@ class MixedPrecision(LightningMixedPrecision):
             max_scale=max_scale,
             on_min_scale=cast(OnMinScale, on_min_scale),  # checked there
             max_consecutive_skips=max_consecutive_skips,
+            skip_nonfinite=skip_nonfinite,
         )
         if loss_scale != "dynamic" and precision in ("bf16-mixed", "32-true"):
             raise ValueError(
@@ -324,7 +337,9 @@ class MixedPrecision(LightningMixedPrecision):
         self._pending_state: dict[str, Any] | None = None
         self._normalization_layers: list[nn.Module] = []
         self._saved_running_stats: list[Tensor] | None = None
-        self._skipped_by_optimizer: dict[int, bool] = {}
+        self._skipped_by_optimizer: dict[int, bool | Tensor] = {}
+        """Per optimizer, its last step's verdict: a bool, or the device flag of a step skipped on the device."""
+        self._iteration_verdicts: list[bool | Tensor] = []
         self._stepped_this_iteration = False
         self._fabric: FabricSteps | None = None
         self._run_thread: int | None = None
@@ -550,8 +565,13 @@ class MixedPrecision(LightningMixedPrecision):
         return model, optimizers, lr_schedulers
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
-        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one."""
-        return self._skipped_by_optimizer.get(id(_raw_optimizer(optimizer)), False)
+        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one.
+
+        .. warning:: Where the step was decided on the device (fused optimizers; in bf16 and fp32 every optimizer the
+            scaler hands to a fused kernel), this reads its inf flag: one host sync. An ``interval="step"``
+            scheduler asks it after every step.
+        """
+        return bool(self._skipped_by_optimizer.get(id(_raw_optimizer(optimizer)), False))
 
     def _lbfgs_refusal(self) -> str:
         return (
@@ -651,13 +671,21 @@ class MixedPrecision(LightningMixedPrecision):
             return optimizer.step(**kwargs)
         step_output = loss_scaler.step(optimizer, **kwargs)
         self._stepped_this_iteration = True
+        # This step's own verdict, read before the update: on an accelerator the scaler's host view of a verdict
+        # decided on the device is one iteration old after it.
+        verdict = loss_scaler.step_verdict(optimizer)
+        verdict = verdict if verdict is not None else False
+        self._iteration_verdicts.append(verdict)
         if model.automatic_optimization:
             self._end_iteration()
             skipped = loss_scaler.last_step_skipped
+            # On an accelerator that host view is one iteration old where the device decided the step, so the
+            # schedulers ask the flag itself (two alternate: it holds this step's verdict through the next batch).
+            on_device = isinstance(verdict, Tensor) and verdict.device.type != "cpu"
+            self._skipped_by_optimizer[id(optimizer)] = verdict if on_device else skipped
         else:
             # The scale moves when the training step returns; this optimizer's own verdict is needed now.
-            skipped = loss_scaler.found_inf(optimizer)
-        self._skipped_by_optimizer[id(optimizer)] = skipped
+            skipped = self._skipped_by_optimizer[id(optimizer)] = loss_scaler.found_inf(optimizer)
         policy.after_optimizer_step(optimizer, skipped)
         return step_output
 
@@ -676,9 +704,9 @@ class MixedPrecision(LightningMixedPrecision):
         try:
             self._loss_scaler.update()
         finally:
-            # Asked only when there are statistics to put back, so that models without them never read the verdict.
-            if self._saved_running_stats is not None and self._loss_scaler.last_step_skipped:
-                self._restore_running_stats()
+            verdicts, self._iteration_verdicts = self._iteration_verdicts, []
+            if self._saved_running_stats is not None:
+                self._restore_running_stats(verdicts)
             self._saved_running_stats = None
 
     def _checked_closure_step(
@@ -722,12 +750,20 @@ class MixedPrecision(LightningMixedPrecision):
             return
         self._saved_running_stats = [buffer.detach().clone() for buffer in self._running_stat_buffers()]
 
-    def _restore_running_stats(self) -> None:
+    def _restore_running_stats(self, verdicts: Sequence[bool | Tensor] = (True,)) -> None:
+        """Put the running statistics back where a step of the iteration was skipped.
+
+        A verdict still on the device selects the old or the new statistics there, without a host sync.
+        """
         if self._saved_running_stats is None:
             return
+        flags = [v for v in verdicts if isinstance(v, Tensor)]
+        if not flags and not any(verdicts):
+            return
+        skipped = torch.stack([f.float() for f in flags]).amax() > 0 if flags and not any(verdicts) else None
         with torch.no_grad():
             for buffer, saved in zip(self._running_stat_buffers(), self._saved_running_stats, strict=True):
-                buffer.copy_(saved)
+                buffer.copy_(saved if skipped is None else torch.where(skipped.to(buffer.device), saved, buffer))
 
     def _running_stat_buffers(self) -> list[Tensor]:
         names = ("running_mean", "running_var", "num_batches_tracked")
