@@ -99,6 +99,8 @@ class ScalerSettings:
             skipped).
         max_consecutive_skips: skipped steps in a row of one optimizer that stop the run, in [1, 2**31 - 1]; None
             never stops.
+        skip_nonfinite: check mode only: False checks nothing and takes every step, as Lightning's bf16 and fp32
+            plugins do (no sync, no op, but a step with inf/NaN gradients writes them into the weights).
         owner: the name used in error messages (``"LossScaler"``, ``"MixedPrecision"``); not stored.
 
     Raises:
@@ -121,6 +123,7 @@ class ScalerSettings:
     on_min_scale: OnMinScale = "raise"
     mode: ScalingMode = "dynamic"
     max_consecutive_skips: int | None = 100
+    skip_nonfinite: bool = True
     owner: InitVar[str] = "ScalerSettings"
 
     def __post_init__(self, owner: str) -> None:
@@ -136,6 +139,7 @@ class ScalerSettings:
                 owner, "hysteresis", self.hysteresis, at_least=1, at_most=INT32_MAX, integer=True
             ),
             "consecutive_hysteresis": check_bool(owner, "consecutive_hysteresis", self.consecutive_hysteresis),
+            "skip_nonfinite": check_bool(owner, "skip_nonfinite", self.skip_nonfinite),
             "max_scale": check_number(owner, "max_scale", self.max_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX),
         }
         if self.min_scale is not None:

@@ -25,7 +25,8 @@ on fp32 inputs. Under O2 and O3 the weights of every module in a matched subtree
 :meth:`Fp32Overrides.kept_modules`).
 
 The hooks are instances of small module-level classes, so a converted model can still be pickled (``ddp_spawn``)
-and deep-copied; the plugin attaches them in ``convert_module``, in the worker. Applying twice attaches nothing new.
+and deep-copied; the plugin attaches them in ``convert_module``, in the worker, and removes them at teardown.
+Applying twice attaches nothing new.
 
 Private torch names used: ``nn.Module._forward_pre_hooks`` (read only, to tell whether a module already has its
 hooks: ``nn.Module`` offers no public way to list hooks); ``torch._C._get_privateuse1_backend_name`` (the name of
@@ -247,8 +248,13 @@ class Fp32Overrides:
         roots = self.match(module, warn=False)
         return {child for name in roots for child in module.get_submodule(name).modules()}
 
-    def apply(self, module: nn.Module) -> list[str]:
+    def apply(self, module: nn.Module, handles: list[RemovableHandle] | None = None) -> list[str]:
         """Attach :class:`Fp32Region` hooks to the outermost matched modules, in place.
+
+        Args:
+            module: the root; names are relative to it.
+            handles: if given, the handles of the hooks attached now are appended to it, for the caller to remove
+                them (the opt levels remove theirs at teardown).
 
         Returns:
             The qualified names of the modules that run in fp32 regions (already-hooked ones included).
@@ -258,7 +264,9 @@ class Fp32Overrides:
         for name in names:
             target = module.get_submodule(name)
             if not has_fp32_region(target):
-                Fp32Region().attach(target)
+                attached = Fp32Region().attach(target)
+                if handles is not None:
+                    handles.extend(attached)
         return names
 
 

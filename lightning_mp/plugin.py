@@ -179,6 +179,10 @@ class MixedPrecision(LightningMixedPrecision):
             casts them again, so the copies never outlive the forward (2 bytes per parameter less at the start of
             backward, for one cast per weight in backward). Set it to False for a training step that calls
             ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``), which refuse saved-tensor hooks.
+        skip_nonfinite: bf16 and fp32 only. True (the default) skips every step whose gradients hold an inf or a
+            NaN, without a host sync for torch's Adam, AdamW, SGD and Adagrad (:mod:`lightning_mp.scaler`). False
+            checks nothing, as Lightning's ``"bf16-mixed"`` and ``"32-true"`` do: such a step then writes inf/NaN
+            into the weights, and ``stats.skipped_steps`` stays 0. fp16 always skips (its overflows are routine).
 
     Numbers may be Python, numpy or 0-d tensor scalars; booleans must be ``True`` or ``False``.
 
@@ -215,6 +219,7 @@ class MixedPrecision(LightningMixedPrecision):
         keep_fp32: Sequence[type | str] | None = (),
         max_consecutive_skips: int | None = 100,
         recast_in_backward: bool = True,
+        skip_nonfinite: bool = True,
     ) -> None:
         owner = type(self).__name__
         precision = _precision_name(owner, precision)
@@ -225,6 +230,13 @@ class MixedPrecision(LightningMixedPrecision):
         consecutive_hysteresis = check_flag(owner, "consecutive_hysteresis", consecutive_hysteresis)
         skip_scheduler_on_overflow = check_flag(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
         recast_in_backward = check_flag(owner, "recast_in_backward", recast_in_backward)
+        skip_nonfinite = check_flag(owner, "skip_nonfinite", skip_nonfinite)
+        if not skip_nonfinite and precision == "16-mixed":
+            raise ValueError(
+                f"{owner}(precision='16-mixed', skip_nonfinite=False) is not allowed: fp16 overflows routinely, and"
+                " a scaled step whose gradients overflowed must be skipped. Use skip_nonfinite=False with"
+                " 'bf16-mixed' or '32-true' only."
+            )
         if not recast_in_backward and opt_level != "O2":
             raise ValueError(
                 f"{owner}(opt_level={opt_level!r}, recast_in_backward=False) is not allowed: only O2 makes the half"
@@ -248,6 +260,7 @@ class MixedPrecision(LightningMixedPrecision):
             max_scale=max_scale,
             on_min_scale=cast(OnMinScale, on_min_scale),  # checked there
             max_consecutive_skips=max_consecutive_skips,
+            skip_nonfinite=skip_nonfinite,
         )
         if loss_scale != "dynamic" and precision in ("bf16-mixed", "32-true"):
             raise ValueError(
@@ -478,7 +491,7 @@ class MixedPrecision(LightningMixedPrecision):
         if trainer is not None:
             if trainer.state.fn == TrainerFn.FITTING and self._policy is not None:
                 self._start_new_run()
-            self._build_run(trainer.strategy.root_device.type)
+            self._build_run(self._trainer_device_type(module))
             if not isinstance(self._engine, TrainerEngine):
                 self._engine = self._trainer_engine()
             assert self._policy is not None
@@ -497,6 +510,14 @@ class MixedPrecision(LightningMixedPrecision):
             self._engine = FabricEngine(self._loss_scaler, self._policy, self._follow_model_device)
         self._engine.add_module(module)
         return module
+
+    @staticmethod
+    def _trainer_device_type(module: nn.Module) -> str:
+        trainer = attached_trainer(module)
+        if trainer is not None:
+            return trainer.strategy.root_device.type
+        parameter = next(module.parameters(), None)
+        return parameter.device.type if parameter is not None else "cpu"
 
     def _trainer_engine(self) -> TrainerEngine:
         assert self._policy is not None and self._loss_scaler is not None
@@ -558,12 +579,16 @@ class MixedPrecision(LightningMixedPrecision):
 
         """
         if self._engine is None:
-            parameter = next(model.parameters(), None)
-            self.setup_for_device(parameter.device.type if parameter is not None else "cpu")
+            self.setup_for_device(self._trainer_device_type(model))
         return self._steps().connect(model, optimizers, lr_schedulers)
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
-        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one."""
+        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one.
+
+        .. warning:: Where the step was decided on the device (fused optimizers; in bf16 and fp32 every optimizer the
+            scaler hands to a fused kernel), this reads its inf flag: one host sync. An ``interval="step"``
+            scheduler asks it after every step.
+        """
         return self._engine.last_step_skipped(optimizer) if self._engine is not None else False
 
     # ------------------------------------------------------------------------------------------------ steps

@@ -11,15 +11,35 @@ One iteration (any number of optimizers, torch's contract: ``update()`` once, af
   in bf16 and fp32 ("check" mode, nothing scaled) it takes the inf-norm of each gradient and checks the norms, so the
   gradients are read and never rewritten. bf16 gradients' norms come out in float32: CUDA's check kernel refuses
   bf16 (:data:`UNSCALE_KERNEL_DTYPES`); scaled bf16 gradients are multiplied, then checked, for the same reason.
-  Under DDP the flag is all-reduced (max) right there, on every path, so every rank takes the same decision: one
-  collective per step, always issued in the same order, no deadlock.
-* ``step`` of a fused optimizer (Adam, AdamW, SGD with ``fused=True``) hands the flag to the fused kernel, which
-  skips the update on the device: no host sync (except fused SGD's first step with momentum, see
-  :func:`_skips_safely_on_device`). ``step`` of any other optimizer reads the flag (the one host sync,
-  which torch's recipe makes too) and skips ``optimizer.step()`` when it is set. In check mode in one process such
-  an optimizer gets no flag at all: ``unscale_`` stacks its gradients' inf-norms (one op, as the flag check was) and
-  ``step`` reads them on the host (the same one sync), so nothing the scaler keeps between iterations is touched,
-  and the peak memory of a bf16 step is exactly that of a step without a scaler.
+  Under DDP the flag is all-reduced (max) right there, on every path, so
+  every rank takes the same decision: one collective per step, always issued in the same order, no deadlock.
+* ``step`` of a fused optimizer (Adam, AdamW, SGD, Adagrad with ``fused=True``, or any optimizer that declares
+  ``_step_supports_amp_scaling``) follows torch's ``GradScaler.step``: the optimizer gets the flag as ``found_inf``
+  and, when nothing unscaled its gradients yet, the scale as ``grad_scale`` (times a ``grad_scale`` the user set),
+  and skips the update on the device; one whose ``step`` takes ``grad_scaler=`` gets the scaler instead.
+* In check mode (bf16, fp32), Adam, AdamW, SGD and Adagrad in their foreach or single-tensor form are **handed to
+  torch's fused kernel of the same update rule**: for that one step their param groups read ``fused=True``, they get
+  the flag as ``found_inf``, and the kernel skips on the device (:func:`_has_fused_form`). No host sync, where
+  reading the flag cost one per step: on a GPU the host keeps queueing kernels while backward runs, which is what
+  makes Lightning's unchecked ``bf16-mixed`` fast. The user's optimizer object, its ``param_groups`` (restored after
+  the step), its state layout and its checkpoints stay those of the form the user chose; two things differ. The
+  trajectory is the fused kernel's: the same rule evaluated in another order, so single roundings differ (within a
+  few float32 roundings of the weights, tested). And ``state["step"]``, which the foreach and single-tensor forms
+  keep on the CPU, moves once to the parameter's device as the fused kernel needs it; torch loads a checkpoint's
+  step count onto either device for every form, so checkpoints resume both ways. The flag stays allocated
+  between iterations (one float32 per optimizer and device, as for fused optimizers). Two alternatives were measured on
+  the CPU (``lightning_mp.counting``, foreach AdamW on a 30-tensor LM): the hand-off adds 0 syncs and runs the
+  update in 5 ops against foreach's 11; a device-side select of the old or the new weights and states would cost
+  253 ops and 2x the state's memory, and still read the CPU step count on the host.
+* Everything else decides on the host: ``step`` reads the flag (the one host sync, which torch's recipe makes too)
+  and skips ``optimizer.step()`` when it is set. That is fp16 with a non-fused optimizer, and in check mode the
+  optimizers torch cannot skip on the device: custom optimizers without the protocol, subclasses of torch's (their
+  ``step`` may differ), complex parameters, sparse gradients, ``differentiable=True``, and fused SGD's first step
+  with momentum (:func:`_skips_safely_on_device`). In check mode in one process such an optimizer gets no flag at
+  all: ``unscale_`` stacks its gradients' inf-norms (one op, as the flag check was) and ``step`` reads them on the
+  host (the same one sync), so nothing the scaler keeps between iterations is touched. ``skip_nonfinite=False``
+  turns the check off in check mode, as Lightning's bf16 and fp32 plugins have none: no op and no sync for any
+  optimizer, and a non-finite step then reaches the weights.
 * ``update`` moves the scale by the pure rules of :mod:`lightning_mp._scale_rules` (hysteresis, growth capped at
   ``max_scale``, backoff, collapse at the floor). Where every flag of the iteration is already on the host they run
   there and the device scale is rewritten only when it changes; otherwise (fused optimizers) they run on the device
@@ -50,21 +70,29 @@ Private torch names used, and why:
   torch's own ``unscale_``.
 * The ``grad_scale``/``found_inf`` attributes and ``_step_supports_amp_scaling``: the protocol by which torch's
   fused optimizers skip a step on the device; set for the duration of ``step`` only, exactly as torch does.
-  Fused SGD's first momentum step is the exception, decided on the host (:func:`_skips_safely_on_device`).
+  Fused SGD's first momentum step is the exception, decided on the host (:func:`_skips_safely_on_device`). The
+  overridden ``_check_inf_per_device`` is torch's check without unscaling, which that protocol calls.
+* The param-group keys ``fused`` and ``foreach``, set for the duration of a handed-off step (there is no public way
+  to run an optimizer's fused kernel on its own state), and the attribute ``_need_device_dtype_check_for_fused``
+  that SGD and Adagrad then write on the optimizer, removed again afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
 import warnings
 import weakref
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from typing_extensions import override
 
 from lightning_mp._device_rules import update_scale_on_device
 from lightning_mp._gradients import nonfinite_gradients
@@ -95,14 +123,47 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _skips_safely_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a fused ``optimizer`` leaves its state intact when told, through ``found_inf``, to skip its step.
+_FUSED_FORMS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+"""torch optimizers whose fused kernel applies the same update rule as their foreach and single-tensor forms."""
+_FUSED_DEVICE_TYPES = ("cpu", "cuda")
 
-    Fused SGD with momentum allocates its momentum buffers uninitialised on its first step and fills them inside the
-    kernel, which returns early on ``found_inf``: a first step skipped on the device would leave garbage buffers that
-    wreck every later step (torch's own GradScaler included). That one step is decided on the host instead.
+
+def _has_fused_form(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether torch's fused kernel of ``optimizer``'s own update rule can take its step (and skip it on the device).
+
+    Only the exact torch classes (a subclass may override ``step``), not configured ``fused`` already, not
+    ``differentiable``, with dense floating gradients of their parameter's dtype on a CPU or CUDA device: the cases
+    the fused kernels accept. Complex parameters and sparse gradients stay with the optimizer's own form.
     """
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+    if type(optimizer) not in _FUSED_FORMS:
+        return False
+    for group in optimizer.param_groups:
+        if group.get("fused") or group.get("differentiable"):
+            return False
+        for parameter in group["params"]:
+            grad = parameter.grad
+            if grad is None:
+                continue
+            if (
+                grad.is_sparse
+                or not parameter.is_floating_point()
+                or parameter.device.type not in _FUSED_DEVICE_TYPES
+                or (grad.dtype, grad.device) != (parameter.dtype, parameter.device)
+            ):
+                return False
+    return True
+
+
+def _skips_safely_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can skip its step on the device, told through ``found_inf``, and leave its state intact.
+
+    True for fused optimizers (``_step_supports_amp_scaling``) and for those with a fused form
+    (:func:`_has_fused_form`). Fused SGD with momentum allocates its momentum buffers uninitialised on its first step
+    and fills them inside the kernel, which returns early on ``found_inf``: a first step skipped on the device would
+    leave garbage buffers that wreck every later step (torch's own GradScaler included). That one step is decided on
+    the host instead.
+    """
+    if not (getattr(optimizer, "_step_supports_amp_scaling", False) or _has_fused_form(optimizer)):
         return False
     if not isinstance(optimizer, torch.optim.SGD):
         return True
@@ -126,6 +187,39 @@ def _inf_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     dtype = None if tensors[0].dtype in UNSCALE_KERNEL_DTYPES else torch.float32
     return list(torch._foreach_norm(tensors, math.inf, dtype=dtype))
+
+
+def _place_steps_for_fused(optimizer: torch.optim.Optimizer) -> None:
+    """Move step counters to where the fused kernels keep them: a float32 on the parameter's device.
+
+    The foreach and single-tensor forms keep ``state["step"]`` on the CPU; on a CPU run nothing moves. On an
+    accelerator each counter moves once, at the first step handed to the fused kernel. torch's ``load_state_dict``
+    accepts a counter on either device for every form, so checkpoints load both ways.
+    """
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            state = optimizer.state.get(parameter)
+            step = state.get("step") if state is not None else None
+            if isinstance(step, torch.Tensor) and (step.device, step.dtype) != (parameter.device, torch.float32):
+                optimizer.state[parameter]["step"] = step.to(device=parameter.device, dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def _configured_fused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Run ``optimizer`` as its fused form for the duration of the block; its param_groups then read as before."""
+    groups = optimizer.param_groups
+    configured = [(group.get("foreach"), group.get("fused")) for group in groups]
+    # SGD and Adagrad remember on the optimizer that they checked their parameters for the fused kernel.
+    remembered = "_need_device_dtype_check_for_fused" in vars(optimizer)
+    for group in groups:
+        group["foreach"], group["fused"] = False, True
+    try:
+        yield
+    finally:
+        for group, (foreach, fused) in zip(groups, configured, strict=True):
+            group["foreach"], group["fused"] = foreach, fused
+        if not remembered:
+            vars(optimizer).pop("_need_device_dtype_check_for_fused", None)
 
 
 def _distributed() -> bool:
@@ -224,6 +318,9 @@ class LossScaler(torch.amp.GradScaler):
         mode: ``"dynamic"``, ``"static"`` (fixed ``init_scale``) or ``"check"`` (no scaling, skip non-finite steps).
         max_consecutive_skips: raise :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
             steps in a row of one optimizer (1 to 2**31 - 1), in every mode; None disables the guard.
+        skip_nonfinite: check mode only. ``False`` checks nothing and takes every step, as Lightning's bf16 and
+            fp32 plugins do: no op and no sync for any optimizer, but a step whose gradients hold an inf or a NaN
+            writes them into the weights, and ``skipped_steps`` stays 0.
 
     Raises:
         ValueError: for any argument outside its allowed range, naming it, its value and what is allowed.
@@ -244,6 +341,7 @@ class LossScaler(torch.amp.GradScaler):
         on_min_scale: OnMinScale = "raise",
         mode: ScalingMode = "dynamic",
         max_consecutive_skips: int | None = 100,
+        skip_nonfinite: bool = True,
     ) -> None:
         settings = ScalerSettings(
             init_scale=init_scale,
@@ -257,6 +355,7 @@ class LossScaler(torch.amp.GradScaler):
             on_min_scale=on_min_scale,
             mode=mode,
             max_consecutive_skips=max_consecutive_skips,
+            skip_nonfinite=skip_nonfinite,
             owner=type(self).__name__,
         )
         self._setup(device, settings)
@@ -272,6 +371,11 @@ class LossScaler(torch.amp.GradScaler):
 
     def _setup(self, device: str | torch.device | None, settings: ScalerSettings) -> None:
         device_type = _check_device(type(self).__name__, _default_device() if device is None else device)
+        if not settings.skip_nonfinite and settings.scales_loss:
+            raise ValueError(
+                f"{type(self).__name__}(mode={settings.mode!r}, skip_nonfinite=False) is not allowed: a scaled step"
+                " whose gradients overflowed must be skipped. Use skip_nonfinite=False with mode='check' (bf16, fp32)."
+            )
         self.settings = settings
         self._state = settings.initial_state()
         super().__init__(
@@ -476,6 +580,12 @@ class LossScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         self._ensure_device_state(optimizer)
         index = self._optimizer_index(optimizer)
+        if not self.settings.skip_nonfinite:
+            # Lightning's bf16 and fp32: nothing is checked, and every step is taken.
+            state["found_inf_per_device"] = {}
+            state["stage"] = OptState.UNSCALED
+            self._iteration.host_flags[index] = 0.0
+            return
         per_device = self._check_gradients(optimizer, index)
         if _distributed():
             for flag in per_device.values():
@@ -606,10 +716,16 @@ class LossScaler(torch.amp.GradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, then run ``optimizer.step()`` unless a gradient is inf or NaN.
 
-        Fused optimizers get the flag and skip on the device (no sync), except fused SGD's first step with momentum.
-        Other optimizers skip on the host.
+        Fused optimizers (``_step_supports_amp_scaling``, a custom one included) follow torch's protocol: they get
+        ``found_inf`` and ``grad_scale`` (the scale times a ``grad_scale`` the user set, when nothing unscaled the
+        gradients yet; else the user's own) and skip on the device; an optimizer whose ``step`` takes
+        ``grad_scaler=`` gets this scaler instead. In check mode (bf16, fp32) Adam, AdamW, SGD and Adagrad in
+        their foreach or single-tensor form take their step through torch's fused kernel of the same rule, given
+        ``found_inf``, so they skip on the device too (:func:`_has_fused_form`). Other optimizers skip on the host.
 
-        .. warning:: With an optimizer that is not fused this reads the inf flag: one host sync, as in torch.
+        .. warning:: An optimizer that cannot skip on the device (fp16 with a non-fused optimizer, custom optimizers
+            without the protocol, complex parameters, sparse gradients, fused SGD's first momentum step) reads the
+            inf flag: one host sync, as in torch.
 
         Raises:
             RuntimeError: when called twice for ``optimizer`` in one iteration, or with a ``closure``.
@@ -620,35 +736,119 @@ class LossScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_protocol_step(optimizer, state, *args, **kwargs)
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         index = self._optimizer_index(optimizer)
         self._iteration.stepped.add(index)
-        flag = self._iteration.device_flags.get(index)
         state["stage"] = OptState.STEPPED
+        flag = self._iteration.device_flags.get(index)
+        if flag is not None and not self.scales_loss and _skips_safely_on_device(optimizer):
+            # Check mode hands the step to torch's fused kernel of the same rule, which skips it on the device.
+            return self._step_on_device(optimizer, index, flag, None, *args, **kwargs)
+        if self._host_verdict(index, flag):
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def _host_verdict(self, index: int, flag: torch.Tensor | None) -> float:
+        """Optimizer ``index``'s verdict read on the host (1.0: skip); remembers the culprits of a skip."""
         if index in self._iteration.norms:
             found_inf = self._iteration.verdict_from_norms(index)  # check mode's one host read
         elif flag is None:
             # No gradient at all: torch's optimizers skip such parameters, so there is nothing to check.
             found_inf = self._iteration.host_flags[index] = 0.0
-        elif _skips_safely_on_device(optimizer):
-            if flag.device.type == "cpu":
-                self._remember_culprits_near_limit(index, flag)  # a CPU flag reads without waiting for a device
-            # torch's fused-step protocol (module docstring): attributes torch.optim does not declare, set for one step.
-            optimizer.grad_scale = None  # type: ignore[attr-defined]
-            optimizer.found_inf = flag  # type: ignore[attr-defined]
-            try:
-                return optimizer.step(*args, **kwargs)
-            finally:
-                # As torch's GradScaler does: the protocol's attributes live only for the duration of the step.
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
         else:
             found_inf = self._iteration.host_flags[index] = float(flag.item())
         if found_inf:
             self._remember_culprits_near_limit(index, found_inf)
+        return found_inf
+
+    def _fused_protocol_step(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Step an optimizer that declares ``_step_supports_amp_scaling``, exactly as torch's ``GradScaler.step``."""
+        index = self._optimizer_index(optimizer)
+        self._iteration.stepped.add(index)
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the"
+                " near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed"
+                " optimizer and let the optimizer use them directly.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            # torch's Optimizer.step declares no grad_scaler; this optimizer's own step does.
+            output = optimizer.step(*args, **kwargs, grad_scaler=self)  # type: ignore[call-overload]
+            state["stage"] = OptState.STEPPED
+            return output
+        user_scale = getattr(optimizer, "grad_scale", None)
+        grad_scale = user_scale
+        if state["stage"] is OptState.READY:
+            # The kernel unscales: the gradients are only checked here, and it divides them by the scale.
+            self._check_inf_per_device(optimizer)
+            if self.scales_loss:
+                assert self._scale is not None
+                grad_scale = self._scale if user_scale is None else self._scale * user_scale
+        state["stage"] = OptState.STEPPED
+        flag = self._iteration.device_flags.get(index)
+        if flag is not None and _skips_safely_on_device(optimizer):
+            return self._step_on_device(optimizer, index, flag, grad_scale, *args, **kwargs)
+        if self._host_verdict(index, flag):
             return None
-        return optimizer.step(*args, **kwargs)
+        return self._step_with_protocol(optimizer, grad_scale, flag, *args, **kwargs)
+
+    def _step_on_device(
+        self,
+        optimizer: torch.optim.Optimizer,
+        index: int,
+        flag: torch.Tensor,
+        grad_scale: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Hand ``flag`` to the fused kernel, which skips the step on the device: no host sync."""
+        if flag.device.type == "cpu":
+            self._remember_culprits_near_limit(index, flag)  # a CPU flag reads without waiting for a device
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._step_with_protocol(optimizer, grad_scale, flag, *args, **kwargs)
+        _place_steps_for_fused(optimizer)
+        with _configured_fused(optimizer):
+            return self._step_with_protocol(optimizer, grad_scale, flag, *args, **kwargs)
+
+    @staticmethod
+    def _step_with_protocol(
+        optimizer: torch.optim.Optimizer,
+        grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        # torch's fused-step protocol (module docstring): attributes torch.optim does not declare, set for one step.
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            # As torch's GradScaler does: the protocol's attributes live only for the duration of the step.
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+
+    @override
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Check ``optimizer``'s gradients for inf/NaN without unscaling them (torch's check before a fused step).
+
+        The same pass as :meth:`unscale_`, multiplying by one; fp16 gradients are allowed, as in torch.
+        """
+        self._ensure_device_state(optimizer)
+        inv_scale, allow_fp16_gradients = self._inv_scale, self.allow_fp16_gradients
+        self._inv_scale, self.allow_fp16_gradients = self._one, True
+        try:
+            self.unscale_(optimizer)
+        finally:
+            self._inv_scale, self.allow_fp16_gradients = inv_scale, allow_fp16_gradients
+        found_inf_per_device: dict[str, Any] = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return found_inf_per_device
 
     def _remember_culprits_near_limit(self, index: int, found_inf: torch.Tensor | float) -> None:
         """Name the non-finite gradients of a skipped step that may end the streak, while they still exist.

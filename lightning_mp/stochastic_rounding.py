@@ -520,9 +520,11 @@ def _update_rule(optimizer: Optimizer, group: dict[str, Any], device: torch.devi
 
 
 def _found_inf(optimizer: Optimizer) -> bool:
-    """Whether a GradScaler handed a fused optimizer a non-finite gradient flag for this step.
+    """Whether a GradScaler handed the optimizer a non-finite gradient flag for this step.
 
-    .. warning:: Reads the flag on the host: one synchronisation per step, with fused optimizers only.
+    .. warning:: Reads the flag on the host: one synchronisation per step, where a flag was handed over (fused
+        optimizers; in bf16 also Adam, AdamW and SGD, which :class:`~lightning_mp.LossScaler` steps through their
+        fused kernel).
     """
     found_inf = getattr(optimizer, "found_inf", None)
     return isinstance(found_inf, Tensor) and bool(found_inf.item())

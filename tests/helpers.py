@@ -9,6 +9,7 @@ The models are tiny on purpose: half precision is slow on CPUs without AVX512, a
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,25 @@ from lightning_mp.counting import StepCounts, count_syncs_and_ops
 
 FEATURES = 8
 """Input features of :class:`TinyRegressor` and of :func:`regression_data`."""
+
+_FORMS = (("fused", {"fused": True}), ("foreach", {"foreach": True}), ("single-tensor", {"foreach": False}))
+OPTIMIZER_FORMS: dict[str, Any] = {
+    f"{form} {name}": functools.partial(cls, **extra, **flags)
+    for name, cls, extra in (
+        ("Adam", torch.optim.Adam, {}),
+        ("AdamW", torch.optim.AdamW, {}),
+        ("SGD", torch.optim.SGD, {"momentum": 0.9}),
+        ("Adagrad", torch.optim.Adagrad, {}),
+    )
+    for form, flags in _FORMS
+}
+"""``"<form> <optimizer>"`` -> ``factory(params, lr=...)``: the four torch optimizers with a fused kernel, each form."""
+
+
+def assert_within_rounding(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 4) -> None:
+    """Assert that ``actual`` is ``expected`` up to ``ulps`` float32 roundings of the tensor's largest magnitude."""
+    tolerance = ulps * torch.finfo(expected.dtype).eps * max(expected.abs().max().item(), 1e-6)
+    torch.testing.assert_close(actual, expected, rtol=0.0, atol=tolerance)
 
 
 def make_trainer(plugin: Any = None, **kwargs: Any) -> L.Trainer:
@@ -60,7 +80,7 @@ class TinyRegressor(L.LightningModule):
     Args:
         lr: the learning rate.
         inject_at: global steps whose ``first.weight`` gradient gets an inf after backward (an overflow).
-        optimizer: ``"sgd"`` (with momentum), ``"adam"`` or ``"fused-adam"``.
+        optimizer: ``"sgd"`` (with momentum), ``"adam"``, ``"fused-adam"`` or a key of :data:`OPTIMIZER_FORMS`.
         scheduler: add a ``StepLR`` that steps every batch.
         hidden: the width of the hidden layer.
 
@@ -95,7 +115,9 @@ class TinyRegressor(L.LightningModule):
             self.first.weight.grad[0, 0] = float("inf")
 
     def configure_optimizers(self) -> Any:
-        if self.optimizer_name in ("adam", "fused-adam"):
+        if self.optimizer_name in OPTIMIZER_FORMS:
+            optimizer = OPTIMIZER_FORMS[self.optimizer_name](self.parameters(), lr=self.lr)
+        elif self.optimizer_name in ("adam", "fused-adam"):
             optimizer = torch.optim.Adam(self.parameters(), lr=self.lr, fused=self.optimizer_name == "fused-adam")
         else:
             optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -60,10 +60,13 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
-def test_ddp_fused_adam_overflow_on_one_rank_keeps_ranks_identical_every_step(tmp_path, precision):
-    """Fused Adam under strategy='ddp', an overflow on rank 1 only, three monitors: same params every step, no hang."""
-    arguments = ["--strategy", "ddp", "--out", str(tmp_path), "--optimizer", "fused-adam", "--telemetry"]
+@pytest.mark.parametrize(
+    ("optimizer", "precision"), [("fused-adam", "16-mixed"), ("fused-adam", "bf16-mixed"), ("adam", "bf16-mixed")]
+)
+def test_ddp_fused_adam_overflow_on_one_rank_keeps_ranks_identical_every_step(tmp_path, optimizer, precision):
+    """Adam under strategy='ddp' (fused, or handed to the fused kernel in bf16), an overflow on rank 1 only, three
+    monitors: same params every step, no hang."""
+    arguments = ["--strategy", "ddp", "--out", str(tmp_path), "--optimizer", optimizer, "--telemetry"]
     run([*arguments, "--precision", precision, "--inject-rank", "1", "--inject-at", "2,5"], timeout=90)
     ranks = reports(tmp_path)
     if precision == "16-mixed":

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -247,3 +253,117 @@ def test_custom_fwd_function_behaves_under_the_plugin(
     assert function.seen["backward"] == backward_seen  # custom_bwd replays the forward's autocast state
     assert trainer.precision_plugin.stats.skipped_steps == 0
     assert not torch.equal(model.stem.weight, before)
+
+
+# ------------------------------------------------------------------------------------------------ the model after fit
+
+OPT_LEVELS = ["O1", "O2", "O3", "lean"]
+LOAD_WITHOUT_THE_PACKAGE = """
+import importlib.abc, sys, torch
+
+class RefuseThePackage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "lightning_mp":
+            raise ImportError(f"{name} is not installed here")
+
+sys.meta_path.insert(0, RefuseThePackage())
+model = torch.load(sys.argv[1], weights_only=False)
+print(type(model).__name__, sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()))
+"""
+
+
+def boring_model() -> BoringModel:
+    """Lightning's BoringModel (importable where this package is not) with a norm and a head to keep in fp32."""
+    torch.manual_seed(0)
+    model = BoringModel()
+    model.layer = nn.Sequential(nn.Linear(32, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    return model
+
+
+def fit_boring_model(opt_level: str) -> BoringModel:
+    model = boring_model()
+    make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level, keep_fp32=["layer.2"]), max_steps=2).fit(model)
+    return model
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(len(module._forward_hooks) + len(module._forward_pre_hooks) for module in model.modules())
+
+
+def assert_plain_and_exportable(model: nn.Module, layers: nn.Sequential) -> None:
+    """No hook and no object of this package; TorchScript and torch.export take it."""
+    assert hook_count(model) == 0
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    assert b"lightning_mp" not in saved.getvalue()
+    example = torch.randn(2, 32, dtype=layers[0].weight.dtype)
+    layers[2].to(example.dtype)  # O3 and lean leave the kept head fp32 behind a half norm: align it to export
+    torch.jit.script(layers)
+    torch.export.export(model, (example,))
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_after_fit_the_model_is_plain_torch_and_exports(opt_level: str) -> None:
+    """After fit, with keep_fp32 at any opt level, the model holds no hook of the plugin and exports as usual."""
+    model = fit_boring_model(opt_level)
+    assert hook_count(model) == 0
+    assert model.to_torchscript() is not None
+    assert_plain_and_exportable(model, model.layer)
+
+
+class FailingBoringModel(BoringModel):
+    """Raises in its first training step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        raise RuntimeError("the user's training step failed")
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_after_a_failed_fit_the_model_holds_no_hook(opt_level: str) -> None:
+    """A fit that raises in training_step still leaves the model without the plugin's hooks."""
+    torch.manual_seed(0)
+    model = FailingBoringModel()
+    model.layer = nn.Sequential(nn.Linear(32, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level, keep_fp32=["layer.2"]))
+    with pytest.raises(RuntimeError, match="training step failed"):
+        trainer.fit(model)
+    assert hook_count(model) == 0
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_validate_after_fit_runs_with_the_hooks_again_and_leaves_none(opt_level: str) -> None:
+    """trainer.validate after fit converts the model again for its run (fp32 batches) and leaves it plain."""
+    model = fit_boring_model(opt_level)
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level, keep_fp32=["layer.2"]))
+    trainer.validate(model, verbose=False)
+    assert hook_count(model) == 0
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_after_fabric_teardown_the_module_is_plain_torch_and_exports(opt_level: str) -> None:
+    """Under Fabric, plugin.teardown() at the end of training leaves the module without hooks, ready to export."""
+    plugin = MixedPrecision("bf16-mixed", opt_level=opt_level, keep_fp32=["2"])
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    module, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fabric.backward(module(torch.randn(4, 32)).float().square().mean())
+    optimizer.step()
+    assert hook_count(model) > 0  # the regions and casts the opt level needs while training
+    plugin.teardown()
+    assert_plain_and_exportable(model, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_a_model_saved_after_fit_loads_where_the_package_is_not_installed(opt_level: str, tmp_path: Path) -> None:
+    """torch.save(model) after fit gives a file that a process without lightning_mp loads."""
+    path = tmp_path / "model.pt"
+    torch.save(fit_boring_model(opt_level), path)
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_WITHOUT_THE_PACKAGE)
+    loaded = subprocess.run(
+        [sys.executable, "-I", str(script), str(path)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == ["BoringModel", "0"]

@@ -103,7 +103,7 @@ def test_the_readme_knob_table_gives_the_defaults_the_plugin_uses() -> None:
     }
     signature = inspect.signature(MixedPrecision.__init__).parameters
     rows = readme_table("| argument | default | allowed | meaning |")
-    assert len(rows) == 12
+    assert len(rows) == 13
     for argument_cell, default_cell, _, _ in rows:
         argument = argument_cell.strip("`")
         documented = ast.literal_eval(default_cell.strip("`").replace("2**16", "65536").replace("2**24", "16777216"))

@@ -412,10 +412,11 @@ def _check_mode_backward(model: nn.Linear, overflow: bool) -> None:
 
 
 def test_check_mode_with_a_host_decided_step_keeps_no_flag_between_iterations(model_and_optimizer):
-    """Check mode with a non-fused optimizer reads the gradient norms at the step and keeps no device flag after it."""
+    """Check mode with an optimizer that has no fused form reads the gradient norms at the step and keeps no flag."""
     from lightning_mp.counting import count_syncs_and_ops
 
-    model, optimizer = model_and_optimizer
+    model, _ = model_and_optimizer
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=0.01)
     scaler = LossScaler("cpu", mode="check")
     for overflow in (False, True, False):
         before = model.weight.detach().clone()
@@ -433,7 +434,8 @@ def test_check_mode_with_a_host_decided_step_keeps_no_flag_between_iterations(mo
 
 def test_check_mode_unscale_then_update_without_a_step_is_a_recorded_check(model_and_optimizer):
     """unscale_ alone records a check (update accepts it, as torch's does) and its verdict is known before update."""
-    model, optimizer = model_and_optimizer
+    model, _ = model_and_optimizer
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=0.01)  # no fused form: the verdict is read on the host
     scaler = LossScaler("cpu", mode="check", max_consecutive_skips=None)
     _check_mode_backward(model, overflow=True)
     scaler.unscale_(optimizer)

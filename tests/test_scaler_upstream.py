@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -180,3 +181,123 @@ def test_state_dict_round_trips_with_torch_in_both_directions():
     back = LossScaler("cpu", **SETTINGS)
     back.load_state_dict(theirs.state_dict())
     assert back.state_dict()["scale"] == 512.0 and back.state_dict()["_growth_tracker"] == 1
+
+
+FUSED_OPTIMIZERS = {
+    "Adam": torch.optim.Adam,
+    "AdamW": torch.optim.AdamW,
+    "SGD": torch.optim.SGD,
+    "Adagrad": torch.optim.Adagrad,
+}
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale-then-step"])
+@pytest.mark.parametrize("name", list(FUSED_OPTIMIZERS))
+@pytest.mark.parametrize("make_scaler", [torch.amp.GradScaler, LossScaler], ids=["torch", "ours"])
+def test_a_grad_scale_set_on_a_fused_optimizer_divides_the_gradients_too(make_scaler, name, unscale_first):
+    """A user's ``optimizer.grad_scale`` of 3 with a scale of 5 turns a gradient of 15 into 1, as in torch."""
+    weight = torch.ones(5, 5, requires_grad=True)
+    weight.grad = torch.full_like(weight, 15.0)
+    optimizer = FUSED_OPTIMIZERS[name]([weight], lr=0.1, fused=True)
+    scaler = make_scaler("cpu", init_scale=5.0)
+    scaler.scale(torch.ones(5))  # the scale of the loss behind these gradients
+    optimizer.grad_scale = torch.ones(1) * 3
+    if unscale_first:
+        scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    assert torch.equal(weight.grad, torch.ones_like(weight))
+    assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")  # torch removes both
+
+
+class _DeclaresAmpScaling(torch.optim.Optimizer):
+    """A custom optimizer that handles scaling itself (``_step_supports_amp_scaling``); it records what it was given."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {})
+        self._step_supports_amp_scaling = True
+        self.received: dict[str, Any] = {}
+
+
+class _TakesTheScaler(_DeclaresAmpScaling):
+    def step(self, closure: Any = None, *, grad_scaler: Any = None) -> None:
+        self.received = {"grad_scaler": grad_scaler, "attributes": hasattr(self, "grad_scale")}
+        grad_scaler.unscale_(self)  # the contract: the optimizer queries and unscales through the scaler itself
+
+
+class _ReadsItsAttributes(_DeclaresAmpScaling):
+    def step(self, closure: Any = None) -> None:
+        (parameter,) = self.param_groups[0]["params"]
+        self.received = {
+            "grad_scale": self.grad_scale.clone(),
+            "found_inf": self.found_inf.clone(),
+            "grad": parameter.grad.clone(),
+        }
+
+
+@pytest.mark.parametrize("make_scaler", [torch.amp.GradScaler, LossScaler], ids=["torch", "ours"])
+def test_a_custom_optimizer_declaring_amp_scaling_gets_torchs_hand_off(make_scaler):
+    """step(grad_scaler=) receives the scaler (with torch's FutureWarning); one reading self.grad_scale gets the scale
+    and found_inf tensors and still-scaled gradients; update then moves the scale."""
+    weights = [torch.ones(2, requires_grad=True) for _ in range(2)]
+    first, second = _TakesTheScaler([weights[0]]), _ReadsItsAttributes([weights[1]])
+    scaler = make_scaler("cpu", init_scale=2.0, growth_interval=1)
+    scaler.scale(sum(w.sum() * 3 for w in weights)).backward()
+    with pytest.warns(FutureWarning, match="GradScaler is going to stop passing itself"):
+        scaler.step(first)
+    scaler.step(second)
+    scaler.update()
+    assert first.received == {"grad_scaler": scaler, "attributes": False}
+    assert torch.equal(weights[0].grad, torch.full((2,), 3.0))  # unscaled by the optimizer's own call
+    assert second.received["grad_scale"].item() == 2.0 and second.received["found_inf"].item() == 0.0
+    assert torch.equal(second.received["grad"], torch.full((2,), 6.0))  # scaled: the optimizer unscales them
+    assert not hasattr(second, "grad_scale") and not hasattr(second, "found_inf")
+    assert scaler.get_scale() == 4.0
+
+
+def test_unscale_finds_inf_and_nan_and_leaves_finite_gradients_unscaled():
+    """unscale_ divides every gradient by the scale and reports a flag per optimizer when one holds inf or NaN."""
+
+    def scenario(scaler: torch.amp.GradScaler) -> tuple[list[float], list[nn.Module]]:
+        models = _models(3)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        scaler.scale(sum(_loss(m) for m in models)).backward()
+        next(models[1].parameters()).grad[0, 0] = math.inf
+        next(models[2].parameters()).grad[0, 1] = math.nan
+        expected = [[p.grad / 128.0 for p in m.parameters()] for m in models]
+        for optimizer in optimizers:
+            scaler.unscale_(optimizer)
+        found = [sum(flag.item() for flag in scaler._found_inf_per_device(o).values()) for o in optimizers]
+        for model, grads in zip(models, expected, strict=True):
+            for parameter, grad in zip(model.parameters(), grads, strict=True):
+                torch.testing.assert_close(parameter.grad, grad, equal_nan=True)
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+        assert found == [0.0, 1.0, 1.0]
+        return [scaler.get_scale()], models[:1]
+
+    _run_both(scenario)
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale-then-step"])
+@pytest.mark.parametrize("name", list(FUSED_OPTIMIZERS))
+def test_fused_optimizers_under_autocast_train_as_with_torchs_scaler(name, unscale_first):
+    """Fused Adam, AdamW, SGD and Adagrad under fp16 autocast move weights and scale as with torch's GradScaler."""
+
+    def scenario(scaler: torch.amp.GradScaler) -> tuple[list[float], list[nn.Module]]:
+        (model,) = _models(1)
+        optimizer = FUSED_OPTIMIZERS[name](model.parameters(), lr=0.05, fused=True)
+        scales = []
+        for iteration in range(ITERATIONS):
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(_loss(model)).backward()
+            if iteration in OVERFLOW_AT:
+                _plant_inf(model)
+            if unscale_first:
+                scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales, [model]
+
+    _run_both(scenario)

@@ -98,8 +98,8 @@ class RunningStats:
         """After a step: drop the copies, and put them back first if the step was skipped.
 
         Args:
-            skipped: the step's verdict: a bool, a device flag (a 0-d tensor, > 0 when skipped; decided on the
-                device, without a sync), or None when the step was never checked (nothing goes back).
+            skipped: the step's verdict: a bool, a device flag (a 0-d tensor, True or > 0 when skipped; decided on
+                the device, without a sync), or None when the step was never checked (nothing goes back).
             models: the models the step changed; None means every tracked model.
 
         """
@@ -114,7 +114,9 @@ class RunningStats:
                         if skipped is True:
                             buffer.copy_(before)
                         else:
-                            buffer.copy_(torch.where(skipped.to(buffer.device) > 0, before, buffer))
+                            flag = skipped.to(buffer.device)
+                            condition = flag if flag.dtype == torch.bool else flag > 0
+                            buffer.copy_(torch.where(condition, before, buffer))
 
     def clear(self) -> None:
         """Forget the models (at teardown), so that a reused plugin keeps no previous model alive."""
@@ -157,11 +159,15 @@ class StepEngine(ABC):
         self.loss_scaler = loss_scaler
         self.policy = policy
         self.running_stats = RunningStats()
-        self._skipped_by_optimizer: dict[int, bool] = {}
+        self._skipped_by_optimizer: dict[int, bool | Tensor] = {}
+        """Per optimizer, its last step's verdict: a bool, or the device flag of a step skipped on the device."""
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
-        """Whether the most recent step of ``optimizer`` was skipped; False before one."""
-        return self._skipped_by_optimizer.get(id(optimizer), False)
+        """Whether the most recent step of ``optimizer`` was skipped; False before one.
+
+        .. warning:: Where the verdict is a device flag, this reads it: one host sync.
+        """
+        return bool(self._skipped_by_optimizer.get(id(optimizer), False))
 
     @abstractmethod
     def connect(

@@ -34,8 +34,9 @@ Fabric saves only what the user puts in the state, so the plugin goes there besi
    checks clipped gradients again (:meth:`LossScaler.recheck_gradients`, on the device): a NaN ``max_norm`` or
    ``clip_val`` makes every gradient NaN, and that step is skipped, never applied.
 4. The step is skipped when a gradient is not finite (under DDP when one on any rank is not); the opt level then
-   hears of it (O2 names weights beyond fp16's range). A fused optimizer skips inside its kernel, unseen by the
-   host: the opt level hears of that skip at the next ``fabric.backward``, after the scale update.
+   hears of it (O2 names weights beyond fp16's range). A step decided on the device (a fused optimizer; in bf16 and
+   fp32 every optimizer with a fused form) skips inside its kernel, unseen by the host: the opt level hears of that
+   skip at the next ``fabric.backward``, after the scale update.
 5. BatchNorm's running statistics are copied at the first forward after a model's step, and put back after a
    skipped step, with a device-side select on the inf flag (no host synchronisation, fused optimizers included;
    :class:`~lightning_mp.engine.base.RunningStats`). A model compiled after ``fabric.setup`` traces the forward
@@ -59,11 +60,6 @@ backward-and-steps iteration, gradient accumulation included. Read the stats aft
 
 A skipped step's running statistics are put back by :meth:`LossScaler.step_verdict`: a bool where the host already
 read the verdict, else the device flag, used in ``torch.where`` without a sync.
-
-Private torch and Lightning names used:
-
-- ``Optimizer._step_supports_amp_scaling`` (read with ``getattr``, as the scaler does): a fused optimizer that skips
-  a non-finite step inside its kernel, so the opt level hears of that skip at the scale update.
 """
 
 from __future__ import annotations
@@ -247,8 +243,9 @@ class FabricEngine(StepEngine):
         """The parameters whose gradients Fabric clips; none on a step that will be skipped for inf/NaN gradients.
 
         .. warning:: After the gradients were unscaled this reads the inf/NaN flag, which synchronises the host
-            with the device (the step reads the same flag anyway). Clipping a step that is skipped is pointless,
-            and with ``error_if_nonfinite=True`` (Fabric's default) it would raise.
+            with the device, also where the step itself would skip on the device (fused optimizers, and bf16/fp32
+            steps handed to the fused kernel). Clipping a step that is skipped is pointless, and with
+            ``error_if_nonfinite=True`` (Fabric's default) it would raise.
         """
         parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
         if parameters and id(optimizer) in self._unscaled:
@@ -289,7 +286,8 @@ class FabricEngine(StepEngine):
         if closure is not None:
             output = closure_loss
         skipped = id(optimizer) not in self._ran
-        if not skipped and getattr(optimizer, "_step_supports_amp_scaling", False):
+        if not skipped and isinstance(self.loss_scaler.step_verdict(optimizer), Tensor):
+            # The kernel ran but may have skipped on the device (a fused optimizer, or bf16/fp32's fused hand-off).
             self._stepped_on_device.append(optimizer)
         self.running_stats.settle(self.loss_scaler.step_verdict(optimizer), self._modules_of(optimizer))
         self._unscaled.discard(id(optimizer))

@@ -40,6 +40,7 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -73,6 +74,14 @@ def adopt_wrapper_unscale(scaler: LossScaler, wrappers: Sequence[Any], optimizer
             states[id(optimizer)] = states.pop(id(wrapper))
 
 
+def _any_skipped(verdicts: Sequence[bool | Tensor]) -> bool | Tensor:
+    """Whether a step of the iteration was skipped: a bool, or a bool device tensor where only the device knows."""
+    flags = [verdict for verdict in verdicts if isinstance(verdict, Tensor)]
+    if not flags and not any(verdicts):
+        return False
+    return torch.stack([flag.float() for flag in flags]).amax() > 0 if flags and not any(verdicts) else True
+
+
 def _has_gradients(optimizer: Optimizer) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
@@ -100,6 +109,8 @@ class TrainerEngine(StepEngine):
         self.lightning = lightning
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self._stepped_this_iteration = False
+        self._iteration_verdicts: list[bool | Tensor] = []
+        """The verdicts of this iteration's steps: bools, or device flags where the device decided the step."""
 
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -137,7 +148,10 @@ class TrainerEngine(StepEngine):
         )
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
-        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one."""
+        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one.
+
+        .. warning:: Where the step was decided on the device, this reads its inf flag: one host sync.
+        """
         return super().last_step_skipped(raw_optimizer(optimizer))
 
     def begin_iteration(self) -> None:
@@ -218,13 +232,21 @@ class TrainerEngine(StepEngine):
             return optimizer.step(**kwargs)
         step_output = loss_scaler.step(optimizer, **kwargs)
         self._stepped_this_iteration = True
+        # This step's own verdict, read before the update: on an accelerator the scaler's host view of a verdict
+        # decided on the device is one iteration old after it.
+        verdict = loss_scaler.step_verdict(optimizer)
+        verdict = verdict if verdict is not None else False
+        self._iteration_verdicts.append(verdict)
         if model.automatic_optimization:
             self._end_iteration()
             skipped = loss_scaler.last_step_skipped
+            # On an accelerator that host view is one iteration old where the device decided the step, so the
+            # schedulers ask the flag itself (two alternate: it holds this step's verdict through the next batch).
+            on_device = isinstance(verdict, Tensor) and verdict.device.type != "cpu"
+            self._skipped_by_optimizer[id(optimizer)] = verdict if on_device else skipped
         else:
             # The scale moves when the training step returns; this optimizer's own verdict is needed now.
-            skipped = loss_scaler.found_inf(optimizer)
-        self._skipped_by_optimizer[id(optimizer)] = skipped
+            skipped = self._skipped_by_optimizer[id(optimizer)] = loss_scaler.found_inf(optimizer)
         self.policy.after_optimizer_step(optimizer, skipped)
         return step_output
 
@@ -251,5 +273,6 @@ class TrainerEngine(StepEngine):
         try:
             self.loss_scaler.update()
         finally:
-            # Asked only when there are statistics to put back, so that models without them never read the verdict.
-            self.running_stats.settle(self.running_stats.saved and self.loss_scaler.last_step_skipped)
+            verdicts, self._iteration_verdicts = self._iteration_verdicts, []
+            # Combined only when there are statistics to put back, so that models without them never read a verdict.
+            self.running_stats.settle(_any_skipped(verdicts) if self.running_stats.saved else None)

@@ -8,7 +8,7 @@ those points instead of branching on the level, so a new level is one new module
 Where each hook runs::
 
     convert_module(module)                     # Trainer/Fabric setup, before the module moves and is wrapped
-    connect(module, optimizers)                # once the optimizers exist (O3 checks their eps)
+    connect(module, optimizers)                # once the optimizers exist (O3 checks their eps; Kahan buffers)
     with forward_context(), autocast:          # every training/validation/test/predict step, Fabric's forward
         step ...
     backward, unscale, clipping, step          # the plugin's step engine, on the module's own parameters
@@ -16,18 +16,33 @@ Where each hook runs::
     after_optimizer_step(optimizer, skipped)   # O2: name weights beyond fp16's range after a skip
     state_dict() / load_state_dict(state)      # the level's own state in the plugin's checkpoint entry
     teardown()                                 # end of fit/validate/test/predict, also after an exception
+
+Hooks a level attaches to the model in ``convert_module`` go in :attr:`PrecisionPolicy.hook_handles`, and the base
+``teardown`` removes them: after fit, validate, test or predict (also a failed one), the model holds no hook and no
+object of this package, so ``to_torchscript``, ``torch.export`` and ``torch.save`` see a plain torch model. The next
+stage's ``convert_module`` attaches them again.
+
+A resumed optimizer state may hold buffers the level does not use: a ``lean-kahan`` checkpoint resumed under
+another level carries a Kahan compensation buffer per weight, which nothing would read again but every checkpoint
+would keep. ``connect`` drops them, with a warning, from the state the optimizer holds and from any state loaded
+into it later (the Trainer restores optimizer states after ``connect``; Fabric's ``load`` comes before it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_mp.stochastic_rounding import COMPENSATION_KEY
 
 
 class PrecisionPolicy:
@@ -45,17 +60,29 @@ class PrecisionPolicy:
     """Whether fp16 training at this level uses dynamic loss scaling unless told otherwise."""
     half_gradients: ClassVar[bool] = False
     """Whether the gradients the scaler unscales are themselves fp16 (O3): torch refuses those unless allowed."""
+    kahan: ClassVar[bool] = False
+    """Whether each weight keeps a Kahan compensation buffer in its optimizer state (``lean-kahan``)."""
 
     def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
         self.half_dtype = half_dtype
         self.keep_fp32 = list(keep_fp32)
+        self.hook_handles: list[RemovableHandle] = []
+        """The hooks this level attached to the model and its optimizers; :meth:`teardown` removes them."""
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Prepare the module before it is moved to the device and wrapped. Must work in place."""
         return module
 
     def connect(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
-        """Check or adapt the optimizers once they exist."""
+        """Check or adapt the optimizers once they exist; drop Kahan buffers of a resumed state the level won't use.
+
+        Subclasses call this first.
+        """
+        if not self.kahan:
+            forget = functools.partial(drop_kahan_compensation, opt_level=self.opt_level)
+            for optimizer in optimizers:
+                forget(optimizer)
+                self.hook_handles.append(optimizer.register_load_state_dict_post_hook(forget))
         return optimizers
 
     def parameter_names(self, module: nn.Module) -> dict[int, str]:
@@ -83,4 +110,21 @@ class PrecisionPolicy:
         """Restore what :meth:`state_dict` saved."""
 
     def teardown(self) -> None:
-        """Release every reference to the model: training has ended, normally or not."""
+        """Release every reference to the model and remove the level's hooks: training has ended, normally or not."""
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles = []
+
+
+def drop_kahan_compensation(optimizer: Optimizer, opt_level: str) -> None:
+    """Remove the Kahan compensation buffers from ``optimizer``'s state, warning once if there were any."""
+    states = [state for state in optimizer.state.values() if COMPENSATION_KEY in state]
+    if not states:
+        return
+    for state in states:
+        del state[COMPENSATION_KEY]
+    rank_zero_warn(
+        f"lightning_mp: the state of {type(optimizer).__name__} held Kahan compensation buffers for {len(states)}"
+        f" parameters (from an opt_level='lean-kahan' run); opt_level={opt_level!r} does not use them, so they are"
+        " dropped. Resume with opt_level='lean-kahan' to keep them."
+    )

@@ -17,10 +17,11 @@ that rounding dropped and adds it to the next update.
 The pieces:
 
 1. ``convert_module`` casts the model to bf16 in place as O3 does, except that normalisation layers and
-   ``keep_fp32`` subtrees stay fp32 and run in fp32 regions (``convert_to_half``, shared with O3). The model returns
-   bf16 outputs, as Lightning's ``bf16-true`` does: an fp32 copy of the logits, and the fp32 log-probabilities
-   that the loss would save for backward, would cost 8 bytes per logit at the peak of the step. torch's
-   ``cross_entropy`` accumulates bf16 inputs in fp32; call ``logits.float()`` in the loss to compute it in fp32.
+   ``keep_fp32`` subtrees stay fp32 and run in fp32 regions (``convert_to_half``, shared with O3, whose hooks
+   teardown removes). The model returns bf16 outputs, as Lightning's ``bf16-true`` does: an fp32 copy of the
+   logits, and the fp32 log-probabilities that the loss would save for backward, would cost 8 bytes per logit at
+   the peak of the step. torch's ``cross_entropy`` accumulates bf16 inputs in fp32; call ``logits.float()`` in the
+   loss to compute it in fp32.
 2. ``connect`` attaches a :class:`~lightning_mp.stochastic_rounding.StochasticRoundingStep` to each optimizer
    through torch's optimizer hooks. The optimizer object stays the user's: schedulers, ``param_groups`` and
    ``add_param_group`` work, and its ``state_dict`` holds the bf16 states in torch's own format plus the rounding
@@ -54,7 +55,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -86,8 +87,6 @@ class LeanPolicy(PrecisionPolicy):
     opt_level = "lean"
     uses_autocast = False
     scales_by_default = False
-    kahan: ClassVar[bool] = False
-    """Whether each bf16 weight also keeps a bf16 Kahan compensation buffer."""
 
     def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
         if half_dtype is not torch.bfloat16:
@@ -105,6 +104,17 @@ class LeanPolicy(PrecisionPolicy):
         """The steps in the order their optimizers were connected: the order of :meth:`state_dict`."""
         self._saved_rounding: list[dict[str, Any]] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (and deep-copy) the settings and loaded state, not the weak ties to the connected optimizers.
+
+        A copy connects the optimizers of its own run, as a fresh policy does.
+        """
+        return {**self.__dict__, "_steps": None, "_connected": []}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._steps = weakref.WeakValueDictionary()
+
     def rounding_step(self, optimizer: Optimizer) -> StochasticRoundingStep | None:
         """The stochastic-rounding step attached to ``optimizer``, if it was connected."""
         step = self._steps.get(id(optimizer))
@@ -119,7 +129,14 @@ class LeanPolicy(PrecisionPolicy):
                 the fp32 averaged copy and the bf16 model to share dtypes.
 
         """
-        convert_to_half(module, torch.bfloat16, self.overrides, keep_normalization_fp32=True, float_outputs=False)
+        convert_to_half(
+            module,
+            torch.bfloat16,
+            self.overrides,
+            keep_normalization_fp32=True,
+            float_outputs=False,
+            handles=self.hook_handles,
+        )
         for callback in _weight_averaging_callbacks(module):
             averaged = callback._average_model
             if averaged is not None and uses_foreach_update(averaged) and _dtypes(averaged.module) != _dtypes(module):
@@ -145,6 +162,7 @@ class LeanPolicy(PrecisionPolicy):
             TypeError: if an optimizer is not ``Adam``, ``AdamW`` or ``SGD``.
 
         """
+        optimizers = super().connect(module, optimizers)
         self._connected = [reference for reference in self._connected if reference() is not None]
         for optimizer in optimizers:
             if self.rounding_step(optimizer) is None:

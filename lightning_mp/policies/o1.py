@@ -6,7 +6,7 @@ states stay fp32, so no master copy is needed; in fp16 the loss is scaled dynami
 mixed precision, and the default level.
 
 Modules matched by ``keep_fp32`` run outside autocast, on fp32 inputs, and return fp32
-(:mod:`lightning_mp.overrides`).
+(:mod:`lightning_mp.overrides`); their hooks are removed at teardown.
 """
 
 from __future__ import annotations
@@ -26,6 +26,6 @@ class O1Policy(PrecisionPolicy):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Put the ``keep_fp32`` modules in fp32 regions; the weights stay as they are."""
-        Fp32Overrides(self.keep_fp32).apply(module)
+        """Put the ``keep_fp32`` modules in fp32 regions until teardown; the weights stay as they are."""
+        Fp32Overrides(self.keep_fp32).apply(module, self.hook_handles)
         return module

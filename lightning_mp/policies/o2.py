@@ -7,11 +7,21 @@ computes with, as in FSDP's mixed precision without sharding:
 
 1. ``convert_module`` only records which parameters compute in half: the fp32 parameters of every module except
    normalisation layers (BatchNorm, LayerNorm, GroupNorm, InstanceNorm, RMSNorm and any class whose name ends in
-   ``Norm``), recurrent layers (their forward reads a cached list of their weights, not the module's slots, so
-   autocast casts those per call, as in O1) and the subtrees that ``keep_fp32`` matches. Nothing is cast; the only
-   hooks attached are the ``keep_fp32`` fp32 regions (point 5). Parameters of other dtypes (fp64) and every buffer
-   keep their dtype. In fp16 a weight beyond fp16's range (65504) is refused
-   by name here already.
+   ``Norm``), the subtrees that ``keep_fp32`` matches, and layers whose forward needs the fp32 parameter itself
+   (autocast casts their weights per use instead, as in O1):
+
+   - recurrent layers: their forward reads a cached list of their weights, not the module's slots;
+   - reparametrized weights (``torch.nn.utils.parametrize``: ``parametrizations.spectral_norm``, ``weight_norm``,
+     ``orthogonal``; and the older ``nn.utils.spectral_norm``/``weight_norm`` hooks): the parametrization runs on
+     the original parameter and may keep fp32 state that it updates in place (spectral norm's power-iteration
+     vectors), so it computes in fp32 and autocast casts the weight it produces;
+   - sparse embeddings (``Embedding``/``EmbeddingBag`` with ``sparse=True``): the backward of a cast cannot carry a
+     sparse gradient, and a half copy of a whole table would read every row for the few a batch looks up.
+
+   Lazy parameters (``nn.LazyLinear``) are recorded too, and compute in fp32 until their first forward
+   materialises them; every later forward uses half copies. Nothing is cast; the only hooks attached are the
+   ``keep_fp32`` fp32 regions (point 5). Parameters of other dtypes (fp64) and every buffer keep their dtype. In
+   fp16 a weight beyond fp16's range (65504) is refused by name here already (a lazy one after its first skip).
 2. On entering the forward context (training, validation, test and predict steps, and Fabric's module forward),
    one pass over those parameters casts each to the half type (a tied parameter once for all its uses), and the
    half copy takes the parameter's place in its module (``module._parameters[name]``). The cast is differentiable:
@@ -70,7 +80,9 @@ Private torch names used: ``nn.Module._parameters`` (the only way to put a plain
 keeping the module's parameter order; ``torch.nn.utils.stateless`` and ``torch.func.functional_call`` do the same,
 but they wrap one ``forward`` call, not a LightningModule's ``training_step``);
 ``nn.modules.batchnorm._NormBase`` (the common base of the batch and instance norms); ``Tensor._version`` (the
-in-place version counter autograd itself checks saved tensors against: the recast in backward checks it too).
+in-place version counter autograd itself checks saved tensors against: the recast in backward checks it too);
+``nn.Module._forward_pre_hooks`` (read only, to find the older spectral and weight norm hooks, which leave no other
+mark on the module).
 """
 
 from __future__ import annotations
@@ -82,8 +94,10 @@ from types import TracebackType
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides, Fp32Region, has_fp32_region, outermost
@@ -98,6 +112,7 @@ NORMALIZATION_TYPES: tuple[type[nn.Module], ...] = (
     nn.RMSNorm,
 )
 _NORM_NAME = re.compile(r"Norm(\d[dD])?$")
+_LEGACY_REPARAMETRIZATIONS = (SpectralNorm, WeightNorm)
 
 
 def is_normalization(module: nn.Module) -> bool:
@@ -139,6 +154,24 @@ class HalfOverflowError(RuntimeError):
             f" becoming inf: {shown}. Train in bf16 (precision='bf16-mixed'), which has fp32's range, keep these"
             " modules in fp32 (keep_fp32=[...]), or bring the weights into range (weight decay, a smaller init)."
         )
+
+
+def computes_weights_in_fp32(module: nn.Module) -> set[nn.Module]:
+    """The modules under ``module`` whose forward needs their fp32 parameters themselves, not half copies.
+
+    Reparametrized weights (their parametrization subtree, or a module with an older ``spectral_norm`` or
+    ``weight_norm`` hook) and sparse embeddings: the module docstring, point 1, says why.
+    """
+    found: set[nn.Module] = set()
+    for child in module.modules():
+        parametrizations = getattr(child, "parametrizations", None) if parametrize.is_parametrized(child) else None
+        if isinstance(parametrizations, nn.Module):
+            found.update(parametrizations.modules())
+        legacy_hook = any(isinstance(hook, _LEGACY_REPARAMETRIZATIONS) for hook in child._forward_pre_hooks.values())
+        sparse_embedding = isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse
+        if legacy_hook or sparse_embedding:
+            found.add(child)
+    return found
 
 
 def overflowing_weights(named: Sequence[tuple[str, Tensor]], dtype: torch.dtype) -> tuple[list[str], list[float]]:
@@ -194,6 +227,12 @@ class SavedWeight:
         if copy.size() == size and copy.stride() == stride and offset == 0:
             return copy
         return copy.as_strided(size, stride, offset)
+
+
+def _swappable(parameter: Tensor) -> bool:
+    """An fp32 parameter with values: a lazy one stays in place until its module's first forward materialises it."""
+    # isinstance, not torch's is_lazy: dynamo traces it in a model compiled after fabric.setup, without a graph break.
+    return parameter.dtype == torch.float32 and not isinstance(parameter, nn.UninitializedParameter)
 
 
 def _unpack(saved: Tensor | SavedWeight) -> Tensor:
@@ -284,7 +323,7 @@ class HalfWeights(AbstractContextManager):
         stepped_ids = {id(parameter) for parameter in stepped}
         copies: dict[int, Tensor] = {}
         for (module, name), parameter in zip(self.slots, self._originals, strict=True):
-            if parameter is None or id(parameter) not in stepped_ids or parameter.dtype != torch.float32:
+            if parameter is None or id(parameter) not in stepped_ids or not _swappable(parameter):
                 continue
             copy = copies.get(id(parameter))
             if copy is None:
@@ -319,7 +358,7 @@ class HalfWeights(AbstractContextManager):
         for module, name in self.slots:
             parameter = module._parameters[name]
             originals.append(parameter)
-            if parameter is None or parameter.dtype != torch.float32:
+            if parameter is None or not _swappable(parameter):
                 continue
             copy = copies.get(id(parameter))
             if copy is None:
@@ -359,7 +398,6 @@ class O2Policy(PrecisionPolicy):
         self.overrides = Fp32Overrides(self.keep_fp32)
         self._half_weights: HalfWeights | None = None
         self._half_parameters: list[tuple[str, nn.Parameter]] = []
-        self._fp32_region_handles: list[RemovableHandle] = []
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -370,11 +408,11 @@ class O2Policy(PrecisionPolicy):
 
         """
         assert self.half_dtype is not None
-        kept = self.overrides.kept_modules(module)
+        in_fp32 = self.overrides.kept_modules(module) | computes_weights_in_fp32(module)
         slots: list[tuple[nn.Module, str]] = []
         named: dict[int, tuple[str, nn.Parameter]] = {}
         for module_name, child in module.named_modules():
-            if child in kept or is_normalization(child) or isinstance(child, nn.RNNBase):
+            if child in in_fp32 or is_normalization(child) or isinstance(child, nn.RNNBase):
                 continue
             prefix = f"{module_name}." if module_name else ""
             for name, parameter in child.named_parameters(recurse=False):
@@ -386,7 +424,7 @@ class O2Policy(PrecisionPolicy):
         roots = [module.get_submodule(name) for name in outermost(self.overrides.match(module))]
         for root in roots:
             if not has_fp32_region(root):  # a region the user attached is the user's to keep
-                self._fp32_region_handles += Fp32Region().attach(root)
+                self.hook_handles += Fp32Region().attach(root)
         names = {id(parameter): name for name, parameter in self._half_parameters}
         self._half_weights = HalfWeights(slots, self.half_dtype, names, self.recast_in_backward)
         return module
@@ -419,16 +457,19 @@ class O2Policy(PrecisionPolicy):
     @override
     def teardown(self) -> None:
         """Remove the fp32 regions' hooks and drop every reference to the model, so that none stays alive."""
-        for handle in self._fp32_region_handles:
-            handle.remove()
-        self._fp32_region_handles = []
+        super().teardown()
         self._half_weights = None
         self._half_parameters = []
 
     def _check_range(self) -> None:
         if self.half_dtype != torch.float16:
             return
-        names, largest = overflowing_weights(self._half_parameters, torch.float16)
+        materialized = [
+            (name, parameter)
+            for name, parameter in self._half_parameters
+            if not isinstance(parameter, nn.UninitializedParameter)
+        ]
+        names, largest = overflowing_weights(materialized, torch.float16)
         if names:
             raise HalfOverflowError(names, largest, torch.float16)
 

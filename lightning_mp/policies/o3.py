@@ -16,7 +16,8 @@ Conversion (:func:`convert_to_half`, in place, before the model moves to its dev
    with a warning: keeping one side only would make the first forward mix fp32 and half.
 2. Hooks make the dtypes meet: a module with half weights casts its floating inputs to the half type; a kept
    normalisation layer computes in fp32 and hands its output back in the half type; the root module returns fp32
-   outputs, so that the loss is computed in fp32.
+   outputs, so that the loss is computed in fp32. Teardown removes them: after fit the model is a plain half model,
+   as Lightning's ``16-true``/``bf16-true`` leave it, that takes inputs in its weights' dtype.
 
 An optimizer's ``eps`` lives in the weights' dtype too. Adam's default ``1e-8`` is 0 in fp16, so a parameter whose
 gradient and moments are 0 would be updated by 0/0 = NaN on the first clean step. ``connect`` therefore raises
@@ -42,6 +43,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides, Fp32Region, cast_low_precision, has_fp32_region
@@ -113,6 +115,7 @@ def convert_to_half(
     keep_normalization_fp32: bool = True,
     float_outputs: bool = True,
     keep_batch_normalization_fp32: bool = False,
+    handles: list[RemovableHandle] | None = None,
 ) -> None:
     """Cast ``module`` to ``dtype`` in place, keeping ``keep_fp32`` subtrees (and normalisation layers) in fp32.
 
@@ -126,6 +129,8 @@ def convert_to_half(
         float_outputs: make the root module return fp32 outputs.
         keep_batch_normalization_fp32: keep batch norms (SyncBatchNorm included) in fp32 even when other
             normalisation layers are cast: their running statistics accumulate over the whole run (O3).
+        handles: if given, the handles of the hooks attached now are appended to it, for the caller to remove them
+            (training removes them at teardown; an exported inference model keeps them).
 
     """
     partners = _tied_to_kept(module, overrides)
@@ -135,8 +140,9 @@ def convert_to_half(
         )
     if partners:
         overrides = Fp32Overrides([*overrides.patterns, *partners])
+    attached: list[RemovableHandle] = [] if handles is None else handles
     kept = overrides.kept_modules(module)
-    overrides.apply(module)
+    overrides.apply(module, attached)
     for child in module.modules():
         if child in kept:
             continue
@@ -144,7 +150,7 @@ def convert_to_half(
             keep_batch_normalization_fp32 and isinstance(child, nn.modules.batchnorm._BatchNorm)
         ):
             if not has_fp32_region(child):
-                Fp32Region(restore_output_dtype=True).attach(child)
+                attached += Fp32Region(restore_output_dtype=True).attach(child)
             continue
         for parameter in child.parameters(recurse=False):
             if _castable(parameter, dtype):
@@ -155,9 +161,9 @@ def convert_to_half(
                 setattr(child, name, buffer.to(dtype))
         has_floating_weights = any(p.is_floating_point() for p in child.parameters(recurse=False))
         if has_floating_weights and not _has_hook(child._forward_pre_hooks, MatchParameterDtype):
-            child.register_forward_pre_hook(MatchParameterDtype(), with_kwargs=True)
+            attached.append(child.register_forward_pre_hook(MatchParameterDtype(), with_kwargs=True))
     if float_outputs and not _has_hook(module._forward_hooks, FloatOutputs):
-        module.register_forward_hook(FloatOutputs())
+        attached.append(module.register_forward_hook(FloatOutputs()))
 
 
 def vanishing_eps_groups(optimizer: Optimizer) -> list[tuple[int, float, torch.dtype]]:
@@ -211,12 +217,14 @@ class O3Policy(PrecisionPolicy):
             self.overrides,
             keep_normalization_fp32=False,
             keep_batch_normalization_fp32=True,
+            handles=self.hook_handles,
         )
         return module
 
     @override
     def connect(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
         """Raise every ``eps`` that is 0 in the half type to its smallest normal number, with a warning."""
+        optimizers = super().connect(module, optimizers)
         for optimizer in optimizers:
             for index, eps, dtype in vanishing_eps_groups(optimizer):
                 corrected = torch.finfo(dtype).tiny

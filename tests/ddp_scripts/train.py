@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inject-rank", type=int, default=1)
     parser.add_argument("--inject-at", default="")
     parser.add_argument("--max-steps", type=int, default=8)
-    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "fused-adam", "fused-adamw", "fused-sgd"])
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "fused-adam", "fused-adamw", "fused-sgd"])
     parser.add_argument("--gradient-clip-val", type=float, default=None)
     parser.add_argument("--gradient-clip-algorithm", default="norm", choices=["norm", "value"])
     parser.add_argument("--init-scale", type=float, default=2.0**8)

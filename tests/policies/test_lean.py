@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import pickle
 import warnings
 import weakref
 from pathlib import Path
@@ -254,6 +255,58 @@ def test_persistent_bytes_per_parameter_are_8_and_10_with_kahan() -> None:
         assert total == expected * sum(parameter.numel() for parameter in model.parameters())
 
 
+def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of weights, gradients and elementwise optimizer states."""
+    total = 0
+    for parameter in model.parameters():
+        total += parameter.nbytes + parameter.grad.nbytes
+        total += sum(value.nbytes for key, value in optimizer.state[parameter].items() if key in ELEMENTWISE_STATES)
+    return total
+
+
+@pytest.mark.parametrize(("opt_level", "bytes_per_parameter"), [("lean", 8), ("O1", 16), ("O2", 16)])
+def test_a_lean_kahan_checkpoint_resumed_without_kahan_drops_the_compensation_buffers(
+    tmp_path: Path, opt_level: str, bytes_per_parameter: int
+) -> None:
+    """Resuming lean-kahan under another level warns and keeps no Kahan buffer: memory is that level's own."""
+    first = make_trainer(MixedPrecision("bf16-mixed", opt_level="lean-kahan"), max_steps=2)
+    first.fit(LeanNet(norm=False), classification_loader())
+    checkpoint = tmp_path / "kahan.ckpt"
+    first.save_checkpoint(checkpoint)
+    model = LeanNet(norm=False)
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level), max_steps=4)
+    with pytest.warns(UserWarning, match=f"Kahan compensation buffers for 4 parameters .*{opt_level!r}.* dropped"):
+        trainer.fit(model, classification_loader(), ckpt_path=checkpoint)
+    optimizer = trainer.optimizers[0]
+    assert not any(COMPENSATION_KEY in state for state in optimizer.state_dict()["state"].values())
+    assert persistent_bytes(model, optimizer) == bytes_per_parameter * sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("opt_level", ["lean", "O1"])
+def test_fabric_load_of_a_lean_kahan_state_without_kahan_drops_the_compensation_buffers(
+    tmp_path: Path, opt_level: str
+) -> None:
+    """Under Fabric too, a lean-kahan state loaded into another level loses its Kahan buffers at the first step."""
+    states = {}
+    for level in ("lean-kahan", opt_level):
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("bf16-mixed", opt_level=level)])
+        model = LeanNet(norm=False)
+        module, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        if level == opt_level:
+            fabric.load(tmp_path / "kahan.ckpt", {"model": module, "optimizer": optimizer})
+        features, target = next(iter(classification_loader()))
+        fabric.backward(F.cross_entropy(module(features).float(), target))
+        if level == opt_level:
+            with pytest.warns(UserWarning, match="Kahan compensation buffers"):
+                optimizer.step()
+        else:
+            optimizer.step()
+            fabric.save(tmp_path / "kahan.ckpt", {"model": module, "optimizer": optimizer})
+        states[level] = optimizer.state_dict()["state"]
+    assert all(COMPENSATION_KEY in state for state in states["lean-kahan"].values())
+    assert not any(COMPENSATION_KEY in state for state in states[opt_level].values())
+
+
 def test_unsupported_settings_are_refused_with_clear_errors() -> None:
     """fp16, fp32 and optimizers other than Adam, AdamW and SGD are refused, naming what is allowed."""
     for precision in ("16-mixed", "32-true"):  # refused at construction, not first at fit
@@ -316,6 +369,31 @@ def test_a_reused_plugin_keeps_no_reference_to_the_previous_model() -> None:
     del model, trainer
     gc.collect()
     assert model_reference() is None and optimizer_reference() is None
+
+
+@pytest.mark.parametrize("copy_plugin", [lambda plugin: pickle.loads(pickle.dumps(plugin)), copy.deepcopy])
+def test_a_plugin_pickles_after_fit_and_the_copy_trains_like_a_fresh_one(copy_plugin: Any) -> None:
+    """A lean plugin pickles and deep-copies after fit, as its __getstate__ promises; the copy trains as a new one."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean-kahan")
+    make_trainer(plugin, max_steps=2).fit(LeanNet(), classification_loader())
+    trained_by = {}
+    for name, each in (("copy", copy_plugin(plugin)), ("fresh", MixedPrecision("bf16-mixed", opt_level="lean-kahan"))):
+        trained_by[name] = model = LeanNet()
+        make_trainer(each, max_steps=3).fit(model, classification_loader())
+    for name, value in trained_by["fresh"].state_dict().items():
+        assert torch.equal(trained_by["copy"].state_dict()[name], value), name
+
+
+def test_a_plugin_pickles_in_the_middle_of_a_fabric_run() -> None:
+    """Under Fabric, whose loop never tears the plugin down, the lean plugin pickles between steps."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = LeanNet()
+    module, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    features, target = next(iter(classification_loader()))
+    fabric.backward(F.cross_entropy(module(features).float(), target))
+    optimizer.step()
+    assert pickle.loads(pickle.dumps(plugin)).opt_level == "lean"
 
 
 def test_an_optimizer_loaded_before_it_is_connected_resumes_exactly_from_the_plugin_state() -> None:

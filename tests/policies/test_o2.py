@@ -925,3 +925,87 @@ def test_o2_activation_checkpointing_trains_exactly_as_without_it() -> None:
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(weights[0], weights[1])
     assert not torch.equal(weights[0], torch.cat([p.detach().flatten() for p in Checkpointed(False).parameters()]))
+
+
+# ------------------------------------------------------------------------------------------------ layers users have
+
+
+class WithLayer(L.LightningModule):
+    """A layer under test, then a plain linear head; records the head's and the layer's weight dtypes per step."""
+
+    def __init__(self, layer: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer_name = layer
+        self.layer = _LAYERS[layer]()
+        self.head = nn.Linear(8, 4)
+        self.weight_dtypes: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def forward(self, features: Tensor) -> Tensor:
+        if isinstance(self.layer, nn.EmbeddingBag):
+            hidden = self.layer((features.abs() * 3).long().clamp(max=9))
+        elif isinstance(self.layer, nn.Embedding):
+            hidden = self.layer((features.abs() * 3).long().clamp(max=9)).mean(1)
+        else:
+            hidden = self.layer(features)
+        self.weight_dtypes.append((self.layer.weight.dtype, self.head.weight.dtype))
+        return self.head(hidden)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        features, target = batch
+        return F.cross_entropy(self(features).float(), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+_LAYERS: dict[str, Any] = {
+    "spectral_norm": lambda: nn.utils.spectral_norm(nn.Linear(8, 8)),
+    "parametrizations.spectral_norm": lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)),
+    "parametrizations.weight_norm": lambda: nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)),
+    "sparse_embedding": lambda: nn.Embedding(10, 8, sparse=True),
+    "sparse_embedding_bag": lambda: nn.EmbeddingBag(10, 8, sparse=True),
+    "lazy_linear": lambda: nn.LazyLinear(8),
+}
+
+
+def fit_layer(layer: str, precision: str, opt_level: str) -> WithLayer:
+    model = WithLayer(layer)
+    init_scale = 2.0**10 if precision == "16-mixed" else None
+    plugin = MixedPrecision(precision, opt_level=opt_level, init_scale=init_scale)  # type: ignore[arg-type]
+    make_trainer(plugin, max_steps=4).fit(model, loader())
+    return model
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("layer", ["spectral_norm", "parametrizations.spectral_norm", "parametrizations.weight_norm"])
+def test_o2_trains_reparametrized_weights_in_fp32_like_o1(layer: str, precision: str) -> None:
+    """A spectral- or weight-normalised layer (GAN discriminators) trains under O2 as under O1; the rest is half."""
+    o1, o2_model = fit_layer(layer, precision, "O1"), fit_layer(layer, precision, "O2")
+    assert o2_model.weight_dtypes[-1] == (torch.float32, HALF[precision])
+    for name, tensor in o2_model.state_dict().items():
+        assert tensor.dtype == torch.float32, name
+        torch.testing.assert_close(tensor, o1.state_dict()[name], rtol=2e-2, atol=2e-3)
+    assert not torch.equal(o2_model.head.weight, WithLayer(layer).head.weight)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("layer", ["sparse_embedding", "sparse_embedding_bag"])
+def test_o2_trains_sparse_embeddings_with_sgd_like_o1(layer: str, precision: str) -> None:
+    """Sparse embeddings train with SGD under O2, as under O1: their fp32 rows get sparse fp32 gradients."""
+    o1, o2_model = fit_layer(layer, precision, "O1"), fit_layer(layer, precision, "O2")
+    assert o2_model.weight_dtypes[-1] == (torch.float32, HALF[precision])
+    assert not torch.equal(o2_model.layer.weight, WithLayer(layer).layer.weight)
+    for name, parameter in o2_model.named_parameters():
+        torch.testing.assert_close(parameter, o1.get_parameter(name), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_trains_a_lazy_linear_with_half_copies_after_its_first_forward(precision: str) -> None:
+    """A LazyLinear materialises in fp32 at its first forward and then computes with half copies, like O1 trains."""
+    o1, o2_model = fit_layer("lazy_linear", precision, "O1"), fit_layer("lazy_linear", precision, "O2")
+    assert o2_model.weight_dtypes[0] == (torch.float32, HALF[precision])
+    assert o2_model.weight_dtypes[-1] == (HALF[precision], HALF[precision])
+    assert o2_model.layer.weight.dtype == torch.float32 and o2_model.layer.weight.shape == (8, 8)
+    for name, parameter in o2_model.named_parameters():
+        torch.testing.assert_close(parameter, o1.get_parameter(name), rtol=2e-2, atol=2e-3)
