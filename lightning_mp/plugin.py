@@ -87,7 +87,7 @@ from lightning_mp.engine import FabricEngine, StepEngine, TrainerEngine
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies import POLICIES, PrecisionPolicy
 from lightning_mp.scaler import LossScaler, ScalerSettings, ScalingMode
-from lightning_mp.stats import PrecisionStats
+from lightning_mp.stats import PrecisionStats, ScalerView
 
 PrecisionName = Literal["auto", "16-mixed", "bf16-mixed", "32-true"]
 PRECISIONS: tuple[str, ...] = ("auto", "16-mixed", "bf16-mixed", "32-true")
@@ -355,6 +355,15 @@ class MixedPrecision(LightningMixedPrecision):
         if self._loss_scaler is not None and self._loss_scaler.scales_loss:
             return self._loss_scaler
         return None
+
+    @property
+    def scaler_view(self) -> ScalerView:
+        """The scaler's overflow counter and settings for telemetry, in every precision; never synchronises."""
+        scaler = self._loss_scaler
+        if scaler is None:
+            return ScalerView()
+        max_scale = scaler.max_scale if scaler.mode == "dynamic" else None
+        return ScalerView(scaler.local_overflow_count, max_scale, scaler.scales_loss)
 
     @property
     def policy(self) -> PrecisionPolicy | None:
