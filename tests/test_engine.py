@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from lightning_mp import LossScaler, MixedPrecision
@@ -72,6 +73,25 @@ def test_the_scale_backs_off_on_a_skip_and_grows_after_clean_steps_once_settled(
     engine.settle()
     assert engine.loss_scaler.get_scale() == 2.0**8
     assert (engine.loss_scaler.optimizer_steps, engine.loss_scaler.skipped_steps) == (3, 1)
+
+
+@pytest.mark.parametrize("algorithm", [GradClipAlgorithmType.NORM, GradClipAlgorithmType.VALUE])
+def test_clipping_before_the_step_clips_the_true_gradients_once(algorithm: GradClipAlgorithmType) -> None:
+    """Lightning's clip_gradients hook under Fabric unscales first, clips, and the step does not unscale again."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = fabric_engine(model, init_scale=2.0**8)
+    engine.backward(model(torch.randn(8, 4)).pow(2).mean() * 100, None)
+    engine.clip_gradients(optimizer, 0.5, algorithm)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    if algorithm is GradClipAlgorithmType.NORM:
+        assert float(grads.norm()) == pytest.approx(0.5, rel=1e-4)
+    else:
+        assert float(grads.abs().max()) == pytest.approx(0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.optimizer_step(optimizer, None, None)
+    for weight, moved in zip(before, model.parameters(), strict=True):
+        torch.testing.assert_close(weight - moved.detach(), 0.1 * moved.grad)
 
 
 @pytest.mark.parametrize(
