@@ -183,9 +183,10 @@ torch's ``aten/src/ATen/native/cuda/AmpKernels.cu``): bf16 is refused there, alt
 def _inf_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The inf-norm of each tensor (all of one dtype), in a dtype CUDA's check kernel takes: one kernel, no cast.
 
-    bf16 norms come out in float32; other dtypes keep theirs (torch refuses to narrow float64 norms to float32).
+    bf16 norms come out in float32; other dtypes keep theirs: torch refuses to narrow float64 norms to float32, and
+    the norms of complex tensors are already real (complex64's are float32).
     """
-    dtype = None if tensors[0].dtype in UNSCALE_KERNEL_DTYPES else torch.float32
+    dtype = torch.float32 if tensors[0].dtype is torch.bfloat16 else None
     return list(torch._foreach_norm(tensors, math.inf, dtype=dtype))
 
 

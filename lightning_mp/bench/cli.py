@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import warnings
@@ -262,6 +263,8 @@ def _emit(text: str, out: Path | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark that ``argv`` asks for and print its report; returns the exit status."""
     args = parse_args(argv)
+    # Every configuration builds a Trainer, whose setup banners ("GPU available: ...") would bury the report.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     if args.counts:
         _emit(counts_report(args.quick), args.out)
         return 0
