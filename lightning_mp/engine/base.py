@@ -189,7 +189,7 @@ class StepEngine(ABC):
     # ------------------------------------------------------------------------------------------------ forward
 
     def before_forward(self) -> None:  # noqa: B027 (a stage an engine may leave empty)
-        """Called at every forward, inside the forward context and before autocast."""
+        """Called at every eager forward, before the opt level's forward context and autocast are entered."""
 
     def convert_input(self, data: Any) -> Any:
         """The forward's inputs, as the model receives them."""
