@@ -17,7 +17,7 @@ from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
 from lightning_mp.inference import ParityReport, compare, to_inference
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.scaler import LossScaler
-from lightning_mp.stats import PrecisionStats
+from lightning_mp.stats import PrecisionStats, ScalerView
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "ParityReport",
     "PrecisionSentinel",
     "PrecisionStats",
+    "ScalerView",
     "__version__",
     "advise",
     "compare",

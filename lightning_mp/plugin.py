@@ -5,10 +5,15 @@ call that one accepts, this one accepts with the same meaning; the scaler's knob
 
     trainer = Trainer(plugins=[MixedPrecision("16-mixed", growth_interval=1000, hysteresis=2)])
 
-or to Fabric, ``Fabric(plugins=[MixedPrecision(...)])``, whose loop it drives as :mod:`lightning_mp._fabric`
-describes.
+or to Fabric, ``Fabric(plugins=[MixedPrecision(...)])``.
 
-What happens in a training iteration:
+The plugin only adapts: it owns the settings, the opt level (:mod:`lightning_mp.policies`) and the loss scaler
+(:mod:`lightning_mp.scaler`), and hands every step hook to one step engine chosen when the model is converted: the
+Trainer's (:mod:`lightning_mp.engine.trainer`) when a Trainer is attached to the model, else Fabric's
+(:mod:`lightning_mp.engine.fabric`). What a step is, and the pieces both engines share, is written once in
+:mod:`lightning_mp.engine.base`. Autocast itself is the plugin's ``forward_context``.
+
+What happens in a training iteration under the Trainer:
 
 1. The forward pass (training, validation, test and predict steps) runs under ``torch.autocast`` when the opt level
    uses autocast (O1, and O2 around its half weight copies), in fp16 or bf16. Before the first forward after an
@@ -29,7 +34,7 @@ What happens in a training iteration:
 
 LBFGS evaluates its closure several times per step, so a loss scale cannot be checked between backward and step:
 fp16 refuses it. In bf16 and fp32 the plugin copies the weights and the optimizer state before the step and puts
-them back when a loss or a gradient was inf or NaN, which counts as a skipped step.
+them back when a loss or a gradient was inf or NaN, which counts as a skipped step (under Fabric too).
 
 In bf16 and fp32 nothing is scaled, but non-finite steps are still detected and skipped, so no precision ever
 writes a NaN into the weights. The scaler's state and the counters are saved in Lightning checkpoints and restored
@@ -47,14 +52,8 @@ half dtype, and so that Lightning itself restores the legacy ``native_amp_scalin
 
 Private names used, and why:
 
-* ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: Lightning's test for optimizers that
-  unscale inside their own step (fused Adam/AdamW/SGD), the same test Lightning's plugin makes.
-* ``GradScaler._per_optimizer_states``: when an explicit ``scaler.unscale_(opt)`` went through Lightning's
-  ``LightningOptimizer`` wrapper, its record moves to the wrapped optimizer (``_adopt_wrapper_unscale``), so that
-  the plugin does not unscale again. Whether an optimizer was unscaled, and its inf flag, come from
-  :meth:`LossScaler.is_unscaled` and :meth:`LossScaler.found_inf`.
-* ``LightningModule._trainer`` (read with ``getattr``, here and through :mod:`lightning_mp._fabric`): whether a
-  Trainer drives the hook, and its device; the public ``trainer`` property raises when none is attached.
+* ``LightningModule._trainer`` (read with ``getattr``): whether a Trainer drives the run, which chooses the engine,
+  and its device; the public ``trainer`` property raises when none is attached.
 * The torch GradScaler state key ``_growth_tracker``: torch's own ``state_dict`` names it so, and the checkpoint
   entry carries torch's five keys for Lightning's plugin to resume from.
 * ``GradScaler._device``: the device a ``scaler=`` was built for (torch has no getter); a scaler for another
@@ -64,8 +63,6 @@ Private names used, and why:
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import threading
 import warnings
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -73,29 +70,24 @@ from dataclasses import replace
 from typing import Any, Literal, cast
 
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch import LightningModule
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
-from lightning.pytorch.plugins.precision.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp._compile import autocast_by_flags, backward_outside_autocast
-from lightning_mp._fabric import FabricSteps, attached_trainer, check_input_device, check_loss
 from lightning_mp._hardware import choose_precision, device_has_native_bf16, emulated_bf16_warning
 from lightning_mp._scale_rules import FLOAT32_MAX, STATIC_SCALE_FLOOR, OnMinScale
-from lightning_mp._schedulers import SkipAwareScheduler
 from lightning_mp._validation import check_choice, check_flag, check_number, exact, plain_scalar
-from lightning_mp.overrides import Fp32Overrides, cast_low_precision
+from lightning_mp.engine import FabricEngine, StepEngine, TrainerEngine
+from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies import POLICIES, PrecisionPolicy
 from lightning_mp.scaler import LossScaler, ScalerSettings, ScalingMode
-from lightning_mp.stats import PrecisionStats
+from lightning_mp.stats import PrecisionStats, ScalerView
 
 PrecisionName = Literal["auto", "16-mixed", "bf16-mixed", "32-true"]
 PRECISIONS: tuple[str, ...] = ("auto", "16-mixed", "bf16-mixed", "32-true")
@@ -113,19 +105,6 @@ _RUN_CLAIMS = threading.Lock()
 """Serialises the claims of runs on plugins (:meth:`MixedPrecision._claim_run`)."""
 _HALF_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 _TORCH_SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
-
-
-def _adopt_wrapper_unscale(scaler: LossScaler, wrappers: Sequence[Any], optimizer: Optimizer) -> None:
-    """Record an ``unscale_`` the user made through a LightningOptimizer as made on the optimizer it wraps.
-
-    ``opt = self.optimizers()`` is a LightningOptimizer that shares its optimizer's ``param_groups``, so
-    ``scaler.unscale_(opt)`` unscaled the very gradients the plugin steps; without this the plugin, which sees the
-    wrapped optimizer, would unscale them a second time.
-    """
-    states = scaler._per_optimizer_states
-    for wrapper in wrappers:
-        if wrapper.optimizer is optimizer and scaler.is_unscaled(wrapper):
-            states[id(optimizer)] = states.pop(id(wrapper))
 
 
 def _device_type(owner: str, device: Any) -> str:
@@ -156,19 +135,9 @@ def _static_scale_or_dynamic(owner: str, loss_scale: Any) -> float | Literal["dy
         ) from None
 
 
-def _raw_optimizer(optimizer: Any) -> Any:
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _has_gradients(optimizer: Optimizer) -> bool:
-    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
-
-
-def _all_finite(loss: Any, parameters: Sequence[Tensor]) -> bool:
-    checks = [torch.isfinite(p.grad).all() for p in parameters if p.grad is not None]
-    if loss is not None:
-        checks.append(torch.isfinite(torch.as_tensor(loss)).all())
-    return bool(torch.stack(checks).all()) if checks else True
+def attached_trainer(module: nn.Module | None) -> Any:
+    """The Trainer a LightningModule is attached to; None for Fabric's modules (and no module)."""
+    return getattr(module, "_trainer", None)
 
 
 class MixedPrecision(LightningMixedPrecision):
@@ -335,13 +304,8 @@ class MixedPrecision(LightningMixedPrecision):
         self._loss_scaler: LossScaler | None = None
         self._policy: PrecisionPolicy | None = None
         self._pending_state: dict[str, Any] | None = None
-        self._normalization_layers: list[nn.Module] = []
-        self._saved_running_stats: list[Tensor] | None = None
-        self._skipped_by_optimizer: dict[int, bool | Tensor] = {}
-        """Per optimizer, its last step's verdict: a bool, or the device flag of a step skipped on the device."""
-        self._iteration_verdicts: list[bool | Tensor] = []
-        self._stepped_this_iteration = False
-        self._fabric: FabricSteps | None = None
+        self._engine: StepEngine | None = None
+        """The step engine of the run, chosen at setup: the Trainer's or Fabric's."""
         self._run_thread: int | None = None
         """The ident of the thread whose run (a Trainer's fit, or a Fabric loop) the plugin drives now."""
 
@@ -384,13 +348,22 @@ class MixedPrecision(LightningMixedPrecision):
     def scaler(self) -> LossScaler | None:  # type: ignore[override]
         """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup.
 
-        Under Fabric, reading it applies the pending scale update (:mod:`lightning_mp._fabric`).
+        Under Fabric, reading it applies the pending scale update (:mod:`lightning_mp.engine.fabric`).
         """
-        if self._fabric is not None:
-            self._fabric.settle()
+        if self._engine is not None:
+            self._engine.settle()
         if self._loss_scaler is not None and self._loss_scaler.scales_loss:
             return self._loss_scaler
         return None
+
+    @property
+    def scaler_view(self) -> ScalerView:
+        """The scaler's overflow counter and settings for telemetry, in every precision; never synchronises."""
+        scaler = self._loss_scaler
+        if scaler is None:
+            return ScalerView()
+        max_scale = scaler.max_scale if scaler.mode == "dynamic" else None
+        return ScalerView(scaler.local_overflow_count, max_scale, scaler.scales_loss)
 
     @property
     def policy(self) -> PrecisionPolicy | None:
@@ -403,10 +376,10 @@ class MixedPrecision(LightningMixedPrecision):
 
         Reading them never synchronises with the device.
 
-        Under Fabric, reading them applies the pending scale update (:mod:`lightning_mp._fabric`).
+        Under Fabric, reading them applies the pending scale update (:mod:`lightning_mp.engine.fabric`).
         """
-        if self._fabric is not None:
-            self._fabric.settle()
+        if self._engine is not None:
+            self._engine.settle()
         if self._loss_scaler is None:
             scaled = self.precision == "16-mixed" or self.requested_precision == "16-mixed"
             initial = self._scaler_settings.init_scale if self.loss_scale == "dynamic" else self.loss_scale
@@ -425,16 +398,22 @@ class MixedPrecision(LightningMixedPrecision):
     # ------------------------------------------------------------------------------------------------ setup
 
     def setup_for_device(self, device_type: str) -> None:
-        """Resolve the precision for ``device_type``, and build the opt level's policy and the loss scaler.
+        """Resolve the precision for ``device_type``, and build the opt level's policy, the loss scaler and an engine.
 
-        The plugin calls this itself when the Trainer sets up; call it directly only to use the plugin outside a
-        Trainer. Idempotent.
+        The plugin calls this itself when the Trainer or Fabric sets up; call it directly only to use the plugin
+        outside both, whose hooks then behave as under the Trainer. Idempotent.
 
         Raises:
             ValueError: if ``device`` was given and differs from ``device_type``, or ``scaler`` is a torch
                 GradScaler built for another device.
 
         """
+        self._build_run(device_type)
+        if self._engine is None:
+            self._engine = self._trainer_engine()
+
+    def _build_run(self, device_type: str) -> None:
+        """Resolve the precision and build the opt level's policy and the loss scaler (:meth:`setup_for_device`)."""
         if self._policy is not None:
             return
         if self.device is not None and self.device != device_type:
@@ -506,31 +485,97 @@ class MixedPrecision(LightningMixedPrecision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Resolve the precision from the Trainer's device, then let the opt level convert the module in place.
+        """Choose the step engine, resolve the precision for the run's device, and let the opt level convert.
 
-        A fit starts a new run (module docstring): the opt level and the scaler are built afresh.
+        A Trainer attached to the module chooses the Trainer's engine, its absence Fabric's. A Trainer's fit, or a
+        ``fabric.setup`` after the previous Fabric loop's steps, starts a new run (module docstring): the opt level
+        and the scaler are built afresh.
 
         Raises:
             RuntimeError: when a run in another thread uses the plugin now.
 
         """
-        trainer = attached_trainer(module)
-        if trainer is None:
-            return self._convert_for_fabric(module)
         self._claim_run()
-        if trainer.state.fn == TrainerFn.FITTING and self._policy is not None:
+        trainer = attached_trainer(module)
+        if trainer is not None:
+            if trainer.state.fn == TrainerFn.FITTING and self._policy is not None:
+                self._start_new_run()
+            self._build_run(self._trainer_device_type(module))
+            if not isinstance(self._engine, TrainerEngine):
+                self._engine = self._trainer_engine()
+            assert self._policy is not None
+            return self._policy.convert_module(module)
+        if isinstance(self._engine, FabricEngine) and self._engine.has_stepped:
             self._start_new_run()
-        self.setup_for_device(self._trainer_device_type(module))
-        assert self._policy is not None
-        return self._policy.convert_module(module)
+        parameter = next(module.parameters(), None)
+        placed = parameter.device.type if parameter is not None else "cpu"
+        # Fabric converts before it moves the model, and tells a plugin nothing of its accelerator: a model still on
+        # the CPU is assumed to go where Fabric's accelerator="auto" would put it, and the first forward confirms it.
+        assumed = placed if placed != "cpu" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self._build_run(self.device or assumed)
+        assert self._policy is not None and self._loss_scaler is not None
+        module = self._policy.convert_module(module)
+        if not isinstance(self._engine, FabricEngine):
+            self._engine = FabricEngine(self._loss_scaler, self._policy, self._follow_model_device)
+        self._engine.add_module(module)
+        return module
 
     @staticmethod
     def _trainer_device_type(module: nn.Module) -> str:
-        trainer = getattr(module, "_trainer", None)
+        trainer = attached_trainer(module)
         if trainer is not None:
             return trainer.strategy.root_device.type
         parameter = next(module.parameters(), None)
         return parameter.device.type if parameter is not None else "cpu"
+
+    def _trainer_engine(self) -> TrainerEngine:
+        assert self._policy is not None and self._loss_scaler is not None
+        return TrainerEngine(self._loss_scaler, self._policy, self, self.skip_scheduler_on_overflow)
+
+    def _follow_model_device(self, run_device: str | None) -> str:
+        """Autocast where Fabric put the model; refuse a ``device=`` or an ``"auto"`` choice that the run contradicts.
+
+        Returns:
+            The device type to autocast on.
+
+        Raises:
+            ValueError: when ``device`` was given and the model is on another device type, or when
+                ``precision="auto"`` chose, for the device assumed at ``fabric.setup``, another precision than it
+                chooses for the model's device.
+
+        """
+        assert self.device is not None
+        if run_device is None or run_device == self.device:
+            return self.device
+        if self.requested_device is not None:
+            raise ValueError(
+                f"MixedPrecision(device={self.requested_device!r}) does not match Fabric's device: the model runs on"
+                f" {run_device!r}. Leave device=None to follow Fabric, or pass device={run_device!r}."
+            )
+        if self.requested_precision == "auto":
+            choice, _ = choose_precision(run_device, self.opt_level)
+            if choice != self.precision:
+                raise ValueError(
+                    f"MixedPrecision(precision='auto') chose {self.precision!r} at fabric.setup for {self.device!r},"
+                    f" but Fabric runs the model on {run_device!r}, where 'auto' means {choice!r}. Pass"
+                    f" MixedPrecision(device={run_device!r}), or the precision itself."
+                )
+        self.device = run_device
+        return run_device
+
+    def _steps(self) -> StepEngine:
+        """The engine chosen at setup.
+
+        Raises:
+            RuntimeError: before setup.
+
+        """
+        if self._engine is None:
+            raise RuntimeError(
+                "MixedPrecision was not set up: a Trainer sets it up when it starts, Fabric at fabric.setup(model,"
+                " optimizer). Call fabric.setup before fabric.backward or optimizer.step."
+            )
+        return self._engine
 
     @override
     def connect(
@@ -542,27 +587,9 @@ class MixedPrecision(LightningMixedPrecision):
             MisconfigurationException: for LBFGS in fp16, where a step cannot be checked before it is taken.
 
         """
-        if self._policy is None:
+        if self._engine is None:
             self.setup_for_device(self._trainer_device_type(model))
-        assert self._policy is not None and self._loss_scaler is not None
-        if self._loss_scaler.scales_loss and any(isinstance(o, LBFGS) for o in optimizers):
-            raise MisconfigurationException(self._lbfgs_refusal())
-        optimizers = self._policy.connect(model, optimizers)
-        module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        self._loss_scaler.param_names = self._policy.parameter_names(module)
-        self._normalization_layers = [
-            layer
-            for layer in module.modules()
-            if getattr(layer, "track_running_stats", False) and getattr(layer, "running_mean", None) is not None
-        ]
-        if self.skip_scheduler_on_overflow:
-            for config in lr_schedulers:
-                scheduler: Any = getattr(config, "scheduler", None)
-                steps_per_batch = getattr(config, "interval", None) == "step" and hasattr(scheduler, "optimizer")
-                if steps_per_batch and not isinstance(scheduler, SkipAwareScheduler):
-                    asks = functools.partial(self.last_step_skipped, scheduler.optimizer)
-                    config.scheduler = SkipAwareScheduler(scheduler, asks)
-        return model, optimizers, lr_schedulers
+        return self._steps().connect(model, optimizers, lr_schedulers)
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one.
@@ -571,15 +598,7 @@ class MixedPrecision(LightningMixedPrecision):
             scaler hands to a fused kernel), this reads its inf flag: one host sync. An ``interval="step"``
             scheduler asks it after every step.
         """
-        return bool(self._skipped_by_optimizer.get(id(_raw_optimizer(optimizer)), False))
-
-    def _lbfgs_refusal(self) -> str:
-        return (
-            f"MixedPrecision(precision={self.precision!r}) cannot train with LBFGS: LBFGS evaluates its closure"
-            " several times within one step, so the loss scale cannot be checked and adjusted between backward"
-            " and step (torch's GradScaler refuses closures too). Use precision='bf16-mixed' or '32-true' with LBFGS,"
-            " where a non-finite loss or gradient leaves the weights as they were and counts as a skipped step."
-        )
+        return self._engine.last_step_skipped(optimizer) if self._engine is not None else False
 
     # ------------------------------------------------------------------------------------------------ steps
 
@@ -591,8 +610,8 @@ class MixedPrecision(LightningMixedPrecision):
         if policy is None:
             yield
             return
-        if self._fabric is not None and not torch.compiler.is_compiling():
-            self._fabric.save_running_stats()  # a skipped step puts them back (lightning_mp._fabric)
+        if self._engine is not None and not torch.compiler.is_compiling():
+            self._engine.before_forward()
         with policy.forward_context():
             if not policy.uses_autocast or self.half_dtype is None:
                 yield
@@ -610,32 +629,55 @@ class MixedPrecision(LightningMixedPrecision):
     @override
     @contextlib.contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
-        """Save the running statistics before the iteration's first forward; end a manual iteration that stepped.
+        """The training step, in the forward context; the engine learns where it begins and ends.
 
-        In manual optimization the training step takes the optimizer steps itself, so the scale moves here, once,
-        after the last of them. In automatic optimization the step comes after this context, and moves it there.
+        In manual optimization the training step takes the optimizer steps itself, so the scale moves when it
+        returns, once, after the last of them (:mod:`lightning_mp.engine.trainer`).
         """
-        self._save_running_stats()
+        engine = self._steps()
+        engine.begin_iteration()
         with self.forward_context():
             yield
-        if self._stepped_this_iteration:
-            self._end_iteration()
+        engine.end_training_step()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """Leave the inputs as they are (autocast and the opt level cast them); under Fabric, check their device.
+
+        Raises:
+            ValueError: under Fabric, when the inputs live on another device type than the model, or the model on
+                another than a ``device`` given.
+
+        """
+        return self._engine.convert_input(data) if self._engine is not None else data
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        """Under Fabric, return the forward's half-precision outputs in fp32, as Fabric's own mixed precision does."""
+        return self._engine.convert_output(data) if self._engine is not None else data
 
     @override
     # Lightning's Trainer hook takes the LightningModule that Fabric's base hook leaves out (Lightning's own ignore).
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks.
 
+        Under Fabric nothing happens here: Fabric ignores what this returns, and ``backward`` scales the loss.
+
         Raises:
             TypeError: if ``tensor`` is not a tensor (``manual_backward(loss.item())``).
 
         """
-        if attached_trainer(module) is None:
-            return tensor  # Fabric ignores what this returns: FabricSteps.backward scales the loss.
-        check_loss("manual_backward", tensor)
-        if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
-        return Precision.pre_backward(self, tensor, module)
+        return self._steps().pre_backward(tensor, module)
+
+    @override
+    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Back-propagate the loss; under Fabric, apply the pending scale update and scale the loss first."""
+        self._steps().backward(tensor, model, *args, **kwargs)
+
+    @override
+    def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:
+        """Run the policy's and Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
+        return self._steps().post_backward(tensor, module)
 
     @override
     # Lightning's and Fabric's strategies hand the plugin the torch Optimizer; the base hook accepts any Steppable.
@@ -647,132 +689,22 @@ class MixedPrecision(LightningMixedPrecision):
         **kwargs: Any,
     ) -> Any:
         """Backward, unscale, hooks and clipping on true gradients, then a step that is skipped on inf/NaN."""
-        if model is None:
-            return self._fabric_steps().optimizer_step(optimizer, closure, **kwargs)
-        assert closure is not None
-        loss_scaler, policy = self._loss_scaler, self._policy
-        assert loss_scaler is not None and policy is not None, "MixedPrecision was not set up by a Trainer"
-        if isinstance(optimizer, LBFGS):
-            return self._checked_closure_step(optimizer, model, closure, **kwargs)
-        closure_result = closure()
-        # In automatic optimization a training_step that returned None ran no backward: there is nothing to step.
-        if closure_result is None and model.automatic_optimization:
-            self._after_closure(model, optimizer)
-            return closure_result
-        if not model.automatic_optimization:
-            wrappers = model.optimizers(use_pl_optimizer=True)
-            wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
-            _adopt_wrapper_unscale(loss_scaler, wrappers, optimizer)
-        self._prepare_gradients(optimizer, unscale=not _optimizer_handles_unscaling(optimizer))
-        self._after_closure(model, optimizer)
-        if not _has_gradients(optimizer):
-            # Nothing to check or unscale (torch's GradScaler would refuse such a step): step as Lightning would.
-            self._skipped_by_optimizer[id(optimizer)] = False
-            return optimizer.step(**kwargs)
-        step_output = loss_scaler.step(optimizer, **kwargs)
-        self._stepped_this_iteration = True
-        # This step's own verdict, read before the update: on an accelerator the scaler's host view of a verdict
-        # decided on the device is one iteration old after it.
-        verdict = loss_scaler.step_verdict(optimizer)
-        verdict = verdict if verdict is not None else False
-        self._iteration_verdicts.append(verdict)
-        if model.automatic_optimization:
-            self._end_iteration()
-            skipped = loss_scaler.last_step_skipped
-            # On an accelerator that host view is one iteration old where the device decided the step, so the
-            # schedulers ask the flag itself (two alternate: it holds this step's verdict through the next batch).
-            on_device = isinstance(verdict, Tensor) and verdict.device.type != "cpu"
-            self._skipped_by_optimizer[id(optimizer)] = verdict if on_device else skipped
-        else:
-            # The scale moves when the training step returns; this optimizer's own verdict is needed now.
-            skipped = self._skipped_by_optimizer[id(optimizer)] = loss_scaler.found_inf(optimizer)
-        policy.after_optimizer_step(optimizer, skipped)
-        return step_output
+        return self._steps().optimizer_step(optimizer, model, closure, **kwargs)
 
-    def _prepare_gradients(self, optimizer: Optimizer, unscale: bool) -> None:
-        """Unscale the gradients, at most once per optimizer step."""
-        assert self._loss_scaler is not None
-        # Without gradients (a training_step that returned None) there is nothing to unscale, and an unscale_
-        # recorded now would wrongly mark the next batch's gradients as already unscaled.
-        if unscale and _has_gradients(optimizer) and not self._loss_scaler.is_unscaled(optimizer):
-            self._loss_scaler.unscale_(optimizer)
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale (and, in O2, move to the masters) the gradients before ``fabric.clip_gradients`` clips them."""
+        self._steps().unscale_gradients(optimizer)
 
-    def _end_iteration(self) -> None:
-        """Move the scale once; put the running statistics back when the iteration's step was skipped."""
-        assert self._loss_scaler is not None
-        self._stepped_this_iteration = False
-        try:
-            self._loss_scaler.update()
-        finally:
-            verdicts, self._iteration_verdicts = self._iteration_verdicts, []
-            if self._saved_running_stats is not None:
-                self._restore_running_stats(verdicts)
-            self._saved_running_stats = None
+    @override
+    # Fabric types this hook Iterator[Parameter]; its clipping only iterates what this returns, once.
+    def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:  # type: ignore[override]
+        """The parameters to clip; under Fabric none on a step that will be skipped (:meth:`FabricEngine.main_params`).
 
-    def _checked_closure_step(
-        self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
-        """Step an optimizer that evaluates its closure itself (LBFGS); undo the step if anything was non-finite.
-
-        .. warning:: Checks every loss and gradient the closure produces, which synchronises with the device each
-            time (LBFGS reads its loss on the host anyway).
+        .. warning:: Under Fabric, after ``fabric.clip_gradients`` unscaled the gradients, this reads the inf/NaN
+            flag and synchronises the host with the device.
         """
-        assert self._loss_scaler is not None and self._policy is not None
-        if self._loss_scaler.scales_loss:
-            raise MisconfigurationException(self._lbfgs_refusal())
-        parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        weights_before = [p.detach().clone() for p in parameters]
-        state_before = copy.deepcopy(optimizer.state_dict())
-        all_finite = True
-
-        def checked_closure() -> Any:
-            nonlocal all_finite
-            loss = closure()
-            all_finite = _all_finite(loss, parameters) and all_finite
-            return loss
-
-        output = Precision.optimizer_step(self, optimizer, model=model, closure=checked_closure, **kwargs)
-        if not all_finite:
-            with torch.no_grad():
-                for parameter, weight in zip(parameters, weights_before, strict=True):
-                    parameter.copy_(weight)
-            optimizer.load_state_dict(state_before)
-            self._restore_running_stats()
-        self._saved_running_stats = None
-        self._skipped_by_optimizer[id(optimizer)] = not all_finite
-        _count_closure_step(self._loss_scaler, skipped=not all_finite)
-        self._policy.after_optimizer_step(optimizer, not all_finite)
-        return output
-
-    def _save_running_stats(self) -> None:
-        """Copy the normalisation layers' running statistics before the first forward after a step."""
-        if not self._normalization_layers or self._saved_running_stats is not None:
-            return
-        self._saved_running_stats = [buffer.detach().clone() for buffer in self._running_stat_buffers()]
-
-    def _restore_running_stats(self, verdicts: Sequence[bool | Tensor] = (True,)) -> None:
-        """Put the running statistics back where a step of the iteration was skipped.
-
-        A verdict still on the device selects the old or the new statistics there, without a host sync.
-        """
-        if self._saved_running_stats is None:
-            return
-        flags = [v for v in verdicts if isinstance(v, Tensor)]
-        if not flags and not any(verdicts):
-            return
-        skipped = torch.stack([f.float() for f in flags]).amax() > 0 if flags and not any(verdicts) else None
-        with torch.no_grad():
-            for buffer, saved in zip(self._running_stat_buffers(), self._saved_running_stats, strict=True):
-                buffer.copy_(saved if skipped is None else torch.where(skipped.to(buffer.device), saved, buffer))
-
-    def _running_stat_buffers(self) -> list[Tensor]:
-        names = ("running_mean", "running_var", "num_batches_tracked")
-        return [
-            buffer
-            for layer in self._normalization_layers
-            for buffer in (getattr(layer, name, None) for name in names)
-            if buffer is not None
-        ]
+        return self._steps().main_params(optimizer)
 
     @override
     def clip_gradients(
@@ -798,18 +730,7 @@ class MixedPrecision(LightningMixedPrecision):
                 " nothing, inf computes the norm without clipping). A NaN threshold would write NaN into every"
                 " gradient."
             )
-        wrapper, optimizer = optimizer, _raw_optimizer(optimizer)
-        if isinstance(wrapper, LightningOptimizer) and self._loss_scaler is not None:
-            _adopt_wrapper_unscale(self._loss_scaler, [wrapper], optimizer)
-        if clip_val > 0 and self._loss_scaler is not None:
-            # Checked before clipping in every precision (bf16 and fp32 only read them): clipping by value would turn
-            # an inf into a finite gradient, and a fused optimizer, checked at its step, would take the step.
-            self._prepare_gradients(optimizer, unscale=True)
-        Precision.clip_gradients(
-            self, optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm
-        )
-        if clip_val > 0 and self._loss_scaler is not None:
-            self._loss_scaler.recheck_gradients(optimizer)
+        self._steps().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 
@@ -821,8 +742,8 @@ class MixedPrecision(LightningMixedPrecision):
         this entry under the same class name) resumes from it. After a bf16 or fp32 run, which has no fp16 scale,
         they describe a fresh fp16 scaler.
         """
-        if self._fabric is not None:
-            self._fabric.settle()
+        if self._engine is not None:
+            self._engine.settle()
         if self._loss_scaler is None or self._policy is None:
             return dict(self._pending_state or {})
         scaler_state = self._loss_scaler.state_dict()
@@ -871,8 +792,8 @@ class MixedPrecision(LightningMixedPrecision):
         else:
             self._loss_scaler.load_state_dict(scaler_state)
         self._policy.load_state_dict(state_dict.get("policy", {}))
-        if self._fabric is not None:
-            self._fabric.scaler_state_loaded = True
+        if self._engine is not None:
+            self._engine.state_loaded()
 
     def _warn_missing_scaler_state(self) -> None:
         if self.scaler is not None:
@@ -892,8 +813,7 @@ class MixedPrecision(LightningMixedPrecision):
         if type(self).__qualname__ not in checkpoint and "native_amp_scaling_state" not in checkpoint:
             self._warn_missing_scaler_state()
 
-    # ------------------------------------------------------------------------------------------------ Fabric
-    # Fabric drives the plugin through these hooks and the dispatch lines above (lightning_mp._fabric).
+    # ------------------------------------------------------------------------------------------------ runs
 
     def _claim_run(self) -> None:
         """Make this thread's run the plugin's one run; a run of another live thread holds it until its teardown.
@@ -919,7 +839,7 @@ class MixedPrecision(LightningMixedPrecision):
         return owner not in (None, threading.get_ident()) and any(t.ident == owner for t in threading.enumerate())
 
     def _start_new_run(self) -> None:
-        """Forget the previous run: the next setup builds a fresh opt level and scaler, as a new plugin would.
+        """Forget the previous run: the next setup builds a fresh opt level, scaler and engine, as a new plugin would.
 
         A ``LossScaler`` given as ``scaler=`` is the caller's object and keeps its state.
         """
@@ -927,135 +847,19 @@ class MixedPrecision(LightningMixedPrecision):
             self._policy.teardown()
         self._policy = None
         self._loss_scaler = None
-        self._fabric = None
+        self._engine = None
         self.precision = self.requested_precision
         self.device = self.requested_device
-        self._normalization_layers = []
-        self._saved_running_stats = None
-        self._skipped_by_optimizer = {}
-        self._stepped_this_iteration = False
-
-    def _convert_for_fabric(self, module: nn.Module) -> nn.Module:
-        self._claim_run()
-        if self._fabric is not None and self._fabric.has_stepped:
-            self._start_new_run()  # a fabric.setup after the previous loop's steps starts another run
-        parameter = next(module.parameters(), None)
-        placed = parameter.device.type if parameter is not None else "cpu"
-        # Fabric converts before it moves the model, and tells a plugin nothing of its accelerator: a model still on
-        # the CPU is assumed to go where Fabric's accelerator="auto" would put it, and the first forward confirms it.
-        assumed = placed if placed != "cpu" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.setup_for_device(self.device or assumed)
-        assert self._policy is not None and self._loss_scaler is not None
-        module = self._policy.convert_module(module)
-        if self._fabric is None:
-            self._fabric = FabricSteps(self._loss_scaler, self._policy, module)
-        else:
-            self._fabric.add_module(module)
-        return module
-
-    def _fabric_steps(self) -> FabricSteps:
-        if self._fabric is None:
-            raise RuntimeError(
-                "MixedPrecision was not set up by Fabric: call fabric.setup(model, optimizer) before"
-                " fabric.backward or optimizer.step."
-            )
-        return self._fabric
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        """Leave the inputs as they are (autocast and the opt level cast them); under Fabric, check their device.
-
-        Raises:
-            ValueError: under Fabric, when the inputs live on another device type than the model, or the model on
-                another than a ``device`` given (see :meth:`_follow_fabric_device`).
-
-        """
-        if self._fabric is not None:
-            self._follow_fabric_device()
-            assert self.device is not None
-            check_input_device(data, self.device)
-        return data
-
-    def _follow_fabric_device(self) -> None:
-        """Autocast where Fabric put the model; refuse a ``device=`` or an ``"auto"`` choice that the run contradicts.
-
-        Raises:
-            ValueError: when ``device`` was given and the model is on another device type, or when
-                ``precision="auto"`` chose, for the device assumed at ``fabric.setup``, another precision than it
-                chooses for the model's device.
-
-        """
-        assert self._fabric is not None
-        run_device = self._fabric.device_type()
-        if run_device is None or run_device == self.device:
-            return
-        if self.requested_device is not None:
-            raise ValueError(
-                f"MixedPrecision(device={self.requested_device!r}) does not match Fabric's device: the model runs on"
-                f" {run_device!r}. Leave device=None to follow Fabric, or pass device={run_device!r}."
-            )
-        if self.requested_precision == "auto":
-            choice, _ = choose_precision(run_device, self.opt_level)
-            if choice != self.precision:
-                raise ValueError(
-                    f"MixedPrecision(precision='auto') chose {self.precision!r} at fabric.setup for {self.device!r},"
-                    f" but Fabric runs the model on {run_device!r}, where 'auto' means {choice!r}. Pass"
-                    f" MixedPrecision(device={run_device!r}), or the precision itself."
-                )
-        self.device = run_device
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        """Under Fabric, return the forward's half-precision outputs in fp32, as Fabric's own mixed precision does."""
-        if self._fabric is None:
-            return data
-        return cast_low_precision(data, torch.get_default_dtype())
-
-    @override
-    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """Under Fabric, apply the pending scale update and back-propagate the scaled loss; else Lightning's."""
-        if attached_trainer(model) is None:
-            self._fabric_steps().backward(tensor, *args, **kwargs)
-            return
-        # Attached to a Trainer, the model is the LightningModule that Lightning's hook is typed for.
-        super().backward(tensor, model, *args, **kwargs)  # type: ignore[arg-type]
-
-    @override
-    def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:
-        """Run the policy's and Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
-        if attached_trainer(module) is None:
-            return tensor
-        if self._policy is not None:
-            self._policy.after_backward()
-        # As in backward: attached to a Trainer, the module is a LightningModule.
-        return super().post_backward(tensor, module)  # type: ignore[arg-type]
-
-    @override
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Unscale (and, in O2, move to the masters) the gradients before ``fabric.clip_gradients`` clips them."""
-        self._fabric_steps().unscale_gradients(optimizer)
-
-    @override
-    # Fabric types this hook Iterator[Parameter]; its clipping only iterates what this returns, once.
-    def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:  # type: ignore[override]
-        """The parameters to clip; under Fabric none on a step that will be skipped (:meth:`FabricSteps.main_params`).
-
-        .. warning:: Under Fabric, after ``fabric.clip_gradients`` unscaled the gradients, this reads the inf/NaN
-            flag and synchronises the host with the device.
-        """
-        if self._fabric is not None:
-            return self._fabric.main_params(optimizer)
-        return super().main_params(optimizer)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle (and deep-copy) the settings and the state; under Fabric, after the pending scale update.
 
-        A copy keeps no tie to a running Fabric loop (its model and optimizers): it drives Fabric again once a
-        Fabric sets it up.
+        A copy keeps no tie to a running loop (its model and optimizers): its engine is chosen again when a Trainer
+        or a Fabric sets it up.
         """
-        if self._fabric is not None:
-            self._fabric.settle()
-        return {**self.__dict__, "_fabric": None, "_run_thread": None}
+        if self._engine is not None:
+            self._engine.settle()
+        return {**self.__dict__, "_engine": None, "_run_thread": None}
 
     @override
     def teardown(self) -> None:
@@ -1070,11 +874,10 @@ class MixedPrecision(LightningMixedPrecision):
             if self._claimed_by_other_thread():
                 return
             self._run_thread = None
-        if self._fabric is not None:
-            self._fabric.settle()
+        if self._engine is not None:
+            self._engine.teardown()
         if self._policy is not None:
             self._policy.teardown()
-        self._normalization_layers = []
         super().teardown()
 
     def __repr__(self) -> str:
@@ -1110,11 +913,6 @@ def _check_plugin_state(state_dict: Any) -> None:
         raise ValueError(
             f"The checkpoint's MixedPrecision state has 'opt_level'={opt_level!r}; expected one of {list(POLICIES)}."
         )
-
-
-def _count_closure_step(loss_scaler: LossScaler, skipped: bool) -> None:
-    """Count a step whose check happened outside ``unscale_``/``step`` (LBFGS) as taken or skipped."""
-    loss_scaler.record_unchecked_step(skipped)
 
 
 __all__ = ["MixedPrecision"]

@@ -705,6 +705,15 @@ class LossScaler(torch.amp.GradScaler):
             self._local_overflows = torch.zeros((), dtype=torch.float32, device=flag.device)
         self._local_overflows.add_(flag)
 
+    @property
+    def local_overflow_count(self) -> torch.Tensor | int:
+        """This rank's overflow count as :meth:`local_overflows` counts it, read without a synchronisation.
+
+        A 0-d device tensor where the scaler counts on the device (under DDP), else the host count; for telemetry
+        that gathers it with other counters in one collective.
+        """
+        return self._local_overflows if self._local_overflows is not None else self.skipped_steps
+
     def local_overflows(self) -> int:
         """Iterations on which this rank's own gradients overflowed, before the DDP all-reduce.
 

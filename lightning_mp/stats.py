@@ -1,4 +1,4 @@
-"""A read-only snapshot of the loss scaler's counters, for callbacks and users.
+"""Read-only snapshots of the loss scaler: its counters (:class:`PrecisionStats`), and :class:`ScalerView`.
 
 The scaler builds a :class:`PrecisionStats` from host-side counters, so reading it never synchronises with the
 device. How fresh they are: where a step read the inf flag to decide the skip (optimizers that are not fused), or
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -51,3 +53,22 @@ class PrecisionStats:
         values = {field.name: float(getattr(self, field.name)) for field in dataclasses.fields(self)}
         values["skip_rate"] = self.skip_rate
         return {prefix + name: value for name, value in values.items()}
+
+
+@dataclass(frozen=True)
+class ScalerView:
+    """What telemetry reads from the loss scaler beyond :class:`PrecisionStats`, without a device synchronisation.
+
+    Attributes:
+        local_overflows: this rank's overflow count: a 0-d device tensor where the scaler counts on the device
+            (under DDP, so that a reduction gathers it with other counters in one collective), else a host integer.
+        max_scale: the dynamic scale's ceiling, which tells "as high as it goes" from "still growing"; None where
+            the scale does not move.
+        scales_loss: whether the loss is multiplied by a scale (fp16 with a dynamic or static scale); False where the
+            scaler only checks for inf and NaN (bf16, fp32) and before setup.
+
+    """
+
+    local_overflows: torch.Tensor | int = 0
+    max_scale: float | None = None
+    scales_loss: bool = False

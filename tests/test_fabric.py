@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import math
 import pickle
 import subprocess
 import sys
@@ -207,6 +208,43 @@ def test_lbfgs_with_a_scaled_loss_raises_type_error() -> None:
 
     with pytest.raises(TypeError, match="LBFGS"):
         optimizer.step(closure)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+@pytest.mark.parametrize("fault", ["loss", "grad"])
+def test_lbfgs_meeting_nan_keeps_the_weights_and_counts_a_skip(precision: str, fault: str) -> None:
+    """As under the Trainer, an LBFGS step whose closure meets a NaN changes nothing and counts as a skipped step."""
+    plugin = MixedPrecision(precision)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    model, optimizer = fabric.setup(module, torch.optim.LBFGS(module.parameters(), lr=0.1, max_iter=3))
+
+    def lbfgs_step(seed: int, nan: bool) -> None:
+        x, y = batch(seed)
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y) * (math.nan if nan and fault == "loss" else 1.0)
+            fabric.backward(loss)
+            if nan and fault == "grad":
+                module[2].bias.grad[0] = math.nan
+            return loss
+
+        optimizer.step(closure)
+
+    lbfgs_step(0, nan=False)
+    weights, buffers = [[t.detach().clone() for t in ts] for ts in (module.parameters(), module.buffers())]
+    optimizer_state = copy.deepcopy(optimizer.state_dict())
+    lbfgs_step(1, nan=True)
+    assert all(torch.equal(a, b) for a, b in zip(weights, module.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, module.buffers(), strict=True))
+    torch.testing.assert_close(optimizer.state_dict(), optimizer_state)
+    assert plugin.stats.last_step_skipped
+    assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps) == (2, 1)
+    lbfgs_step(2, nan=False)
+    assert not all(torch.equal(a, b) for a, b in zip(weights, module.parameters(), strict=True))
+    assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps) == (3, 1)
 
 
 @pytest.mark.parametrize(

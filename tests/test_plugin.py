@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import math
 import warnings
 from typing import Any
@@ -17,7 +18,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_mp import LossScaleCollapseError, MixedPrecision, NonFiniteStepsError
+from lightning_mp import LossScaleCollapseError, MixedPrecision, NonFiniteStepsError, ScalerView
 from tests.helpers import TinyRegressor, assert_within_rounding, loader, make_trainer
 
 
@@ -471,3 +472,18 @@ def test_skip_aware_scheduler_works_with_learning_rate_monitor_and_resume(tmp_pa
         resumed, loader(), ckpt_path=tmp_path / "scheduler.ckpt"
     )
     assert resumed.lr_schedulers().last_epoch == 5
+
+
+@pytest.mark.parametrize(
+    ("precision", "scales_loss", "max_scale"), [("16-mixed", True, 2.0**20), ("bf16-mixed", False, None)]
+)
+def test_scaler_view_tells_telemetry_how_the_loss_is_scaled_read_only(precision, scales_loss, max_scale):
+    """plugin.scaler_view gives whether the loss is scaled, the scale's ceiling and this rank's overflows; read-only."""
+    plugin = MixedPrecision(precision, max_scale=2.0**20)
+    assert plugin.scaler_view == ScalerView(local_overflows=0, max_scale=None, scales_loss=False)
+    make_trainer(plugin, max_steps=3).fit(TinyRegressor(inject_at=(1,)), loader())
+    view = plugin.scaler_view
+    assert (view.scales_loss, view.max_scale) == (scales_loss, max_scale)
+    assert int(view.local_overflows) == plugin.stats.skipped_steps >= 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.scales_loss = not scales_loss  # type: ignore[misc]

@@ -20,8 +20,8 @@ stacked into one vector (this rank's overflow count stays a device tensor until 
 with a single ``all_gather``; the result is read back in the one transfer the monitors share per batch
 (:mod:`lightning_mp.callbacks._host_reads`), and the maxima and the sum are taken on the host.
 
-Private names used: ``trainer._logger_connector`` through :mod:`lightning_mp.callbacks._logging`; the scaler's
-device overflow counter through :func:`lightning_mp.callbacks._scaler_view.scaler_view`.
+Private names used: ``trainer._logger_connector`` through :mod:`lightning_mp.callbacks._logging`. The scaler's
+device overflow counter comes from the plugin's read-only :attr:`~lightning_mp.MixedPrecision.scaler_view`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from lightning_mp.callbacks._logging import (
     should_log,
     validate_bool,
 )
-from lightning_mp.callbacks._scaler_view import scaler_view
 
 
 class LossScaleMonitor(Callback):
@@ -161,7 +160,7 @@ class LossScaleMonitor(Callback):
             host_reads(trainer).submit(trainer, self)
             log([*shared_counters, stats.skipped_steps])
             return
-        gathered = _gather_counters(trainer, shared_counters, scaler_view(plugin).local_overflows)
+        gathered = _gather_counters(trainer, shared_counters, plugin.scaler_view.local_overflows)
         host_reads(trainer).submit(trainer, self, gathered, log)
 
     @override

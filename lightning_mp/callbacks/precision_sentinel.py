@@ -87,7 +87,6 @@ from lightning_mp.callbacks._logging import (
     validate_bool,
     validate_positive_int,
 )
-from lightning_mp.callbacks._scaler_view import scaler_view
 from lightning_mp.callbacks._sentinel_rules import (
     Finding,
     RunFacts,
@@ -335,7 +334,7 @@ class PrecisionSentinel(Callback):
         plugin = trainer.precision_plugin
         if not isinstance(plugin, MixedPrecision) or math.isinf(self._lowest_zero_share):
             return None
-        view = scaler_view(plugin)
+        view = plugin.scaler_view
         ceiling = (
             view.max_scale if view.max_scale is not None else (plugin.stats.loss_scale if view.scales_loss else None)
         )

@@ -1,4 +1,4 @@
-"""The plugin's Fabric path: the same loss scaling, skipping and opt levels, driven by Fabric's own loop.
+"""The step engine of Fabric: the same loss scaling, skipping and opt levels, driven by Fabric's own loop.
 
 Fabric calls a precision plugin at fewer points than the Trainer, and with other signatures::
 
@@ -11,14 +11,14 @@ Fabric calls a precision plugin at fewer points than the Trainer, and with other
 
 Fabric converts the model before it moves it to its device, and tells a plugin nothing of its accelerator. Without a
 ``device=``, the plugin sets up for the device the model is on, or for CUDA where a CPU model will likely move, and at
-every forward (``convert_input``) autocasts where the model now is (:meth:`FabricSteps.device_type`); a ``device=``
+every forward (``convert_input``) autocasts where the model now is (:meth:`FabricEngine.device_type`); a ``device=``
 or an ``"auto"`` precision choice that the model's device contradicts raises there.
 
 Fabric saves only what the user puts in the state, so the plugin goes there beside the model and the optimizer:
 ``fabric.save(path, {"model": model, "optimizer": optimizer, "precision": plugin})``. Its state holds the scaler
 (scale, trackers, counters); the model and the optimizer hold the fp32 weights and states at every opt level but O3.
 
-:class:`FabricSteps` does, at those points, what the plugin does in the Trainer's optimizer step:
+:class:`FabricEngine` does, at those points, what the plugin does in the Trainer's optimizer step:
 
 1. ``backward`` first applies a pending scale update (rule below), then multiplies the loss by the scale and runs
    ``backward``. Fabric ignores what ``pre_backward`` returns, so the loss is scaled here.
@@ -38,8 +38,12 @@ Fabric saves only what the user puts in the state, so the plugin goes there besi
    fp32 every optimizer with a fused form) skips inside its kernel, unseen by the host: the opt level hears of that
    skip at the next ``fabric.backward``, after the scale update.
 5. BatchNorm's running statistics are copied at the first forward after a model's step, and put back after a
-   skipped step, with a device-side select on the inf flag (no host synchronisation, fused optimizers included).
-   A model compiled after ``fabric.setup`` traces the forward context, so it gets no such copy.
+   skipped step, with a device-side select on the inf flag (no host synchronisation, fused optimizers included;
+   :class:`~lightning_mp.engine.base.RunningStats`). A model compiled after ``fabric.setup`` traces the forward
+   context, so it gets no such copy.
+6. LBFGS, which evaluates its closure itself, steps through the shared
+   :meth:`~lightning_mp.engine.base.StepEngine.checked_closure_step`, as under the Trainer: fp16 refuses it, and
+   in bf16 and fp32 a step whose closure met an inf or NaN is undone and counted as skipped.
 
 When the scale moves. Fabric has no end-of-iteration hook, and an iteration may step several optimizers on
 gradients produced by one backward. Updating the scale right after the first of those steps would unscale the
@@ -56,11 +60,6 @@ backward-and-steps iteration, gradient accumulation included. Read the stats aft
 
 A skipped step's running statistics are put back by :meth:`LossScaler.step_verdict`: a bool where the host already
 read the verdict, else the device flag, used in ``torch.where`` without a sync.
-
-Private torch and Lightning names used:
-
-- ``LightningModule._trainer`` (read with ``getattr``): whether the Trainer or Fabric drives a hook. The public
-  ``trainer`` property raises, or under Fabric returns a stand-in, when no Trainer is attached.
 """
 
 from __future__ import annotations
@@ -71,17 +70,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
+from lightning_mp.engine.base import StepEngine, check_loss
+from lightning_mp.overrides import cast_low_precision
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
-
-
-def attached_trainer(module: nn.Module | None) -> Any:
-    """The Trainer a LightningModule is attached to; None for Fabric's modules (and no module)."""
-    return getattr(module, "_trainer", None)
 
 
 def check_input_device(data: Any, device_type: str) -> None:
@@ -103,34 +100,22 @@ def check_input_device(data: Any, device_type: str) -> None:
         )
 
 
-def check_loss(call: str, tensor: Any) -> None:
-    """Raise unless ``tensor`` is a tensor that backward can differentiate.
-
-    Raises:
-        TypeError: naming ``call``, the value and what is allowed.
-
-    """
-    if not isinstance(tensor, Tensor):
-        raise TypeError(
-            f"{call}(tensor={tensor!r}) is not allowed: expected the loss as a torch.Tensor that requires grad, got"
-            f" a {type(tensor).__name__}. Pass the tensor the model's forward produced, not its .item()."
-        )
-
-
-class FabricSteps:
+class FabricEngine(StepEngine):
     """Backward, clipping and optimizer steps of :class:`~lightning_mp.MixedPrecision` under Fabric.
 
     Args:
-        loss_scaler: the plugin's scaler (in every precision: bf16 and fp32 use its check-only mode).
+        loss_scaler: the run's scaler (in every precision: bf16 and fp32 use its check-only mode).
         policy: the opt level's policy.
-        module: the model Fabric set up, before any wrapper (DDP), as ``convert_module`` saw it. More models
-            (a GAN's two) join with :meth:`add_module`.
+        follow_device: given the device type the models are on now (None without parameters), returns the device
+            type to autocast on, or raises where the plugin's settings contradict it.
 
     """
 
-    def __init__(self, loss_scaler: LossScaler, policy: PrecisionPolicy, module: nn.Module) -> None:
-        self.loss_scaler = loss_scaler
-        self.policy = policy
+    def __init__(
+        self, loss_scaler: LossScaler, policy: PrecisionPolicy, follow_device: Callable[[str | None], str]
+    ) -> None:
+        super().__init__(loss_scaler, policy)
+        self.follow_device = follow_device
         self.modules: list[nn.Module] = []
         self.update_pending = False
         self.scaler_state_loaded = False
@@ -147,11 +132,6 @@ class FabricSteps:
         """Fused optimizers stepped since the last update: they skip inside their kernel, unseen by the host."""
         self._skipped_on_device: list[Optimizer] = []
         """Fused optimizers whose skipped step the opt level has not heard of yet."""
-        self._normalization_layers: dict[int, list[nn.Module]] = {}
-        """Per model (by id), its layers with running statistics."""
-        self._saved_running_stats: dict[int, list[Tensor]] = {}
-        """Per layer (by id), its running statistics as they were before the first forward since its last step."""
-        self.add_module(module)
 
     @property
     def has_stepped(self) -> bool:
@@ -170,68 +150,59 @@ class FabricSteps:
         self._stepped_on_device.clear()
 
     def add_module(self, module: nn.Module) -> None:
-        """Drive another model set up by the same Fabric (each optimizer is connected with the model it steps)."""
+        """Drive a model set up by this Fabric (a GAN's two; each optimizer is connected with the model it steps)."""
         if all(known is not module for known in self.modules):
             self.modules.append(module)
-            self._normalization_layers[id(module)] = [
-                layer
-                for layer in module.modules()
-                if getattr(layer, "track_running_stats", False) and getattr(layer, "running_mean", None) is not None
-            ]
+            self.running_stats.track(module)
 
     def device_type(self) -> str | None:
         """The device type the models' parameters are on now (Fabric moves them after the plugin converted them)."""
         parameter = next((p for module in self.modules for p in module.parameters()), None)
         return parameter.device.type if parameter is not None else None
 
-    def save_running_stats(self) -> None:
-        """Copy the running statistics not yet saved since their model's last step (called on every forward)."""
-        for layers in self._normalization_layers.values():
-            for layer in layers:
-                if id(layer) not in self._saved_running_stats:
-                    self._saved_running_stats[id(layer)] = [buffer.detach().clone() for buffer in _running_stats(layer)]
+    def state_loaded(self) -> None:
+        """The plugin's state was loaded: a restored optimizer state is a resume with its scale."""
+        self.scaler_state_loaded = True
 
-    def _settle_running_stats(self, optimizer: Optimizer) -> None:
-        """After a step: put back the stepped model's running statistics if the step was skipped, on the device."""
-        skipped = self.loss_scaler.step_verdict(optimizer)
-        with torch.no_grad():
-            layers = [layer for model in self._modules_of(optimizer) for layer in self._normalization_layers[id(model)]]
-            for layer in layers:
-                saved = self._saved_running_stats.pop(id(layer), None)
-                if saved is None or skipped is None or skipped is False:
-                    continue
-                for buffer, before in zip(_running_stats(layer), saved, strict=True):
-                    if skipped is True:
-                        buffer.copy_(before)
-                    else:  # a device flag: decided on the device, without a sync
-                        buffer.copy_(torch.where(skipped.to(buffer.device) > 0, before, buffer))
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        """Connect the optimizers now, rather than at their first step or clip."""
+        for optimizer in optimizers:
+            self._connect(optimizer)
+        return model, optimizers, lr_schedulers
 
-    def _warn_if_resumed_without_scaler_state(self, optimizer: Optimizer) -> None:
-        """Warn when an optimizer arrives with a loaded state but the plugin's state was not loaded.
+    def closure_refusal(self) -> Exception:
+        """LBFGS with a scaled loss, refused at its step."""
+        return TypeError(
+            "MixedPrecision('16-mixed') cannot step LBFGS: it re-evaluates its closure inside step(), so the"
+            " scaled gradients cannot be checked and unscaled first. Use precision='bf16-mixed' or '32-true'."
+        )
 
-        That is a resume (``fabric.load`` of the model and the optimizer) that left the plugin out of the state: the
-        fp16 scale then starts again from ``init_scale``. Fine-tuning from weights alone has no optimizer state.
+    def before_forward(self) -> None:
+        """Copy the running statistics not yet copied since their model's last step."""
+        self.running_stats.save()
+
+    def convert_input(self, data: Any) -> Any:
+        """Check that the inputs are where the model is, and autocast there.
+
+        Raises:
+            ValueError: when the inputs live on another device type than the model, or the model on another than
+                a ``device`` given.
+
         """
-        resumed = optimizer.state and not self.scaler_state_loaded and self.loss_scaler.optimizer_steps == 0
-        if resumed and self.loss_scaler.scales_loss:
-            warnings.warn(
-                "lightning_mp: fabric.load restored the optimizer but not the plugin's state, so the loss scale"
-                f" starts again from init_scale={self.loss_scaler.get_scale():g}. To resume the scale, save and"
-                ' load the plugin in the state too: {"model": model, "optimizer": optimizer, "precision": plugin}.',
-                UserWarning,
-                stacklevel=2,
-            )
+        check_input_device(data, self.follow_device(self.device_type()))
+        return data
 
-    def _module_of(self, optimizer: Optimizer) -> nn.Module:
-        owners = self._modules_of(optimizer)
-        return owners[0] if owners else self.modules[-1]
+    def convert_output(self, data: Any) -> Any:
+        """Return the forward's half-precision outputs in fp32, as Fabric's own mixed precision does."""
+        return cast_low_precision(data, torch.get_default_dtype())
 
-    def _modules_of(self, optimizer: Optimizer) -> list[nn.Module]:
-        """The models with a parameter that ``optimizer`` steps (one optimizer may step several models)."""
-        stepped = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
-        return [m for m in self.modules if any(id(parameter) in stepped for parameter in m.parameters())]
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        """Nothing: Fabric ignores what this returns, so :meth:`backward` scales the loss."""
+        return tensor
 
-    def backward(self, tensor: Tensor, *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: Tensor, module: Any, *args: Any, **kwargs: Any) -> None:
         """Settle the previous iteration's scale, then back-propagate the scaled loss.
 
         Raises:
@@ -246,6 +217,10 @@ class FabricSteps:
             self.policy.after_optimizer_step(self._skipped_on_device.pop(), True)
         self.loss_scaler.scale(tensor).backward(*args, **kwargs)
 
+    def post_backward(self, tensor: Tensor, module: Any) -> Any:
+        """Nothing: Fabric has no hooks to run after backward."""
+        return tensor
+
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Make the optimizer's gradients true gradients (once per step), for clipping before ``optimizer.step``.
 
@@ -253,6 +228,16 @@ class FabricSteps:
         them again (the scaler hands it no ``grad_scale``, only the inf flag), as in torch's AMP recipe.
         """
         self._unscale(optimizer)
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: GradClipAlgorithmType) -> None:
+        """Clip as ``fabric.clip_gradients`` does: unscale, then clip :meth:`main_params` (none on a skipped step)."""
+        if clip_val <= 0:
+            return
+        self._unscale(optimizer)
+        if algorithm == GradClipAlgorithmType.VALUE:
+            torch.nn.utils.clip_grad_value_(self.main_params(optimizer), clip_value=clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)
 
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:
         """The parameters whose gradients Fabric clips; none on a step that will be skipped for inf/NaN gradients.
@@ -278,15 +263,16 @@ class FabricSteps:
             stand_in.grad = torch.zeros(1, device=device)
         return stand_in
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, model: Any, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         """Unscale, then step unless a gradient is inf or NaN; the scale update waits (module docstring).
 
         Raises:
-            TypeError: for LBFGS with a scaled loss: it re-evaluates its closure, so its step cannot be checked.
+            TypeError: for LBFGS with a scaled loss (it re-evaluates its closure, so its step cannot be checked),
+                or without a closure.
 
         """
         if isinstance(optimizer, LBFGS):
-            return self._unchecked_step(optimizer, closure, **kwargs)
+            return self._closure_step(optimizer, closure, **kwargs)
         # A closure runs forward and fabric.backward; the scaler must see the gradients before the step. Its loss
         # is what step(closure) returns, as with torch's optimizers.
         closure_loss = closure() if closure is not None else None
@@ -303,7 +289,7 @@ class FabricSteps:
         if not skipped and isinstance(self.loss_scaler.step_verdict(optimizer), Tensor):
             # The kernel ran but may have skipped on the device (a fused optimizer, or bf16/fp32's fused hand-off).
             self._stepped_on_device.append(optimizer)
-        self._settle_running_stats(optimizer)
+        self.running_stats.settle(self.loss_scaler.step_verdict(optimizer), self._modules_of(optimizer))
         self._unscaled.discard(id(optimizer))
         self._stepped_since_update.add(id(optimizer))
         self.update_pending = True
@@ -316,20 +302,34 @@ class FabricSteps:
                 stacklevel=3,
             )
         self._finite_before_clipping.discard(id(optimizer))
+        self._skipped_by_optimizer[id(optimizer)] = skipped
         self.policy.after_optimizer_step(optimizer, skipped)
         return output
 
-    def _unchecked_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
+    def _closure_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
+        """An LBFGS step, checked as under the Trainer; the scale update before it is not left pending."""
         if self.loss_scaler.scales_loss:
+            raise self.closure_refusal()
+        if closure is None:
             raise TypeError(
-                "MixedPrecision('16-mixed') cannot step LBFGS: it re-evaluates its closure inside step(), so the"
-                " scaled gradients cannot be checked and unscaled first. Use precision='bf16-mixed' or '32-true'."
+                f"{type(optimizer).__name__}.step(closure=None) is not allowed: it evaluates the loss itself. Pass"
+                " optimizer.step(closure), with a closure that runs the forward and fabric.backward and returns the"
+                " loss."
             )
         self.settle()
         self._connect(optimizer)
-        output = optimizer.step(closure, **kwargs) if closure is not None else optimizer.step(**kwargs)
-        self.loss_scaler.record_unchecked_step()
-        return output
+        return self.checked_closure_step(
+            optimizer, closure, lambda checked: optimizer.step(checked, **kwargs), self._modules_of(optimizer)
+        )
+
+    def _modules_of(self, optimizer: Optimizer) -> list[nn.Module]:
+        """The models with a parameter that ``optimizer`` steps (one optimizer may step several models)."""
+        stepped = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+        return [m for m in self.modules if any(id(parameter) in stepped for parameter in m.parameters())]
+
+    def _module_of(self, optimizer: Optimizer) -> nn.Module:
+        owners = self._modules_of(optimizer)
+        return owners[0] if owners else self.modules[-1]
 
     def _unscale(self, optimizer: Optimizer) -> None:
         self._connect(optimizer)
@@ -354,7 +354,18 @@ class FabricSteps:
     def _record_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self._ran.add(id(optimizer))
 
+    def _warn_if_resumed_without_scaler_state(self, optimizer: Optimizer) -> None:
+        """Warn when an optimizer arrives with a loaded state but the plugin's state was not loaded.
 
-def _running_stats(layer: nn.Module) -> list[Tensor]:
-    names = ("running_mean", "running_var", "num_batches_tracked")
-    return [buffer for buffer in (getattr(layer, name, None) for name in names) if buffer is not None]
+        That is a resume (``fabric.load`` of the model and the optimizer) that left the plugin out of the state: the
+        fp16 scale then starts again from ``init_scale``. Fine-tuning from weights alone has no optimizer state.
+        """
+        resumed = optimizer.state and not self.scaler_state_loaded and self.loss_scaler.optimizer_steps == 0
+        if resumed and self.loss_scaler.scales_loss:
+            warnings.warn(
+                "lightning_mp: fabric.load restored the optimizer but not the plugin's state, so the loss scale"
+                f" starts again from init_scale={self.loss_scaler.get_scale():g}. To resume the scale, save and"
+                ' load the plugin in the state too: {"model": model, "optimizer": optimizer, "precision": plugin}.',
+                UserWarning,
+                stacklevel=2,
+            )

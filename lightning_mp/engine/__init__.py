@@ -1,0 +1,7 @@
+"""The step engines: one contract (:mod:`~lightning_mp.engine.base`), one engine per front end."""
+
+from lightning_mp.engine.base import RunningStats, StepEngine
+from lightning_mp.engine.fabric import FabricEngine
+from lightning_mp.engine.trainer import TrainerEngine
+
+__all__ = ["FabricEngine", "RunningStats", "StepEngine", "TrainerEngine"]

@@ -1,0 +1,278 @@
+"""The step engine of Lightning's Trainer: its automatic and manual optimization, hook by hook.
+
+The Trainer calls the plugin at these points of an iteration, and this engine does there::
+
+    training_step context   begin_iteration / end_training_step   copy the running statistics; in manual
+                                                                   optimization, move the scale once at the end
+    manual_backward / loss  pre_backward, backward, post_backward  scale the loss (fp16); Lightning's hooks
+    optimizer.step          optimizer_step                         closure, unscale, on_before_optimizer_step
+                                                                   hooks and clipping on true gradients, step
+    gradient clipping       clip_gradients                         unscale first, clip, check the result again
+
+1. The gradients are unscaled once per optimizer step, *before* Lightning's ``on_before_optimizer_step`` hooks and
+   gradient clipping, so both see true gradients. In manual optimization ``self.clip_gradients(opt, ...)``
+   unscales first; an explicit ``scaler.unscale_(opt)`` before it is respected, not repeated. Fused optimizers
+   unscale inside their own step, unless clipping needed the true gradients first; their step then does not
+   unscale again.
+2. The step runs only if every gradient is finite (:class:`~lightning_mp.LossScaler`).
+3. The scale moves once per iteration: in automatic optimization right after the step, in manual optimization when
+   the training step returns, if any optimizer stepped. A skipped iteration's running statistics then go back
+   (:class:`~lightning_mp.engine.base.RunningStats`).
+4. LBFGS goes through the shared :meth:`~lightning_mp.engine.base.StepEngine.checked_closure_step`.
+
+The engine calls Lightning's own hooks (``Precision.pre_backward``, ``post_backward``, ``optimizer_step``,
+``clip_gradients``) on the plugin, which is Lightning's ``Precision``.
+
+Private names used, and why:
+
+* ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: Lightning's test for optimizers that
+  unscale inside their own step (fused Adam/AdamW/SGD), the same test Lightning's plugin makes.
+* ``Precision._after_closure``: Lightning's ``on_before_optimizer_step`` hooks and its gradient clipping, which
+  must run after the plugin unscaled the gradients.
+* ``GradScaler._per_optimizer_states``: when an explicit ``scaler.unscale_(opt)`` went through Lightning's
+  ``LightningOptimizer`` wrapper, its record moves to the wrapped optimizer (:func:`adopt_wrapper_unscale`), so
+  that the plugin does not unscale again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+
+from lightning_mp._schedulers import SkipAwareScheduler
+from lightning_mp.engine.base import StepEngine, check_loss
+from lightning_mp.policies import PrecisionPolicy
+from lightning_mp.scaler import LossScaler
+
+
+def raw_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer behind a LightningOptimizer (any other object as it is)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def adopt_wrapper_unscale(scaler: LossScaler, wrappers: Sequence[Any], optimizer: Optimizer) -> None:
+    """Record an ``unscale_`` the user made through a LightningOptimizer as made on the optimizer it wraps.
+
+    ``opt = self.optimizers()`` is a LightningOptimizer that shares its optimizer's ``param_groups``, so
+    ``scaler.unscale_(opt)`` unscaled the very gradients the plugin steps; without this the plugin, which sees the
+    wrapped optimizer, would unscale them a second time.
+    """
+    states = scaler._per_optimizer_states
+    for wrapper in wrappers:
+        if wrapper.optimizer is optimizer and scaler.is_unscaled(wrapper):
+            states[id(optimizer)] = states.pop(id(wrapper))
+
+
+def _any_skipped(verdicts: Sequence[bool | Tensor]) -> bool | Tensor:
+    """Whether a step of the iteration was skipped: a bool, or a bool device tensor where only the device knows."""
+    flags = [verdict for verdict in verdicts if isinstance(verdict, Tensor)]
+    if not flags and not any(verdicts):
+        return False
+    return torch.stack([flag.float() for flag in flags]).amax() > 0 if flags and not any(verdicts) else True
+
+
+def _has_gradients(optimizer: Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+class TrainerEngine(StepEngine):
+    """Backward, clipping and optimizer steps of :class:`~lightning_mp.MixedPrecision` under Lightning's Trainer.
+
+    Args:
+        loss_scaler: the run's scaler.
+        policy: the opt level's policy.
+        lightning: the plugin, as Lightning's ``Precision``: its base hooks run the LightningModule's and the
+            callbacks' hooks, and its clipping calls the plugin's :meth:`clip_gradients`.
+        skip_scheduler_on_overflow: keep ``interval="step"`` schedulers from advancing on skipped steps.
+
+    """
+
+    def __init__(
+        self,
+        loss_scaler: LossScaler,
+        policy: PrecisionPolicy,
+        lightning: Precision,
+        skip_scheduler_on_overflow: bool = True,
+    ) -> None:
+        super().__init__(loss_scaler, policy)
+        self.lightning = lightning
+        self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
+        self._stepped_this_iteration = False
+        self._iteration_verdicts: list[bool | Tensor] = []
+        """The verdicts of this iteration's steps: bools, or device flags where the device decided the step."""
+
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        """Hand the optimizers to the opt level, find the running statistics and make step schedulers skip-aware.
+
+        Raises:
+            MisconfigurationException: for LBFGS in fp16, where a step cannot be checked before it is taken.
+
+        """
+        if self.loss_scaler.scales_loss and any(isinstance(o, LBFGS) for o in optimizers):
+            raise self.closure_refusal()
+        optimizers = self.policy.connect(model, optimizers)
+        module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        self.loss_scaler.param_names = self.policy.parameter_names(module)
+        self.running_stats.clear()
+        self.running_stats.track(module)
+        if self.skip_scheduler_on_overflow:
+            for config in lr_schedulers:
+                scheduler: Any = getattr(config, "scheduler", None)
+                steps_per_batch = getattr(config, "interval", None) == "step" and hasattr(scheduler, "optimizer")
+                if steps_per_batch and not isinstance(scheduler, SkipAwareScheduler):
+                    asks = functools.partial(self.last_step_skipped, scheduler.optimizer)
+                    config.scheduler = SkipAwareScheduler(scheduler, asks)
+        return model, optimizers, lr_schedulers
+
+    def closure_refusal(self) -> Exception:
+        """LBFGS in fp16, refused at setup (or at its step) as a misconfiguration."""
+        return MisconfigurationException(
+            f"MixedPrecision(precision={self.lightning.precision!r}) cannot train with LBFGS: LBFGS evaluates its"
+            " closure several times within one step, so the loss scale cannot be checked and adjusted between"
+            " backward and step (torch's GradScaler refuses closures too). Use precision='bf16-mixed' or '32-true'"
+            " with LBFGS, where a non-finite loss or gradient leaves the weights as they were and counts as a skipped"
+            " step."
+        )
+
+    def last_step_skipped(self, optimizer: Optimizer) -> bool:
+        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one.
+
+        .. warning:: Where the step was decided on the device, this reads its inf flag: one host sync.
+        """
+        return super().last_step_skipped(raw_optimizer(optimizer))
+
+    def begin_iteration(self) -> None:
+        """Copy the running statistics before the iteration's first forward."""
+        self.running_stats.save()
+
+    def end_training_step(self) -> None:
+        """In manual optimization the training step took the steps: move the scale once, after the last of them."""
+        if self._stepped_this_iteration:
+            self._end_iteration()
+
+    def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:
+        """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks.
+
+        Raises:
+            TypeError: if ``tensor`` is not a tensor (``manual_backward(loss.item())``).
+
+        """
+        check_loss("manual_backward", tensor)
+        if self.loss_scaler.scales_loss:
+            tensor = self.loss_scaler.scale(tensor)
+        return Precision.pre_backward(self.lightning, tensor, module)
+
+    def backward(self, tensor: Tensor, module: LightningModule, *args: Any, **kwargs: Any) -> None:
+        """Lightning's backward: ``module.backward`` of the loss ``pre_backward`` scaled."""
+        Precision.backward(self.lightning, tensor, module, *args, **kwargs)
+
+    def post_backward(self, tensor: Tensor, module: LightningModule) -> Any:
+        """Run the opt level's and Lightning's ``on_after_backward`` hooks."""
+        self.policy.after_backward()
+        return Precision.post_backward(self.lightning, tensor, module)
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Make the gradients true gradients, at most once per optimizer step."""
+        self._prepare_gradients(optimizer, unscale=True)
+
+    def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:
+        """The parameters of ``optimizer``, as Lightning clips them."""
+        return Precision.main_params(self.lightning, optimizer)
+
+    def clip_gradients(self, optimizer: Any, clip_val: float, algorithm: GradClipAlgorithmType) -> None:
+        """Unscale first where that has not happened yet in this step, clip, then check the clipped gradients."""
+        wrapper, optimizer = optimizer, raw_optimizer(optimizer)
+        if isinstance(wrapper, LightningOptimizer):
+            adopt_wrapper_unscale(self.loss_scaler, [wrapper], optimizer)
+        if clip_val > 0:
+            # Checked before clipping in every precision (bf16 and fp32 only read them): clipping by value would turn
+            # an inf into a finite gradient, and a fused optimizer, checked at its step, would take the step.
+            self._prepare_gradients(optimizer, unscale=True)
+        Precision.clip_gradients(
+            self.lightning, optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=algorithm
+        )
+        if clip_val > 0:
+            self.loss_scaler.recheck_gradients(optimizer)
+
+    def optimizer_step(
+        self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any] | None, **kwargs: Any
+    ) -> Any:
+        """Backward, unscale, hooks and clipping on true gradients, then a step that is skipped on inf/NaN."""
+        assert closure is not None
+        if isinstance(optimizer, LBFGS):
+            return self._closure_step(optimizer, model, closure, **kwargs)
+        loss_scaler = self.loss_scaler
+        closure_result = closure()
+        # In automatic optimization a training_step that returned None ran no backward: there is nothing to step.
+        if closure_result is None and model.automatic_optimization:
+            self.lightning._after_closure(model, optimizer)
+            return closure_result
+        if not model.automatic_optimization:
+            wrappers = model.optimizers(use_pl_optimizer=True)
+            wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
+            adopt_wrapper_unscale(loss_scaler, wrappers, optimizer)
+        self._prepare_gradients(optimizer, unscale=not _optimizer_handles_unscaling(optimizer))
+        self.lightning._after_closure(model, optimizer)
+        if not _has_gradients(optimizer):
+            # Nothing to check or unscale (torch's GradScaler would refuse such a step): step as Lightning would.
+            self._skipped_by_optimizer[id(optimizer)] = False
+            return optimizer.step(**kwargs)
+        step_output = loss_scaler.step(optimizer, **kwargs)
+        self._stepped_this_iteration = True
+        # This step's own verdict, read before the update: on an accelerator the scaler's host view of a verdict
+        # decided on the device is one iteration old after it.
+        verdict = loss_scaler.step_verdict(optimizer)
+        verdict = verdict if verdict is not None else False
+        self._iteration_verdicts.append(verdict)
+        if model.automatic_optimization:
+            self._end_iteration()
+            skipped = loss_scaler.last_step_skipped
+            # On an accelerator that host view is one iteration old where the device decided the step, so the
+            # schedulers ask the flag itself (two alternate: it holds this step's verdict through the next batch).
+            on_device = isinstance(verdict, Tensor) and verdict.device.type != "cpu"
+            self._skipped_by_optimizer[id(optimizer)] = verdict if on_device else skipped
+        else:
+            # The scale moves when the training step returns; this optimizer's own verdict is needed now.
+            skipped = self._skipped_by_optimizer[id(optimizer)] = loss_scaler.found_inf(optimizer)
+        self.policy.after_optimizer_step(optimizer, skipped)
+        return step_output
+
+    def _closure_step(
+        self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """An LBFGS step through Lightning's ``optimizer_step`` (its hooks and clipping run in each evaluation)."""
+        return self.checked_closure_step(
+            optimizer,
+            closure,
+            lambda checked: Precision.optimizer_step(self.lightning, optimizer, model, checked, **kwargs),
+        )
+
+    def _prepare_gradients(self, optimizer: Optimizer, unscale: bool) -> None:
+        """Unscale the gradients, at most once per optimizer step."""
+        # Without gradients (a training_step that returned None) there is nothing to unscale, and an unscale_
+        # recorded now would wrongly mark the next batch's gradients as already unscaled.
+        if unscale and _has_gradients(optimizer) and not self.loss_scaler.is_unscaled(optimizer):
+            self.loss_scaler.unscale_(optimizer)
+
+    def _end_iteration(self) -> None:
+        """Move the scale once; put the running statistics back when the iteration's step was skipped."""
+        self._stepped_this_iteration = False
+        try:
+            self.loss_scaler.update()
+        finally:
+            verdicts, self._iteration_verdicts = self._iteration_verdicts, []
+            # Combined only when there are statistics to put back, so that models without them never read a verdict.
+            self.running_stats.settle(_any_skipped(verdicts) if self.running_stats.saved else None)

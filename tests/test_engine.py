@@ -1,0 +1,205 @@
+"""The step engines driven directly, without a Trainer or a Fabric: the skip, the scale update, the restore.
+
+These run in milliseconds; the Trainer and Fabric tests are the integration layer above them. The last tests trace
+a real Trainer step and a real Fabric step, to show that each front end runs its own engine and never the other's.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import nn
+
+from lightning_mp import LossScaler, MixedPrecision
+from lightning_mp.engine import FabricEngine, RunningStats
+from lightning_mp.policies import POLICIES
+from tests.helpers import TinyRegressor, loader, make_trainer
+
+
+def fabric_engine(model: nn.Module, mode: str = "dynamic", **scaler_knobs: Any) -> FabricEngine:
+    """Fabric's engine over ``model`` with a CPU scaler in ``mode`` and an O1 policy, as ``fabric.setup`` builds it."""
+    half = torch.float16 if mode == "dynamic" else torch.bfloat16
+    engine = FabricEngine(LossScaler("cpu", mode=mode, **scaler_knobs), POLICIES["O1"](half), lambda device: "cpu")
+    engine.add_module(model)
+    return engine
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+
+
+def step(engine: FabricEngine, model: nn.Module, optimizer: torch.optim.Optimizer, inject: bool = False) -> None:
+    """One iteration as Fabric drives it: forward, backward, optional inf gradient, step."""
+    engine.before_forward()
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    engine.backward(loss, None)
+    if inject:
+        model[0].weight.grad[0, 0] = math.inf
+    engine.optimizer_step(optimizer, None, None)
+    optimizer.zero_grad()
+
+
+def test_an_inf_gradient_skips_the_step_and_puts_the_running_statistics_back() -> None:
+    """A step with an inf gradient leaves weights and BatchNorm's running statistics as they were."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = fabric_engine(model, init_scale=2.0**8)
+    before = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    step(engine, model, optimizer, inject=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, (*model.parameters(), *model.buffers()), strict=True))
+    assert engine.last_step_skipped(optimizer)
+
+
+def test_the_scale_backs_off_on_a_skip_and_grows_after_clean_steps_once_settled() -> None:
+    """The scale moves once per iteration, at the pending update: halved after a skip, doubled after clean steps."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = fabric_engine(model, init_scale=2.0**8, growth_interval=2)
+    step(engine, model, optimizer, inject=True)
+    assert engine.loss_scaler.get_scale() == 2.0**8  # the update waits for the iteration's last step
+    engine.settle()
+    assert engine.loss_scaler.get_scale() == 2.0**7
+    for _ in range(2):
+        step(engine, model, optimizer)
+    engine.settle()
+    assert engine.loss_scaler.get_scale() == 2.0**8
+    assert (engine.loss_scaler.optimizer_steps, engine.loss_scaler.skipped_steps) == (3, 1)
+
+
+@pytest.mark.parametrize("algorithm", [GradClipAlgorithmType.NORM, GradClipAlgorithmType.VALUE])
+def test_clipping_before_the_step_clips_the_true_gradients_once(algorithm: GradClipAlgorithmType) -> None:
+    """Lightning's clip_gradients hook under Fabric unscales first, clips, and the step does not unscale again."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = fabric_engine(model, init_scale=2.0**8)
+    engine.backward(model(torch.randn(8, 4)).pow(2).mean() * 100, None)
+    engine.clip_gradients(optimizer, 0.5, algorithm)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    if algorithm is GradClipAlgorithmType.NORM:
+        assert float(grads.norm()) == pytest.approx(0.5, rel=1e-4)
+    else:
+        assert float(grads.abs().max()) == pytest.approx(0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.optimizer_step(optimizer, None, None)
+    for weight, moved in zip(before, model.parameters(), strict=True):
+        torch.testing.assert_close(weight - moved.detach(), 0.1 * moved.grad)
+
+
+@pytest.mark.parametrize(
+    ("verdict", "restored"),
+    [(True, True), (False, False), (None, False), (torch.tensor(1.0), True), (torch.tensor(0.0), False)],
+)
+def test_running_statistics_go_back_only_for_a_skipped_step(verdict: Any, restored: bool) -> None:
+    """A skipped verdict (a bool, or a device flag read without a sync) restores the statistics; others keep them."""
+    layer = nn.BatchNorm1d(3)
+    stats = RunningStats()
+    stats.track(layer)
+    stats.save()
+    layer(torch.randn(6, 3) + 5.0)
+    updated = layer.running_mean.clone()
+    stats.settle(verdict)
+    assert torch.equal(layer.running_mean, torch.zeros(3) if restored else updated)
+    assert int(layer.num_batches_tracked) == (0 if restored else 1)
+    assert not stats.saved
+
+
+def test_running_statistics_go_back_only_for_the_models_the_step_changed() -> None:
+    """With two models (a GAN's), a skipped step of one model's optimizer leaves the other's statistics alone."""
+    stepped, other = nn.BatchNorm1d(2), nn.BatchNorm1d(2)
+    stats = RunningStats()
+    for model in (stepped, other):
+        stats.track(model)
+    stats.save()
+    for model in (stepped, other):
+        model(torch.randn(4, 2) + 3.0)
+    stats.settle(True, [stepped])
+    assert torch.equal(stepped.running_mean, torch.zeros(2))
+    assert not torch.equal(other.running_mean, torch.zeros(2))
+
+
+def test_a_checked_closure_step_undoes_a_nan_step_and_counts_it() -> None:
+    """LBFGS whose closure meets a NaN keeps the weights, its state and the statistics, and counts one skip."""
+    model = tiny_model()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+    engine = fabric_engine(model, mode="check")
+    x = torch.randn(8, 4)
+
+    def closure(nan: bool) -> Callable[[], torch.Tensor]:
+        def evaluate() -> torch.Tensor:
+            optimizer.zero_grad()
+            engine.before_forward()
+            loss = model(x).pow(2).mean() * (math.nan if nan else 1.0)
+            engine.backward(loss, None)
+            return loss
+
+        return evaluate
+
+    engine.optimizer_step(optimizer, None, closure(nan=False))
+    before = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    engine.optimizer_step(optimizer, None, closure(nan=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, (*model.parameters(), *model.buffers()), strict=True))
+    assert engine.last_step_skipped(optimizer)
+    assert (engine.loss_scaler.optimizer_steps, engine.loss_scaler.skipped_steps) == (2, 1)
+
+
+def test_a_scaled_loss_refuses_a_closure_step() -> None:
+    """fp16 cannot check an optimizer that evaluates its closure itself: the engine refuses before stepping."""
+    model = tiny_model()
+    optimizer = torch.optim.LBFGS(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match="cannot step LBFGS"):
+        fabric_engine(model).optimizer_step(optimizer, None, lambda: model(torch.randn(8, 4)).sum())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def engine_modules_run(run: Callable[[], Any]) -> set[str]:
+    """The modules of :mod:`lightning_mp.engine` whose functions ran during ``run()``."""
+    seen: set[str] = set()
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        name = frame.f_globals.get("__name__", "")
+        if event == "call" and name.startswith("lightning_mp.engine."):
+            seen.add(name)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_a_trainer_step_runs_the_trainer_engine_and_no_fabric_code() -> None:
+    """A Trainer's steps go through the shared contract and the Trainer's engine, never through Fabric's."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    trainer = make_trainer(plugin, max_steps=2)
+    seen = engine_modules_run(lambda: trainer.fit(TinyRegressor(inject_at=(1,)), loader(n=16)))
+    assert seen == {"lightning_mp.engine.base", "lightning_mp.engine.trainer"}
+    assert plugin.stats.skipped_steps == 1
+
+
+def test_a_fabric_step_runs_the_fabric_engine_and_no_trainer_code() -> None:
+    """A Fabric loop's steps go through the shared contract and Fabric's engine, never through the Trainer's."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = tiny_model()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.01))
+
+    def train() -> None:
+        for _ in range(2):
+            fabric.backward(model(torch.randn(8, 4)).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+
+    seen = engine_modules_run(train)
+    assert seen == {"lightning_mp.engine.base", "lightning_mp.engine.fabric"}
+    assert plugin.stats.optimizer_steps == 2
