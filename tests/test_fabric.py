@@ -644,7 +644,7 @@ def test_a_nan_clipping_threshold_never_reaches_the_weights(precision: str, kind
         assert torch.equal(parameter, weight)
     assert plugin.stats.skipped_steps == 1
     # The host learns of a skip decided on the device only at the scale update; one decided on the host at once, and
-    # says why. In bf16 and fp32 a foreach SGD is handed to the fused kernel, so only fp16's foreach step is on the host.
+    # says why. In bf16 and fp32 a foreach SGD is handed to the fused kernel: only fp16's foreach step is on the host.
     decided_on_host = kind != "fused" and precision == "16-mixed"
     assert any("clip_gradients made finite gradients inf or NaN" in str(w.message) for w in caught) == decided_on_host
     train_step(fabric, model, optimizer, seed=1)

@@ -6,6 +6,9 @@ Every count is taken in the same test, on the same tiny transformer LM and batch
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -111,3 +114,40 @@ def test_reading_the_plugins_stats_and_scale_after_a_trainer_run_never_syncs(pre
     assert counts.syncs == 0, counts.sync_ops
     assert stats.skipped_steps == 1 and stats.optimizer_steps == 3
     assert scale == (2.0**7 if precision == "16-mixed" else 1.0)
+
+
+class _BatchNormRegressor(TinyRegressor):
+    """TinyRegressor with a BatchNorm between its layers, whose running statistics a skipped step puts back."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.norm = nn.BatchNorm1d(self.first.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.norm(self.first(x))))
+
+
+class _CountTrainingBatches(L.Callback):
+    """Host syncs made from the start to the end of each training batch: forward, backward, step and update."""
+
+    def __init__(self) -> None:
+        self.syncs: list[int] = []
+        self._counting: Any = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._counting = count_syncs_and_ops()
+        self._counts = self._counting.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._counting.__exit__(None, None, None)
+        self.syncs.append(self._counts.syncs)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_a_trainer_step_of_a_batchnorm_model_makes_no_sync_in_bf16_and_fp32(precision):
+    """With BatchNorm and a foreach AdamW, a Trainer iteration makes no host sync in bf16 and fp32: the running
+    statistics of a skipped step are put back on the device, from the device flag, never read on the host."""
+    counter = _CountTrainingBatches()
+    trainer = make_trainer(MixedPrecision(precision), max_steps=4, callbacks=[counter])
+    trainer.fit(_BatchNormRegressor(optimizer="foreach AdamW"), loader(batch_size=8))
+    assert counter.syncs[1:] == [0, 0, 0]  # the first iteration creates the optimizer's state

@@ -75,11 +75,17 @@ def adopt_wrapper_unscale(scaler: LossScaler, wrappers: Sequence[Any], optimizer
 
 
 def _any_skipped(verdicts: Sequence[bool | Tensor]) -> bool | Tensor:
-    """Whether a step of the iteration was skipped: a bool, or a bool device tensor where only the device knows."""
+    """Whether a step of the iteration was skipped: a bool, or a bool device tensor where only the device knows.
+
+    Device flags are combined on the device and never read: ``bool()`` of one would synchronise the host, on every
+    step of a model with running statistics.
+    """
+    if any(verdict is True for verdict in verdicts):
+        return True
     flags = [verdict for verdict in verdicts if isinstance(verdict, Tensor)]
-    if not flags and not any(verdicts):
+    if not flags:
         return False
-    return torch.stack([flag.float() for flag in flags]).amax() > 0 if flags and not any(verdicts) else True
+    return torch.stack([flag.float() for flag in flags]).amax() > 0
 
 
 def _has_gradients(optimizer: Optimizer) -> bool:
