@@ -14,7 +14,8 @@ A compiled model that holds the plugin's autocast itself (``torch.compile(model)
 forward enters the plugin's forward context) cannot use ``torch.autocast`` there: dynamo restores the flag toggles
 of the ``keep_fp32`` hooks (:mod:`lightning_mp.overrides`) in the wrong order once a traced ``torch.autocast``
 block has exited, and fails with "Global autocast state changed while dynamo tracing". :func:`autocast_by_flags`
-turns autocast on and off with the same flag setters as those hooks, which dynamo traces and restores in order.
+turns autocast on and off with the same flag setters as those hooks, which dynamo traces and restores in order
+(from torch 2.12; before, it splits the graph there: :mod:`lightning_mp._compat`).
 
 Private torch names used:
 
@@ -31,6 +32,8 @@ from types import TracebackType
 
 import torch
 import torch._functorch.config as functorch_config
+
+from lightning_mp._compat import note_autocast_flag_toggle
 
 
 class backward_outside_autocast:  # a class, not a generator: it runs on every forward, and this costs least
@@ -59,6 +62,7 @@ def autocast_by_flags(device_type: str, dtype: torch.dtype) -> Generator[None, N
     was_enabled = torch.is_autocast_enabled(device_type)
     previous_dtype = torch.get_autocast_dtype(device_type)
     torch.set_autocast_dtype(device_type, dtype)
+    note_autocast_flag_toggle()
     torch.set_autocast_enabled(device_type, True)
     try:
         yield
