@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from packaging.version import Version
 
-TORCH_RELEASE = Version(torch.__version__).release[:2]
-"""torch's (major, minor) release; a development build of 2.12 counts as 2.12."""
+TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])
+"""torch's (major, minor) release: "2.11.0+cu130" gives (2, 11), and a development build of 2.12 counts as 2.12."""
 
 DYNAMO_TRACES_AUTOCAST_FLAGS = TORCH_RELEASE >= (2, 12)
 """Whether torch.compile traces ``torch.set_autocast_enabled`` without a graph break."""
