@@ -10,11 +10,16 @@ the floor for everyone. Each degradation, and the releases it applies to:
   break: dynamo runs the flag toggle eagerly and compiles the code on either side as separate graphs. The numbers are
   those of eager mode (the region still runs in fp32); only the speed-up of one whole graph is lost. The first such
   break warns once, naming the fix (a newer torch).
+- **torch < 2.9: no switch for the autocast state of compiled backward passes.** AOT autograd's
+  ``backward_pass_autocast`` setting (:mod:`lightning_mp._compile`) appeared in 2.9; before, the plugin leaves
+  AOT autograd's default. ``keep_fp32`` regions still differentiate in fp32 there: the same torch releases cannot
+  compile their autocast toggles (above), so the regions run, forward and backward, eagerly.
 """
 
 from __future__ import annotations
 
 import torch
+import torch._functorch.config
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])
@@ -22,6 +27,9 @@ TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 DYNAMO_TRACES_AUTOCAST_FLAGS = TORCH_RELEASE >= (2, 12)
 """Whether torch.compile traces ``torch.set_autocast_enabled`` without a graph break."""
+
+AOT_BACKWARD_AUTOCAST_CONFIGURABLE = hasattr(torch._functorch.config, "backward_pass_autocast")
+"""Whether AOT autograd can be told to trace a compiled backward outside autocast (``backward_pass_autocast``)."""
 
 _warned_autocast_flags_break_graphs = False
 
@@ -49,4 +57,9 @@ def note_autocast_flag_toggle() -> None:
         _warn_autocast_flags_break_graphs()
 
 
-__all__ = ["DYNAMO_TRACES_AUTOCAST_FLAGS", "TORCH_RELEASE", "note_autocast_flag_toggle"]
+__all__ = [
+    "AOT_BACKWARD_AUTOCAST_CONFIGURABLE",
+    "DYNAMO_TRACES_AUTOCAST_FLAGS",
+    "TORCH_RELEASE",
+    "note_autocast_flag_toggle",
+]

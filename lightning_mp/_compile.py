@@ -33,7 +33,7 @@ from types import TracebackType
 import torch
 import torch._functorch.config as functorch_config
 
-from lightning_mp._compat import note_autocast_flag_toggle
+from lightning_mp._compat import AOT_BACKWARD_AUTOCAST_CONFIGURABLE, note_autocast_flag_toggle
 
 
 class backward_outside_autocast:  # a class, not a generator: it runs on every forward, and this costs least
@@ -44,13 +44,15 @@ class backward_outside_autocast:  # a class, not a generator: it runs on every f
     """
 
     def __enter__(self) -> None:
-        self._previous = functorch_config.backward_pass_autocast
-        functorch_config.backward_pass_autocast = "off"
+        if AOT_BACKWARD_AUTOCAST_CONFIGURABLE:
+            self._previous = functorch_config.backward_pass_autocast
+            functorch_config.backward_pass_autocast = "off"
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        functorch_config.backward_pass_autocast = self._previous
+        if AOT_BACKWARD_AUTOCAST_CONFIGURABLE:
+            functorch_config.backward_pass_autocast = self._previous
 
 
 @contextlib.contextmanager

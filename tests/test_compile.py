@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
-from lightning_mp._compat import DYNAMO_TRACES_AUTOCAST_FLAGS
+from lightning_mp._compat import AOT_BACKWARD_AUTOCAST_CONFIGURABLE, DYNAMO_TRACES_AUTOCAST_FLAGS
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies import POLICIES
 from tests.helpers import make_trainer
@@ -208,6 +208,9 @@ def test_compiled_training_matches_eager_in_fabric(opt_level: str, compile_what:
         torch.testing.assert_close(compiled, eager)
 
 
+@pytest.mark.skipif(
+    not AOT_BACKWARD_AUTOCAST_CONFIGURABLE, reason="torch<2.9 has no backward_pass_autocast (lightning_mp._compat)"
+)
 def test_aot_autograd_o1_training_differentiates_fp32_regions_in_fp32() -> None:
     """With AOT autograd, an O1 Fabric run of a compiled model with keep_fp32 matches eager: its backward is fp32."""
     user_setting = torch._functorch.config.backward_pass_autocast
