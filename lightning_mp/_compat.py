@@ -14,6 +14,9 @@ the floor for everyone. Each degradation, and the releases it applies to:
   ``backward_pass_autocast`` setting (:mod:`lightning_mp._compile`) appeared in 2.9; before, the plugin leaves
   AOT autograd's default. ``keep_fp32`` regions still differentiate in fp32 there: the same torch releases cannot
   compile their autocast toggles (above), so the regions run, forward and backward, eagerly.
+
+Private torch name used: ``torch._functorch.config`` (only asked whether it has ``backward_pass_autocast``, the
+setting :mod:`lightning_mp._compile` changes).
 """
 
 from __future__ import annotations
