@@ -14,7 +14,8 @@ A compiled model that holds the plugin's autocast itself (``torch.compile(model)
 forward enters the plugin's forward context) cannot use ``torch.autocast`` there: dynamo restores the flag toggles
 of the ``keep_fp32`` hooks (:mod:`lightning_mp.overrides`) in the wrong order once a traced ``torch.autocast``
 block has exited, and fails with "Global autocast state changed while dynamo tracing". :func:`autocast_by_flags`
-turns autocast on and off with the same flag setters as those hooks, which dynamo traces and restores in order.
+turns autocast on and off with the same flag setters as those hooks, which dynamo traces and restores in order
+(from torch 2.12; before, it splits the graph there: :mod:`lightning_mp._compat`).
 
 Private torch names used:
 
@@ -32,6 +33,8 @@ from types import TracebackType
 import torch
 import torch._functorch.config as functorch_config
 
+from lightning_mp._compat import AOT_BACKWARD_AUTOCAST_CONFIGURABLE, note_autocast_flag_toggle
+
 
 class backward_outside_autocast:  # a class, not a generator: it runs on every forward, and this costs least
     """Compile the regions first run inside this block with their backward traced outside autocast.
@@ -41,13 +44,15 @@ class backward_outside_autocast:  # a class, not a generator: it runs on every f
     """
 
     def __enter__(self) -> None:
-        self._previous = functorch_config.backward_pass_autocast
-        functorch_config.backward_pass_autocast = "off"
+        if AOT_BACKWARD_AUTOCAST_CONFIGURABLE:
+            self._previous = functorch_config.backward_pass_autocast
+            functorch_config.backward_pass_autocast = "off"
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        functorch_config.backward_pass_autocast = self._previous
+        if AOT_BACKWARD_AUTOCAST_CONFIGURABLE:
+            functorch_config.backward_pass_autocast = self._previous
 
 
 @contextlib.contextmanager
@@ -59,6 +64,7 @@ def autocast_by_flags(device_type: str, dtype: torch.dtype) -> Generator[None, N
     was_enabled = torch.is_autocast_enabled(device_type)
     previous_dtype = torch.get_autocast_dtype(device_type)
     torch.set_autocast_dtype(device_type, dtype)
+    note_autocast_flag_toggle()
     torch.set_autocast_enabled(device_type, True)
     try:
         yield

@@ -18,7 +18,7 @@ How a matched module runs in fp32:
 
 Under ``torch.compile`` the flag toggles are traced like any other call, so a compiled model or a compiled submodule
 keeps its fp32 regions in one graph (entering a ``torch.autocast`` context in one hook and leaving it in another is
-what torch.compile cannot trace).
+what torch.compile cannot trace). Before torch 2.12 each region splits the graph instead (:mod:`lightning_mp._compat`).
 
 Only the outermost matched module of a subtree gets the hooks: everything below it already runs with autocast off
 on fp32 inputs. Under O2 and O3 the weights of every module in a matched subtree also stay fp32 (see
@@ -55,6 +55,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+from lightning_mp._compat import note_autocast_flag_toggle
 
 KeepFp32Pattern = type[nn.Module] | str
 """One ``keep_fp32`` entry: a module type, a qualified name, or ``"re:<regex>"``."""
@@ -119,6 +121,8 @@ class Fp32Region:
         incoming = _first_low_precision_dtype((args, kwargs))
         args, kwargs = cast_low_precision(args, torch.float32), cast_low_precision(kwargs, torch.float32)
         switched_off = [device for device in self._device_types if torch.is_autocast_enabled(device)]
+        if switched_off:
+            note_autocast_flag_toggle()
         for device in switched_off:
             torch.set_autocast_enabled(device, False)
         self._open.append((switched_off, incoming))

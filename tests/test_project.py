@@ -30,7 +30,7 @@ def test_ci_runs_the_readme_gate_of_linters_and_type_checker_before_the_tests() 
     gate = readme_line("ruff check")
     assert "ruff format --check" in gate and re.search(r"\bmypy\b", gate)
     script = (ROOT / ".ci" / "run").read_text()
-    assert script.index('-c "$gate_line"') < script.index('-c "$test_line"')
+    assert script.index('run_readme_line "$gate_line"') < script.index('run_readme_line "$test_line"')
     assert "grep -m1 '^ruff check' README.md" in script
 
 
@@ -99,13 +99,12 @@ def test_every_type_ignore_says_why() -> None:
 
 
 def test_ci_installs_every_runtime_dependency_at_its_declared_floor() -> None:
-    """Each runtime floor is a full version, and .ci/run installs exactly it, so the suite runs against the floors."""
+    """Each runtime floor, torch's included, is a full version; .ci/run installs exactly them, then the fast tests."""
     ci = (ROOT / ".ci" / "run").read_text()
-    dependencies = pyproject()["project"]["dependencies"]
-    for dependency in dependencies:
-        name, _, floor = dependency.partition(">=")
-        assert floor, f"{dependency} has no floor"
-        if name != "torch":  # torch is pinned by its own line, the CPU build first
-            assert re.fullmatch(r"\d+\.\d+\.\d+", floor), f"{dependency}: the floor must be a full version"
-    assert 'd.replace(">=", "==")' in ci and "pip install --quiet $floors" in ci
-    assert ci.index("$floors") < ci.index("$install_line")
+    for dependency in pyproject()["project"]["dependencies"]:
+        _, _, floor = dependency.partition(">=")
+        assert re.fullmatch(r"\d+\.\d+\.\d+", floor), f"{dependency}: the floor must be a full version"
+    assert 'd.replace(">=", "==")' in ci and "pip_install $floors" in ci
+    floors = ci.index("pip_install $floors")
+    assert floors < ci.index('run_readme_line "$install_line"', floors) < ci.index('"$fast_test_line"', floors)
+    assert readme_line('pytest -m "not slow"') and "grep -m1 '^pytest -m \"not slow\"' README.md" in ci

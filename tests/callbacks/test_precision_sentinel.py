@@ -66,7 +66,7 @@ class Regressor(pl.LightningModule):
                 prediction = self.second(torch.relu(self.first(features)))
         else:
             prediction = self.second(torch.relu(self.first(features)))
-        loss = nn.functional.mse_loss(prediction.float(), target)
+        loss = nn.functional.mse_loss(prediction.float(), target.float())
         return loss * 2.0 ** (-self.loss_decay_log2 * self.global_step)
 
     def configure_optimizers(self) -> Any:

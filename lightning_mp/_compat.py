@@ -1,0 +1,68 @@
+"""What the package does differently on older torch releases, in one place.
+
+The package supports every torch release from its declared floor (``pyproject.toml``) up. Where a release inside that
+range lacks something the package uses, the package keeps working with a clear, one-time warning instead of raising
+the floor for everyone. Each degradation, and the releases it applies to:
+
+- **torch < 2.12: ``keep_fp32`` regions split a compiled graph.** Dynamo learned to trace
+  ``torch.set_autocast_enabled`` in 2.12. Before that, each ``keep_fp32`` region (:mod:`lightning_mp.overrides`) and
+  the plugin's autocast inside a model compiled after ``fabric.setup`` (:mod:`lightning_mp._compile`) cause a graph
+  break: dynamo runs the flag toggle eagerly and compiles the code on either side as separate graphs. The numbers are
+  those of eager mode (the region still runs in fp32); only the speed-up of one whole graph is lost. The first such
+  break warns once, naming the fix (a newer torch).
+- **torch < 2.9: no switch for the autocast state of compiled backward passes.** AOT autograd's
+  ``backward_pass_autocast`` setting (:mod:`lightning_mp._compile`) appeared in 2.9; before, the plugin leaves
+  AOT autograd's default. ``keep_fp32`` regions still differentiate in fp32 there: the same torch releases cannot
+  compile their autocast toggles (above), so the regions run, forward and backward, eagerly.
+
+Private torch name used: ``torch._functorch.config`` (only asked whether it has ``backward_pass_autocast``, the
+setting :mod:`lightning_mp._compile` changes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._functorch.config
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])
+"""torch's (major, minor) release: "2.11.0+cu130" gives (2, 11), and a development build of 2.12 counts as 2.12."""
+
+DYNAMO_TRACES_AUTOCAST_FLAGS = TORCH_RELEASE >= (2, 12)
+"""Whether torch.compile traces ``torch.set_autocast_enabled`` without a graph break."""
+
+AOT_BACKWARD_AUTOCAST_CONFIGURABLE = hasattr(torch._functorch.config, "backward_pass_autocast")
+"""Whether AOT autograd can be told to trace a compiled backward outside autocast (``backward_pass_autocast``)."""
+
+_warned_autocast_flags_break_graphs = False
+
+
+@torch.compiler.disable  # runs eagerly, where it can remember that it has warned
+def _warn_autocast_flags_break_graphs() -> None:
+    global _warned_autocast_flags_break_graphs
+    if _warned_autocast_flags_break_graphs:
+        return
+    _warned_autocast_flags_break_graphs = True
+    rank_zero_warn(
+        f"torch {torch.__version__} cannot compile `torch.set_autocast_enabled`: every `keep_fp32` region, and the"
+        " plugin's autocast in a model compiled after `fabric.setup`, splits the compiled graph there. Training is"
+        " correct (those regions run eagerly, in fp32) but slower than one whole graph; torch>=2.12 compiles them"
+        " without a break."
+    )
+
+
+def note_autocast_flag_toggle() -> None:
+    """Warn once if torch.compile is tracing a toggle of autocast's flag that this torch cannot trace.
+
+    Call right before ``torch.set_autocast_enabled``. On torch>=2.12, or outside torch.compile, it does nothing.
+    """
+    if not DYNAMO_TRACES_AUTOCAST_FLAGS and torch.compiler.is_compiling():
+        _warn_autocast_flags_break_graphs()
+
+
+__all__ = [
+    "AOT_BACKWARD_AUTOCAST_CONFIGURABLE",
+    "DYNAMO_TRACES_AUTOCAST_FLAGS",
+    "TORCH_RELEASE",
+    "note_autocast_flag_toggle",
+]
