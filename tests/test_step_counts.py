@@ -6,6 +6,7 @@ Every count is taken in the same test, on the same tiny transformer LM and batch
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning as L
@@ -88,7 +89,10 @@ def test_bench_counts_prints_a_markdown_table_of_syncs_and_ops(capsys, tmp_path)
     from lightning_mp import bench
 
     out = tmp_path / "counts.md"
+    banners = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = banners.level
     assert bench.main(["--counts", "--quick", "--out", str(out)]) == 0
+    assert banners.level == level, "the benchmark quiets Lightning's banners only while it runs"
     printed = capsys.readouterr().out
     assert out.read_text() == printed
     assert (

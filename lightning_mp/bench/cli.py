@@ -263,8 +263,18 @@ def _emit(text: str, out: Path | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark that ``argv`` asks for and print its report; returns the exit status."""
     args = parse_args(argv)
-    # Every configuration builds a Trainer, whose setup banners ("GPU available: ...") would bury the report.
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    # Every configuration builds a Trainer, whose setup banners ("GPU available: ...") would bury the report; the
+    # caller's logging is put back afterwards (main runs inside tests and notebooks too).
+    banners = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = banners.level
+    banners.setLevel(logging.WARNING)
+    try:
+        return _run(args)
+    finally:
+        banners.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.counts:
         _emit(counts_report(args.quick), args.out)
         return 0
