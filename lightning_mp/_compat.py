@@ -14,6 +14,12 @@ the floor for everyone. Each degradation, and the releases it applies to:
   ``backward_pass_autocast`` setting (:mod:`lightning_mp._compile`) appeared in 2.9; before, the plugin leaves
   AOT autograd's default. ``keep_fp32`` regions still differentiate in fp32 there: the same torch releases cannot
   compile their autocast toggles (above), so the regions run, forward and backward, eagerly.
+- **torch >= 2.15: a model compiled after ``fabric.setup`` splits its graph once, at the backward switch.** torch
+  2.15 keeps AOT autograd's ``backward_pass_autocast`` setting in a ``ContextVar``, and dynamo cannot trace its
+  ``set()``. Where Fabric's wrapper already split the graph, dynamo compiles the plugin's switch
+  (:class:`lightning_mp._compile.backward_outside_autocast`) as a frame of its own and breaks there; the switch then
+  runs eagerly and the compiled backward computes what eager computes. ``torch.compile`` before ``fabric.setup``, and
+  the Trainer, are unaffected.
 
 Private torch name used: ``torch._functorch.config`` (only asked whether it has ``backward_pass_autocast``, the
 setting :mod:`lightning_mp._compile` changes).
@@ -30,6 +36,9 @@ TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 DYNAMO_TRACES_AUTOCAST_FLAGS = TORCH_RELEASE >= (2, 12)
 """Whether torch.compile traces ``torch.set_autocast_enabled`` without a graph break."""
+
+AOT_BACKWARD_SWITCH_BREAKS_GRAPHS = TORCH_RELEASE >= (2, 15)
+"""Whether dynamo splits a graph where it traces a change of ``backward_pass_autocast`` (a ``ContextVar`` there)."""
 
 AOT_BACKWARD_AUTOCAST_CONFIGURABLE = hasattr(torch._functorch.config, "backward_pass_autocast")
 """Whether AOT autograd can be told to trace a compiled backward outside autocast (``backward_pass_autocast``)."""

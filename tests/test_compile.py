@@ -22,7 +22,11 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
-from lightning_mp._compat import AOT_BACKWARD_AUTOCAST_CONFIGURABLE, DYNAMO_TRACES_AUTOCAST_FLAGS
+from lightning_mp._compat import (
+    AOT_BACKWARD_AUTOCAST_CONFIGURABLE,
+    AOT_BACKWARD_SWITCH_BREAKS_GRAPHS,
+    DYNAMO_TRACES_AUTOCAST_FLAGS,
+)
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies import POLICIES
 from tests.helpers import make_trainer
@@ -81,12 +85,15 @@ def graph_breaks() -> int:
 
 
 def assert_no_graph_breaks() -> None:
-    """No graph break; before torch 2.12, only the autocast flag toggles (lightning_mp._compat) and their warning."""
-    if DYNAMO_TRACES_AUTOCAST_FLAGS:
-        assert graph_breaks() == 0, dict(counters["graph_break"])
-        return
+    """No graph break but the degradations lightning_mp._compat lists: before torch 2.12 the autocast flag toggles and
+    their warning; from torch 2.15 the backward switch, a ContextVar there, in a model compiled after fabric.setup."""
+    allowed = []
+    if not DYNAMO_TRACES_AUTOCAST_FLAGS:
+        allowed += ["set_autocast_enabled", "disable"]
+    if AOT_BACKWARD_SWITCH_BREAKS_GRAPHS:
+        allowed += ["backward_pass_autocast"]
     for reason in counters["graph_break"]:
-        assert "set_autocast_enabled" in reason or "disable" in reason, reason
+        assert any(known in reason for known in allowed), dict(counters["graph_break"])
 
 
 def head_dtype_recorder(net: Net) -> list[torch.dtype]:
