@@ -821,13 +821,7 @@ class LossScaler(torch.amp.GradScaler):
         As fresh as :meth:`get_scale`: exact on the CPU, at most one iteration old on an accelerator.
         """
         return PrecisionStats(
-            loss_scale=self.get_scale(),
-            optimizer_steps=self.optimizer_steps,
-            skipped_steps=self.skipped_steps,
-            last_step_skipped=self.last_step_skipped,
-            scale_backoffs=self.scale_backoffs,
-            scale_growths=self.scale_growths,
-            consecutive_skips=self.consecutive_skips,
+            loss_scale=self.get_scale(), last_step_skipped=self.last_step_skipped, **self._ledger.counters()
         )
 
     # ------------------------------------------------------------------------------------------------ state
