@@ -29,9 +29,6 @@ Private names used, and why:
   unscale inside their own step (fused Adam/AdamW/SGD), the same test Lightning's plugin makes.
 * ``Precision._after_closure``: Lightning's ``on_before_optimizer_step`` hooks and its gradient clipping, which
   must run after the plugin unscaled the gradients.
-* ``GradScaler._per_optimizer_states``: when an explicit ``scaler.unscale_(opt)`` went through Lightning's
-  ``LightningOptimizer`` wrapper, its record moves to the wrapped optimizer (:func:`adopt_wrapper_unscale`), so
-  that the plugin does not unscale again.
 """
 
 from __future__ import annotations
@@ -68,10 +65,9 @@ def adopt_wrapper_unscale(scaler: LossScaler, wrappers: Sequence[Any], optimizer
     ``scaler.unscale_(opt)`` unscaled the very gradients the plugin steps; without this the plugin, which sees the
     wrapped optimizer, would unscale them a second time.
     """
-    states = scaler._per_optimizer_states
     for wrapper in wrappers:
-        if wrapper.optimizer is optimizer and scaler.is_unscaled(wrapper):
-            states[id(optimizer)] = states.pop(id(wrapper))
+        if wrapper.optimizer is optimizer:
+            scaler.adopt_unscale(wrapper, optimizer)
 
 
 def _any_skipped(verdicts: Sequence[bool | Tensor]) -> bool | Tensor:

@@ -31,6 +31,10 @@ class HostMirror:
         self._buffers: dict[tuple[Any, int], tuple[torch.Tensor, Any]] = {}
         self._parity = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Host buffers and views of device memory are not pickled: an unpickled mirror makes them again."""
+        return HostMirror().__dict__
+
     def publish(self, key: Any, tensor: torch.Tensor) -> Reader:
         """Start copying ``tensor`` to the host; return a function that reads the copy once it is complete."""
         if tensor.device.type == "cpu":

@@ -1,0 +1,30 @@
+"""The loss scaler's parts, one job per module, behind the facade :class:`~lightning_mp.scaler.LossScaler`.
+
+* :mod:`~lightning_mp.scaling.kernels`: unscale and check an optimizer's gradients in a fixed number of ops;
+* :mod:`~lightning_mp.scaling.inf_flags`: the preallocated inf flags and the record of one iteration;
+* :mod:`~lightning_mp.scaling.hand_off`: skipping a step on the device, through torch's fused kernels;
+* :mod:`~lightning_mp.scaling.device_rules`: the scale rules of :mod:`lightning_mp._scale_rules` as device ops;
+* :mod:`~lightning_mp.scaling.host_mirror`: host copies of the flags, read without a sync;
+* :mod:`~lightning_mp.scaling.ledger`: the counters and skip streaks;
+* :mod:`~lightning_mp.scaling.checkpoint`: validation of a scaler checkpoint;
+* :mod:`~lightning_mp.scaling.optimizers`: the optimizers a scaler has seen, by index.
+"""
+
+from lightning_mp.scaling.checkpoint import LoadedScalerState, validated_state
+from lightning_mp.scaling.device_rules import DeviceScale, update_scale_on_device
+from lightning_mp.scaling.host_mirror import HostMirror
+from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
+from lightning_mp.scaling.ledger import StepLedger
+from lightning_mp.scaling.optimizers import OptimizerRegistry
+
+__all__ = [
+    "DeviceScale",
+    "HostMirror",
+    "InfFlagPool",
+    "IterationRecord",
+    "LoadedScalerState",
+    "OptimizerRegistry",
+    "StepLedger",
+    "update_scale_on_device",
+    "validated_state",
+]
