@@ -61,6 +61,15 @@ KeepFp32Pattern = type[nn.Module] | str
 
 REGEX_PREFIX = "re:"
 
+_BATCH_NORMS = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+)
+"""The batch norms that ``sync_batchnorm=True`` replaces by ``SyncBatchNorm``."""
 # Every device type torch's autocast knows; only those on which autocast is enabled at call time are switched off.
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu")
 
@@ -212,9 +221,7 @@ class Fp32Overrides:
     def _matches(self, pattern: KeepFp32Pattern, name: str, module: nn.Module) -> bool:
         if isinstance(pattern, type):
             # sync_batchnorm=True replaces BatchNorm1d/2d/3d by SyncBatchNorm, which subclasses none of them.
-            converted_batch_norm = isinstance(module, nn.SyncBatchNorm) and issubclass(
-                pattern, nn.modules.batchnorm._BatchNorm
-            )
+            converted_batch_norm = isinstance(module, nn.SyncBatchNorm) and issubclass(pattern, _BATCH_NORMS)
             return isinstance(module, pattern) or converted_batch_norm
         if pattern.startswith(REGEX_PREFIX):
             return self._regexes[pattern].fullmatch(name) is not None
