@@ -268,10 +268,6 @@ class ScalerSettings:
             scale = to_float32(self.init_scale)
         return ScaleState(scale=scale, growth_tracker=0, hysteresis_left=self.hysteresis)
 
-    def as_dict(self) -> dict[str, Any]:
-        """The knobs by name, as the constructor takes them."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
 SCALER_DEFAULTS = ScalerSettings()
 """The default of every knob, where a signature or a message needs one."""

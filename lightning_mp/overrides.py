@@ -79,11 +79,6 @@ def _autocast_device_types() -> tuple[str, ...]:
     return (*_AUTOCAST_DEVICE_TYPES, custom) if custom not in _AUTOCAST_DEVICE_TYPES else _AUTOCAST_DEVICE_TYPES
 
 
-def enabled_autocast_device_types() -> list[str]:
-    """The device types on which autocast is on right now."""
-    return [device for device in _autocast_device_types() if torch.is_autocast_enabled(device)]
-
-
 def is_low_precision(tensor: Tensor) -> bool:
     """Whether ``tensor`` is floating point with fewer than 32 bits (fp16, bf16, fp8)."""
     return tensor.is_floating_point() and torch.finfo(tensor.dtype).bits < 32
@@ -282,6 +277,5 @@ __all__ = [
     "Fp32Region",
     "KeepFp32Pattern",
     "cast_low_precision",
-    "enabled_autocast_device_types",
     "is_low_precision",
 ]
