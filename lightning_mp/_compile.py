@@ -16,11 +16,7 @@ of the ``keep_fp32`` hooks (:mod:`lightning_mp.overrides`) in the wrong order on
 block has exited, and fails with "Global autocast state changed while dynamo tracing". :func:`autocast_by_flags`
 turns autocast on and off with the same flag setters as those hooks, which dynamo traces and restores in order.
 
-Private torch names used:
-
-- ``torch._functorch.config.backward_pass_autocast``: the only switch for how AOT autograd traces the backward
-  under autocast; its "off" value matches eager semantics. Without it, keep_fp32 regions lose fp32 in compiled
-  backward passes.
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

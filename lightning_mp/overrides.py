@@ -28,9 +28,7 @@ The hooks are instances of small module-level classes, so a converted model can 
 and deep-copied; the plugin attaches them in ``convert_module``, in the worker, and removes them at teardown.
 Applying twice attaches nothing new.
 
-Private torch names used: ``nn.Module._forward_pre_hooks`` (read only, to tell whether a module already has its
-hooks: ``nn.Module`` offers no public way to list hooks); ``torch._C._get_privateuse1_backend_name`` (the name of
-an out-of-tree device type, whose autocast must be switched off too).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 
 Example:
     >>> from torch import nn

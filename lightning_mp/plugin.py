@@ -50,14 +50,7 @@ thread while one runs is refused; the run ends at ``teardown`` (the Trainer's, o
 The plugin subclasses Lightning's ``MixedPrecision`` so that Lightning's ``ThroughputMonitor`` counts FLOPs in the
 half dtype, and so that Lightning itself restores the legacy ``native_amp_scaling_state`` checkpoint key.
 
-Private names used, and why:
-
-* ``LightningModule._trainer`` (read with ``getattr``): whether a Trainer drives the run, which chooses the engine,
-  and its device; the public ``trainer`` property raises when none is attached.
-* The torch GradScaler state key ``_growth_tracker``: torch's own ``state_dict`` names it so, and the checkpoint
-  entry carries torch's five keys for Lightning's plugin to resume from.
-* ``GradScaler._device``: the device a ``scaler=`` was built for (torch has no getter); a scaler for another
-  device than the run's is refused at setup, as torch silently disables a CUDA scaler on a CPU run.
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

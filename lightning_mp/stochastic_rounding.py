@@ -45,9 +45,7 @@ from the optimizer state alone), and replace the user's optimizer rather than fi
 as three tensor ops on top of torch's own update rules keeps every torch option (fused, foreach, ``amsgrad``,
 ``nesterov``, ``maximize``) and adds no dependency.
 
-Private torch names used: ``torch._foreach_copy_``, ``_foreach_zero_``, ``_foreach_neg_``, ``_foreach_add_`` and
-``_foreach_mul_`` (one dispatched op for a list of tensors, as torch's own optimizers use them; the public
-alternative is one op per tensor).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

@@ -46,9 +46,7 @@ of the difference each step, far below half a bf16 gap, so a bf16 copy would bar
 (``multi_avg_fn``, or no function on a device with foreach kernels) needs one dtype across both models and fails in
 the middle of training, so ``convert_module`` refuses it at setup with a :class:`ValueError` naming ``avg_fn``.
 
-Private names used: ``WeightAveraging._average_model`` (Lightning keeps the averaged copy only there) and
-``torch.utils._foreach_utils._get_foreach_kernels_supported_devices`` (the devices where ``AveragedModel`` picks the
-foreach update, so the check matches torch's own choice).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

@@ -76,13 +76,7 @@ step.
     after each skipped step. Clean steps are not checked and make no extra synchronisation; a weight that outgrows
     fp16 makes its copy inf, the gradients non-finite and the step skipped, and that skip names it.
 
-Private torch names used: ``nn.Module._parameters`` (the only way to put a plain tensor in a parameter's slot while
-keeping the module's parameter order; ``torch.nn.utils.stateless`` and ``torch.func.functional_call`` do the same,
-but they wrap one ``forward`` call, not a LightningModule's ``training_step``);
-``Tensor._version`` (the
-in-place version counter autograd itself checks saved tensors against: the recast in backward checks it too);
-``nn.Module._forward_pre_hooks`` (read only, to find the older spectral and weight norm hooks, which leave no other
-mark on the module).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
