@@ -289,19 +289,7 @@ class MixedPrecision(LightningMixedPrecision):
         """Resolve the precision and build the opt level's policy and the loss scaler (:meth:`setup_for_device`)."""
         if self._policy is not None:
             return
-        if self.device is not None and self.device != device_type:
-            raise ValueError(
-                f"MixedPrecision(device={self.device!r}) does not match the Trainer's accelerator, which runs on"
-                f" {device_type!r}. Leave device=None to follow the Trainer."
-            )
-        torch_scaler_device = self.settings.torch_scaler_device
-        if torch_scaler_device is not None and torch_scaler_device != device_type:
-            raise ValueError(
-                f"MixedPrecision(scaler=GradScaler({torch_scaler_device!r})) cannot scale a run on {device_type!r}:"
-                f" torch disables a GradScaler built for {torch_scaler_device!r} where that device is missing, so fp16"
-                f" would train unscaled. Pass torch.amp.GradScaler({device_type!r}, ...) (enabled=False to turn scaling"
-                " off)."
-            )
+        self.settings.check_device("MixedPrecision", device_type)
         self.device = device_type
         if self.requested_precision == "auto":
             self.precision, self.precision_reason = choose_precision(device_type, self.opt_level)

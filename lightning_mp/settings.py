@@ -5,8 +5,9 @@ loss scaler's (:class:`~lightning_mp._scale_rules.ScalerSettings`, the same obje
 takes). Each knob is a field with its default, its one documentation and its one check (:mod:`lightning_mp._knobs`);
 the rules that involve two knobs (fp16 with ``skip_nonfinite=False``, a static scale outside fp16, an opt level the
 precision cannot run) are in ``__post_init__``, and :meth:`PluginSettings.check_resolved` refuses a static scale or
-a scaler once ``precision="auto"`` has chosen another precision than fp16 at setup. Building one therefore validates
-every argument, and a built one is valid.
+a scaler once ``precision="auto"`` has chosen another precision than fp16 at setup, and
+:meth:`PluginSettings.check_device` a run on another device than ``device`` or a GradScaler's. Building one
+therefore validates every argument, and a built one is valid.
 
 A ``torch.amp.GradScaler`` passed as ``MixedPrecision(scaler=...)`` is translated into the scaler's knobs in one
 place, :meth:`PluginSettings.from_arguments`: its scale, growth and backoff factors and growth interval become
@@ -269,6 +270,26 @@ class PluginSettings:
             scaling_disabled=scaling_disabled,
             owner=owner,
         )
+
+    def check_device(self, owner: str, device_type: str) -> None:
+        """Refuse a run on ``device_type`` when ``device`` or a torch GradScaler's device says otherwise (setup).
+
+        Raises:
+            ValueError: naming the device asked for and the run's.
+
+        """
+        if self.device is not None and self.device != device_type:
+            raise ValueError(
+                f"{owner}(device={self.device!r}) does not match the Trainer's accelerator, which runs on"
+                f" {device_type!r}. Leave device=None to follow the Trainer."
+            )
+        scaler_device = self.torch_scaler_device
+        if scaler_device is not None and scaler_device != device_type:
+            raise ValueError(
+                f"{owner}(scaler=GradScaler({scaler_device!r})) cannot scale a run on {device_type!r}: torch disables"
+                f" a GradScaler built for {scaler_device!r} where that device is missing, so fp16 would train"
+                f" unscaled. Pass torch.amp.GradScaler({device_type!r}, ...) (enabled=False to turn scaling off)."
+            )
 
     def check_resolved(self, owner: str, precision: str, reason: str) -> None:
         """Refuse a static ``loss_scale`` or a ``scaler`` once ``precision="auto"`` has chosen a precision besides fp16.
