@@ -12,6 +12,7 @@ from lightning_mp import LossScaler, MixedPrecision
 from lightning_mp._scale_rules import ScalerSettings
 from lightning_mp._validation import exact
 from lightning_mp.settings import TORCH_SCALER_KNOBS, PluginSettings
+from tests.helpers import TinyRegressor, loader, make_trainer
 
 SCALER_KNOBS = [field.name for field in fields(ScalerSettings)]
 PLUGIN_KNOBS = [field.name for field in fields(PluginSettings) if "check" in field.metadata]
@@ -83,3 +84,10 @@ def test_lean_with_fp16_is_refused_with_the_lean_message():
     """MixedPrecision("16-mixed", opt_level="lean") says lean keeps bf16 states and points to bf16 or O2."""
     with pytest.raises(ValueError, match=r"lean keeps weights and optimizer states in bf16.*or opt_level='O2'"):
         MixedPrecision("16-mixed", opt_level="lean")
+
+
+def test_a_device_the_trainer_does_not_run_on_is_refused_at_setup():
+    """MixedPrecision(device="cuda") on a CPU Trainer fails at setup, naming both devices, before any step."""
+    plugin = MixedPrecision("bf16-mixed", device="cuda")
+    with pytest.raises(ValueError, match=r"MixedPrecision\(device='cuda'\) does not match .* runs on 'cpu'"):
+        make_trainer(plugin, max_steps=1).fit(TinyRegressor(), loader())
