@@ -21,8 +21,7 @@ the floor for everyone. Each degradation, and the releases it applies to:
   runs eagerly and the compiled backward computes what eager computes. ``torch.compile`` before ``fabric.setup``, and
   the Trainer, are unaffected.
 
-Private torch name used: ``torch._functorch.config`` (only asked whether it has ``backward_pass_autocast``, the
-setting :mod:`lightning_mp._compile` changes).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

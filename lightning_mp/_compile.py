@@ -17,11 +17,7 @@ block has exited, and fails with "Global autocast state changed while dynamo tra
 turns autocast on and off with the same flag setters as those hooks, which dynamo traces and restores in order
 (from torch 2.12; before, it splits the graph there: :mod:`lightning_mp._compat`).
 
-Private torch names used:
-
-- ``torch._functorch.config.backward_pass_autocast``: the only switch for how AOT autograd traces the backward
-  under autocast; its "off" value matches eager semantics. Without it, keep_fp32 regions lose fp32 in compiled
-  backward passes.
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@
 message. The telemetry uses the batched functions: :func:`gradient_summary` turns all gradients into one device vector
 with a fixed number of ops, and :func:`largest_magnitudes` takes ``max |g|`` of every gradient in one op.
 
-Private torch name used: ``torch._foreach_norm``, the batched norm behind ``torch.nn.utils.clip_grad_norm_``'s foreach
-path (one dispatched op for any number of tensors; there is no public batched norm).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The loss scaler's settings and its scale rules, as plain data and a pure function.
 
-:class:`ScalerSettings` declares every knob once and validates it once; :func:`next_state` says how the scale and
-its two trackers move after one iteration, given whether any gradient of that iteration was inf or NaN. Nothing here
-touches torch: :class:`~lightning_mp.scaler.LossScaler` applies these rules on the host when the inf flag is already
-there, and mirrors them with device ops when it is not (fused optimizers), and the tests drive them directly.
+:class:`ScalerSettings` declares every knob once, with its default, its documentation and its check;
+:func:`next_state` says how the scale and its two trackers move after one iteration, given whether any gradient of
+that iteration was inf or NaN. Nothing here touches torch: :class:`~lightning_mp.scaler.LossScaler` applies these
+rules on the host when the inf flag is already there, and mirrors them with device ops when it is not (fused
+optimizers), and the tests drive them directly.
 
 The rules (dynamic mode; static and check modes never move the scale):
 
@@ -26,14 +27,16 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import InitVar, dataclass, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal
 
-from lightning_mp._validation import INT32_MAX, check_bool, check_choice, check_number, exact
+from lightning_mp._knobs import knob
+from lightning_mp._validation import INT32_MAX, check_choice, check_flag, check_number, exact
 
 __all__ = [
     "COLLAPSE_FLOOR",
     "FLOAT32_MAX",
+    "SCALER_DEFAULTS",
     "STATIC_SCALE_FLOOR",
     "ScaleState",
     "ScalerSettings",
@@ -54,6 +57,11 @@ FLOAT32_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
 STATIC_SCALE_FLOOR = 2.0**-126
 """The smallest static scale: float32's smallest normal number. Its inverse ``2**126`` is finite in float32, and a
 normal scale is not flushed to zero where denormals are."""
+
+
+def _choice(owner: str, name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    check_choice(owner, name, value, allowed)
+    return value
 
 
 def to_float32(value: float) -> float:
@@ -78,30 +86,25 @@ def float32_within(value: float, low: float, high: float) -> float:
     return rounded
 
 
+def _interval(owner: str, name: str, value: Any) -> int:
+    return check_number(owner, name, value, at_least=1, at_most=INT32_MAX, integer=True)
+
+
+def _scale_bound(owner: str, name: str, value: Any) -> float:
+    return check_number(owner, name, value, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX)
+
+
 @dataclass(frozen=True)
 class ScalerSettings:
-    """Every knob of the loss scaler, validated once when the object is built.
+    """Every knob of the loss scaler, with its default, its documentation and its check, declared once.
 
-    Numbers may be Python numbers, numpy scalars or 0-d tensors; they are stored as Python ``int``/``float``.
+    :class:`~lightning_mp.LossScaler` and :class:`~lightning_mp.MixedPrecision` take these knobs as keyword arguments
+    with these defaults, and their docstrings are written from the fields' ``doc`` (:mod:`lightning_mp._knobs`). Each
+    field's ``metadata`` holds its ``doc`` and its ``check``; ``__post_init__`` runs the checks, then the ones that
+    involve two knobs. Numbers may be Python numbers, numpy scalars or 0-d tensors; booleans must be ``True`` or
+    ``False``. They are stored as Python ``int``/``float``/``bool``.
 
-    Args:
-        init_scale: the first scale, in ``[min_scale, max_scale]`` (dynamic), or the fixed scale, in
-            ``[2**-126, float32's largest]`` (static, any normal float32); ignored in check mode.
-        growth_factor: multiplier after ``growth_interval`` clean iterations; > 1 (capped at ``max_scale``).
-        backoff_factor: multiplier on an overflow that exhausts the hysteresis; in (0, 1).
-        growth_interval: clean iterations in a row before the scale grows; in [1, 2**31 - 1].
-        hysteresis: overflows tolerated before the scale backs off, in [1, 2**31 - 1]; 1 is torch's behaviour.
-        consecutive_hysteresis: refill the hysteresis tracker after every clean iteration, not only after a growth.
-        min_scale: the floor, at least ``2**-24``; None means ``2**-24``.
-        max_scale: the ceiling, at most float32's largest value.
-        on_min_scale: ``"raise"`` or ``"warn"`` (stay at the floor) when a backoff would go below the floor.
-        mode: ``"dynamic"``, ``"static"`` (fixed ``init_scale``) or ``"check"`` (nothing scaled, non-finite steps
-            skipped).
-        max_consecutive_skips: skipped steps in a row of one optimizer that stop the run, in [1, 2**31 - 1]; None
-            never stops.
-        skip_nonfinite: check mode only: False checks nothing and takes every step, as Lightning's bf16 and fp32
-            plugins do (no sync, no op, but a step with inf/NaN gradients writes them into the weights).
-        owner: the name used in error messages (``"LossScaler"``, ``"MixedPrecision"``); not stored.
+    ``owner`` is the name used in error messages (``"LossScaler"``, ``"MixedPrecision"``); it is not stored.
 
     Raises:
         ValueError: naming the argument, the value and what is allowed.
@@ -112,48 +115,111 @@ class ScalerSettings:
 
     """
 
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    consecutive_hysteresis: bool = False
-    min_scale: float | None = None
-    max_scale: float = 2.0**24
-    on_min_scale: OnMinScale = "raise"
-    mode: ScalingMode = "dynamic"
-    max_consecutive_skips: int | None = 100
-    skip_nonfinite: bool = True
+    init_scale: float = field(
+        default=2.0**16,
+        metadata=knob(
+            "the first loss scale (fp16), in ``[min_scale, max_scale]``; a static scale is any normal float32, from"
+            " ``2**-126`` (whose inverse is finite) to float32's largest; unused when nothing is scaled.",
+        ),
+    )
+    growth_factor: float = field(
+        default=2.0,
+        metadata=knob(
+            "scale multiplier after ``growth_interval`` clean iterations; > 1 (the scale stops at ``max_scale``).",
+            lambda owner, name, value: check_number(owner, name, value, above=1),
+        ),
+    )
+    backoff_factor: float = field(
+        default=0.5,
+        metadata=knob(
+            "scale multiplier on an overflow that exhausts the hysteresis; in (0, 1).",
+            lambda owner, name, value: check_number(owner, name, value, above=0, below=1),
+        ),
+    )
+    growth_interval: int = field(
+        default=2000,
+        metadata=knob(
+            "clean iterations in a row before the scale grows, in [1, 2**31 - 1]. An iteration is one scale update"
+            " (after its last optimizer step), so several optimizers or accumulated batches count once.",
+            _interval,
+        ),
+    )
+    hysteresis: int = field(
+        default=1,
+        metadata=knob(
+            "overflows tolerated before the scale backs off (DeepSpeed's and Megatron's meaning), in [1, 2**31 - 1]; 1"
+            " is torch's behaviour.",
+            _interval,
+        ),
+    )
+    consecutive_hysteresis: bool = field(
+        default=False,
+        metadata=knob(
+            "refill the hysteresis after every clean iteration, not only after a growth.",
+            check_flag,
+        ),
+    )
+    min_scale: float | None = field(
+        default=None,
+        metadata=knob(
+            "the scale's floor, from ``2**-24`` to ``max_scale``; None means the collapse floor ``2**-24``.",
+            lambda owner, name, value: None if value is None else _scale_bound(owner, name, value),
+        ),
+    )
+    max_scale: float = field(
+        default=2.0**24,
+        metadata=knob(
+            "the scale never grows past this; from ``2**-24`` to float32's largest value.",
+            _scale_bound,
+        ),
+    )
+    on_min_scale: OnMinScale = field(
+        default="raise",
+        metadata=knob(
+            '``"raise"`` :class:`~lightning_mp.errors.LossScaleCollapseError`, or ``"warn"`` and stay at the floor,'
+            " when an overflow would push the scale below the floor.",
+            lambda owner, name, value: _choice(owner, name, value, ("raise", "warn")),
+        ),
+    )
+    mode: ScalingMode = field(
+        default="dynamic",
+        metadata=knob(
+            '``"dynamic"``, ``"static"`` (a fixed ``init_scale``) or ``"check"`` (nothing scaled, non-finite'
+            " steps skipped: bf16 and fp32).",
+            lambda owner, name, value: _choice(owner, name, value, ("dynamic", "static", "check")),
+        ),
+    )
+    max_consecutive_skips: int | None = field(
+        default=100,
+        metadata=knob(
+            "stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped steps in a row of one"
+            " optimizer (1 to 2**31 - 1), in every precision; None never stops.",
+            lambda owner, name, value: None if value is None else _interval(owner, name, value),
+        ),
+    )
+    skip_nonfinite: bool = field(
+        default=True,
+        metadata=knob(
+            "skip every step whose gradients hold an inf or a NaN, without a host sync for torch's Adam, AdamW, SGD and"
+            " Adagrad (:mod:`lightning_mp.scaler`). Only where nothing is scaled (bf16, fp32) may it be False: then"
+            ' nothing is checked, as in Lightning\'s ``"bf16-mixed"`` and ``"32-true"``, a step writes inf/NaN into'
+            " the weights, and ``skipped_steps`` stays 0. A scaled run (fp16) always skips: its overflows are routine.",
+            check_flag,
+        ),
+    )
     owner: InitVar[str] = "ScalerSettings"
 
     def __post_init__(self, owner: str) -> None:
-        check_choice(owner, "mode", self.mode, ("dynamic", "static", "check"))
-        check_choice(owner, "on_min_scale", self.on_min_scale, ("raise", "warn"))
-        normalised: dict[str, Any] = {
-            "growth_factor": check_number(owner, "growth_factor", self.growth_factor, above=1),
-            "backoff_factor": check_number(owner, "backoff_factor", self.backoff_factor, above=0, below=1),
-            "growth_interval": check_number(
-                owner, "growth_interval", self.growth_interval, at_least=1, at_most=INT32_MAX, integer=True
-            ),
-            "hysteresis": check_number(
-                owner, "hysteresis", self.hysteresis, at_least=1, at_most=INT32_MAX, integer=True
-            ),
-            "consecutive_hysteresis": check_bool(owner, "consecutive_hysteresis", self.consecutive_hysteresis),
-            "skip_nonfinite": check_bool(owner, "skip_nonfinite", self.skip_nonfinite),
-            "max_scale": check_number(owner, "max_scale", self.max_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX),
+        normalised = {
+            field.name: field.metadata["check"](owner, field.name, getattr(self, field.name))
+            for field in fields(self)
+            if "check" in field.metadata
         }
-        if self.min_scale is not None:
-            normalised["min_scale"] = check_number(
-                owner, "min_scale", self.min_scale, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX
-            )
-            if normalised["min_scale"] > normalised["max_scale"]:
-                raise ValueError(
-                    f"{owner}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}) is not allowed: min_scale"
-                    " must be <= max_scale."
-                )
-        if self.max_consecutive_skips is not None:
-            normalised["max_consecutive_skips"] = check_number(
-                owner, "max_consecutive_skips", self.max_consecutive_skips, at_least=1, at_most=INT32_MAX, integer=True
+        min_scale, max_scale = normalised["min_scale"], normalised["max_scale"]
+        if min_scale is not None and min_scale > max_scale:
+            raise ValueError(
+                f"{owner}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}) is not allowed: min_scale"
+                " must be <= max_scale."
             )
         if self.mode == "check":
             normalised["init_scale"] = 1.0
@@ -162,12 +228,12 @@ class ScalerSettings:
                 owner, "init_scale", self.init_scale, at_least=STATIC_SCALE_FLOOR, at_most=FLOAT32_MAX
             )
         else:
-            low = normalised.get("min_scale", COLLAPSE_FLOOR)
+            low = COLLAPSE_FLOOR if min_scale is None else min_scale
             init_scale = check_number(owner, "init_scale", self.init_scale, above=0)
-            if not low <= init_scale <= normalised["max_scale"]:
+            if not low <= init_scale <= max_scale:
                 raise ValueError(
                     f"{owner}(init_scale={self.init_scale!r}) is not allowed: init_scale must lie in"
-                    f" [min_scale, max_scale] = [{exact(low)}, {exact(normalised['max_scale'])}] (min_scale=None means"
+                    f" [min_scale, max_scale] = [{exact(low)}, {exact(max_scale)}] (min_scale=None means"
                     f" the floor {exact(COLLAPSE_FLOOR)})."
                 )
             normalised["init_scale"] = init_scale
@@ -202,9 +268,9 @@ class ScalerSettings:
             scale = to_float32(self.init_scale)
         return ScaleState(scale=scale, growth_tracker=0, hysteresis_left=self.hysteresis)
 
-    def as_dict(self) -> dict[str, Any]:
-        """The knobs by name, as the constructor takes them."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+SCALER_DEFAULTS = ScalerSettings()
+"""The default of every knob, where a signature or a message needs one."""
 
 
 @dataclass(frozen=True)

@@ -180,10 +180,3 @@ def check_number(
     if not ok:
         raise ValueError(f"{owner}({name}={value!r}) is not allowed: {name} must be {allowed}.")
     return number
-
-
-def check_bool(owner: str, name: str, value: Any) -> bool:
-    """Raise unless ``value`` is ``True`` or ``False`` (a Python or numpy bool): ``'no'`` is not a boolean."""
-    if isinstance(value, bool) or _is_numpy_bool(value):
-        return bool(value)
-    raise ValueError(f"{owner}({name}={value!r}) is not allowed: {name} must be True or False.")

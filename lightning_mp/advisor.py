@@ -64,6 +64,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp._hardware import AMPERE, DeviceCapabilities
+from lightning_mp._scale_rules import SCALER_DEFAULTS
 from lightning_mp._validation import check_choice, check_number
 
 FP16_MAX = 65504.0
@@ -458,7 +459,7 @@ def _recommend(tallies: list[_Tally], batches: int, capabilities: DeviceCapabili
         exponent = math.floor(math.log2(FP16_MAX / GRADIENT_HEADROOM / largest_gradient))
         init_scale = min(max(2.0**exponent, MIN_INIT_SCALE), MAX_INIT_SCALE)
     else:
-        init_scale = 2.0**16
+        init_scale = SCALER_DEFAULTS.init_scale
     precision, reason, on_gpu = recommend_precision(capabilities, keep, init_scale)
     return Advice(layers, precision, keep, init_scale, batches, reason, on_gpu)
 

@@ -28,8 +28,7 @@ foreach optimizer and 0 with a fused one, ``.item()`` and ``.tolist()`` each cou
 counts 0. Counting Python calls and dispatched ops at the same time would count the dispatch mode's own Python
 frames, so the two are separate context managers.
 
-Private torch names used: ``torch.utils._python_dispatch.TorchDispatchMode`` (the only way to see every dispatched
-op; torch's own tests and FlopCounterMode use it).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ first thing to lose precision) and makes the model reject fp32 inputs. :func:`to
 
 1. deep-copies the model, so the original is untouched, and puts the copy in eval mode without gradients;
 2. casts weights and floating buffers to the half type, keeping normalisation layers and ``keep_fp32`` modules in
-   fp32 (:func:`~lightning_mp.policies.o3.convert_to_half`, with the normalisation layers O3 would cast kept fp32).
+   fp32 (:func:`~lightning_mp.policies.casting.convert_to_half`, with the normalisation layers O3 would cast kept fp32).
    Tied weights are one tensor with one dtype, so a module tied to a kept one is kept too (with a warning): keeping
    only one side would make the first forward mix fp32 and half;
 3. gives every module with half weights a pre-hook that casts its floating inputs to the half type, so the copy takes
@@ -76,8 +76,7 @@ from torch import Tensor, nn
 
 from lightning_mp._validation import check_number
 from lightning_mp.overrides import Fp32Overrides, KeepFp32Pattern, cast_low_precision
-from lightning_mp.policies.o2 import HALF_DTYPES
-from lightning_mp.policies.o3 import convert_to_half
+from lightning_mp.policies.casting import HALF_DTYPES, convert_to_half
 
 
 def _check_bool(owner: str, name: str, value: Any) -> None:

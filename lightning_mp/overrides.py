@@ -28,9 +28,7 @@ The hooks are instances of small module-level classes, so a converted model can 
 and deep-copied; the plugin attaches them in ``convert_module``, in the worker, and removes them at teardown.
 Applying twice attaches nothing new.
 
-Private torch names used: ``nn.Module._forward_pre_hooks`` (read only, to tell whether a module already has its
-hooks: ``nn.Module`` offers no public way to list hooks); ``torch._C._get_privateuse1_backend_name`` (the name of
-an out-of-tree device type, whose autocast must be switched off too).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 
 Example:
     >>> from torch import nn
@@ -63,6 +61,15 @@ KeepFp32Pattern = type[nn.Module] | str
 
 REGEX_PREFIX = "re:"
 
+_BATCH_NORMS = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+)
+"""The batch norms that ``sync_batchnorm=True`` replaces by ``SyncBatchNorm``."""
 # Every device type torch's autocast knows; only those on which autocast is enabled at call time are switched off.
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu")
 
@@ -70,11 +77,6 @@ _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ma
 def _autocast_device_types() -> tuple[str, ...]:
     custom = torch._C._get_privateuse1_backend_name()
     return (*_AUTOCAST_DEVICE_TYPES, custom) if custom not in _AUTOCAST_DEVICE_TYPES else _AUTOCAST_DEVICE_TYPES
-
-
-def enabled_autocast_device_types() -> list[str]:
-    """The device types on which autocast is on right now."""
-    return [device for device in _autocast_device_types() if torch.is_autocast_enabled(device)]
 
 
 def is_low_precision(tensor: Tensor) -> bool:
@@ -216,9 +218,7 @@ class Fp32Overrides:
     def _matches(self, pattern: KeepFp32Pattern, name: str, module: nn.Module) -> bool:
         if isinstance(pattern, type):
             # sync_batchnorm=True replaces BatchNorm1d/2d/3d by SyncBatchNorm, which subclasses none of them.
-            converted_batch_norm = isinstance(module, nn.SyncBatchNorm) and issubclass(
-                pattern, nn.modules.batchnorm._BatchNorm
-            )
+            converted_batch_norm = isinstance(module, nn.SyncBatchNorm) and issubclass(pattern, _BATCH_NORMS)
             return isinstance(module, pattern) or converted_batch_norm
         if pattern.startswith(REGEX_PREFIX):
             return self._regexes[pattern].fullmatch(name) is not None
@@ -279,6 +279,5 @@ __all__ = [
     "Fp32Region",
     "KeepFp32Pattern",
     "cast_low_precision",
-    "enabled_autocast_device_types",
     "is_low_precision",
 ]

@@ -50,14 +50,7 @@ thread while one runs is refused; the run ends at ``teardown`` (the Trainer's, o
 The plugin subclasses Lightning's ``MixedPrecision`` so that Lightning's ``ThroughputMonitor`` counts FLOPs in the
 half dtype, and so that Lightning itself restores the legacy ``native_amp_scaling_state`` checkpoint key.
 
-Private names used, and why:
-
-* ``LightningModule._trainer`` (read with ``getattr``): whether a Trainer drives the run, which chooses the engine,
-  and its device; the public ``trainer`` property raises when none is attached.
-* The torch GradScaler state key ``_growth_tracker``: torch's own ``state_dict`` names it so, and the checkpoint
-  entry carries torch's five keys for Lightning's plugin to resume from.
-* ``GradScaler._device``: the device a ``scaler=`` was built for (torch has no getter); a scaler for another
-  device than the run's is refused at setup, as torch silently disables a CUDA scaler on a CPU run.
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
@@ -67,7 +60,7 @@ import threading
 import warnings
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import replace
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
@@ -81,58 +74,20 @@ from typing_extensions import override
 
 from lightning_mp._compile import autocast_by_flags, backward_outside_autocast
 from lightning_mp._hardware import choose_precision, device_has_native_bf16, emulated_bf16_warning
-from lightning_mp._scale_rules import FLOAT32_MAX, STATIC_SCALE_FLOOR, OnMinScale
-from lightning_mp._validation import check_choice, check_flag, check_number, exact, plain_scalar
+from lightning_mp._knobs import with_knob_docs
+from lightning_mp._scale_rules import SCALER_DEFAULTS, ScalerSettings
 from lightning_mp.engine import FabricEngine, StepEngine, TrainerEngine
-from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies import POLICIES, PrecisionPolicy
-from lightning_mp.scaler import LossScaler, ScalerSettings, ScalingMode
+from lightning_mp.scaler import LossScaler, ScalingMode
+from lightning_mp.settings import HALF_DTYPES, PRECISIONS, PluginSettings, PrecisionName
 from lightning_mp.stats import PrecisionStats, ScalerView
 
-PrecisionName = Literal["auto", "16-mixed", "bf16-mixed", "32-true"]
-PRECISIONS: tuple[str, ...] = ("auto", "16-mixed", "bf16-mixed", "32-true")
-DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
-PRECISION_ALIASES: dict[Any, str] = {
-    **dict.fromkeys((16, "16", "fp16", "float16", "half", "16-true", "mixed", "amp"), "16-mixed"),
-    **dict.fromkeys(("bf16", "bfloat16", "bf16-true"), "bf16-mixed"),
-    **dict.fromkeys((32, "32", "fp32", "float32", "full"), "32-true"),
-}
-"""Common spellings of the precisions, for the "did you mean" of an error message."""
-OPT_LEVEL_ALIASES: dict[Any, str] = {level: f"O{level}" for level in range(4)}
+PLUGIN_DEFAULTS = PluginSettings()
+"""The defaults of the plugin's own arguments; the scaler's are :data:`~lightning_mp._scale_rules.SCALER_DEFAULTS`."""
 TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 """The keys of ``torch.amp.GradScaler.state_dict()``: Lightning's own plugin loads exactly these."""
 _RUN_CLAIMS = threading.Lock()
 """Serialises the claims of runs on plugins (:meth:`MixedPrecision._claim_run`)."""
-_HALF_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-_TORCH_SCALER_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
-
-
-def _device_type(owner: str, device: Any) -> str:
-    """The device type of ``"cuda"``, ``"cuda:0"`` or ``torch.device("cuda", 0)``, checked against DEVICE_TYPES."""
-    with contextlib.suppress(RuntimeError, TypeError):
-        device = torch.device(device).type
-    check_choice(owner, "device", device, DEVICE_TYPES)
-    return device
-
-
-def _precision_name(owner: str, precision: Any) -> PrecisionName:
-    """``precision`` checked: one of :data:`PRECISIONS`, else an error with a "did you mean" for a near miss."""
-    check_choice(owner, "precision", precision, PRECISIONS, PRECISION_ALIASES)
-    return cast(PrecisionName, precision)
-
-
-def _static_scale_or_dynamic(owner: str, loss_scale: Any) -> float | Literal["dynamic"]:
-    """``loss_scale`` checked: ``"dynamic"``, or a static scale as a Python float."""
-    loss_scale = plain_scalar(loss_scale)
-    if isinstance(loss_scale, str) and loss_scale == "dynamic":
-        return "dynamic"
-    try:
-        return check_number(owner, "loss_scale", loss_scale, at_least=STATIC_SCALE_FLOOR, at_most=FLOAT32_MAX)
-    except ValueError:
-        raise ValueError(
-            f"{owner}(loss_scale={loss_scale!r}) is not allowed: loss_scale must be 'dynamic' or a static scale, a"
-            f" finite number >= {exact(STATIC_SCALE_FLOOR)} and <= {exact(FLOAT32_MAX)} (float32's largest)."
-        ) from None
 
 
 def attached_trainer(module: nn.Module | None) -> Any:
@@ -140,51 +95,36 @@ def attached_trainer(module: nn.Module | None) -> Any:
     return getattr(module, "_trainer", None)
 
 
+@with_knob_docs(PluginSettings, ScalerSettings)
 class MixedPrecision(LightningMixedPrecision):
     """Mixed-precision training for Lightning: autocast, a dynamic loss scaler that goes past torch's, and counters.
 
     Args:
-        precision: ``"auto"`` (bf16 where the device runs it natively, else fp16 on GPUs and fp32 on CPUs),
-            ``"16-mixed"`` (fp16 with loss scaling; real fp16 on the CPU too), ``"bf16-mixed"`` or ``"32-true"``.
-            The annotation also takes any string or int, so that LightningCLI hands ``fp16`` or ``16`` to this
-            constructor, whose error says "did you mean '16-mixed'", instead of refusing it in its own type check;
-            ``on_min_scale`` and ``loss_scale`` take any string for the same reason.
-        device: the autocast device type (``"cpu"``, ``"cuda"``, ...; an index as in ``"cuda:0"`` is ignored, as
-            autocast works per device type); None takes it from the Trainer's accelerator at setup, or under Fabric
-            from the device Fabric moved the model to (checked at every forward; a contradicting ``device`` raises).
+        precision: <knob>
+        device: <knob>
         scaler: a ``torch.amp.GradScaler`` whose settings (scale, growth and backoff factors, growth interval,
             ``enabled``) the loss scaler takes over, as Lightning's plugin would use it; fp16 only. A
             :class:`~lightning_mp.LossScaler` is used as it is. Leave it None to set the knobs below.
-        opt_level: ``"O0"`` (fp32 baseline) or ``"O1"`` (autocast, fp32 weights), and any other registered level.
-        init_scale: the first loss scale (fp16), in ``[min_scale, max_scale]``; None means torch's ``2**16``.
-        growth_factor: scale multiplier after ``growth_interval`` clean iterations; > 1; None means 2.
-        backoff_factor: scale multiplier on overflow; in (0, 1); None means 0.5.
-        growth_interval: clean iterations in a row before the scale grows; in [1, 2**31 - 1]; None means 2000.
-        hysteresis: overflows tolerated before the scale backs off (DeepSpeed's and Megatron's meaning), in
-            [1, 2**31 - 1]; 1 is torch's behaviour.
-        consecutive_hysteresis: refill the hysteresis after every clean step instead of only after a growth.
-        min_scale: the scale's floor, from ``2**-24`` to ``max_scale``; None means the collapse floor ``2**-24``.
-        max_scale: the scale never grows past this; from ``2**-24`` to float32's largest value.
-        on_min_scale: ``"raise"`` :class:`~lightning_mp.errors.LossScaleCollapseError` or ``"warn"`` and stay at the
-            floor when an overflow would push the scale below it.
-        loss_scale: ``"dynamic"``, or a static scale (fp16 only): any normal float32, from ``2**-126`` (whose inverse
-            is finite) to float32's largest.
-        skip_scheduler_on_overflow: keep ``interval="step"`` schedulers from advancing on skipped steps.
-        keep_fp32: modules that run in fp32 (autocast off, inputs cast to fp32, weights fp32 in O2 and O3): module
-            types, qualified names, or regular expressions prefixed with ``re:`` (:mod:`lightning_mp.overrides`);
-            None or empty keeps none.
-        max_consecutive_skips: stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
-            steps in a row (1 to 2**31 - 1), in every precision; None never stops.
-        recast_in_backward: O2 only: autograd saves the fp32 parameters instead of their half copies, and backward
-            casts them again, so the copies never outlive the forward (2 bytes per parameter less at the start of
-            backward, for one cast per weight in backward). Set it to False for a training step that calls
-            ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``), which refuse saved-tensor hooks.
-        skip_nonfinite: bf16 and fp32 only. True (the default) skips every step whose gradients hold an inf or a
-            NaN, without a host sync for torch's Adam, AdamW, SGD and Adagrad (:mod:`lightning_mp.scaler`). False
-            checks nothing, as Lightning's ``"bf16-mixed"`` and ``"32-true"`` do: such a step then writes inf/NaN
-            into the weights, and ``stats.skipped_steps`` stays 0. fp16 always skips (its overflows are routine).
+        opt_level: <knob>
+        init_scale: <knob> None means {default}.
+        growth_factor: <knob> None means {default}.
+        backoff_factor: <knob> None means {default}.
+        growth_interval: <knob> None means {default}.
+        hysteresis: <knob>
+        consecutive_hysteresis: <knob>
+        min_scale: <knob>
+        max_scale: <knob>
+        on_min_scale: <knob>
+        loss_scale: <knob>
+        skip_scheduler_on_overflow: <knob>
+        keep_fp32: <knob>
+        max_consecutive_skips: <knob>
+        recast_in_backward: <knob>
+        skip_nonfinite: <knob>
 
-    Numbers may be Python, numpy or 0-d tensor scalars; booleans must be ``True`` or ``False``.
+    Every knob is declared, documented and checked once, in :class:`~lightning_mp.settings.PluginSettings` and
+    :class:`~lightning_mp._scale_rules.ScalerSettings`; :attr:`settings` holds them as validated. Numbers may be
+    Python, numpy or 0-d tensor scalars; booleans must be ``True`` or ``False``.
 
     Raises:
         ValueError: for any argument outside what is allowed; the message names the argument, the value given and
@@ -200,107 +140,66 @@ class MixedPrecision(LightningMixedPrecision):
 
     def __init__(
         self,
-        precision: PrecisionName | str | int = "auto",
-        device: str | None = None,
+        precision: PrecisionName | str | int = PLUGIN_DEFAULTS.precision,
+        device: str | None = PLUGIN_DEFAULTS.device,
         scaler: torch.amp.GradScaler | None = None,
         *,
-        opt_level: str = "O1",
+        opt_level: str = PLUGIN_DEFAULTS.opt_level,
         init_scale: float | None = None,
         growth_factor: float | None = None,
         backoff_factor: float | None = None,
         growth_interval: int | None = None,
-        hysteresis: int = 1,
-        consecutive_hysteresis: bool = False,
-        min_scale: float | None = None,
-        max_scale: float = 2.0**24,
-        on_min_scale: Literal["raise", "warn"] | str = "raise",
-        loss_scale: float | Literal["dynamic"] | str = "dynamic",
-        skip_scheduler_on_overflow: bool = True,
-        keep_fp32: Sequence[type | str] | None = (),
-        max_consecutive_skips: int | None = 100,
-        recast_in_backward: bool = True,
-        skip_nonfinite: bool = True,
+        hysteresis: int = SCALER_DEFAULTS.hysteresis,
+        consecutive_hysteresis: bool = SCALER_DEFAULTS.consecutive_hysteresis,
+        min_scale: float | None = SCALER_DEFAULTS.min_scale,
+        max_scale: float = SCALER_DEFAULTS.max_scale,
+        on_min_scale: Literal["raise", "warn"] | str = SCALER_DEFAULTS.on_min_scale,
+        loss_scale: float | Literal["dynamic"] | str = PLUGIN_DEFAULTS.loss_scale,
+        skip_scheduler_on_overflow: bool = PLUGIN_DEFAULTS.skip_scheduler_on_overflow,
+        keep_fp32: Sequence[type | str] | None = PLUGIN_DEFAULTS.keep_fp32,
+        max_consecutive_skips: int | None = SCALER_DEFAULTS.max_consecutive_skips,
+        recast_in_backward: bool = PLUGIN_DEFAULTS.recast_in_backward,
+        skip_nonfinite: bool = SCALER_DEFAULTS.skip_nonfinite,
     ) -> None:
-        owner = type(self).__name__
-        precision = _precision_name(owner, precision)
-        check_choice(owner, "opt_level", opt_level, POLICIES, OPT_LEVEL_ALIASES)
-        if device is not None:
-            device = _device_type(owner, device)
-        loss_scale = _static_scale_or_dynamic(owner, loss_scale)
-        consecutive_hysteresis = check_flag(owner, "consecutive_hysteresis", consecutive_hysteresis)
-        skip_scheduler_on_overflow = check_flag(owner, "skip_scheduler_on_overflow", skip_scheduler_on_overflow)
-        recast_in_backward = check_flag(owner, "recast_in_backward", recast_in_backward)
-        skip_nonfinite = check_flag(owner, "skip_nonfinite", skip_nonfinite)
-        if not skip_nonfinite and precision == "16-mixed":
-            raise ValueError(
-                f"{owner}(precision='16-mixed', skip_nonfinite=False) is not allowed: fp16 overflows routinely, and"
-                " a scaled step whose gradients overflowed must be skipped. Use skip_nonfinite=False with"
-                " 'bf16-mixed' or '32-true' only."
-            )
-        if not recast_in_backward and opt_level != "O2":
-            raise ValueError(
-                f"{owner}(opt_level={opt_level!r}, recast_in_backward=False) is not allowed: only O2 makes the half"
-                " weight copies that it recasts in backward. Leave recast_in_backward=True, or use opt_level='O2'."
-            )
-        torch_knobs = {
-            "init_scale": plain_scalar(init_scale),
-            "growth_factor": plain_scalar(growth_factor),
-            "backoff_factor": plain_scalar(backoff_factor),
-            "growth_interval": plain_scalar(growth_interval),
-        }
-        if scaler is not None:
-            torch_knobs = self._knobs_of(owner, scaler, precision, loss_scale, torch_knobs)
-        torch_knobs = {name: _TORCH_SCALER_DEFAULTS[name] if v is None else v for name, v in torch_knobs.items()}
-        self._scaler_settings = ScalerSettings(
-            owner=owner,
-            **torch_knobs,
+        settings = PluginSettings.from_arguments(
+            type(self).__name__,
+            scaler,
+            {
+                "init_scale": init_scale,
+                "growth_factor": growth_factor,
+                "backoff_factor": backoff_factor,
+                "growth_interval": growth_interval,
+            },
+            precision=precision,
+            device=device,
+            opt_level=opt_level,
             hysteresis=hysteresis,
             consecutive_hysteresis=consecutive_hysteresis,
             min_scale=min_scale,
             max_scale=max_scale,
-            on_min_scale=cast(OnMinScale, on_min_scale),  # checked there
+            on_min_scale=on_min_scale,
+            loss_scale=loss_scale,
+            skip_scheduler_on_overflow=skip_scheduler_on_overflow,
+            keep_fp32=keep_fp32,
             max_consecutive_skips=max_consecutive_skips,
+            recast_in_backward=recast_in_backward,
             skip_nonfinite=skip_nonfinite,
         )
-        if loss_scale != "dynamic" and precision in ("bf16-mixed", "32-true"):
-            raise ValueError(
-                f"{owner}(precision={precision!r}, loss_scale={loss_scale!r}) is not allowed: only fp16 is"
-                " scaled (bf16 has fp32's exponent range). Use loss_scale='dynamic' (the default) here, or"
-                " precision='16-mixed' for a static fp16 scale."
-            )
-        if opt_level.startswith("lean") and precision in ("16-mixed", "32-true"):
-            raise ValueError(
-                f"{owner}(precision={precision!r}, opt_level={opt_level!r}) is not allowed: {opt_level} keeps"
-                " weights and optimizer states in bf16. Use precision='bf16-mixed' (or 'auto'), or opt_level='O2'"
-                " for fp16."
-            )
-        if precision == "32-true" and opt_level not in ("O0", "O1"):
-            raise ValueError(
-                f"{owner}(precision='32-true', opt_level={opt_level!r}) is not allowed: {opt_level} casts to a half"
-                " type. Use precision='16-mixed' or 'bf16-mixed', or opt_level='O0'."
-            )
-        if opt_level == "O0" and precision in _HALF_DTYPES:
-            raise ValueError(
-                f"{owner}(precision={precision!r}, opt_level='O0') is not allowed: O0 is the fp32 baseline. Use"
-                " precision='32-true' or 'auto' with O0, or opt_level='O1' or higher for mixed precision."
-            )
-        if opt_level in ("lean", "lean-kahan") and precision == "16-mixed":
-            raise ValueError(
-                f"{owner}(precision='16-mixed', opt_level={opt_level!r}) is not allowed: {opt_level} keeps weights and"
-                " optimizer states in bf16. Use precision='bf16-mixed' or 'auto' with it."
-            )
-        self.requested_precision: PrecisionName = precision
-        self.precision = precision  # resolved at setup when "auto"
-        self.opt_level = opt_level
-        self.device = device
-        self.requested_device = device
+        self.settings = settings
+        """Every argument, validated (:class:`~lightning_mp.settings.PluginSettings`)."""
+        self.requested_precision: PrecisionName = settings.precision
+        self.precision = settings.precision  # resolved at setup when "auto"
+        self.opt_level = settings.opt_level
+        self.device = settings.device
+        self.requested_device = settings.device
         """The ``device`` given; None follows the Trainer's accelerator, or under Fabric the model's device."""
-        self.loss_scale = loss_scale
-        self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
-        self.recast_in_backward = recast_in_backward
-        self.keep_fp32 = Fp32Overrides(keep_fp32).patterns
-        self.precision_reason = "asked for" if precision != "auto" else ""
-        self._given_scaler = scaler
+        self.loss_scale = settings.loss_scale
+        self.skip_scheduler_on_overflow = settings.skip_scheduler_on_overflow
+        self.recast_in_backward = settings.recast_in_backward
+        self.keep_fp32 = list(settings.keep_fp32)
+        self.precision_reason = "asked for" if settings.precision != "auto" else ""
+        self._given_loss_scaler = scaler if isinstance(scaler, LossScaler) else None
+        """A LossScaler given as ``scaler=``, used as it is; a torch GradScaler is translated into the settings."""
         self._loss_scaler: LossScaler | None = None
         self._policy: PrecisionPolicy | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -309,38 +208,12 @@ class MixedPrecision(LightningMixedPrecision):
         self._run_thread: int | None = None
         """The ident of the thread whose run (a Trainer's fit, or a Fabric loop) the plugin drives now."""
 
-    @staticmethod
-    def _knobs_of(owner: str, scaler: Any, precision: str, loss_scale: Any, knobs: dict[str, Any]) -> dict[str, Any]:
-        """The torch knobs of a GradScaler given as ``scaler``, after checking it may be given here."""
-        if not isinstance(scaler, torch.amp.GradScaler):
-            raise TypeError(f"{owner}(scaler={scaler!r}) is not allowed: scaler must be a torch.amp.GradScaler.")
-        if precision in ("bf16-mixed", "32-true"):
-            raise ValueError(
-                f"{owner}(precision={precision!r}, scaler={type(scaler).__name__}) is not allowed:"
-                f" `precision={precision!r}` does not use a scaler. Pass scaler=None, or precision='16-mixed'."
-            )
-        given = [name for name, value in knobs.items() if value is not None]
-        if given or loss_scale != "dynamic":
-            names = ", ".join([*given, *(["loss_scale"] if loss_scale != "dynamic" else [])])
-            raise ValueError(
-                f"{owner}(scaler=..., {names}=...) is not allowed: the scaler's own settings are used. Set them on"
-                " the GradScaler, or pass the knobs without a scaler."
-            )
-        if not scaler.is_enabled() or isinstance(scaler, LossScaler):
-            return knobs
-        return {
-            "init_scale": scaler.get_scale(),
-            "growth_factor": scaler.get_growth_factor(),
-            "backoff_factor": scaler.get_backoff_factor(),
-            "growth_interval": scaler.get_growth_interval(),
-        }
-
     # ------------------------------------------------------------------------------------------------ properties
 
     @property
     def half_dtype(self) -> torch.dtype | None:
         """``torch.float16`` or ``torch.bfloat16`` once resolved; None for fp32 (and for "auto" before setup)."""
-        return _HALF_DTYPES.get(self.precision)
+        return HALF_DTYPES.get(self.precision)
 
     # Lightning's plugin stores a writable ``scaler``; here it is a read-only view of the scaler this plugin owns, and
     # Lightning's hooks that use it are overridden.
@@ -382,7 +255,7 @@ class MixedPrecision(LightningMixedPrecision):
             self._engine.settle()
         if self._loss_scaler is None:
             scaled = self.precision == "16-mixed" or self.requested_precision == "16-mixed"
-            initial = self._scaler_settings.init_scale if self.loss_scale == "dynamic" else self.loss_scale
+            initial = self.settings.scaler.init_scale if self.loss_scale == "dynamic" else self.loss_scale
             return PrecisionStats(loss_scale=float(initial) if scaled else 1.0)
         return self._loss_scaler.stats()
 
@@ -416,32 +289,12 @@ class MixedPrecision(LightningMixedPrecision):
         """Resolve the precision and build the opt level's policy and the loss scaler (:meth:`setup_for_device`)."""
         if self._policy is not None:
             return
-        if self.device is not None and self.device != device_type:
-            raise ValueError(
-                f"MixedPrecision(device={self.device!r}) does not match the Trainer's accelerator, which runs on"
-                f" {device_type!r}. Leave device=None to follow the Trainer."
-            )
-        scaler = self._given_scaler
-        if (
-            scaler is not None
-            and not isinstance(scaler, LossScaler)
-            and torch.device(scaler._device).type != device_type
-        ):
-            raise ValueError(
-                f"MixedPrecision(scaler=GradScaler({scaler._device!r})) cannot scale a run on {device_type!r}: torch"
-                f" disables a GradScaler built for {scaler._device!r} where that device is missing, so fp16 would"
-                f" train unscaled. Pass torch.amp.GradScaler({device_type!r}, ...) (enabled=False to turn scaling off)."
-            )
+        self.settings.check_device("MixedPrecision", device_type)
         self.device = device_type
         if self.requested_precision == "auto":
             self.precision, self.precision_reason = choose_precision(device_type, self.opt_level)
             rank_zero_info(f"lightning_mp: precision='auto' chose {self.precision!r}: {self.precision_reason}.")
-        if self.precision != "16-mixed" and (self.loss_scale != "dynamic" or self._given_scaler is not None):
-            given = f"loss_scale={self.loss_scale!r}" if self.loss_scale != "dynamic" else "scaler=..."
-            raise ValueError(
-                f"MixedPrecision({given}) needs fp16, but the precision is {self.precision!r}"
-                f" ({self.precision_reason}). Use precision='16-mixed' for a static scale or a GradScaler."
-            )
+        self.settings.check_resolved("MixedPrecision", self.precision, self.precision_reason)
         self._warn_about_slow_half(device_type)
         opt_level = "O0" if self.precision == "32-true" else self.opt_level
         policy_class = POLICIES[opt_level]
@@ -453,14 +306,13 @@ class MixedPrecision(LightningMixedPrecision):
             self.load_state_dict(pending)
 
     def _build_loss_scaler(self, device_type: str, policy_class: type[PrecisionPolicy]) -> LossScaler:
-        if isinstance(self._given_scaler, LossScaler):
-            scaler = self._given_scaler
+        if self._given_loss_scaler is not None:
+            scaler = self._given_loss_scaler
             scaler.allow_fp16_gradients = policy_class.half_gradients
             return scaler
         mode: ScalingMode = "check"
-        settings = self._scaler_settings
-        scaling_disabled = self._given_scaler is not None and not self._given_scaler.is_enabled()
-        if self.precision == "16-mixed" and not scaling_disabled:
+        settings = self.settings.scaler
+        if self.precision == "16-mixed" and not self.settings.scaling_disabled:
             if self.loss_scale != "dynamic":
                 settings = replace(settings, mode="static", init_scale=self.loss_scale)
             elif policy_class.scales_by_default:
@@ -749,7 +601,7 @@ class MixedPrecision(LightningMixedPrecision):
         scaler_state = self._loss_scaler.state_dict()
         torch_state = {key: scaler_state[key] for key in TORCH_SCALER_KEYS if key in scaler_state}
         if not self._loss_scaler.scales_loss:
-            torch_state.update(scale=float(self._scaler_settings.init_scale), _growth_tracker=0)
+            torch_state.update(scale=float(self.settings.scaler.init_scale), _growth_tracker=0)
         return {
             **torch_state,
             "scaler": scaler_state,

@@ -50,14 +50,11 @@ and the ledger are plain data and pickle as they are; the device tensors, flags,
 iteration in progress pickle as empty (each part says so in its ``__getstate__``), so an unpickled scaler rebuilds
 them lazily.
 
-Private torch names used, and why (the kernels' are listed in their modules):
+``LossScaler`` subclasses ``torch.amp.GradScaler`` and runs its ``__init__``, so that the object is a GradScaler; every
+method a caller uses is overridden here, so none of torch's private state (``_scale``, ``_growth_tracker``,
+``_per_optimizer_states``, ...) is read or written.
 
-* ``torch.amp.GradScaler`` is subclassed, and its ``__init__`` runs, so that the object is a GradScaler; every
-  method a caller uses is overridden here, so none of torch's private state (``_scale``, ``_growth_tracker``,
-  ``_per_optimizer_states``, ...) is read or written.
-* ``_get_growth_tracker``, ``_check_inf_per_device`` and ``_found_inf_per_device`` are overridden: torch's own
-  getter of the growth tracker, and the methods an optimizer whose ``step`` takes ``grad_scaler=`` calls on it.
-* ``_step_supports_amp_scaling``: the flag of torch's fused-step protocol (:mod:`~lightning_mp.scaling.hand_off`).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
@@ -73,9 +70,11 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_mp._gradients import nonfinite_gradients
+from lightning_mp._knobs import with_knob_docs
 from lightning_mp._scale_rules import (
     COLLAPSE_FLOOR,
     FLOAT32_MAX,
+    SCALER_DEFAULTS,
     STATIC_SCALE_FLOOR,
     OnMinScale,
     ScalerSettings,
@@ -135,6 +134,7 @@ class _OptimizerStage:
     """Device -> its inf flag, as torch's protocol getter returns it."""
 
 
+@with_knob_docs(ScalerSettings)
 class LossScaler(torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` with hysteresis, scale bounds, static and check-only modes, and counters.
 
@@ -150,23 +150,21 @@ class LossScaler(torch.amp.GradScaler):
     Args:
         device: the device type of the gradients (``"cpu"``, ``"cuda"``, ...); None picks ``"cuda"`` when it is
             available, else ``"cpu"``.
-        init_scale: the scale of the first step, in ``[min_scale, max_scale]``; in static mode the fixed scale, any
-            normal float32 (``2**-126`` to float32's largest, so that ``1/scale`` is finite).
-        growth_factor: multiplier applied after ``growth_interval`` clean iterations; > 1.
-        backoff_factor: multiplier applied on an overflow that exhausts the hysteresis; in (0, 1).
-        growth_interval: clean iterations in a row before the scale grows; in [1, 2**31 - 1].
-        hysteresis: overflows tolerated before the scale backs off, in [1, 2**31 - 1]; 1 is torch's behaviour.
-        consecutive_hysteresis: refill the hysteresis tracker after every clean iteration, not only after a growth.
-        min_scale: the floor, at least ``2**-24``; None means ``2**-24``.
-        max_scale: the ceiling the scale never grows past, from ``2**-24`` to float32's largest value.
-        on_min_scale: ``"raise"`` a :class:`~lightning_mp.errors.LossScaleCollapseError` or ``"warn"`` and stay at
-            the floor when an overflow would push the scale below it.
-        mode: ``"dynamic"``, ``"static"`` (fixed ``init_scale``) or ``"check"`` (no scaling, skip non-finite steps).
-        max_consecutive_skips: raise :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped
-            steps in a row of one optimizer (1 to 2**31 - 1), in every mode; None disables the guard.
-        skip_nonfinite: check mode only. ``False`` checks nothing and takes every step, as Lightning's bf16 and
-            fp32 plugins do: no op and no sync for any optimizer, but a step whose gradients hold an inf or a NaN
-            writes them into the weights, and ``skipped_steps`` stays 0.
+        init_scale: <knob>
+        growth_factor: <knob>
+        backoff_factor: <knob>
+        growth_interval: <knob>
+        hysteresis: <knob>
+        consecutive_hysteresis: <knob>
+        min_scale: <knob>
+        max_scale: <knob>
+        on_min_scale: <knob>
+        mode: <knob>
+        max_consecutive_skips: <knob>
+        skip_nonfinite: <knob>
+
+    Each knob is declared, documented and checked once, in :class:`~lightning_mp._scale_rules.ScalerSettings`;
+    :attr:`settings` holds them as validated.
 
     Raises:
         ValueError: for any argument outside its allowed range, naming it, its value and what is allowed.
@@ -176,18 +174,18 @@ class LossScaler(torch.amp.GradScaler):
     def __init__(
         self,
         device: str | torch.device | None = None,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        consecutive_hysteresis: bool = False,
-        min_scale: float | None = None,
-        max_scale: float = 2.0**24,
-        on_min_scale: OnMinScale = "raise",
-        mode: ScalingMode = "dynamic",
-        max_consecutive_skips: int | None = 100,
-        skip_nonfinite: bool = True,
+        init_scale: float = SCALER_DEFAULTS.init_scale,
+        growth_factor: float = SCALER_DEFAULTS.growth_factor,
+        backoff_factor: float = SCALER_DEFAULTS.backoff_factor,
+        growth_interval: int = SCALER_DEFAULTS.growth_interval,
+        hysteresis: int = SCALER_DEFAULTS.hysteresis,
+        consecutive_hysteresis: bool = SCALER_DEFAULTS.consecutive_hysteresis,
+        min_scale: float | None = SCALER_DEFAULTS.min_scale,
+        max_scale: float = SCALER_DEFAULTS.max_scale,
+        on_min_scale: OnMinScale = SCALER_DEFAULTS.on_min_scale,
+        mode: ScalingMode = SCALER_DEFAULTS.mode,
+        max_consecutive_skips: int | None = SCALER_DEFAULTS.max_consecutive_skips,
+        skip_nonfinite: bool = SCALER_DEFAULTS.skip_nonfinite,
     ) -> None:
         settings = ScalerSettings(
             init_scale=init_scale,

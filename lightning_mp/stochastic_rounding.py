@@ -45,9 +45,7 @@ from the optimizer state alone), and replace the user's optimizer rather than fi
 as three tensor ops on top of torch's own update rules keeps every torch option (fused, foreach, ``amsgrad``,
 ``nesterov``, ``maximize``) and adds no dependency.
 
-Private torch names used: ``torch._foreach_copy_``, ``_foreach_zero_``, ``_foreach_neg_``, ``_foreach_add_`` and
-``_foreach_mul_`` (one dispatched op for a list of tensors, as torch's own optimizers use them; the public
-alternative is one op per tensor).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
@@ -131,34 +129,6 @@ def stale_update_share(before: Tensor, after: Tensor, intended: Tensor) -> float
     if total == 0:
         return 0.0
     return int((meant & (after == before)).sum()) / total
-
-
-def kept_update_share(before: Tensor, after: Tensor, intended: Tensor) -> float:
-    """How much of an update the stored values received: 1.0 when it is kept in expectation, 0.0 when all is lost.
-
-    ``sum((after - before) * sign(intended)) / sum(|intended|)``, in float64. Stochastic rounding keeps updates in
-    expectation (about 1.0 over many elements); round-to-nearest loses those below half a bf16 gap.
-
-    Args:
-        before: the stored values before the update.
-        after: the stored values after the update; same shape.
-        intended: the update that was meant; same shape.
-
-    Returns:
-        The share of the intended update that was applied; 0.0 when nothing was meant to change.
-
-    .. warning:: Returns a Python float: on an accelerator this synchronises with the device.
-
-    Example:
-        >>> kept_update_share(torch.zeros(2), torch.tensor([1.0, 0.0]), torch.ones(2))
-        0.5
-
-    """
-    magnitude = float(intended.double().abs().sum())
-    if magnitude == 0.0:
-        return 0.0
-    moved = (after.double() - before.double()) * intended.double().sign()
-    return float(moved.sum()) / magnitude
 
 
 @dataclass(frozen=True)
@@ -545,7 +515,6 @@ __all__ = [
     "STATE_KEY",
     "SUPPORTED_OPTIMIZERS",
     "StochasticRoundingStep",
-    "kept_update_share",
     "stale_update_share",
     "stochastic_round_",
 ]

@@ -13,12 +13,24 @@ from lightning_mp.stochastic_rounding import (
     COMPENSATION_KEY,
     STATE_KEY,
     StochasticRoundingStep,
-    kept_update_share,
     stale_update_share,
     stochastic_round_,
 )
 
 BF16_GAP_AT_ONE = 2.0**-7
+
+
+def kept_update_share(before: torch.Tensor, after: torch.Tensor, intended: torch.Tensor) -> float:
+    """How much of an update the stored values received: 1.0 when it is kept in expectation, 0.0 when all is lost.
+
+    ``sum((after - before) * sign(intended)) / sum(|intended|)``, in float64; the README's table of what rounding
+    loses is measured with it.
+    """
+    magnitude = float(intended.double().abs().sum())
+    if magnitude == 0.0:
+        return 0.0
+    moved = (after.double() - before.double()) * intended.double().sign()
+    return float(moved.sum()) / magnitude
 
 
 def bf16_gap(values: torch.Tensor) -> torch.Tensor:

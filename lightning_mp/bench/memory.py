@@ -11,9 +11,7 @@ kernels, not on the machine, and since counting bytes needs no fast fp16, the fp
 Two more steps count the host work of a steady step with :mod:`lightning_mp.counting`: its compute ops in one
 batch, its Python calls in the next (so that the op counter's own frames are not counted as Python calls).
 
-Private torch names, because torch offers no public way to read the categorised timeline:
-``torch.profiler.profile._memory_profile``, ``torch.profiler._memory_profiler.MemoryProfileTimeline`` and its
-``_coalesce_timeline``, ``Category`` and ``_CATEGORY_TO_INDEX`` (the column of each category).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

@@ -11,9 +11,7 @@ The three monitors follow the conventions of Lightning's ``LearningRateMonitor``
 Scalars go to every logger. Text (Markdown) goes only to :class:`~lightning.pytorch.loggers.TensorBoardLogger`, whose
 ``SummaryWriter`` renders it; other loggers cannot show it, so it is skipped for them rather than failing.
 
-Private Lightning names used: ``fit_loop.epoch_loop._batches_that_stepped`` (the step ``self.log`` writes at) and
-``trainer._logger_connector.should_update_logs`` (``log_every_n_steps`` as the trainer applies it); Lightning's own
-``LearningRateMonitor`` and ``DeviceStatsMonitor`` read the same two.
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

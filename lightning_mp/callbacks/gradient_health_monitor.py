@@ -40,9 +40,7 @@ a clean step never reads anything.
   The flat copy holds twice the gradients' size for the duration of the hook;
 - a skipped step: one more transfer, of one number per parameter tensor.
 
-Private names used: ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``, to know whether a
-fused optimizer still holds scaled gradients in the hook; ``trainer._logger_connector`` through
-:mod:`lightning_mp.callbacks._logging`.
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

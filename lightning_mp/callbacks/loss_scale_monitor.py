@@ -20,8 +20,9 @@ stacked into one vector (this rank's overflow count stays a device tensor until 
 with a single ``all_gather``; the result is read back in the one transfer the monitors share per batch
 (:mod:`lightning_mp.callbacks._host_reads`), and the maxima and the sum are taken on the host.
 
-Private names used: ``trainer._logger_connector`` through :mod:`lightning_mp.callbacks._logging`. The scaler's
-device overflow counter comes from the plugin's read-only :attr:`~lightning_mp.MixedPrecision.scaler_view`.
+The scaler's device overflow counter comes from the plugin's read-only :attr:`~lightning_mp.MixedPrecision.scaler_view`.
+
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

@@ -55,11 +55,7 @@ per leaf module, about ten batched ops for the gradients and weights, and its va
 transfer the monitors share per batch (:mod:`lightning_mp.callbacks._host_reads`). The heatmaps are drawn on the
 host from numbers already read.
 
-Private names used: ``torch._foreach_sign``, ``torch._foreach_mul``, ``torch._foreach_sub``,
-``torch._foreach_mul_``, ``torch._foreach_sign_`` and ``torch._foreach_norm``, the batched ops behind
-``torch.optim``'s foreach implementations (one dispatched op for all tensors);
-``trainer.fit_loop.epoch_loop._should_accumulate()``, to carry a sample over the micro-batches of an accumulated
-step; ``trainer._logger_connector`` and ``trainer.fit_loop`` through the shared helpers.
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

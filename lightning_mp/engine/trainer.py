@@ -23,12 +23,7 @@ The Trainer calls the plugin at these points of an iteration, and this engine do
 The engine calls Lightning's own hooks (``Precision.pre_backward``, ``post_backward``, ``optimizer_step``,
 ``clip_gradients``) on the plugin, which is Lightning's ``Precision``.
 
-Private names used, and why:
-
-* ``lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling``: Lightning's test for optimizers that
-  unscale inside their own step (fused Adam/AdamW/SGD), the same test Lightning's plugin makes.
-* ``Precision._after_closure``: Lightning's ``on_before_optimizer_step`` hooks and its gradient clipping, which
-  must run after the plugin unscaled the gradients.
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

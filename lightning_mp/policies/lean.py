@@ -17,11 +17,12 @@ that rounding dropped and adds it to the next update.
 The pieces:
 
 1. ``convert_module`` casts the model to bf16 in place as O3 does, except that normalisation layers and
-   ``keep_fp32`` subtrees stay fp32 and run in fp32 regions (``convert_to_half``, shared with O3, whose hooks
-   teardown removes). The model returns bf16 outputs, as Lightning's ``bf16-true`` does: an fp32 copy of the
-   logits, and the fp32 log-probabilities that the loss would save for backward, would cost 8 bytes per logit at
-   the peak of the step. torch's ``cross_entropy`` accumulates bf16 inputs in fp32; call ``logits.float()`` in the
-   loss to compute it in fp32.
+   ``keep_fp32`` subtrees stay fp32 and run in fp32 regions
+   (:func:`~lightning_mp.policies.casting.convert_to_half`, shared with O3, whose hooks teardown removes). The model
+   returns bf16 outputs, as Lightning's ``bf16-true`` does: an fp32 copy of the logits, and the fp32
+   log-probabilities that the loss would save for backward, would cost 8 bytes per logit at the peak of the step.
+   torch's ``cross_entropy`` accumulates bf16 inputs in fp32; call ``logits.float()`` in the loss to compute it in
+   fp32.
 2. ``connect`` attaches a :class:`~lightning_mp.stochastic_rounding.StochasticRoundingStep` to each optimizer
    through torch's optimizer hooks. The optimizer object stays the user's: schedulers, ``param_groups`` and
    ``add_param_group`` work, and its ``state_dict`` holds the bf16 states in torch's own format plus the rounding
@@ -45,9 +46,7 @@ of the difference each step, far below half a bf16 gap, so a bf16 copy would bar
 (``multi_avg_fn``, or no function on a device with foreach kernels) needs one dtype across both models and fails in
 the middle of training, so ``convert_module`` refuses it at setup with a :class:`ValueError` naming ``avg_fn``.
 
-Private names used: ``WeightAveraging._average_model`` (Lightning keeps the averaged copy only there) and
-``torch.utils._foreach_utils._get_foreach_kernels_supported_devices`` (the devices where ``AveragedModel`` picks the
-foreach update, so the check matches torch's own choice).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies.base import PrecisionPolicy
-from lightning_mp.policies.o3 import convert_to_half
+from lightning_mp.policies.casting import convert_to_half
 from lightning_mp.stochastic_rounding import StochasticRoundingStep, check_rounding_state
 
 

@@ -76,18 +76,11 @@ step.
     after each skipped step. Clean steps are not checked and make no extra synchronisation; a weight that outgrows
     fp16 makes its copy inf, the gradients non-finite and the step skipped, and that skip names it.
 
-Private torch names used: ``nn.Module._parameters`` (the only way to put a plain tensor in a parameter's slot while
-keeping the module's parameter order; ``torch.nn.utils.stateless`` and ``torch.func.functional_call`` do the same,
-but they wrap one ``forward`` call, not a LightningModule's ``training_step``);
-``nn.modules.batchnorm._NormBase`` (the common base of the batch and instance norms); ``Tensor._version`` (the
-in-place version counter autograd itself checks saved tensors against: the recast in backward checks it too);
-``nn.Module._forward_pre_hooks`` (read only, to find the older spectral and weight norm hooks, which leave no other
-mark on the module).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -102,37 +95,9 @@ from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides, Fp32Region, has_fp32_region, outermost
 from lightning_mp.policies.base import PrecisionPolicy
+from lightning_mp.policies.casting import check_half_dtype, is_normalization
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-NORMALIZATION_TYPES: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.LocalResponseNorm,
-    nn.RMSNorm,
-)
-_NORM_NAME = re.compile(r"Norm(\d[dD])?$")
 _LEGACY_REPARAMETRIZATIONS = (SpectralNorm, WeightNorm)
-
-
-def is_normalization(module: nn.Module) -> bool:
-    """Whether ``module`` is a normalisation layer: a known torch type, or a class whose name ends in ``Norm``."""
-    return isinstance(module, NORMALIZATION_TYPES) or _NORM_NAME.search(type(module).__name__) is not None
-
-
-def check_half_dtype(owner: str, half_dtype: torch.dtype | None) -> torch.dtype:
-    """Return ``half_dtype`` if it is fp16 or bf16.
-
-    Raises:
-        ValueError: naming the argument, the value and what is allowed.
-
-    """
-    if half_dtype not in HALF_DTYPES:
-        raise ValueError(
-            f"{owner}(half_dtype={half_dtype!r}) is not allowed: half_dtype must be torch.float16 or torch.bfloat16."
-        )
-    assert half_dtype is not None
-    return half_dtype
 
 
 class HalfOverflowError(RuntimeError):
@@ -474,4 +439,4 @@ class O2Policy(PrecisionPolicy):
             raise HalfOverflowError(names, largest, torch.float16)
 
 
-__all__ = ["HalfOverflowError", "HalfWeights", "O2Policy", "SavedWeight", "check_half_dtype", "is_normalization"]
+__all__ = ["HalfOverflowError", "HalfWeights", "O2Policy", "SavedWeight"]

@@ -8,7 +8,8 @@ O3 is a speed and memory baseline, as in Apex: the optimizer steps the half weig
 in the half type, so small updates can round away and training may stall or diverge. The policy warns about it.
 Only ``keep_fp32`` subtrees stay fp32, running in fp32 regions (:mod:`lightning_mp.overrides`).
 
-Conversion (:func:`convert_to_half`, in place, before the model moves to its device):
+Conversion (:func:`~lightning_mp.policies.casting.convert_to_half`, in place, before the model moves to its
+device):
 
 1. Every parameter and floating buffer below or at fp32 is cast to the half type, except in batch norms and in the
    subtrees that ``keep_fp32`` matches; fp64 tensors keep their dtype.
@@ -28,142 +29,23 @@ fp16 gradients are unscaled and checked in place, so the loss scaler accepts the
 scaling is off unless asked for with a static ``MixedPrecision(loss_scale=...)``; non-finite steps are still
 skipped.
 
-Private torch names used: ``nn.modules.batchnorm._BatchNorm`` (the common base of the batch norms and
-SyncBatchNorm, without the instance norms); ``nn.Module._forward_pre_hooks`` and ``_forward_hooks`` (read only, so
-that converting a model twice attaches its hooks once: ``nn.Module`` offers no public way to list hooks).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_mp.overrides import Fp32Overrides, Fp32Region, cast_low_precision, has_fp32_region
+from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies.base import PrecisionPolicy
-from lightning_mp.policies.o2 import check_half_dtype, is_normalization
-
-
-class MatchParameterDtype:
-    """Forward pre-hook: cast floating inputs to the dtype of the module's own weights (half in O3)."""
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-        weight = next((p for p in module.parameters(recurse=False) if p.is_floating_point()), None)
-        if weight is None:
-            return args, kwargs
-        return _cast_floating((args, kwargs), weight.dtype)
-
-
-class FloatOutputs:
-    """Forward hook: return the module's low-precision floating outputs as fp32."""
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        return cast_low_precision(output, torch.float32)
-
-
-def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
-def _has_hook(hooks: dict[int, Any], kind: type) -> bool:
-    return any(isinstance(hook, kind) for hook in hooks.values())
-
-
-def _castable(tensor: Tensor | None, dtype: torch.dtype) -> bool:
-    return tensor is not None and tensor.is_floating_point() and tensor.dtype not in (dtype, torch.float64)
-
-
-def _tied_to_kept(model: nn.Module, overrides: Fp32Overrides) -> dict[str, str]:
-    """The modules that share a parameter with a module ``overrides`` keeps, mapped to why they must stay fp32 too.
-
-    Tied weights (an embedding and the output layer that reuses its matrix) are one tensor, so they have one dtype:
-    keeping one side in fp32 keeps the other in fp32 too, or the first forward of either side mixes dtypes. Ties
-    through several modules are followed to the end.
-    """
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for module_name, module in model.named_modules():
-        for parameter_name, parameter in module.named_parameters(recurse=False):
-            owners.setdefault(id(parameter), []).append((module_name, parameter_name))
-    tied = [names for names in owners.values() if len(names) > 1]
-    partners: dict[str, str] = {}
-    while True:
-        kept = {id(module) for module in Fp32Overrides([*overrides.patterns, *partners]).kept_modules(model)}
-        found = {
-            name: f"'{name}.{parameter}' is tied to '{kept_name}.{kept_parameter}', which stays fp32"
-            for names in tied
-            for kept_name, kept_parameter in names
-            if id(model.get_submodule(kept_name)) in kept
-            for name, parameter in names
-            if id(model.get_submodule(name)) not in kept and name not in partners
-        }
-        if not found:
-            return partners
-        partners.update(found)
-
-
-def convert_to_half(
-    module: nn.Module,
-    dtype: torch.dtype,
-    overrides: Fp32Overrides,
-    keep_normalization_fp32: bool = True,
-    float_outputs: bool = True,
-    keep_batch_normalization_fp32: bool = False,
-    handles: list[RemovableHandle] | None = None,
-) -> None:
-    """Cast ``module`` to ``dtype`` in place, keeping ``keep_fp32`` subtrees (and normalisation layers) in fp32.
-
-    fp64 parameters and buffers keep their dtype.
-
-    Args:
-        module: the model; converted in place.
-        dtype: ``torch.float16`` or ``torch.bfloat16``.
-        overrides: the ``keep_fp32`` patterns.
-        keep_normalization_fp32: keep normalisation layers in fp32 (inference export) or cast them too (O3).
-        float_outputs: make the root module return fp32 outputs.
-        keep_batch_normalization_fp32: keep batch norms (SyncBatchNorm included) in fp32 even when other
-            normalisation layers are cast: their running statistics accumulate over the whole run (O3).
-        handles: if given, the handles of the hooks attached now are appended to it, for the caller to remove them
-            (training removes them at teardown; an exported inference model keeps them).
-
-    """
-    partners = _tied_to_kept(module, overrides)
-    for name, why in partners.items():
-        rank_zero_warn(
-            f"lightning_mp: {name!r} is kept in fp32 too: {why}, and tied weights are one tensor, in one dtype."
-        )
-    if partners:
-        overrides = Fp32Overrides([*overrides.patterns, *partners])
-    attached: list[RemovableHandle] = [] if handles is None else handles
-    kept = overrides.kept_modules(module)
-    overrides.apply(module, attached)
-    for child in module.modules():
-        if child in kept:
-            continue
-        if (keep_normalization_fp32 and is_normalization(child)) or (
-            keep_batch_normalization_fp32 and isinstance(child, nn.modules.batchnorm._BatchNorm)
-        ):
-            if not has_fp32_region(child):
-                attached += Fp32Region(restore_output_dtype=True).attach(child)
-            continue
-        for parameter in child.parameters(recurse=False):
-            if _castable(parameter, dtype):
-                parameter.data = parameter.data.to(dtype)
-                parameter.grad = None
-        for name, buffer in child.named_buffers(recurse=False):
-            if _castable(buffer, dtype):
-                setattr(child, name, buffer.to(dtype))
-        has_floating_weights = any(p.is_floating_point() for p in child.parameters(recurse=False))
-        if has_floating_weights and not _has_hook(child._forward_pre_hooks, MatchParameterDtype):
-            attached.append(child.register_forward_pre_hook(MatchParameterDtype(), with_kwargs=True))
-    if float_outputs and not _has_hook(module._forward_hooks, FloatOutputs):
-        attached.append(module.register_forward_hook(FloatOutputs()))
+from lightning_mp.policies.casting import check_half_dtype, convert_to_half
 
 
 def vanishing_eps_groups(optimizer: Optimizer) -> list[tuple[int, float, torch.dtype]]:
@@ -237,4 +119,4 @@ class O3Policy(PrecisionPolicy):
         return optimizers
 
 
-__all__ = ["O3Policy", "convert_to_half", "vanishing_eps_groups"]
+__all__ = ["O3Policy", "vanishing_eps_groups"]

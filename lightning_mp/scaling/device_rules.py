@@ -17,7 +17,7 @@ overflow, grow after ``growth_interval`` clean iterations. Around it:
 :class:`~lightning_mp._scale_rules.ScaleState`, rewritten from it (an asynchronous ``fill_``, no sync) when the host
 rules moved the scale, and never pickled (an unpickled scaler allocates them again).
 
-Private torch name used: ``torch._amp_update_scale_``, torch's device-side scale rule (no public equivalent).
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 
 The property tests drive a fused optimizer through these ops and the pure rules side by side: they agree exactly.
 """

@@ -22,13 +22,7 @@ and states would cost 253 ops and 2x the state's memory, and still read the CPU 
 Fused SGD's first step with momentum cannot be skipped on the device (:func:`skips_safely_on_device`); it, and every
 optimizer without a fused form, is decided on the host.
 
-Private torch names used, and why:
-
-* The ``grad_scale``/``found_inf`` attributes and ``_step_supports_amp_scaling``: the protocol by which torch's
-  fused optimizers skip a step on the device; set for the duration of ``step`` only, exactly as torch does.
-* The param-group keys ``fused`` and ``foreach``, set for the duration of a handed-off step (there is no public way
-  to run an optimizer's fused kernel on its own state), and the attribute ``_need_device_dtype_check_for_fused``
-  that SGD and Adagrad then write on the optimizer, removed again afterwards.
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

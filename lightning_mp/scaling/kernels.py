@@ -15,13 +15,7 @@ Sparse gradients are checked by their stored values (fp16 ones coalesced first, 
 torch's own ``unscale_`` does). :func:`recheck_norms` reads gradients changed after the check (clipping with a NaN
 threshold) for the step's verdict.
 
-Private torch names used, and why:
-
-* ``torch._amp_foreach_non_finite_check_and_unscale_``: the fused unscale-and-check kernel (no public equivalent).
-* ``torch._foreach_norm``: one kernel for the inf-norms of all gradients in check mode and for the re-check.
-* ``torch._foreach_mul_``: one kernel to unscale bf16 gradients, which the unscale kernel refuses on CUDA.
-* ``Tensor._values()``: the stored values of a sparse gradient, which are what needs unscaling and checking, as in
-  torch's own ``unscale_``.
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

@@ -1,0 +1,93 @@
+"""Settings declared once: the plugin, the scaler and the rules share one default, one text and one check per knob."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+
+import pytest
+import torch
+
+from lightning_mp import LossScaler, MixedPrecision
+from lightning_mp._scale_rules import ScalerSettings
+from lightning_mp._validation import exact
+from lightning_mp.settings import TORCH_SCALER_KNOBS, PluginSettings
+from tests.helpers import TinyRegressor, loader, make_trainer
+
+SCALER_KNOBS = [field.name for field in fields(ScalerSettings)]
+PLUGIN_KNOBS = [field.name for field in fields(PluginSettings) if "check" in field.metadata]
+
+
+def documented(cls: type, name: str) -> str:
+    """The text the docstring of ``cls`` gives for the argument ``name``, on one line."""
+    lines = inspect.getdoc(cls).splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith(f"    {name}: "))
+    text = [lines[start].split(": ", 1)[1]]
+    for line in lines[start + 1 :]:
+        if not line.startswith("        "):
+            break
+        text.append(line.strip())
+    return " ".join(text)
+
+
+@pytest.mark.parametrize("name", SCALER_KNOBS)
+def test_the_scaler_and_the_plugin_document_each_knob_with_the_same_text(name):
+    """help(LossScaler) and help(MixedPrecision) say the same thing about a scaler knob, the settings' own text."""
+    text = " ".join(next(f for f in fields(ScalerSettings) if f.name == name).metadata["doc"].split())
+    assert documented(LossScaler, name).startswith(text)
+    if name != "mode":  # the plugin chooses the mode from the precision
+        assert documented(MixedPrecision, name).startswith(text)
+
+
+@pytest.mark.parametrize("name", SCALER_KNOBS)
+def test_a_knob_left_out_has_the_settings_default_in_the_scaler_and_the_plugin(name):
+    """LossScaler() and MixedPrecision("16-mixed") use the defaults ScalerSettings declares."""
+    default = getattr(ScalerSettings(), name)
+    assert inspect.signature(LossScaler).parameters[name].default == default
+    plugin = MixedPrecision("16-mixed")
+    plugin.setup_for_device("cpu")
+    assert plugin.scaler is not None and getattr(plugin.scaler.settings, name) == default
+    if name in TORCH_SCALER_KNOBS:
+        assert inspect.signature(MixedPrecision).parameters[name].default is None
+        assert documented(MixedPrecision, name).endswith(f"None means {exact(default)}.")
+    elif name != "mode":
+        assert inspect.signature(MixedPrecision).parameters[name].default == default
+
+
+@pytest.mark.parametrize("name", PLUGIN_KNOBS)
+def test_the_plugins_own_knobs_have_their_settings_default_and_text(name):
+    """MixedPrecision's own arguments default to, and are documented by, PluginSettings."""
+    knob = next(f for f in fields(PluginSettings) if f.name == name)
+    assert inspect.signature(MixedPrecision).parameters[name].default == knob.default
+    assert documented(MixedPrecision, name).startswith(" ".join(knob.metadata["doc"].split()))
+
+
+def test_a_torch_gradscaler_is_translated_into_the_scaler_settings():
+    """The knobs of a GradScaler given as scaler= are the settings the plugin holds, before any run."""
+    given = torch.amp.GradScaler("cpu", init_scale=2.0**9, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
+    settings = MixedPrecision("16-mixed", scaler=given).settings
+    assert settings.scaler.init_scale == 2.0**9 and settings.scaler.growth_factor == 4.0
+    assert settings.scaler.backoff_factor == 0.25 and settings.scaler.growth_interval == 3
+    assert settings.torch_scaler_device == "cpu" and not settings.scaling_disabled
+
+
+def test_the_settings_are_frozen_and_validated_once_built():
+    """A settings object cannot be changed after its checks ran, and a bad knob fails when it is built."""
+    settings = PluginSettings(precision="16-mixed")
+    with pytest.raises(AttributeError):
+        settings.opt_level = "O7"  # type: ignore[misc]
+    with pytest.raises(ValueError, match=r"PluginSettings\(opt_level='o2'\) is not supported.*Did you mean"):
+        PluginSettings(opt_level="o2", owner="PluginSettings")
+
+
+def test_lean_with_fp16_is_refused_with_the_lean_message():
+    """MixedPrecision("16-mixed", opt_level="lean") says lean keeps bf16 states and points to bf16 or O2."""
+    with pytest.raises(ValueError, match=r"lean keeps weights and optimizer states in bf16.*or opt_level='O2'"):
+        MixedPrecision("16-mixed", opt_level="lean")
+
+
+def test_a_device_the_trainer_does_not_run_on_is_refused_at_setup():
+    """MixedPrecision(device="cuda") on a CPU Trainer fails at setup, naming both devices, before any step."""
+    plugin = MixedPrecision("bf16-mixed", device="cuda")
+    with pytest.raises(ValueError, match=r"MixedPrecision\(device='cuda'\) does not match .* runs on 'cpu'"):
+        make_trainer(plugin, max_steps=1).fit(TinyRegressor(), loader())
