@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
@@ -209,7 +210,7 @@ def summary(
     val_loss = metrics.get("val_loss")
     opt_level = plugin.policy.opt_level if plugin.policy is not None else plugin.opt_level
     policy = (POLICIES[opt_level].__doc__ or "").strip().splitlines()[0].rstrip(".")
-    scaled = plugin.precision == "16-mixed"
+    scaled = plugin.half_dtype is torch.float16
     if spike_at_step:
         spike = f", 1 of them the loss spike planted at step {spike_at_step} (its fp16 gradients overflowed)"
     elif scaled:

@@ -95,6 +95,16 @@ def attached_trainer(module: nn.Module | None) -> Any:
     return getattr(module, "_trainer", None)
 
 
+_HALF_WEIGHTS_PRECISION: dict[str, Literal["16-true", "bf16-true"]] = {"16-mixed": "16-true", "bf16-mixed": "bf16-true"}
+"""The precision Lightning sees for a run whose opt level keeps half weights (O3, lean)."""
+
+
+def _mixed(precision: str) -> str:
+    """The mixed precision a run was set up with, also where Lightning is shown its ``-true`` name."""
+    mixed: dict[str, str] = {shown: asked for asked, shown in _HALF_WEIGHTS_PRECISION.items()}
+    return mixed.get(precision, precision)
+
+
 @with_knob_docs(PluginSettings, ScalerSettings)
 class MixedPrecision(LightningMixedPrecision):
     """Mixed-precision training for Lightning: autocast, a dynamic loss scaler that goes past torch's, and counters.
@@ -135,7 +145,7 @@ class MixedPrecision(LightningMixedPrecision):
 
     # Lightning types both as resolved values; this plugin holds "auto" and None until setup learns the device (its
     # own hooks read them only after that), and ``requested_precision`` keeps what was asked for.
-    precision: PrecisionName  # type: ignore[assignment]
+    precision: PrecisionName | Literal["16-true", "bf16-true"]  # type: ignore[assignment]
     device: str | None  # type: ignore[assignment]
 
     def __init__(
@@ -213,7 +223,7 @@ class MixedPrecision(LightningMixedPrecision):
     @property
     def half_dtype(self) -> torch.dtype | None:
         """``torch.float16`` or ``torch.bfloat16`` once resolved; None for fp32 (and for "auto" before setup)."""
-        return HALF_DTYPES.get(self.precision)
+        return HALF_DTYPES.get(_mixed(self.precision))
 
     # Lightning's plugin stores a writable ``scaler``; here it is a read-only view of the scaler this plugin owns, and
     # Lightning's hooks that use it are overridden.
@@ -301,6 +311,10 @@ class MixedPrecision(LightningMixedPrecision):
         options = {"recast_in_backward": self.recast_in_backward} if opt_level == "O2" else {}
         self._policy = policy_class(self.half_dtype, keep_fp32=self.keep_fp32, **options)
         self._loss_scaler = self._build_loss_scaler(device_type, policy_class)
+        if policy_class.half_weights:
+            # Lightning reads ``precision`` for what the weights are (ModelSummary's model size, for one): O3 and
+            # lean keep half weights with no fp32 masters, as its "16-true" and "bf16-true" do.
+            self.precision = _HALF_WEIGHTS_PRECISION[self.precision]
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
             self.load_state_dict(pending)
@@ -406,11 +420,11 @@ class MixedPrecision(LightningMixedPrecision):
             )
         if self.requested_precision == "auto":
             choice, _ = choose_precision(run_device, self.opt_level)
-            if choice != self.precision:
+            if choice != _mixed(self.precision):
                 raise ValueError(
-                    f"MixedPrecision(precision='auto') chose {self.precision!r} at fabric.setup for {self.device!r},"
-                    f" but Fabric runs the model on {run_device!r}, where 'auto' means {choice!r}. Pass"
-                    f" MixedPrecision(device={run_device!r}), or the precision itself."
+                    f"MixedPrecision(precision='auto') chose {_mixed(self.precision)!r} at fabric.setup for"
+                    f" {self.device!r}, but Fabric runs the model on {run_device!r}, where 'auto' means {choice!r}."
+                    f" Pass MixedPrecision(device={run_device!r}), or the precision itself."
                 )
         self.device = run_device
         return run_device
@@ -605,7 +619,7 @@ class MixedPrecision(LightningMixedPrecision):
         return {
             **torch_state,
             "scaler": scaler_state,
-            "precision": self.precision,
+            "precision": _mixed(self.precision),
             "opt_level": self._policy.opt_level,
             "policy": self._policy.state_dict(),
         }
@@ -629,7 +643,7 @@ class MixedPrecision(LightningMixedPrecision):
             scaler_state, saved_precision = state_dict, "16-mixed"
         else:
             scaler_state, saved_precision = {}, None
-        if saved_precision == "bf16-mixed" and self.precision == "16-mixed":
+        if saved_precision == "bf16-mixed" and _mixed(self.precision) == "16-mixed":
             warnings.warn(
                 "lightning_mp: resuming an fp16 run from a checkpoint written in bf16. Models trained in bf16 often"
                 " have activations beyond fp16's range (65504) and overflow in fp16; consider staying in bf16.",
@@ -733,7 +747,7 @@ class MixedPrecision(LightningMixedPrecision):
         super().teardown()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(precision={self.precision!r}, opt_level={self.opt_level!r})"
+        return f"{type(self).__name__}(precision={_mixed(self.precision)!r}, opt_level={self.opt_level!r})"
 
 
 def _check_plugin_state(state_dict: Any) -> None:

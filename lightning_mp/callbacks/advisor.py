@@ -21,6 +21,7 @@ the copy gets its own optimizers, so the run's optimizers, step counters and sca
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -91,7 +92,7 @@ class AdvisorCallback(Callback):
         from lightning_mp.plugin import MixedPrecision
 
         plugin = trainer.precision_plugin
-        if not isinstance(plugin, MixedPrecision) or plugin.precision != "16-mixed" or not advice.keep_fp32:
+        if not isinstance(plugin, MixedPrecision) or plugin.half_dtype is not torch.float16 or not advice.keep_fp32:
             return
         covered = Fp32Overrides(plugin.keep_fp32).match(pl_module, warn=False)
         uncovered = [

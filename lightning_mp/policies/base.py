@@ -60,6 +60,8 @@ class PrecisionPolicy:
     """Whether fp16 training at this level uses dynamic loss scaling unless told otherwise."""
     half_gradients: ClassVar[bool] = False
     """Whether the gradients the scaler unscales are themselves fp16 (O3): torch refuses those unless allowed."""
+    half_weights: ClassVar[bool] = False
+    """Whether the model's own weights are half (O3, lean): Lightning then sees the run as ``16-true``/``bf16-true``."""
     kahan: ClassVar[bool] = False
     """Whether each weight keeps a Kahan compensation buffer in its optimizer state (``lean-kahan``)."""
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
@@ -82,6 +82,8 @@ class LeanPolicy(PrecisionPolicy):
         ValueError: if ``half_dtype`` is not bf16, or a ``keep_fp32`` entry is invalid.
 
     """
+
+    half_weights: ClassVar[bool] = True
 
     opt_level = "lean"
     uses_autocast = False

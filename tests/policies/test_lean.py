@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import (
     StochasticWeightAveraging,
     WeightAveraging,
 )
+from lightning.pytorch.utilities.model_summary import summarize
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.optim.swa_utils import get_ema_multi_avg_fn
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.stochastic_rounding import COMPENSATION_KEY, STATE_KEY
-from tests.helpers import make_trainer
+from tests.helpers import TinyRegressor, loader, make_trainer
 from tests.test_parity import train_and_validate
 
 ELEMENTWISE_STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer", COMPENSATION_KEY)
@@ -660,3 +661,32 @@ def test_resume_with_ema_weight_averaging_restores_the_bf16_model_and_the_fp32_a
     assert unbroken_ema._average_model is not None and resumed_ema._average_model is not None
     assert resumed_ema._average_model.module.head.weight.dtype == torch.float32
     assert torch.equal(resumed_ema._average_model.module.head.weight, unbroken_ema._average_model.module.head.weight)
+
+
+class _RecordModelSize(Callback):
+    """The model size Lightning's ModelSummary reports at the start of fit, when the precision is set up."""
+
+    def __init__(self) -> None:
+        self.megabytes: float | None = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.megabytes = summarize(pl_module).model_size
+
+
+@pytest.mark.parametrize(
+    ("ours", "lightnings"),
+    [
+        (MixedPrecision("bf16-mixed", opt_level="lean"), "bf16-true"),
+        (MixedPrecision("16-mixed", opt_level="O3"), "16-true"),
+    ],
+)
+def test_model_summary_sizes_half_weight_levels_by_their_half_weights(ours: MixedPrecision, lightnings: str) -> None:
+    """Lightning's ModelSummary sizes a lean (or O3) model by its half weights, as for bf16-true (16-true), not as fp32;
+    the checkpoint still names the mixed precision the plugin was given."""
+    sizes = {}
+    for name, options in (("ours", {"plugins": [ours]}), ("Lightning's", {"precision": lightnings}), ("fp32", {})):
+        recorder = _RecordModelSize()
+        make_trainer(max_steps=1, callbacks=[recorder], **options).fit(TinyRegressor(), loader())
+        sizes[name] = recorder.megabytes
+    assert sizes["ours"] == sizes["Lightning's"] == pytest.approx(sizes["fp32"] / 2)
+    assert ours.state_dict()["precision"] == ours.requested_precision
