@@ -99,7 +99,10 @@ def largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """``max |g|`` of each gradient, in one batched op and without a synchronisation.
 
     A gradient holding an inf gives inf and one holding a NaN gives NaN, so a non-finite result names a gradient that
-    is not finite. Keep the result on the device and read it (``torch.stack(...).tolist()``) only when needed.
+    is not finite. Keep the result on the device and read it (``torch.stack(...).tolist()``) only when needed. An empty
+    gradient (a zero-element parameter) gives 0: torch's inf-norm has no value for an empty tensor and refuses it.
     """
     with torch.no_grad():
-        return list(torch._foreach_norm(grads, float("inf")))
+        filled = [grad for grad in grads if grad.numel()]
+        norms = iter(torch._foreach_norm(filled, float("inf")) if filled else ())
+        return [next(norms) if grad.numel() else grad.new_zeros(()) for grad in grads]

@@ -16,13 +16,15 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from torch import nn
 
 from lightning_mp import LossScaleCollapseError, MixedPrecision
+from lightning_mp.callbacks import GradientHealthMonitor
 from tests.helpers import TinyRegressor, loader, make_trainer
 
 STEPS = 300
@@ -559,3 +561,51 @@ def test_a_plugin_reused_by_fits_in_threads_one_after_the_other_trains_each():
         thread.join(timeout=120)
     fit()
     assert steps_per_fit == [2, 2, 2]
+
+
+class _WithEmptyParameter(TinyRegressor):
+    """TinyRegressor plus a zero-element parameter that takes part in the loss, so it gets an empty gradient."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + self.empty.sum()
+
+
+@pytest.mark.parametrize(
+    ("precision", "opt_level", "optimizer"),
+    [
+        ("bf16-mixed", "O1", "foreach AdamW"),
+        ("bf16-mixed", "O1", "single-tensor SGD"),
+        ("bf16-mixed", "O2", "foreach AdamW"),
+        ("bf16-mixed", "lean", "foreach AdamW"),
+        ("32-true", "O1", "foreach AdamW"),
+        ("16-mixed", "O1", "foreach AdamW"),
+    ],
+)
+def test_a_zero_element_parameter_trains_and_an_overflow_is_still_skipped(tmp_path, precision, opt_level, optimizer):
+    """A parameter with no elements (an empty gradient, as on a rank holding an empty shard) neither crashes the
+    check nor the gradient monitor, and an inf in another gradient is still skipped."""
+    plugin = MixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8 if precision == "16-mixed" else None)
+    model = _WithEmptyParameter(inject_at=(1,), optimizer=optimizer)
+    logger = TensorBoardLogger(tmp_path)
+    trainer = make_trainer(plugin, max_steps=3, logger=logger, callbacks=[GradientHealthMonitor()], log_every_n_steps=1)
+    trainer.fit(model, loader())
+    assert plugin.stats.optimizer_steps == 3 and plugin.stats.skipped_steps == 1
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+def test_a_zero_element_parameter_trains_under_fabric() -> None:
+    """Under Fabric too, in bf16 with a foreach AdamW, an empty gradient is no reason to fail the step's check."""
+    plugin = MixedPrecision("bf16-mixed")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = nn.Linear(4, 1)
+    module.empty = nn.Parameter(torch.zeros(0))
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), foreach=True))
+    for _ in range(2):
+        fabric.backward(model(torch.ones(8, 4)).square().mean() + module.empty.sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert plugin.stats.optimizer_steps == 2 and plugin.stats.skipped_steps == 0

@@ -46,6 +46,9 @@ def inf_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def gradient_groups(optimizer: torch.optim.Optimizer, refuse_fp16: bool) -> GradientGroups:
     """``optimizer``'s gradients (a sparse one by its values) grouped by device, then dtype.
 
+    Empty gradients are left out: they hold nothing to unscale or check, and torch's inf-norm refuses an empty tensor
+    (a zero-element parameter, or a rank's empty shard of a sharded one).
+
     Raises:
         ValueError: when ``refuse_fp16`` and a gradient is fp16, as torch's ``unscale_`` refuses to unscale those.
 
@@ -62,7 +65,8 @@ def gradient_groups(optimizer: torch.optim.Optimizer, refuse_fp16: bool) -> Grad
                 if grad.dtype is torch.float16:
                     param.grad = grad = grad.coalesce()
                 grad = grad._values()
-            groups[grad.device][grad.dtype].append(grad)
+            if grad.numel():
+                groups[grad.device][grad.dtype].append(grad)
     return groups
 
 
@@ -119,13 +123,14 @@ def combined_flag(per_device: dict[torch.device, torch.Tensor]) -> torch.Tensor 
 
 
 def recheck_norms(optimizer: torch.optim.Optimizer, home: torch.device | None) -> list[torch.Tensor]:
-    """The inf-norms of ``optimizer``'s gradients as float32, one tensor per device, moved to ``home`` if given."""
+    """The inf-norms of ``optimizer``'s non-empty gradients as float32, one tensor per device, moved to ``home``."""
     grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.grad is not None:
                 grad = param.grad._values() if param.grad.is_sparse else param.grad
-                grads[grad.device].append(grad)
+                if grad.numel():
+                    grads[grad.device].append(grad)
     return [
         torch.stack(torch._foreach_norm(tensors, math.inf)).float().to(home or device, non_blocking=True)
         for device, tensors in grads.items()
