@@ -229,12 +229,12 @@ class MixedPrecision(LightningMixedPrecision):
     # Lightning's hooks that use it are overridden.
     @property
     def scaler(self) -> LossScaler | None:  # type: ignore[override]
-        """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup.
+        """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup. Reading it changes nothing.
 
-        Under Fabric, reading it applies the pending scale update (:mod:`lightning_mp.engine.fabric`).
+        Under Fabric the scale moves at the next ``fabric.backward`` (:mod:`lightning_mp.engine.fabric`), so right
+        after a step the scaler's own getters still give the scale that step was unscaled with; :attr:`stats` gives
+        the one the step leads to.
         """
-        if self._engine is not None:
-            self._engine.settle()
         if self._loss_scaler is not None and self._loss_scaler.scales_loss:
             return self._loss_scaler
         return None
@@ -255,14 +255,14 @@ class MixedPrecision(LightningMixedPrecision):
 
     @property
     def stats(self) -> PrecisionStats:
-        """Counters as of the last scale update (once per iteration, after its last optimizer step).
+        """Counters as of the last optimizer step, its scale update included. Reading them changes nothing.
 
-        Reading them never synchronises with the device.
-
-        Under Fabric, reading them applies the pending scale update (:mod:`lightning_mp.engine.fabric`).
+        Reading them never synchronises with the device. Under Fabric, whose scale update waits for the next
+        ``fabric.backward`` (:mod:`lightning_mp.engine.fabric`), they count the pending update in without applying
+        it; where its inf flag is still on an accelerator, they are one iteration old, as the scale is there.
         """
-        if self._engine is not None:
-            self._engine.settle()
+        if self._engine is not None and self._loss_scaler is not None:
+            return self._engine.stats()
         if self._loss_scaler is None:
             scaled = self.precision == "16-mixed" or self.requested_precision == "16-mixed"
             initial = self.settings.scaler.init_scale if self.loss_scale == "dynamic" else self.loss_scale

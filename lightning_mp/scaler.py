@@ -59,6 +59,7 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Iterable
@@ -820,6 +821,31 @@ class LossScaler(torch.amp.GradScaler):
         """
         return PrecisionStats(
             loss_scale=self.get_scale(), last_step_skipped=self.last_step_skipped, **self._ledger.counters()
+        )
+
+    def stats_with_pending(self) -> PrecisionStats:
+        """:meth:`stats` as they will read once this iteration's :meth:`update` has run, without running it.
+
+        For a caller whose update waits (Fabric's, until the next backward): the iteration's steps are counted and
+        the scale moved by the same rules on copies; nothing here changes, and nothing raises (a collapse raises at
+        the update itself). Where a flag is still on an accelerator, this is :meth:`stats`, as fresh as
+        :meth:`get_scale` is there.
+        """
+        record = self._iteration
+        flags = record.peek() if record.stepped and record.new_scale is None else None
+        if flags is None:
+            return self.stats()
+        ledger = copy.deepcopy(self._ledger)
+        ledger.record_iteration(record.stepped, {index for index, skipped in flags.items() if skipped})
+        transition = next_state(self._state, any(flags.values()), self.settings)
+        scale = self._state.scale
+        if transition.event != "collapsed":
+            ledger.record_scale_move(scale, transition.state.scale)
+            scale = transition.state.scale
+        return PrecisionStats(
+            loss_scale=scale if self.scales_loss else 1.0,
+            last_step_skipped=ledger.last_step_skipped,
+            **ledger.counters(),
         )
 
     # ------------------------------------------------------------------------------------------------ state

@@ -474,14 +474,40 @@ def test_a_fabric_step_syncs_the_host_once_and_reading_the_stats_never() -> None
     assert logged["precision/loss_scale"] == 2.0**10
 
 
-def test_the_scaler_read_after_a_skipped_step_shows_the_backed_off_scale() -> None:
-    """Right after a skipped optimizer.step(), plugin.scaler already reports the reduced scale and the skip."""
+def test_reading_the_plugins_properties_after_a_skipped_step_changes_nothing() -> None:
+    """Right after a skipped optimizer.step(), plugin.stats already count the skip and the backed-off scale, and
+    reading them or plugin.scaler (as often as wanted) applies nothing: the scale moves at the next backward, or when
+    fabric.save asks for the plugin's state."""
     plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
     fabric, model, optimizer = setup(plugin)
     train_step(fabric, model, optimizer, seed=0, inject=True)
-    assert plugin.scaler is not None
+    for _ in range(2):
+        assert plugin.stats.loss_scale == 2.0**7
+        assert plugin.stats.skipped_steps == 1 and plugin.stats.last_step_skipped
+        assert plugin.scaler is not None and plugin.scaler.get_scale() == 2.0**8
+    assert plugin.state_dict()["scale"] == 2.0**7
     assert plugin.scaler.get_scale() == 2.0**7
-    assert plugin.scaler.state_dict()["scale"] == 2.0**7
+    train_step(fabric, model, optimizer, seed=1)
+    assert plugin.stats.skipped_steps == 1 and plugin.stats.optimizer_steps == 2 and not plugin.stats.last_step_skipped
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize(
+    ("precision", "knobs"),
+    [("16-mixed", {"growth_interval": 2}), ("16-mixed", {"growth_interval": 1, "hysteresis": 2}), ("bf16-mixed", {})],
+)
+def test_stats_read_before_the_pending_update_are_those_after_it(precision: str, knobs: dict, fused: bool) -> None:
+    """plugin.stats read right after each step (update pending) equal the stats once the update is applied: the
+    same skips, growths, backoffs, streak and scale, step after step."""
+    plugin = MixedPrecision(precision, **({"init_scale": 2.0**8, **knobs} if precision == "16-mixed" else knobs))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = make_model()
+    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-3, fused=fused))
+    for step in range(7):
+        train_step(fabric, model, optimizer, seed=step, inject=step in (2, 3, 5))
+        before = plugin.stats
+        plugin.state_dict()  # applies the pending update, as fabric.save does
+        assert plugin.stats == before, step
 
 
 def test_two_models_with_their_own_optimizers_train_like_a_gan() -> None:

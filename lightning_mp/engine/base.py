@@ -40,6 +40,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
+from lightning_mp.stats import PrecisionStats
 
 RUNNING_STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -235,6 +236,10 @@ class StepEngine(ABC):
 
     def settle(self) -> None:  # noqa: B027 (an engine whose scale moves right after the step leaves it empty)
         """Apply a scale update left pending after the last step."""
+
+    def stats(self) -> PrecisionStats:
+        """The counters, including the last step even where its scale update is still pending; changes nothing."""
+        return self.loss_scaler.stats()
 
     def teardown(self) -> None:
         """The run ended: apply a pending update and release the models."""

@@ -52,11 +52,13 @@ applied lazily at the first of:
 
 - the next ``fabric.backward`` (before its loss is scaled),
 - a second step (or clip) of an optimizer that already stepped since the last update,
-- reading the plugin's :attr:`~lightning_mp.MixedPrecision.stats` or
-  :attr:`~lightning_mp.MixedPrecision.scaler`, its ``state_dict`` (``fabric.save``), or ``teardown``.
+- the plugin's ``state_dict`` (``fabric.save``), or ``teardown``.
 
 Every optimizer therefore unscales by the scale its gradients were produced under, and the scale moves once per
-backward-and-steps iteration, gradient accumulation included. Read the stats after the iteration's last step.
+backward-and-steps iteration, gradient accumulation included. Reading the plugin's
+:attr:`~lightning_mp.MixedPrecision.stats` or :attr:`~lightning_mp.MixedPrecision.scaler` applies nothing:
+:meth:`FabricEngine.stats` counts the pending update in on copies (:meth:`LossScaler.stats_with_pending`). Read the
+stats after the iteration's last step.
 
 A skipped step's running statistics are put back by :meth:`LossScaler.step_verdict`: a bool where the host already
 read the verdict, else the device flag, used in ``torch.where`` without a sync.
@@ -74,11 +76,13 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
 
 from lightning_mp.engine.base import StepEngine, check_loss
 from lightning_mp.overrides import cast_low_precision
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
+from lightning_mp.stats import PrecisionStats
 
 
 def check_input_device(data: Any, device_type: str) -> None:
@@ -148,6 +152,11 @@ class FabricEngine(StepEngine):
         if self.loss_scaler.last_step_skipped:
             self._skipped_on_device.extend(self._stepped_on_device)
         self._stepped_on_device.clear()
+
+    @override
+    def stats(self) -> PrecisionStats:
+        """The counters with the pending update counted in, without applying it (reading has no side effect)."""
+        return self.loss_scaler.stats_with_pending() if self.update_pending else self.loss_scaler.stats()
 
     def add_module(self, module: nn.Module) -> None:
         """Drive a model set up by this Fabric (a GAN's two; each optimizer is connected with the model it steps)."""

@@ -75,6 +75,25 @@ class IterationRecord:
         """Whether every flag was already read by a step (so the rules can run on the host)."""
         return set(self.device_flags) <= set(self.host_flags)
 
+    def peek(self) -> dict[int, bool] | None:
+        """Every optimizer's verdict where the host can read it without waiting for an accelerator; else None.
+
+        Changes nothing: a flag still on an accelerator is left for :meth:`read` at the update.
+        """
+        flags: dict[int, bool] = {}
+        for index, norms in self.norms.items():
+            if index not in self.host_flags:
+                if norms.device.type != "cpu":
+                    return None
+                flags[index] = not all(map(math.isfinite, norms.tolist()))
+        for index, flag in self.device_flags.items():
+            if index not in self.host_flags:
+                if flag.device.type != "cpu":
+                    return None
+                flags[index] = bool(flag)
+        flags.update((index, bool(flag)) for index, flag in self.host_flags.items())
+        return flags
+
     def read(self) -> dict[int, bool]:
         """Every optimizer's verdict (True: skipped), waiting for the flags' host copies if they are in flight."""
         for index in self.norms:  # an unscale_ whose step never came
