@@ -20,6 +20,10 @@ the floor for everyone. Each degradation, and the releases it applies to:
   (:class:`lightning_mp._compile.backward_outside_autocast`) as a frame of its own and breaks there; the switch then
   runs eagerly and the compiled backward computes what eager computes. ``torch.compile`` before ``fabric.setup``, and
   the Trainer, are unaffected.
+- **torch < 2.12: Adagrad's fused kernel is CPU-only and outside torch's fused-step protocol.** In bf16 and fp32 a
+  foreach or single-tensor Adagrad is handed to that kernel on the CPU only (:mod:`lightning_mp.scaling.hand_off`);
+  on CUDA, and for an Adagrad built with ``fused=True`` (which does not declare ``_step_supports_amp_scaling``
+  there), the step is decided on the host: one sync per step, as torch's own GradScaler makes.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
@@ -38,6 +42,11 @@ DYNAMO_TRACES_AUTOCAST_FLAGS = TORCH_RELEASE >= (2, 12)
 
 AOT_BACKWARD_SWITCH_BREAKS_GRAPHS = TORCH_RELEASE >= (2, 15)
 """Whether dynamo splits a graph where it traces a change of ``backward_pass_autocast`` (a ``ContextVar`` there)."""
+
+FUSED_ADAGRAD_TAKES_FOUND_INF = getattr(
+    torch.optim.Adagrad([torch.zeros(1, requires_grad=True)], fused=True), "_step_supports_amp_scaling", False
+)
+"""Whether torch's fused Adagrad declares the fused-step protocol (it does from 2.12, on the CPU and CUDA)."""
 
 AOT_BACKWARD_AUTOCAST_CONFIGURABLE = hasattr(torch._functorch.config, "backward_pass_autocast")
 """Whether AOT autograd can be told to trace a compiled backward outside autocast (``backward_pass_autocast``)."""

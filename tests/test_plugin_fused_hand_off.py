@@ -15,6 +15,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from torch import nn
 
 from lightning_mp import MixedPrecision
+from lightning_mp._compat import FUSED_ADAGRAD_TAKES_FOUND_INF
 from lightning_mp.counting import count_syncs_and_ops
 from tests.helpers import (
     OPTIMIZER_FORMS,
@@ -32,6 +33,11 @@ def _finite(model: nn.Module) -> bool:
     return all(torch.isfinite(parameter).all() for parameter in model.parameters())
 
 
+def _steady_syncs(name: str) -> int:
+    """Syncs per steady step: none, but for torch<2.12's fused Adagrad, decided on the host (lightning_mp._compat)."""
+    return 1 if name == "fused Adagrad" and not FUSED_ADAGRAD_TAKES_FOUND_INF else 0
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZER_FORMS))
 @pytest.mark.parametrize("precision", CHECKED)
 def test_trainer_skips_every_nonfinite_step_without_a_sync(precision, name):
@@ -42,7 +48,8 @@ def test_trainer_skips_every_nonfinite_step_without_a_sync(precision, name):
     make_trainer(plugin, max_steps=6, callbacks=[recorder.opener(), recorder.closer()]).fit(model, loader())
     assert _finite(model)
     assert (plugin.stats.skipped_steps, plugin.stats.optimizer_steps) == (2, 6)
-    assert [counts.syncs for counts in recorder.per_batch[2:]] == [0] * 4, [c.sync_ops for c in recorder.per_batch]
+    steady = [_steady_syncs(name)] * 4
+    assert [counts.syncs for counts in recorder.per_batch[2:]] == steady, [c.sync_ops for c in recorder.per_batch]
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZER_FORMS))
@@ -65,7 +72,7 @@ def test_fabric_skips_every_nonfinite_step_without_a_sync(precision, name):
         syncs.append(counts.syncs)
     # SGD's first momentum step is decided on the host; the host's view of the next step's flag is made once, at the
     # scale update that Fabric applies in the following backward.
-    assert syncs[3:] == [0] * 5
+    assert syncs[3:] == [_steady_syncs(name)] * 5
     assert _finite(model)
     assert (plugin.stats.skipped_steps, plugin.stats.optimizer_steps) == (2, 8)
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_mp import LossScaler
+from lightning_mp._compat import FUSED_ADAGRAD_TAKES_FOUND_INF
 
 SETTINGS = {"init_scale": 128.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2}
 ITERATIONS = 6
@@ -196,6 +197,8 @@ FUSED_OPTIMIZERS = {
 @pytest.mark.parametrize("make_scaler", [torch.amp.GradScaler, LossScaler], ids=["torch", "ours"])
 def test_a_grad_scale_set_on_a_fused_optimizer_divides_the_gradients_too(make_scaler, name, unscale_first):
     """A user's ``optimizer.grad_scale`` of 3 with a scale of 5 turns a gradient of 15 into 1, as in torch."""
+    if name == "Adagrad" and not FUSED_ADAGRAD_TAKES_FOUND_INF:
+        pytest.skip("torch<2.12's fused Adagrad is outside the fused-step protocol; torch's GradScaler fails it too")
     weight = torch.ones(5, 5, requires_grad=True)
     weight.grad = torch.full_like(weight, 15.0)
     optimizer = FUSED_OPTIMIZERS[name]([weight], lr=0.1, fused=True)

@@ -166,8 +166,12 @@ class FabricEngine(StepEngine):
 
     def device_type(self) -> str | None:
         """The device type the models' parameters are on now (Fabric moves them after the plugin converted them)."""
-        parameter = next((p for module in self.modules for p in module.parameters()), None)
-        return parameter.device.type if parameter is not None else None
+        # A loop, not next() over a generator expression: this runs in every forward, also inside a model compiled
+        # after fabric.setup, and dynamo before torch 2.9 cannot trace next(generator, default).
+        for module in self.modules:
+            for parameter in module.parameters():
+                return parameter.device.type
+        return None
 
     def state_loaded(self) -> None:
         """The plugin's state was loaded: a restored optimizer state is a resume with its scale."""

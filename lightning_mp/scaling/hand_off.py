@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from lightning_mp._compat import FUSED_ADAGRAD_TAKES_FOUND_INF
+
 _FUSED_FORMS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 """torch optimizers whose fused kernel applies the same update rule as their foreach and single-tensor forms."""
 _FUSED_DEVICE_TYPES = ("cpu", "cuda")
@@ -52,6 +54,9 @@ def has_fused_form(optimizer: torch.optim.Optimizer) -> bool:
     """
     if type(optimizer) not in _FUSED_FORMS:
         return False
+    # torch < 2.12 has Adagrad's fused kernel on the CPU only (lightning_mp._compat).
+    cpu_only = type(optimizer) is torch.optim.Adagrad and not FUSED_ADAGRAD_TAKES_FOUND_INF
+    device_types = ("cpu",) if cpu_only else _FUSED_DEVICE_TYPES
     for group in optimizer.param_groups:
         if group.get("fused") or group.get("differentiable"):
             return False
@@ -62,7 +67,7 @@ def has_fused_form(optimizer: torch.optim.Optimizer) -> bool:
             if (
                 grad.is_sparse
                 or not parameter.is_floating_point()
-                or parameter.device.type not in _FUSED_DEVICE_TYPES
+                or parameter.device.type not in device_types
                 or (grad.dtype, grad.device) != (parameter.dtype, parameter.device)
             ):
                 return False
