@@ -61,7 +61,7 @@ KeepFp32Pattern = type[nn.Module] | str
 
 REGEX_PREFIX = "re:"
 
-_BATCH_NORMS = (
+BATCH_NORMS = (
     nn.BatchNorm1d,
     nn.BatchNorm2d,
     nn.BatchNorm3d,
@@ -218,7 +218,7 @@ class Fp32Overrides:
     def _matches(self, pattern: KeepFp32Pattern, name: str, module: nn.Module) -> bool:
         if isinstance(pattern, type):
             # sync_batchnorm=True replaces BatchNorm1d/2d/3d by SyncBatchNorm, which subclasses none of them.
-            converted_batch_norm = isinstance(module, nn.SyncBatchNorm) and issubclass(pattern, _BATCH_NORMS)
+            converted_batch_norm = isinstance(module, nn.SyncBatchNorm) and issubclass(pattern, BATCH_NORMS)
             return isinstance(module, pattern) or converted_batch_norm
         if pattern.startswith(REGEX_PREFIX):
             return self._regexes[pattern].fullmatch(name) is not None

@@ -27,7 +27,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mp.overrides import Fp32Overrides, Fp32Region, cast_low_precision, has_fp32_region
+from lightning_mp.overrides import BATCH_NORMS, Fp32Overrides, Fp32Region, cast_low_precision, has_fp32_region
 
 __all__ = [
     "BATCH_NORMALIZATION_TYPES",
@@ -39,15 +39,7 @@ __all__ = [
 ]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-BATCH_NORMALIZATION_TYPES: tuple[type[nn.Module], ...] = (
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    nn.LazyBatchNorm1d,
-    nn.LazyBatchNorm2d,
-    nn.LazyBatchNorm3d,
-    nn.SyncBatchNorm,
-)
+BATCH_NORMALIZATION_TYPES: tuple[type[nn.Module], ...] = (*BATCH_NORMS, nn.SyncBatchNorm)
 """The batch norms, whose running statistics average over the whole run."""
 NORMALIZATION_TYPES: tuple[type[nn.Module], ...] = (
     *BATCH_NORMALIZATION_TYPES,
