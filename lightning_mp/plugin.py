@@ -99,10 +99,13 @@ _HALF_WEIGHTS_PRECISION: dict[str, Literal["16-true", "bf16-true"]] = {"16-mixed
 """The precision Lightning sees for a run whose opt level keeps half weights (O3, lean)."""
 
 
+_ASKED_PRECISION: dict[str, str] = {shown: asked for asked, shown in _HALF_WEIGHTS_PRECISION.items()}
+"""The mixed precision behind each ``-true`` name Lightning is shown."""
+
+
 def _mixed(precision: str) -> str:
     """The mixed precision a run was set up with, also where Lightning is shown its ``-true`` name."""
-    mixed: dict[str, str] = {shown: asked for asked, shown in _HALF_WEIGHTS_PRECISION.items()}
-    return mixed.get(precision, precision)
+    return _ASKED_PRECISION.get(precision, precision)
 
 
 @with_knob_docs(PluginSettings, ScalerSettings)
