@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
+
+from lightning_mp.scaling.sharded import is_sharded, local_shard
 
 
 def nonfinite_gradients(
@@ -43,7 +46,7 @@ def nonfinite_gradients(
             grad = parameter.grad
             if grad is None:
                 continue
-            values = grad.coalesce().values() if grad.is_sparse else grad
+            values = grad.coalesce().values() if grad.is_sparse else local_shard(grad)
             if not bool(torch.isfinite(values).all()):
                 found.append((name, tuple(parameter.shape)))
                 if len(found) >= limit:
@@ -100,9 +103,48 @@ def largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
     A gradient holding an inf gives inf and one holding a NaN gives NaN, so a non-finite result names a gradient that
     is not finite. Keep the result on the device and read it (``torch.stack(...).tolist()``) only when needed. An empty
-    gradient (a zero-element parameter) gives 0: torch's inf-norm has no value for an empty tensor and refuses it.
+    gradient (a zero-element parameter) gives 0: torch's inf-norm has no value for an empty tensor and refuses it. A
+    sharded gradient (``DTensor``) gives the largest magnitude of this rank's shard.
     """
+    grads = [local_shard(grad) for grad in grads]
     with torch.no_grad():
         filled = [grad for grad in grads if grad.numel()]
         norms = iter(torch._foreach_norm(filled, float("inf")) if filled else ())
         return [next(norms) if grad.numel() else grad.new_zeros(()) for grad in grads]
+
+
+def gradient_summary_over_shards(grads: list[torch.Tensor], log2_shift: float = 0.0) -> torch.Tensor:
+    """:func:`gradient_summary` of gradients sharded across ranks (FSDP2's ``DTensor`` gradients): every rank calls it.
+
+    Each rank summarises its local shards (an empty shard adds nothing), then two all-reduces combine the ranks:
+    ``SUM`` over the squared norm, the non-zero count and the histogram counts, ``MAX`` over the largest magnitude.
+    The result, the same on every rank, is the summary of the whole gradients, as one process holding them all (or
+    DDP) computes it. Sharded gradients must not be replicated across ranks (FSDP2's are not).
+
+    .. warning:: Both all-reduces are collectives: every rank must call this, in the same order.
+    """
+    shards = [shard for shard in map(local_shard, grads) if shard.numel()]
+    head_size = len(SUMMARY_FIELDS)
+    low, high = LOG2_HISTOGRAM_RANGE
+    device = local_shard(grads[0]).device
+    summary = (
+        gradient_summary(shards, log2_shift)
+        if shards
+        else torch.zeros(head_size + high - low, dtype=torch.float32, device=device)
+    )
+    norm_index, largest_index = SUMMARY_FIELDS.index("norm"), SUMMARY_FIELDS.index("largest")
+    summed = summary.clone()
+    summed[norm_index] = summary[norm_index].square()
+    summed[largest_index] = 0.0
+    largest = summary[largest_index].clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    summed[norm_index] = summed[norm_index].sqrt()
+    summed[largest_index] = largest
+    return summed
+
+
+def any_sharded(grads: list[torch.Tensor]) -> bool:
+    """Whether any of ``grads`` is sharded across ranks (a ``DTensor``)."""
+    return any(is_sharded(grad) for grad in grads)

@@ -21,7 +21,10 @@ which is what gradient clipping thresholds are compared with.
 
 **Overflow forensics.** On every skipped step a TensorBoard text entry under ``precision/overflow`` names the
 parameters whose gradients are not finite (at most 20, with their shapes) and the step, and a warning says the
-same every ``warn_every_n_skips`` skips. Under DDP the names are the union over the ranks.
+same every ``warn_every_n_skips`` skips. Under DDP the names are the union over the ranks. Under FSDP2 each rank
+checks its shard of every gradient and names the whole parameter (``first.weight``, its full shape), and the logged
+statistics are over all shards: every rank summarises its shards on a logging step and two all-reduces combine them
+(:func:`lightning_mp._gradients.gradient_summary_over_shards`), so they equal those of the same run under DDP.
 
 The culprits are captured when the overflow is detected, not after: Lightning calls ``on_before_optimizer_step``
 inside the optimizer step, after the plugin has unscaled the gradients and before the step runs or is skipped, in
@@ -58,7 +61,14 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp._gradients import LOG2_HISTOGRAM_RANGE, SUMMARY_FIELDS, gradient_summary, largest_magnitudes
+from lightning_mp._gradients import (
+    LOG2_HISTOGRAM_RANGE,
+    SUMMARY_FIELDS,
+    any_sharded,
+    gradient_summary,
+    gradient_summary_over_shards,
+    largest_magnitudes,
+)
 from lightning_mp.callbacks._host_reads import Consumer, host_reads
 from lightning_mp.callbacks._logging import (
     log_scalars,
@@ -162,9 +172,12 @@ class GradientHealthMonitor(Callback):
         if not parameters:
             return
         self._capture = _Capture(dense, largest_magnitudes([p.grad for p in dense]), plugin.stats.optimizer_steps)
-        if should_log(trainer) and trainer.is_global_zero:
+        sharded = any_sharded([p.grad for p in dense])
+        # Sharded gradients are summarised by every rank, over its shards, and combined (the same on every rank).
+        if should_log(trainer) and (trainer.is_global_zero or sharded):
             grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in parameters]
-            self._summary = self._summarise(trainer, grads, optimizer)
+            summary = self._summarise(trainer, grads, optimizer, sharded)
+            self._summary = summary if trainer.is_global_zero else None
 
     @override
     def on_train_batch_end(
@@ -185,7 +198,7 @@ class GradientHealthMonitor(Callback):
         self._summary = self._capture = None
 
     def _summarise(
-        self, trainer: pl.Trainer, grads: list[torch.Tensor], optimizer: Optimizer
+        self, trainer: pl.Trainer, grads: list[torch.Tensor], optimizer: Optimizer, sharded: bool
     ) -> tuple[torch.Tensor, Consumer]:
         """The gradient summary on the device, and the function that logs it once it has been read."""
         plugin = require_mixed_precision(trainer, type(self).__name__)
@@ -212,7 +225,8 @@ class GradientHealthMonitor(Callback):
             if writers:
                 _log_magnitude_histogram(writers, values[len(SUMMARY_FIELDS) :], step)
 
-        return gradient_summary(grads, log2_shift=math.log2(loss_scale / scale_in_grads)), log
+        summarise = gradient_summary_over_shards if sharded else gradient_summary
+        return summarise(grads, log2_shift=math.log2(loss_scale / scale_in_grads)), log
 
     def _report_if_skipped(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         stats = require_mixed_precision(trainer, type(self).__name__).stats
