@@ -18,6 +18,7 @@ from tests.ddp_scripts.launch import reports, run
 from tests.helpers import read_events, scalars
 
 FSDP2_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fsdp2_train.py"
+FABRIC_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fabric_train.py"
 WORKING_CASES = ("32-true:O0", "16-mixed:O1", "bf16-mixed:O1", "16-mixed:O2", "bf16-mixed:O2")
 INJECT_AT = (2, 5)
 
@@ -149,3 +150,20 @@ def test_fsdp2_policy_needs_a_resolved_precision():
     """precision='auto' is chosen at setup, after configure_model: fsdp2_policy() says so instead of guessing."""
     with pytest.raises(ValueError, match="precision='auto'"):
         MixedPrecision("auto").fsdp2_policy()
+
+
+@pytest.mark.slow
+def test_fabric_fsdp2_skips_an_inf_on_one_rank_and_refuses_o2_sharded_after_setup(tmp_path):
+    """Fabric's ModelParallelStrategy (fp16 O1, layers sharded with plugin.fsdp2_policy()): an inf in rank 1's shard
+    is skipped by both ranks, the weights stay identical, the plugin's state resumes from the sharded checkpoint; O2
+    on a model sharded after fabric.setup is refused at the first forward with the recipe."""
+    arguments = ["--out", str(tmp_path), "--strategy", "fsdp2", "--inject-rank", "1", "--inject-at", "2,5"]
+    run(arguments, timeout=90, script=FABRIC_SCRIPT)
+    ranks = reports(tmp_path)
+    assert ranks[0]["steps"] == ranks[1]["steps"]
+    assert [step for step, _, skipped in ranks[0]["steps"] if skipped] == list(INJECT_AT)
+    assert ranks[0]["stats"] == ranks[1]["stats"] and ranks[0]["stats"]["precision/skipped_steps"] == 2.0
+    assert len({checksum for rank in ranks for checksum in rank["checksums"]}) == 1, "the ranks diverged"
+    assert [rank["local_overflows"] for rank in ranks] == [0, 2]
+    assert all(rank["resumed_stats"] == rank["stats"] for rank in ranks)
+    assert all("shard the model before fabric.setup" in rank["o2_refusal"].lower() for rank in ranks)
