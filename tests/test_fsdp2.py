@@ -21,6 +21,10 @@ FSDP2_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fsdp2_train.py"
 FABRIC_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fabric_train.py"
 WORKING_CASES = ("32-true:O0", "16-mixed:O1", "bf16-mixed:O1", "16-mixed:O2", "bf16-mixed:O2")
 INJECT_AT = (2, 5)
+SENTINEL_TAGS = tuple(
+    f"precision_sentinel/{name}"
+    for name in ("total_grad_underflow_share", "max_stale_update_share", "min_activation_headroom_log2")
+)
 
 
 def _fsdp2_reports(out: Path, *arguments: str) -> list[dict[str, Any]]:
@@ -30,7 +34,7 @@ def _fsdp2_reports(out: Path, *arguments: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    """Every working opt level under DDP and FSDP2, with the loss-scale and gradient-health monitors."""
+    """Every working opt level under DDP and FSDP2, with the loss-scale and gradient-health monitors, the sentinel."""
     out = tmp_path_factory.mktemp("fsdp2")
     return out, _fsdp2_reports(out, "--cases", ",".join(WORKING_CASES), "--telemetry")
 
@@ -65,12 +69,13 @@ def test_fsdp2_trains_like_ddp(compared, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["16-mixed:O1", "bf16-mixed:O2"])
 def test_fsdp2_telemetry_reports_what_ddp_reports(compared, case):
-    """The loss scale, the skip counter and the gradient norm (over all shards) logged under FSDP2 are DDP's."""
+    """The loss scale, the skip counter, the gradient norm (over all shards) and the sentinel's shares and headroom
+    logged under FSDP2 are DDP's."""
     out, _ = compared
     name = case.replace(":", "-")
     ddp, fsdp2 = (read_events(out / "tb" / f"{name}-{strategy}") for strategy in ("ddp", "fsdp2"))
-    for tag in ("precision/loss_scale", "precision/skipped_steps_total"):
-        assert scalars(fsdp2, tag) == scalars(ddp, tag), tag
+    for tag in ("precision/loss_scale", "precision/skipped_steps_total", *SENTINEL_TAGS):
+        assert scalars(fsdp2, tag) == pytest.approx(scalars(ddp, tag), rel=1e-6), tag
     # DDP's rank zero logs its own finite norm on a skipped step; over all shards that step's norm is inf and is not
     # logged. Every other step's norm is the same.
     fsdp2_norms = scalars(fsdp2, "precision/grad_norm")

@@ -4,7 +4,9 @@ Silent means they do not crash, do not produce a NaN and do not show in the loss
 show them per layer over the steps.
 
 **What it measures.** On the first training step and then every ``every_n_steps`` steps (a *sampled* step, at the
-same steps as Lightning's ``log_every_n_steps=every_n_steps``), on rank zero only:
+same steps as Lightning's ``log_every_n_steps=every_n_steps``), on rank zero only (on an FSDP2-sharded model every
+rank counts its own shards of the gradients and weights, one all-reduce sums the counts, and rank zero reports them,
+so they are those of the whole model, as under DDP):
 
 - **Activation headroom**, per layer: ``log2(65504 / max |output|)``, the number of doublings left before the
   layer's output overflows fp16. Forward hooks on the leaf modules take one ``max |output|`` each (one op per layer)
@@ -66,6 +68,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -93,6 +96,7 @@ from lightning_mp.callbacks._sentinel_rules import (
     underflow_finding,
 )
 from lightning_mp.plugin import MixedPrecision
+from lightning_mp.scaling.sharded import has_sharded_parameters, is_sharded, local_shard
 
 _HALF_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 HEADROOM_STYLE = HeatmapStyle("activation headroom (doublings to fp16 max)", "log2(65504 / max|a|)", "RdYlGn", 0, 16)
@@ -206,7 +210,9 @@ class PrecisionSentinel(Callback):
             return  # still sampling the optimizer step that gradient accumulation delays
         step = logging_step(trainer)
         # The first step, then the steps Lightning logs at with log_every_n_steps=every_n_steps.
-        self._sampling = trainer.is_global_zero and (step == 0 or (step + 1) % self.every_n_steps == 0)
+        # A sharded model (FSDP2) is sampled on every rank: each counts its own shards, and the counts are summed.
+        samples_here = trainer.is_global_zero or has_sharded_parameters(pl_module)
+        self._sampling = samples_here and (step == 0 or (step + 1) % self.every_n_steps == 0)
         if not self._sampling:
             return
         plugin = trainer.precision_plugin
@@ -233,8 +239,8 @@ class PrecisionSentinel(Callback):
         if not parameters:
             return
         with torch.no_grad():
-            grad_signs = list(torch._foreach_sign([p.grad for p in parameters]))
-            weights_before = list(torch._foreach_mul(parameters, 1.0))
+            grad_signs = list(torch._foreach_sign([local_shard(p.grad) for p in parameters]))
+            weights_before = list(torch._foreach_mul([local_shard(p) for p in parameters], 1.0))
         self._snapshots.append(_Snapshot(parameters, weights_before, grad_signs))
 
     @override
@@ -261,6 +267,10 @@ class PrecisionSentinel(Callback):
         device_values = [torch.stack([value for _, value in maxima])] if maxima else []
         if snapshots:
             device_values.append(_update_counts(snapshots))
+        if not trainer.is_global_zero:
+            # A sharded model's other ranks only add their shards' counts to rank zero's (the same collective).
+            host_reads(trainer).submit(trainer, self)
+            return
         if not device_values:
             host_reads(trainer).submit(trainer, self)
             return
@@ -408,9 +418,12 @@ _ALL_LAYERS = "(all layers)"
 
 
 def _update_counts(snapshots: list[_Snapshot]) -> torch.Tensor:
-    """Per stepped tensor: elements with a non-zero gradient, then those of them whose weight moved; one vector."""
+    """Per stepped tensor: elements with a non-zero gradient, then those of them whose weight moved; one vector.
+
+    Sharded tensors (FSDP2) are counted by their local shards on every rank, and one all-reduce sums the ranks' counts.
+    """
     with torch.no_grad():
-        parameters = [p for snapshot in snapshots for p in snapshot.parameters]
+        parameters = [local_shard(p) for snapshot in snapshots for p in snapshot.parameters]
         before = [w for snapshot in snapshots for w in snapshot.weights_before]
         grad_signs = [s for snapshot in snapshots for s in snapshot.grad_signs]
         moved = torch._foreach_sub(parameters, before)
@@ -418,7 +431,10 @@ def _update_counts(snapshots: list[_Snapshot]) -> torch.Tensor:
         torch._foreach_mul_(moved, grad_signs)
         with_gradient = torch._foreach_norm(grad_signs, 0)
         with_gradient_and_moved = torch._foreach_norm(moved, 0)
-        return torch.stack([*with_gradient, *with_gradient_and_moved]).float()
+        counts = torch.stack([*with_gradient, *with_gradient_and_moved]).float()
+    if any(is_sharded(p) for snapshot in snapshots for p in snapshot.parameters) and dist.is_initialized():
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    return counts
 
 
 def _per_layer_shares(

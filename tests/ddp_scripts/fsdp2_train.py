@@ -10,7 +10,8 @@ For each case (``precision:opt_level``) the script fits twice, first with ``stra
 same seed and data. The inf is planted after backward on rank 1 only, in the same element of ``first.weight``
 (row 8, which FSDP2 stores on rank 1). Options add, per case and strategy:
 
-* ``--telemetry``: the loss-scale and gradient-health monitors, logging to TensorBoard under ``DIR/tb/<run>``;
+* ``--telemetry``: the loss-scale and gradient-health monitors and the sentinel, logging to TensorBoard under
+  ``DIR/tb/<run>``;
 * ``--resume-at N``: under FSDP2, a run that checkpoints at step N (sharded and full), and two runs resumed from
   those checkpoints;
 * ``--memory``: the tensor bytes each rank holds between steps, on a wider model with Adam;
@@ -43,7 +44,7 @@ from torch.distributed.fsdp import fully_shard
 from typing_extensions import override
 
 from lightning_mp import MixedPrecision
-from lightning_mp.callbacks import GradientHealthMonitor, LossScaleMonitor
+from lightning_mp.callbacks import GradientHealthMonitor, LossScaleMonitor, PrecisionSentinel
 from lightning_mp.policies.sharded import ShardedPrecisionError
 from lightning_mp.scaling.sharded import is_sharded, local_shard
 from tests.helpers import BatchCostRecorder, TinyRegressor, loader, make_trainer
@@ -137,7 +138,11 @@ def fit(
     logger: Any = False
     quiet = extra.pop("quiet", False)
     if args.telemetry and plugin is not None and not quiet:
-        callbacks += [LossScaleMonitor(), GradientHealthMonitor()]
+        callbacks += [
+            LossScaleMonitor(),
+            GradientHealthMonitor(),
+            PrecisionSentinel(every_n_steps=2, log_heatmaps=False),
+        ]
         logger = TensorBoardLogger(args.out, name="tb", version=tag)
     trainer = make_trainer(
         plugin,
