@@ -120,13 +120,25 @@ def test_fsdp2_host_syncs_per_step_are_no_more_than_lightnings(resumed):
 
 @pytest.mark.slow
 def test_fsdp2_refuses_half_weight_levels_and_o2_without_fsdp2s_policy(resumed):
-    """O3 and lean are refused on a sharded model, and O2 without mp_policy, each by name with the alternative."""
+    """O3 and lean are refused on a sharded model, and O2 without mp_policy or with a keep_fp32 module gathered in
+    half, each by name with the alternative."""
     for rank in resumed:
         refused = rank["refusals"]
         assert "opt_level='O3'" in refused["16-mixed:O3"] and "opt_level='O2'" in refused["16-mixed:O3"]
         assert "opt_level='lean'" in refused["bf16-mixed:lean"]
         assert "mp_policy=plugin.fsdp2_policy()" in refused["16-mixed:O2 without mp_policy"]
         assert "'first'" in refused["16-mixed:O2 without mp_policy"]
+        kept = refused["bf16-mixed:O2 keep_fp32 without its own policy"]
+        assert "a keep_fp32 module, 'second'" in kept and "fsdp2_policy(keep_fp32=True)" in kept
+
+
+@pytest.mark.slow
+def test_fsdp2_o2_keeps_a_module_fp32_with_its_own_fully_shard_policy(resumed):
+    """O2 with keep_fp32=['second'], that module sharded with plugin.fsdp2_policy(keep_fp32=True): it trains, skips
+    the planted steps and leaves the ranks identical."""
+    for rank in resumed:
+        assert rank["keep_fp32"]["stats"]["skipped_steps"] == len(INJECT_AT)
+    assert resumed[0]["keep_fp32"]["parameters"] == resumed[1]["keep_fp32"]["parameters"]
 
 
 @pytest.mark.parametrize(

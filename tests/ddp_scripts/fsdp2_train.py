@@ -16,7 +16,7 @@ same seed and data. The inf is planted after backward on rank 1 only, in the sam
   those checkpoints;
 * ``--memory``: the tensor bytes each rank holds between steps, on a wider model with Adam;
 * ``--counts``: host syncs per training step, also with Lightning's own ``precision=`` under FSDP2;
-* ``--refusals``: the errors of the combinations refused under FSDP2.
+* ``--refusals``: the errors of the combinations refused under FSDP2, and the ``keep_fp32`` recipe's run.
 
 Every rank writes ``DIR/fsdp2_rank<rank>.json``: per run, the per-step losses, scales and skip flags, the plugin's
 stats and the full parameters at the end (gathered from the shards under FSDP2).
@@ -64,6 +64,7 @@ class ShardableRegressor(TinyRegressor):
         self.middle = nn.Sequential(*(nn.Linear(hidden, hidden) for _ in range(depth)))
         self.shard_with = plugin
         self.with_policy = True
+        self.keep_recipe = True
         self.losses: list[float] = []
 
     @override
@@ -75,8 +76,11 @@ class ShardableRegressor(TinyRegressor):
         if self.shard_with is None:
             return
         policy = {"mp_policy": self.shard_with.fsdp2_policy()} if self.with_policy else {}
-        for layer in (self.first, *self.middle, self.second):
+        for layer in (self.first, *self.middle):
             fully_shard(layer, **policy)
+        # The recipe for a keep_fp32 module: its own fully_shard call, with the fp32 policy.
+        kept = self.keep_recipe and "second" in self.shard_with.keep_fp32
+        fully_shard(self.second, **({"mp_policy": self.shard_with.fsdp2_policy(keep_fp32=True)} if kept else policy))
         fully_shard(self, **policy)
 
     @override
@@ -121,7 +125,12 @@ def fit(
     precision, opt_level = case.split(":")
     L.seed_everything(7, verbose=False)
     lightning_precision = extra.pop("lightning_precision", None)
-    plugin = None if lightning_precision else MixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8)
+    keep_fp32 = extra.pop("keep_fp32", ())
+    plugin = (
+        None
+        if lightning_precision
+        else MixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8, keep_fp32=keep_fp32)
+    )
     sharded = strategy == "fsdp2"
     strategy_options = extra.pop("strategy_options", {})
     width = extra.pop("width", (16, 0))
@@ -132,6 +141,7 @@ def fit(
         *width,
     )
     model.with_policy = extra.pop("with_policy", plugin is not None)
+    model.keep_recipe = extra.pop("keep_recipe", True)
     recorder = StepRecorder() if plugin is not None else None
     callbacks: list[L.Callback] = [recorder] if recorder is not None else []
     callbacks += extra.pop("callbacks", [])
@@ -251,6 +261,7 @@ def main(argv: list[str]) -> None:
             }
     if args.refusals:
         report["refusals"] = refusals(args)
+        report["keep_fp32"] = keep_fp32_recipe(args)
     report["global_rank"] = dist.get_rank()
     (args.out / f"fsdp2_rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
@@ -275,12 +286,23 @@ def resumed_runs(args: argparse.Namespace, case: str, name: str) -> dict[str, An
 def refusals(args: argparse.Namespace) -> dict[str, str]:
     """The error of each combination the plugin refuses under FSDP2 (O3, lean; O2 without FSDP2's policy)."""
     errors: dict[str, str] = {}
-    for case, with_policy in (("16-mixed:O3", True), ("bf16-mixed:lean", True), ("16-mixed:O2", False)):
+    refused: dict[str, dict[str, Any]] = {
+        "16-mixed:O3": {},
+        "bf16-mixed:lean": {},
+        "16-mixed:O2 without mp_policy": {"with_policy": False},
+        "bf16-mixed:O2 keep_fp32 without its own policy": {"keep_fp32": ["second"], "keep_recipe": False},
+    }
+    for name, options in refused.items():
         try:
-            fit(args, case, "fsdp2", f"refused-{case}", quiet=True, with_policy=with_policy)
+            fit(args, name.split()[0], "fsdp2", f"refused-{name}", quiet=True, **options)
         except ShardedPrecisionError as error:
-            errors[f"{case}{'' if with_policy else ' without mp_policy'}"] = str(error)
+            errors[name] = str(error)
     return errors
+
+
+def keep_fp32_recipe(args: argparse.Namespace) -> dict[str, Any]:
+    """bf16 O2 with ``keep_fp32=["second"]``, that module sharded with ``plugin.fsdp2_policy(keep_fp32=True)``."""
+    return fit(args, "bf16-mixed:O2", "fsdp2", "keep-fp32", quiet=True, keep_fp32=["second"])
 
 
 if __name__ == "__main__":
