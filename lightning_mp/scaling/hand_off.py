@@ -20,7 +20,8 @@ adds 0 syncs and runs the update in 5 ops against foreach's 11; a device-side se
 and states would cost 253 ops and 2x the state's memory, and still read the CPU step count on the host.
 
 Fused SGD's first step with momentum cannot be skipped on the device (:func:`skips_safely_on_device`); it, and every
-optimizer without a fused form, is decided on the host.
+optimizer without a fused form, is decided on the host. So are SGD and Adagrad on sharded (FSDP2) parameters:
+``DTensor`` runs Adam's and AdamW's fused kernels, not theirs.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
