@@ -45,6 +45,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides
+from lightning_mp.policies.base import PrecisionPolicy
 from lightning_mp.policies.o1 import O1Policy
 from lightning_mp.scaling.sharded import has_sharded_parameters
 
@@ -112,9 +113,6 @@ class ShardedO2Policy(O1Policy):
 
     opt_level = "O2"
 
-    def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Any = ()) -> None:
-        super().__init__(half_dtype, keep_fp32)
-
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Put the ``keep_fp32`` modules in fp32 regions and check every module's dtype at its first forward."""
@@ -153,7 +151,7 @@ class _FirstForwardDtypeCheck:
         )
 
 
-def refuse_sharding_after_conversion(policy: Any, modules: list[nn.Module]) -> None:
+def refuse_sharding_after_conversion(policy: PrecisionPolicy, modules: list[nn.Module]) -> None:
     """Refuse a model sharded after an opt level with a sharded form converted it for an unsharded run.
 
     Fabric's ``ModelParallelStrategy`` applies its ``parallelize_fn`` after ``fabric.setup`` let the plugin convert
