@@ -270,9 +270,9 @@ def count_opt_level(opt_level: str, precision: str, task: Task = markov_counting
         The counts of batch ``WARMUP_STEPS`` (Python calls: of the batch after it).
 
     Example:
-        >>> counts = count_opt_level("O1", "bf16-mixed")  # doctest: +SKIP
-        >>> counts.casts_per_weight("forward"), counts.casts_step  # doctest: +SKIP
-        (0.8, 0)
+        >>> counts = count_opt_level("O1", "bf16-mixed")
+        >>> counts.casts_forward, counts.casts_backward, counts.casts_step, counts.weights
+        (10, 0, 0, 18)
 
     """
     steps = WARMUP_STEPS + 2
