@@ -40,6 +40,7 @@ from __future__ import annotations
 import gc
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -129,7 +130,7 @@ class SteadyStepCounter(L.Callback):
         self.ops: StepCounts | None = None
         self.python_calls = 0
         self.skipped = False
-        self._ops_region: Any = None
+        self._ops_region: AbstractContextManager[StepCounts] | None = None
         self._calls: count_python_calls | None = None
         self._collecting_garbage = True
         self._skipped_before = 0
