@@ -57,7 +57,7 @@ _GRAD_SCALER_BOOKKEEPING = (
     " keeps working) and keeps torch's bookkeeping consistent for the methods it inherits (scale, the getters)"
 )
 _MEMORY_TIMELINE = "torch offers no public way to read the profiler's categorised memory timeline (the benchmark)"
-_COUNTED_OP = "the aten op that the op and sync counters recognise; an op name, not an API"
+_COUNTED_OP = "the aten op that the op, sync and weight cast counters recognise; an op name, not an API"
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # torch: kernels and batched ops
@@ -195,6 +195,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     ),
     PrivateName("aten._local_scalar_dense", "torch", ("counting.py",), _COUNTED_OP),
     PrivateName("aten._to_copy", "torch", ("counting.py",), _COUNTED_OP),
+    PrivateName("aten._foreach_copy_", "torch", ("counting.py",), _COUNTED_OP),
     PrivateName("torch.profiler.profile._memory_profile", "torch", ("bench/memory.py",), _MEMORY_TIMELINE),
     PrivateName(
         "torch.profiler._memory_profiler.MemoryProfileTimeline", "torch", ("bench/memory.py",), _MEMORY_TIMELINE
