@@ -56,7 +56,6 @@ _GRAD_SCALER_BOOKKEEPING = (
     "LossScaler is a torch.amp.GradScaler (code that checks isinstance(scaler, GradScaler), Lightning's included,"
     " keeps working) and keeps torch's bookkeeping consistent for the methods it inherits (scale, the getters)"
 )
-_MEMORY_TIMELINE = "torch offers no public way to read the profiler's categorised memory timeline (the benchmark)"
 _COUNTED_OP = "the aten op that the op and sync counters recognise; an op name, not an API"
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
@@ -195,13 +194,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     ),
     PrivateName("aten._local_scalar_dense", "torch", ("counting.py",), _COUNTED_OP),
     PrivateName("aten._to_copy", "torch", ("counting.py",), _COUNTED_OP),
-    PrivateName("torch.profiler.profile._memory_profile", "torch", ("bench/memory.py",), _MEMORY_TIMELINE),
-    PrivateName(
-        "torch.profiler._memory_profiler.MemoryProfileTimeline", "torch", ("bench/memory.py",), _MEMORY_TIMELINE
-    ),
-    PrivateName("MemoryProfileTimeline._coalesce_timeline", "torch", ("bench/memory.py",), _MEMORY_TIMELINE),
-    PrivateName("torch.profiler._memory_profiler.Category", "torch", ("bench/memory.py",), _MEMORY_TIMELINE),
-    PrivateName("torch.profiler._memory_profiler._CATEGORY_TO_INDEX", "torch", ("bench/memory.py",), _MEMORY_TIMELINE),
     # Lightning
     PrivateName(
         "LightningModule._trainer",
