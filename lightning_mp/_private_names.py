@@ -210,34 +210,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         " gradients are unscaled",
     ),
     PrivateName(
-        "lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling",
-        "lightning",
-        ("engine/trainer.py", "callbacks/gradient_health_monitor.py"),
-        "Lightning's own test for optimizers that unscale inside their step (fused Adam/AdamW/SGD)",
-    ),
-    PrivateName(
         "WeightAveraging._average_model",
         "lightning",
         ("policies/lean.py",),
         "Lightning keeps the averaged copy only there; lean checks how it will be averaged",
-    ),
-    PrivateName(
-        "Trainer._logger_connector",
-        "lightning",
-        ("callbacks/_logging.py",),
-        "should_update_logs: log_every_n_steps as the Trainer applies it; Lightning's LearningRateMonitor reads it too",
-    ),
-    PrivateName(
-        "fit_loop.epoch_loop._batches_that_stepped",
-        "lightning",
-        ("callbacks/_logging.py",),
-        "the step self.log writes at; Lightning's DeviceStatsMonitor reads it too",
-    ),
-    PrivateName(
-        "fit_loop.epoch_loop._should_accumulate",
-        "lightning",
-        ("callbacks/precision_sentinel.py",),
-        "whether the current batch only accumulates gradients, to carry a sample over the micro-batches of a step",
     ),
 )
 """The registry, grouped by owner and kind."""
