@@ -196,13 +196,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("aten._to_copy", "torch", ("counting.py",), _COUNTED_OP),
     # Lightning
     PrivateName(
-        "LightningModule._trainer",
-        "lightning",
-        ("plugin.py",),
-        "read with getattr: whether a Trainer drives the run, which chooses the engine; the public trainer property"
-        " raises when none is attached",
-    ),
-    PrivateName(
         "Precision._after_closure",
         "lightning",
         ("engine/trainer.py",),
