@@ -168,12 +168,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     ),
     # torch: device, compile and dispatch
     PrivateName(
-        "torch._C._get_privateuse1_backend_name",
-        "torch",
-        ("overrides.py",),
-        "the name of an out-of-tree device type, whose autocast keep_fp32 regions must switch off too",
-    ),
-    PrivateName(
         "torch._functorch.config.backward_pass_autocast",
         "torch",
         ("_compat.py", "_compile.py"),
