@@ -135,12 +135,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     ),
     # torch: tensors and modules
     PrivateName(
-        "Tensor._values",
-        "torch",
-        ("scaling/kernels.py",),
-        "the stored values of a sparse gradient, which are what needs unscaling and checking, as in torch's unscale_",
-    ),
-    PrivateName(
         "Tensor._version",
         "torch",
         ("policies/o2.py",),
