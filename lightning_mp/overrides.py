@@ -75,7 +75,8 @@ _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ma
 
 
 def _autocast_device_types() -> tuple[str, ...]:
-    custom = torch._C._get_privateuse1_backend_name()
+    # An out-of-tree backend renames torch's "privateuseone" device type; a device of that type reports the new name.
+    custom = torch.device("privateuseone").type
     return (*_AUTOCAST_DEVICE_TYPES, custom) if custom not in _AUTOCAST_DEVICE_TYPES else _AUTOCAST_DEVICE_TYPES
 
 

@@ -92,7 +92,13 @@ _RUN_CLAIMS = threading.Lock()
 
 def attached_trainer(module: nn.Module | None) -> Any:
     """The Trainer a LightningModule is attached to; None for Fabric's modules (and no module)."""
-    return getattr(module, "_trainer", None)
+    # Under Fabric, LightningModule.trainer returns a stand-in for the Fabric object rather than None.
+    if not isinstance(module, LightningModule) or module.fabric is not None:
+        return None
+    try:
+        return module.trainer
+    except RuntimeError:  # not attached to a Trainer
+        return None
 
 
 _HALF_WEIGHTS_PRECISION: dict[str, Literal["16-true", "bf16-true"]] = {"16-mixed": "16-true", "bf16-mixed": "bf16-true"}

@@ -6,15 +6,20 @@ exactly where the arithmetic is known: AdamW keeps 8 bytes per parameter and a 4
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_mp.bench import main, parse_args
 from lightning_mp.bench.memory import (
     MEMORY_CONFIGURATIONS,
+    TIMELINE_COLUMNS,
     MemoryBreakdown,
+    breakdown_from_timeline,
+    export_timeline,
     measure_memory,
     memory_report,
     memory_table,
@@ -124,3 +129,29 @@ def test_memory_report_counts_the_host_work_of_a_steady_step(measured: dict[str,
     assert f"| O2-bf16 | {o2.python_calls:,} | {o2.compute_ops:,} |" in text
     ratio = o2.python_calls / measured["O1-bf16"].python_calls
     assert f"O2-bf16 Python calls <= 1.10x O1-bf16: {ratio:.3f}x" in text
+
+
+def test_the_exported_timeline_splits_a_step_by_category_without_a_warning() -> None:
+    """torch's public timeline export, read back, holds one column per category: at the end of an AdamW step the
+    parameters, their gradients and the two moments are where they belong, and its deprecation warning stays in."""
+    model = nn.Linear(16, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True) as profiler:
+        model(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        times, sizes = export_timeline(profiler, "cpu")
+    assert len(times) == len(sizes) and {len(row) for row in sizes} == {len(TIMELINE_COLUMNS)}
+    at_end = dict(zip(TIMELINE_COLUMNS, sizes[-1], strict=True))
+    weight_bytes = 4 * (16 * 8 + 8)
+    assert at_end["parameter"] == at_end["gradient"] == weight_bytes
+    assert at_end["optimizer_state"] == 2 * weight_bytes + 2 * 4  # two moments, and a float32 step per tensor
+    memory = breakdown_from_timeline((times, sizes), "fp32", 16 * 8 + 8)
+    assert memory.persistent_bytes == 4 * weight_bytes + 8
+
+
+def test_a_timeline_of_another_format_is_refused_naming_the_columns() -> None:
+    """A torch whose export writes other columns gets a clear error instead of a wrong split."""
+    with pytest.raises(ValueError, match=r"must have 9 sizes .*parameter, optimizer_state"):
+        breakdown_from_timeline(([0, 1], [[0, 1, 2], [0, 3, 4]]), "fp32", 1)

@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -71,6 +70,7 @@ from lightning_mp.callbacks._logging import (
     validate_bool,
     validate_positive_int,
 )
+from lightning_mp.scaling.hand_off import supports_fused_protocol
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -175,7 +175,7 @@ class GradientHealthMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self._report_if_skipped(trainer, pl_module)
+        self._report_if_skipped(trainer, pl_module, finished_batch=batch_idx)
         summary, self._summary = self._summary, None
         host_reads(trainer).submit(trainer, self, *(summary or (None, None)))
 
@@ -191,7 +191,7 @@ class GradientHealthMonitor(Callback):
         plugin = require_mixed_precision(trainer, type(self).__name__)
         loss_scale = plugin.stats.loss_scale if plugin.scaler is not None else 1.0
         # A fused optimizer unscales inside its own step, so its gradients still carry the scale here.
-        scale_in_grads = loss_scale if _optimizer_handles_unscaling(optimizer) else 1.0
+        scale_in_grads = loss_scale if supports_fused_protocol(optimizer) else 1.0
         elements = sum(grad.numel() for grad in grads)
         in_fp16 = plugin.half_dtype == torch.float16
         step = logging_step(trainer)
@@ -214,7 +214,9 @@ class GradientHealthMonitor(Callback):
 
         return gradient_summary(grads, log2_shift=math.log2(loss_scale / scale_in_grads)), log
 
-    def _report_if_skipped(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _report_if_skipped(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, finished_batch: int | None = None
+    ) -> None:
         stats = require_mixed_precision(trainer, type(self).__name__).stats
         capture = self._capture
         if capture is not None and stats.optimizer_steps > capture.optimizer_steps_before:
@@ -231,7 +233,7 @@ class GradientHealthMonitor(Callback):
         local = _nonfinite_names(trainer, pl_module, capture)
         # Skips are identical on every rank, so every rank reaches this collective together.
         names = _union_over_ranks(trainer, local)
-        step = logging_step(trainer)
+        step = logging_step(trainer, finished_batch)
         log_text(trainer, "precision/overflow", _overflow_markdown(step, names, stats.loss_scale), step)
 
         # Warn on skips 1, 1 + N, 1 + 2N, ...; several skips can land in one batch under manual optimization.

@@ -134,7 +134,7 @@ class LayerDtypeMonitor(Callback):
             return
         self._remove_hooks()
         records, self._records = self._records, []
-        step = logging_step(trainer)
+        step = logging_step(trainer, finished_batch=batch_idx)
         log_text(trainer, "precision/layer_dtypes", _markdown_table(records), step)
 
         counts = dict.fromkeys(self._dtypes_seen, 0)

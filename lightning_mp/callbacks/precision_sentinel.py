@@ -79,6 +79,7 @@ from lightning_mp.callbacks._host_reads import host_reads
 from lightning_mp.callbacks._logging import (
     log_scalars,
     logging_step,
+    only_accumulates,
     tensorboard_writers,
     validate_bool,
     validate_positive_int,
@@ -250,7 +251,7 @@ class PrecisionSentinel(Callback):
             host_reads(trainer).submit(trainer, self)
             return
         self._remove_hooks()
-        if not self._snapshots and trainer.fit_loop.epoch_loop._should_accumulate():
+        if not self._snapshots and only_accumulates(trainer, batch_idx):
             # Accumulating gradients: one micro-batch's activations are enough; the step comes on a later batch.
             host_reads(trainer).submit(trainer, self)
             return
@@ -264,7 +265,7 @@ class PrecisionSentinel(Callback):
         if not device_values:
             host_reads(trainer).submit(trainer, self)
             return
-        step = logging_step(trainer)
+        step = logging_step(trainer, finished_batch=batch_idx)
         layers = [layer for layer, _ in maxima]
         names = _parameter_names(trainer, pl_module)
         parameter_layers = [_layer_of(names.get(id(p), "unnamed")) for p in parameters]

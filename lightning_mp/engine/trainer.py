@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision.precision import Precision
@@ -46,6 +45,7 @@ from lightning_mp._schedulers import SkipAwareScheduler
 from lightning_mp.engine.base import StepEngine, check_loss
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
+from lightning_mp.scaling.hand_off import supports_fused_protocol
 
 
 def raw_optimizer(optimizer: Any) -> Any:
@@ -221,7 +221,7 @@ class TrainerEngine(StepEngine):
             wrappers = model.optimizers(use_pl_optimizer=True)
             wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
             adopt_wrapper_unscale(loss_scaler, wrappers, optimizer)
-        self._prepare_gradients(optimizer, unscale=not _optimizer_handles_unscaling(optimizer))
+        self._prepare_gradients(optimizer, unscale=not supports_fused_protocol(optimizer))
         self.lightning._after_closure(model, optimizer)
         if not _has_gradients(optimizer):
             # Nothing to check or unscale (torch's GradScaler would refuse such a step): step as Lightning would.
