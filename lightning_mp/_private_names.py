@@ -101,8 +101,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ),
         'a family: documented in torch\'s reference as "Foreach operations" (beta), spelled with an underscore.'
         " One dispatched op for a whole list of tensors, as torch.optim's foreach implementations use them; the"
-        " public alternative is one op per tensor (the weight cast counter recognises torch.ops.aten._foreach_copy_). The ops used: "
-        + ", ".join(_FOREACH_OPS),
+        " public alternative is one op per tensor (the weight cast counter recognises aten._foreach_copy_)."
+        " The ops used: " + ", ".join(_FOREACH_OPS),
         members=_FOREACH_OPS,
     ),
     # torch: GradScaler internals
