@@ -14,6 +14,7 @@ from lightning_mp.callbacks import (
     PrecisionSentinel,
 )
 from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
+from lightning_mp.fsdp import FSDPMixedPrecision
 from lightning_mp.inference import ParityReport, compare, to_inference
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.scaler import LossScaler
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Advice",
     "AdvisorCallback",
+    "FSDPMixedPrecision",
     "GradientHealthMonitor",
     "LayerDtypeMonitor",
     "LossScaleCollapseError",

@@ -309,10 +309,8 @@ class MixedPrecision(LightningMixedPrecision):
             rank_zero_info(f"lightning_mp: precision='auto' chose {self.precision!r}: {self.precision_reason}.")
         self.settings.check_resolved("MixedPrecision", self.precision, self.precision_reason)
         self._warn_about_slow_half(device_type)
-        opt_level = "O0" if self.precision == "32-true" else self.opt_level
-        policy_class = POLICIES[opt_level]
-        options = {"recast_in_backward": self.recast_in_backward} if opt_level == "O2" else {}
-        self._policy = policy_class(self.half_dtype, keep_fp32=self.keep_fp32, **options)
+        self._policy = self._build_policy("O0" if self.precision == "32-true" else self.opt_level)
+        policy_class = type(self._policy)
         self._loss_scaler = self._build_loss_scaler(device_type, policy_class)
         if policy_class.half_weights:
             # Lightning reads ``precision`` for what the weights are (ModelSummary's model size, for one): O3 and
@@ -321,6 +319,12 @@ class MixedPrecision(LightningMixedPrecision):
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
             self.load_state_dict(pending)
+
+    def _build_policy(self, opt_level: str) -> PrecisionPolicy:
+        """The opt level's policy for this run (the FSDP form maps O2 onto FSDP's own half weights)."""
+        policy_class = POLICIES[opt_level]
+        options = {"recast_in_backward": self.recast_in_backward} if opt_level == "O2" else {}
+        return policy_class(self.half_dtype, keep_fp32=self.keep_fp32, **options)
 
     def _build_loss_scaler(self, device_type: str, policy_class: type[PrecisionPolicy]) -> LossScaler:
         if self._given_loss_scaler is not None:

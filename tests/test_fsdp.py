@@ -1,0 +1,173 @@
+"""FSDPMixedPrecision under Lightning's FSDPStrategy (torch FSDP1), for the Trainer and Fabric, on the CPU (gloo).
+
+Lightning runs its FSDPStrategy on GPUs only; these tests run it on the CPU through the tests'
+:class:`~tests.helpers.CPUFSDPStrategy` and :class:`~tests.helpers.CPUFabricFSDPStrategy`, which change only where
+FSDP wraps the model. The 2-process runs (``ddp_scripts/fsdp_train.py``) compare each FSDP run with the same run
+under DDP. The same scenarios on a GPU, with full checkpoints too, are in ``tests/cuda/test_fsdp.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDPPrecision
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+from lightning.pytorch.plugins.precision import FSDPPrecision
+from lightning.pytorch.strategies import FSDPStrategy
+from torch import nn
+
+from lightning_mp import FSDPMixedPrecision, MixedPrecision
+from tests.ddp_scripts.launch import reports, run
+from tests.helpers import CPUFabricFSDPStrategy, CPUFSDPStrategy, TinyRegressor, loader, make_trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp:UserWarning", "ignore:FSDP is switching to use `NO_SHARD`")
+
+FP32 = torch.float32
+FSDP_TRAIN_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fsdp_train.py"
+
+
+@pytest.fixture
+def single_process_group() -> Generator[None, None, None]:
+    """Destroy the one-process group that an FSDP run with one device leaves behind."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_both_fsdp_strategies_accept_the_plugin_and_it_stays_a_mixed_precision() -> None:
+    """The Trainer's and Fabric's FSDPStrategy take FSDPMixedPrecision, which is still the package's MixedPrecision."""
+    plugin = FSDPMixedPrecision("16-mixed", hysteresis=2)
+    assert FSDPStrategy(precision_plugin=plugin).precision_plugin is plugin
+    assert FabricFSDPStrategy(precision=plugin).precision is plugin
+    assert isinstance(plugin, MixedPrecision | FSDPPrecision | FabricFSDPPrecision)
+    assert plugin.settings.scaler.hysteresis == 2
+    trainer = make_trainer(plugin, strategy=CPUFSDPStrategy())
+    assert trainer.precision_plugin is plugin
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=CPUFabricFSDPStrategy(), plugins=[plugin])
+    assert fabric.strategy.precision is plugin
+
+
+def test_the_plain_plugin_is_refused_by_lightning_fsdp_strategy() -> None:
+    """A plain MixedPrecision under FSDPStrategy fails at once, with Lightning's TypeError (the README says why)."""
+    with pytest.raises(TypeError, match="FSDPPrecision"):
+        make_trainer(MixedPrecision("16-mixed"), strategy=CPUFSDPStrategy())
+    with pytest.raises(TypeError, match="FSDPPrecision"):
+        FabricFSDPStrategy(precision=MixedPrecision("16-mixed"))
+
+
+@pytest.mark.parametrize(
+    ("precision", "opt_level", "param_dtype", "reduce_dtype"),
+    [
+        ("32-true", "O1", FP32, FP32),
+        ("16-mixed", "O1", FP32, FP32),
+        ("bf16-mixed", "O1", FP32, FP32),
+        ("16-mixed", "O2", torch.float16, FP32),
+        ("bf16-mixed", "O2", torch.bfloat16, FP32),
+    ],
+)
+def test_the_opt_level_maps_onto_fsdp_mixed_precision(
+    precision: str, opt_level: str, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> None:
+    """O1 gathers fp32 weights (autocast casts per op); O2 gathers half copies of the fp32 shards, reduces in fp32."""
+    config = FSDPMixedPrecision(precision, opt_level=opt_level).mixed_precision_config
+    assert (config.param_dtype, config.reduce_dtype, config.buffer_dtype) == (param_dtype, reduce_dtype, FP32)
+    # The Trainer's batch (targets too) goes through FSDP's root forward: it must not be rounded to half.
+    assert not config.cast_forward_inputs
+    assert not config.cast_root_forward_inputs or param_dtype == FP32
+
+
+def test_auto_precision_has_no_fsdp_policy_before_setup() -> None:
+    """precision='auto' is resolved when the strategy sets the model up; asking FSDP's policy earlier says so."""
+    with pytest.raises(RuntimeError, match="precision='auto'"):
+        _ = FSDPMixedPrecision("auto").mixed_precision_config
+
+
+@pytest.mark.parametrize("opt_level", ["O3", "lean", "lean-kahan"])
+def test_opt_levels_without_fp32_masters_are_refused_with_the_alternative(opt_level: str) -> None:
+    """O3, lean and lean-kahan keep half weights that FSDP cannot shard as masters: refused, naming O2."""
+    with pytest.raises(ValueError, match=rf"opt_level={opt_level!r}.*opt_level='O2'"):
+        FSDPMixedPrecision("bf16-mixed", opt_level=opt_level)
+
+
+def test_keep_fp32_with_o2_is_refused_with_the_alternative() -> None:
+    """Under O2 FSDP gathers a whole unit in half, so keep_fp32 is refused, naming O1 as the alternative."""
+    with pytest.raises(ValueError, match=r"opt_level='O2', keep_fp32=.*opt_level='O1'"):
+        FSDPMixedPrecision("16-mixed", opt_level="O2", keep_fp32=[nn.LayerNorm])
+    assert FSDPMixedPrecision("16-mixed", opt_level="O1", keep_fp32=[nn.LayerNorm]).keep_fp32 == [nn.LayerNorm]
+
+
+def test_modules_are_created_in_fp32_for_fsdp_to_shard() -> None:
+    """The strategy's init contexts create fp32 weights: FSDP's shards of them are the master weights."""
+    plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2")
+    with plugin.module_init_context(), plugin.tensor_init_context():
+        assert nn.Linear(2, 2).weight.dtype == FP32
+
+
+class DtypeRecordingRegressor(TinyRegressor):
+    """The tiny regressor, recording the dtype of the weight its forward computes with."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.forward_weight_dtypes: set[torch.dtype] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forward_weight_dtypes.add(self.first.weight.dtype)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize(("precision", "opt_level"), [("16-mixed", "O1"), ("bf16-mixed", "O2")])
+def test_trainer_fsdp_trains_skips_and_computes_in_the_mapped_dtype(
+    precision: str, opt_level: str, single_process_group: None
+) -> None:
+    """A real FSDP fit: the planted inf step is skipped, the weights stay finite, O2 computes on FSDP's half weights."""
+    plugin = FSDPMixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8)
+    model = DtypeRecordingRegressor(inject_at=(2,))
+    make_trainer(plugin, strategy=CPUFSDPStrategy(), gradient_clip_val=1.0).fit(model, loader())
+    stats = plugin.stats
+    assert (stats.optimizer_steps, stats.skipped_steps) == (8, 1)
+    assert model.forward_weight_dtypes == {plugin.mixed_precision_config.param_dtype}
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------------ 2 processes
+
+
+def _fsdp_and_ddp(tmp_path: Path, front: str, precision: str, opt_level: str) -> tuple[list[dict], list[dict]]:
+    """The reports of the same 2-process run under FSDP (sharded checkpoint) and under DDP."""
+    runs = []
+    for strategy in ("fsdp", "ddp"):
+        out = tmp_path / strategy
+        out.mkdir()
+        arguments = ["--front", front, "--strategy", strategy, "--out", str(out), "--precision", precision]
+        arguments += ["--opt-level", opt_level, "--inject-rank", "1", "--inject-at", "2,5", "--clip", "norm"]
+        run([*arguments, "--state-dict-type", "sharded"], timeout=60, script=FSDP_TRAIN_SCRIPT)
+        runs.append(reports(out))
+    return runs[0], runs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("front", "precision", "opt_level"),
+    [
+        ("trainer", "16-mixed", "O1"),
+        ("trainer", "bf16-mixed", "O2"),
+        ("fabric", "bf16-mixed", "O1"),
+        ("fabric", "16-mixed", "O2"),
+    ],
+)
+def test_fsdp_on_two_processes_matches_ddp(tmp_path: Path, front: str, precision: str, opt_level: str) -> None:
+    """Under FSDP an inf on one rank's shard is skipped by both ranks, as under DDP: same skips, scales and losses."""
+    fsdp, ddp = _fsdp_and_ddp(tmp_path, front, precision, opt_level)
+    assert fsdp[0]["steps"] == fsdp[1]["steps"] == ddp[0]["steps"]
+    assert [index for index, (_, skipped) in enumerate(fsdp[0]["steps"]) if skipped] == [2, 5]
+    assert fsdp[0]["stats"] == fsdp[1]["stats"] == ddp[0]["stats"]
+    for fsdp_rank, ddp_rank in zip(fsdp, ddp, strict=True):
+        torch.testing.assert_close(fsdp_rank["losses"], ddp_rank["losses"], rtol=0.0, atol=1e-3)
+    # The plugin's state went through FSDPStrategy's sharded checkpoint and came back whole on every rank.
+    assert fsdp[0]["resumed_stats"] == fsdp[1]["resumed_stats"] == fsdp[0]["stats"]
