@@ -16,11 +16,13 @@ the strategy hands to ``FullyShardedDataParallel(mixed_precision=...)``):
 * ``O1`` (and fp32, ``O0``): FSDP keeps, gathers, reduces and stores everything in fp32 (parameter, reduce and buffer
   dtypes fp32), and autocast casts per op, exactly as under DDP. ``keep_fp32`` modules run outside autocast.
 * ``O2``: FSDP's fp32 shards are the master weights, and it gathers half copies of them for the forward and
-  backward passes (``param_dtype`` half) and reduce-scatters the gradients in half (``reduce_dtype`` half), then
-  hands fp32 gradient shards to the optimizer; buffers stay fp32. That is O2's design (half weights for compute, fp32
-  masters for the step) done by FSDP itself, so the package's own O2 copies are not made. Normalisation layers
-  stay fp32 where FSDP wraps them in units of their own (with an ``auto_wrap_policy``, FSDP's default); ``keep_fp32``
-  is refused with O2, since FSDP gathers every weight of a unit in one dtype (use O1 for fp32 modules).
+  backward passes (``param_dtype`` half); the gradients are reduce-scattered in fp32 (``reduce_dtype``), as DDP
+  reduces O2's fp32 master gradients, so a sum over ranks cannot overflow fp16 and the run matches DDP's; buffers
+  stay fp32. That is O2's design (half weights for compute, fp32 masters for the step) done by FSDP itself, so the
+  package's own O2 copies are not made. The inputs are not cast to half (``cast_root_forward_inputs=False``): the
+  Trainer sends the whole batch, targets included, through the root's forward, and autocast casts each op's inputs.
+  Normalisation layers stay fp32 where FSDP wraps them in units of their own (with an ``auto_wrap_policy``, FSDP's
+  default); ``keep_fp32`` is refused with O2, since FSDP gathers every weight of a unit in one dtype (use O1).
 * ``O3``, ``lean`` and ``lean-kahan`` keep half weights with no fp32 master. FSDP shards fp32 masters already (the
   memory those levels save is divided by the number of ranks), and ``O2`` gives the half compute: they are refused
   when the plugin is built, naming ``O2`` as the alternative.

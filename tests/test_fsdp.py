@@ -12,6 +12,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +27,12 @@ from lightning_mp import FSDPMixedPrecision, MixedPrecision
 from tests.ddp_scripts.launch import reports, run
 from tests.helpers import CPUFabricFSDPStrategy, CPUFSDPStrategy, TinyRegressor, loader, make_trainer
 
-pytestmark = pytest.mark.filterwarnings("ignore:lightning_mp:UserWarning", "ignore:FSDP is switching to use `NO_SHARD`")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:lightning_mp:UserWarning",
+    "ignore:FSDP is switching to use `NO_SHARD`",
+    "ignore:Please use DTensor instead:FutureWarning",
+    "ignore:You're resuming from a checkpoint that ended before the epoch ended",
+)
 
 FP32 = torch.float32
 FSDP_TRAIN_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fsdp_train.py"
@@ -133,6 +139,35 @@ def test_trainer_fsdp_trains_skips_and_computes_in_the_mapped_dtype(
     assert (stats.optimizer_steps, stats.skipped_steps) == (8, 1)
     assert model.forward_weight_dtypes == {plugin.mixed_precision_config.param_dtype}
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+class StateAtStart(L.Callback):
+    """The plugin's state when a (resumed) fit starts."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state = trainer.precision_plugin.state_dict()  # type: ignore[attr-defined]
+
+
+def test_trainer_resumes_the_plugin_state_from_a_sharded_fsdp_checkpoint(
+    tmp_path: Path, single_process_group: None
+) -> None:
+    """The scale, trackers and counters saved in FSDPStrategy's sharded checkpoint come back exactly on resume."""
+    plugin = FSDPMixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2, hysteresis=2)
+    first = make_trainer(plugin, strategy=CPUFSDPStrategy(state_dict_type="sharded"), max_steps=6)
+    first.fit(TinyRegressor(inject_at=(2, 3)), loader())
+    first.save_checkpoint(tmp_path / "sharded")
+    assert (tmp_path / "sharded").is_dir()
+    recorder = StateAtStart()
+    resumed = FSDPMixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2, hysteresis=2)
+    strategy = CPUFSDPStrategy(state_dict_type="sharded")
+    make_trainer(resumed, strategy=strategy, max_steps=7, callbacks=[recorder]).fit(
+        TinyRegressor(), loader(), ckpt_path=tmp_path / "sharded"
+    )
+    assert recorder.state["scaler"] == plugin.state_dict()["scaler"]
+    assert recorder.state["scaler"]["counters"]["skipped_steps"] == 2
 
 
 # ------------------------------------------------------------------------------------------------ 2 processes
