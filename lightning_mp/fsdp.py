@@ -22,7 +22,10 @@ the strategy hands to ``FullyShardedDataParallel(mixed_precision=...)``):
   package's own O2 copies are not made. The inputs are not cast to half (``cast_root_forward_inputs=False``): the
   Trainer sends the whole batch, targets included, through the root's forward, and autocast casts each op's inputs.
   Normalisation layers stay fp32 where FSDP wraps them in units of their own (with an ``auto_wrap_policy``, FSDP's
-  default); ``keep_fp32`` is refused with O2, since FSDP gathers every weight of a unit in one dtype (use O1).
+  default). FSDP gathers every weight of a unit in one dtype, so each ``keep_fp32`` module must be a unit of its
+  own with an fp32 policy: :meth:`FSDPMixedPrecision.auto_wrap_policy` builds the strategy's ``auto_wrap_policy``
+  that makes them (torch's public ``CustomPolicy``, whose per-module keyword arguments override the policy), and
+  the first forward refuses a ``keep_fp32`` module that is not such a unit.
 * ``O3``, ``lean`` and ``lean-kahan`` keep half weights with no fp32 master. FSDP shards fp32 masters already (the
   memory those levels save is divided by the number of ranks), and ``O2`` gives the half compute: they are refused
   when the plugin is built, naming ``O2`` as the alternative.
@@ -41,15 +44,18 @@ hook of the plugin runs: ``TypeError: The FSDP strategy can only work with the F
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDPPrecision
 from lightning.pytorch.plugins.precision import FSDPPrecision
+from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp.wrap import CustomPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -61,6 +67,11 @@ FSDP_OPT_LEVELS = ("O0", "O1", "O2")
 """The opt levels FSDP runs; the others keep half weights without fp32 masters, which FSDP shards itself."""
 
 
+def _instance_of(types: tuple[type[nn.Module], ...]) -> Callable[[nn.Module], bool]:
+    """Whether a module is an instance of one of ``types`` (none: no module is)."""
+    return lambda module: bool(types) and isinstance(module, types)
+
+
 # Lightning's FSDPPrecision types ``scaler`` as torch's ShardedGradScaler and ``optimizer_step`` with a required model;
 # MixedPrecision's (a read-only LossScaler view, the model optional) come first and serve both.
 class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  # type: ignore[misc]
@@ -69,9 +80,8 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
     Takes exactly the arguments of :class:`~lightning_mp.MixedPrecision`, with the same meaning and checks.
 
     Raises:
-        ValueError: for an opt level FSDP cannot run (``O3``, ``lean``, ``lean-kahan``), or ``keep_fp32`` with
-            ``O2``; the message names the combination and the alternative. Otherwise as
-            :class:`~lightning_mp.MixedPrecision`.
+        ValueError: for an opt level FSDP cannot run (``O3``, ``lean``, ``lean-kahan``), naming the alternative.
+            Otherwise as :class:`~lightning_mp.MixedPrecision`.
 
     Example::
 
@@ -88,15 +98,10 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
                 " them. Use opt_level='O2', where FSDP gathers half copies of its fp32 shards (the same half compute),"
                 f" or 'O1'. Allowed: {list(FSDP_OPT_LEVELS)}."
             )
-        if self.opt_level == "O2" and self.keep_fp32:
-            raise ValueError(
-                f"FSDPMixedPrecision(opt_level='O2', keep_fp32={self.keep_fp32!r}) is not allowed: under O2 FSDP"
-                " gathers every weight of a unit in the half dtype, so those modules would compute on half-rounded"
-                " weights. Use opt_level='O1' (fp32 weights, autocast; keep_fp32 modules run in fp32), or O2 without"
-                " keep_fp32."
-            )
-        self._root_module: nn.Module | None = None
-        """Under the Trainer, the LightningModule, whose Trainer's strategy holds the root FSDP module."""
+        self._model: nn.Module | None = None
+        """The module the strategy wraps (under the Trainer, the LightningModule, whose Trainer holds the root)."""
+        self._units_checked = False
+        """Whether the ``keep_fp32`` modules were checked to be fp32 FSDP units (O2), once per run."""
 
     @property
     @override
@@ -123,6 +128,82 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
             )
         return TorchMixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
 
+    def auto_wrap_policy(self, wrap: Iterable[type[nn.Module]] | Callable[[nn.Module], bool] = ()) -> CustomPolicy:
+        """The ``auto_wrap_policy`` for ``FSDPStrategy`` that makes each ``keep_fp32`` module an fp32 FSDP unit (O2).
+
+        Under O2 each outermost ``keep_fp32`` module becomes an FSDP unit of its own whose weights are gathered,
+        reduced and stored in fp32 (its inputs cast to fp32); under O1 every unit is fp32 already. The other units
+        are the modules ``wrap`` names: module types, or a function of the module. The modules are those the plugin
+        matched when the strategy set the model up, so pass the policy to the strategy of this plugin's run::
+
+            plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=[nn.LayerNorm])
+            strategy = FSDPStrategy(auto_wrap_policy=plugin.auto_wrap_policy({TransformerBlock}))
+
+        Args:
+            wrap: the module types that become FSDP units, or a function that says which modules do.
+
+        Returns:
+            torch's ``CustomPolicy``: per module, False, True, or the keyword arguments of an fp32 unit.
+
+        """
+        is_unit = wrap if callable(wrap) else _instance_of(tuple(wrap))
+        fp32_unit = {
+            "mixed_precision": TorchMixedPrecision(
+                param_dtype=torch.float32,
+                reduce_dtype=torch.float32,
+                buffer_dtype=torch.float32,
+                cast_forward_inputs=True,
+            )
+        }
+
+        def unit_of(module: nn.Module) -> bool | dict[str, Any]:
+            policy = self._policy
+            if isinstance(policy, FSDPO2Policy) and any(module is root for root in policy.fp32_roots):
+                return fp32_unit
+            return is_unit(module)
+
+        return CustomPolicy(unit_of)
+
+    def _check_fp32_units(self) -> None:
+        """Under O2, refuse a ``keep_fp32`` module that FSDP did not make a unit of its own (:meth:`auto_wrap_policy`).
+
+        Raises:
+            ValueError: naming the module and the ``auto_wrap_policy`` to pass.
+
+        """
+        self._units_checked = True
+        policy = self._policy
+        if not isinstance(policy, FSDPO2Policy) or not policy.fp32_roots or self._model is None:
+            return
+        units = {id(unit.module) for unit in FullyShardedDataParallel.fsdp_modules(self._model)}
+        unwrapped = [root for root in policy.fp32_roots if id(root) not in units]
+        if unwrapped:
+            names = {id(module): name for name, module in self._model.named_modules()}
+            listed = [names.get(id(module), type(module).__name__) for module in unwrapped]
+            raise ValueError(
+                f"FSDPMixedPrecision(opt_level='O2', keep_fp32={self.keep_fp32!r}): the modules {listed} are not FSDP"
+                " units of their own, so FSDP gathers their weights in the half dtype with the rest of their unit."
+                " Pass FSDPStrategy(auto_wrap_policy=plugin.auto_wrap_policy(...)), which makes each keep_fp32"
+                " module an fp32 unit, or use opt_level='O1'."
+            )
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        """As :meth:`MixedPrecision.connect`, once the Trainer's strategy has wrapped the model: check the units."""
+        self._check_fp32_units()
+        return super().connect(model, optimizers, lr_schedulers)
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """As :meth:`MixedPrecision.forward_context`; Fabric's first forward checks the ``keep_fp32`` units."""
+        if not self._units_checked and not torch.compiler.is_compiling():
+            self._check_fp32_units()
+        with super().forward_context():
+            yield
+
     @override
     def _build_policy(self, opt_level: str) -> PrecisionPolicy:
         if opt_level == "O2":
@@ -131,8 +212,21 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """As :meth:`MixedPrecision.convert_module`; under the Trainer, remember the module to find FSDP's root."""
-        self._root_module = module if attached_trainer(module) is not None else None
+        """As :meth:`MixedPrecision.convert_module`; remember the module the strategy is about to wrap.
+
+        Raises:
+            ValueError: under a Trainer whose strategy is not an ``FSDPStrategy`` (:class:`MixedPrecision` fits there).
+
+        """
+        trainer = attached_trainer(module)
+        if trainer is not None and not isinstance(trainer.strategy, FSDPStrategy):
+            raise ValueError(
+                f"FSDPMixedPrecision is the plugin's form for FSDPStrategy, but the Trainer's strategy is"
+                f" {type(trainer.strategy).__name__}: there O2 would make no half weights. Pass MixedPrecision with"
+                " the same arguments instead."
+            )
+        self._model = module
+        self._units_checked = False
         return super().convert_module(module)
 
     @override
@@ -153,7 +247,7 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
             RuntimeError: when the Trainer's model is not wrapped in ``FullyShardedDataParallel`` at its root.
 
         """
-        trainer = attached_trainer(self._root_module)
+        trainer = attached_trainer(self._model)
         root = trainer.strategy.model if trainer is not None else None
         if not isinstance(root, FullyShardedDataParallel):
             raise RuntimeError(
@@ -166,7 +260,7 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
     @override
     def teardown(self) -> None:
         """As :meth:`MixedPrecision.teardown`, and forget the module."""
-        self._root_module = None
+        self._model = None
         super().teardown()
 
 

@@ -189,7 +189,7 @@ class CPUFabricFSDPStrategy(FabricFSDPStrategy):
     """Fabric's FSDPStrategy on the CPU (gloo), for the reasons given in :class:`CPUFSDPStrategy`."""
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return super().setup_module(wrap_on_cpu(module, self, use_orig_params=True))
+        return super().setup_module(wrap_on_cpu(module, self, **self._fsdp_kwargs))
 
 
 class BatchCostRecorder(L.Callback):

@@ -8,6 +8,7 @@ under DDP. The same scenarios on a GPU, with full checkpoints too, are in ``test
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:FSDP is switching to use `NO_SHARD`",
     "ignore:Please use DTensor instead:FutureWarning",
     "ignore:You're resuming from a checkpoint that ended before the epoch ended",
+    "ignore:A FSDP `auto_wrap_policy` is set, but the model is already wrapped",
 )
 
 FP32 = torch.float32
@@ -101,13 +103,6 @@ def test_opt_levels_without_fp32_masters_are_refused_with_the_alternative(opt_le
         FSDPMixedPrecision("bf16-mixed", opt_level=opt_level)
 
 
-def test_keep_fp32_with_o2_is_refused_with_the_alternative() -> None:
-    """Under O2 FSDP gathers a whole unit in half, so keep_fp32 is refused, naming O1 as the alternative."""
-    with pytest.raises(ValueError, match=r"opt_level='O2', keep_fp32=.*opt_level='O1'"):
-        FSDPMixedPrecision("16-mixed", opt_level="O2", keep_fp32=[nn.LayerNorm])
-    assert FSDPMixedPrecision("16-mixed", opt_level="O1", keep_fp32=[nn.LayerNorm]).keep_fp32 == [nn.LayerNorm]
-
-
 def test_modules_are_created_in_fp32_for_fsdp_to_shard() -> None:
     """The strategy's init contexts create fp32 weights: FSDP's shards of them are the master weights."""
     plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2")
@@ -115,16 +110,18 @@ def test_modules_are_created_in_fp32_for_fsdp_to_shard() -> None:
         assert nn.Linear(2, 2).weight.dtype == FP32
 
 
+def _record_weight_dtype(seen: set[torch.dtype], module: nn.Module, args: Any) -> None:
+    seen.add(module.weight.dtype)
+
+
 class DtypeRecordingRegressor(TinyRegressor):
-    """The tiny regressor, recording the dtype of the weight its forward computes with."""
+    """The tiny regressor, recording the dtype of the weight each layer computes with (inside FSDP's gather)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.forward_weight_dtypes: set[torch.dtype] = set()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.forward_weight_dtypes.add(self.first.weight.dtype)
-        return super().forward(x)
+        self.weight_dtypes: dict[str, set[torch.dtype]] = {"first": set(), "second": set()}
+        for name, seen in self.weight_dtypes.items():
+            self.get_submodule(name).register_forward_pre_hook(functools.partial(_record_weight_dtype, seen))
 
 
 @pytest.mark.parametrize(("precision", "opt_level"), [("16-mixed", "O1"), ("bf16-mixed", "O2")])
@@ -137,8 +134,51 @@ def test_trainer_fsdp_trains_skips_and_computes_in_the_mapped_dtype(
     make_trainer(plugin, strategy=CPUFSDPStrategy(), gradient_clip_val=1.0).fit(model, loader())
     stats = plugin.stats
     assert (stats.optimizer_steps, stats.skipped_steps) == (8, 1)
-    assert model.forward_weight_dtypes == {plugin.mixed_precision_config.param_dtype}
+    param_dtype = plugin.mixed_precision_config.param_dtype
+    assert model.weight_dtypes == {"first": {param_dtype}, "second": {param_dtype}}
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+def test_keep_fp32_under_o2_computes_on_fp32_weights_in_their_own_unit(single_process_group: None) -> None:
+    """Under O2 a keep_fp32 module becomes an fp32 FSDP unit (plugin.auto_wrap_policy); the rest gathers in half."""
+    plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["second"])
+    model = DtypeRecordingRegressor(inject_at=(2,))
+    strategy = CPUFSDPStrategy(auto_wrap_policy=plugin.auto_wrap_policy({nn.Linear}))
+    make_trainer(plugin, strategy=strategy).fit(model, loader())
+    assert model.weight_dtypes == {"first": {torch.bfloat16}, "second": {FP32}}
+    assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps) == (8, 1)
+
+
+def test_fabric_keep_fp32_under_o2_computes_on_fp32_weights_in_their_own_unit(single_process_group: None) -> None:
+    """Under Fabric too, plugin.auto_wrap_policy makes a keep_fp32 module an fp32 unit; without it, it is refused."""
+    for policy, refused in ((True, False), (False, True)):
+        plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["second"])
+        strategy = CPUFabricFSDPStrategy(auto_wrap_policy=plugin.auto_wrap_policy({nn.Linear}) if policy else None)
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin])
+        fabric.launch()
+        network = DtypeRecordingRegressor()
+        model = fabric.setup_module(network)
+        x, _ = next(iter(loader()))
+        if refused:
+            with pytest.raises(ValueError, match=r"\['second'\] are not FSDP units"):
+                model(x)
+        else:
+            model(x)
+            assert network.weight_dtypes == {"first": {torch.bfloat16}, "second": {FP32}}
+        plugin.teardown()
+
+
+def test_keep_fp32_under_o2_without_its_own_unit_is_refused(single_process_group: None) -> None:
+    """Under O2 a keep_fp32 module that FSDP would gather in half is refused, naming it and the policy to pass."""
+    plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["second"])
+    with pytest.raises(ValueError, match=r"\['second'\] are not FSDP units.*plugin.auto_wrap_policy"):
+        make_trainer(plugin, strategy=CPUFSDPStrategy()).fit(TinyRegressor(), loader())
+
+
+def test_the_fsdp_plugin_under_another_strategy_is_refused() -> None:
+    """FSDPMixedPrecision under DDP or one device is refused at setup, pointing to MixedPrecision (O2 needs FSDP)."""
+    with pytest.raises(ValueError, match=r"strategy is SingleDeviceStrategy.*Pass MixedPrecision"):
+        make_trainer(FSDPMixedPrecision("bf16-mixed", opt_level="O2")).fit(TinyRegressor(), loader())
 
 
 class StateAtStart(L.Callback):
