@@ -52,6 +52,7 @@ import torch
 from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDPPrecision
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
@@ -224,6 +225,12 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
                 f"FSDPMixedPrecision is the plugin's form for FSDPStrategy, but the Trainer's strategy is"
                 f" {type(trainer.strategy).__name__}: there O2 would make no half weights. Pass MixedPrecision with"
                 " the same arguments instead."
+            )
+        if trainer is not None and trainer.strategy.mixed_precision is not None:
+            rank_zero_warn(
+                f"lightning_mp: FSDPStrategy(mixed_precision={trainer.strategy.mixed_precision}) replaces the policy"
+                f" that {self!r} maps its opt level onto (plugin.mixed_precision_config). Leave the strategy's"
+                " mixed_precision None to run the opt level as documented."
             )
         self._model = module
         self._units_checked = False

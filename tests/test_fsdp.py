@@ -23,6 +23,7 @@ from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
 from lightning_mp import FSDPMixedPrecision, MixedPrecision
 from tests.ddp_scripts.launch import reports, run
@@ -139,6 +140,17 @@ def test_trainer_fsdp_trains_skips_and_computes_in_the_mapped_dtype(
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
 
 
+def test_keep_fp32_under_o1_runs_the_module_in_fp32(single_process_group: None) -> None:
+    """Under O1 FSDP gathers fp32 weights, and a keep_fp32 module computes in fp32 while the others autocast."""
+    plugin = FSDPMixedPrecision("bf16-mixed", keep_fp32=["second"])
+    model = TinyRegressor()
+    outputs: dict[str, set[torch.dtype]] = {"first": set(), "second": set()}
+    for name, seen in outputs.items():
+        model.get_submodule(name).register_forward_hook(lambda _m, _a, output, seen=seen: seen.add(output.dtype))
+    make_trainer(plugin, strategy=CPUFSDPStrategy(), max_steps=2).fit(model, loader())
+    assert outputs == {"first": {torch.bfloat16}, "second": {FP32}}
+
+
 def test_keep_fp32_under_o2_computes_on_fp32_weights_in_their_own_unit(single_process_group: None) -> None:
     """Under O2 a keep_fp32 module becomes an fp32 FSDP unit (plugin.auto_wrap_policy); the rest gathers in half."""
     plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["second"])
@@ -173,6 +185,13 @@ def test_keep_fp32_under_o2_without_its_own_unit_is_refused(single_process_group
     plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["second"])
     with pytest.raises(ValueError, match=r"\['second'\] are not FSDP units.*plugin.auto_wrap_policy"):
         make_trainer(plugin, strategy=CPUFSDPStrategy()).fit(TinyRegressor(), loader())
+
+
+def test_a_mixed_precision_given_to_the_strategy_is_flagged(single_process_group: None) -> None:
+    """FSDPStrategy(mixed_precision=...) replaces the plugin's policy: the user is warned that it does."""
+    strategy = CPUFSDPStrategy(mixed_precision=TorchMixedPrecision(param_dtype=torch.bfloat16))
+    with pytest.warns(UserWarning, match=r"FSDPStrategy\(mixed_precision=.*replaces the policy"):
+        make_trainer(FSDPMixedPrecision("bf16-mixed"), strategy=strategy, max_steps=1).fit(TinyRegressor(), loader())
 
 
 def test_the_fsdp_plugin_under_another_strategy_is_refused() -> None:

@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
 from lightning_mp import FSDPMixedPrecision
 from tests.cuda.matrix import CUDA
-from tests.helpers import FEATURES, TinyRegressor, loader, make_trainer
+from tests.helpers import FEATURES, BatchCostRecorder, TinyRegressor, loader, make_trainer
 
 pytestmark = [
     pytest.mark.cuda,
@@ -135,3 +136,18 @@ def test_cpu_offload_trains_and_skips() -> None:
     make_trainer(plugin, accelerator="gpu", devices=1, strategy="fsdp_cpu_offload").fit(model, loader())
     assert counters(plugin) == (8, 1)
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "fused-adam"])
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_host_syncs_per_step_are_no_more_than_lightnings_fsdp_precision(precision: str, optimizer: str) -> None:
+    """A steady-state FSDP step syncs the host no more often than under Lightning's own FSDPPrecision."""
+    syncs: dict[str, list[int]] = {}
+    for name, plugin in (("ours", FSDPMixedPrecision(precision)), ("lightning", FSDPPrecision(precision))):
+        recorder = BatchCostRecorder()
+        callbacks = [recorder.opener(), recorder.closer()]
+        trainer = make_trainer(plugin, accelerator="gpu", devices=1, strategy="fsdp", callbacks=callbacks)
+        trainer.fit(TinyRegressor(optimizer=optimizer), loader())
+        # The first steps create the optimizer states (fused SGD's momentum decides its first step on the host).
+        syncs[name] = [counts.syncs for counts in recorder.per_batch[3:]]
+    assert max(syncs["ours"]) <= min(syncs["lightning"]), syncs
