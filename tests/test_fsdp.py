@@ -27,7 +27,16 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
 from lightning_mp import FSDPMixedPrecision, MixedPrecision
 from tests.ddp_scripts.launch import reports, run
-from tests.helpers import CPUFabricFSDPStrategy, CPUFSDPStrategy, TinyRegressor, loader, make_trainer
+from tests.helpers import (
+    CPUFabricFSDPStrategy,
+    CPUFSDPStrategy,
+    TinyRegressor,
+    loader,
+    make_trainer,
+    read_events,
+    scalars,
+    texts,
+)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:lightning_mp:UserWarning",
@@ -240,7 +249,8 @@ def _fsdp_and_ddp(tmp_path: Path, front: str, precision: str, opt_level: str) ->
         out.mkdir()
         arguments = ["--front", front, "--strategy", strategy, "--out", str(out), "--precision", precision]
         arguments += ["--opt-level", opt_level, "--inject-rank", "1", "--inject-at", "2,5", "--clip", "norm"]
-        run([*arguments, "--state-dict-type", "sharded"], timeout=60, script=FSDP_TRAIN_SCRIPT)
+        arguments += ["--state-dict-type", "sharded", *(["--telemetry"] if front == "trainer" else [])]
+        run(arguments, timeout=60, script=FSDP_TRAIN_SCRIPT)
         runs.append(reports(out))
     return runs[0], runs[1]
 
@@ -265,3 +275,23 @@ def test_fsdp_on_two_processes_matches_ddp(tmp_path: Path, front: str, precision
         torch.testing.assert_close(fsdp_rank["losses"], ddp_rank["losses"], rtol=0.0, atol=1e-3)
     # The plugin's state went through FSDPStrategy's sharded checkpoint and came back whole on every rank.
     assert fsdp[0]["resumed_stats"] == fsdp[1]["resumed_stats"] == fsdp[0]["stats"]
+    if front == "trainer":
+        _assert_same_gradient_health(tmp_path / "fsdp", tmp_path / "ddp", skipped=(2, 5))
+
+
+def _assert_same_gradient_health(fsdp_out: Path, ddp_out: Path, skipped: tuple[int, ...]) -> None:
+    """GradientHealthMonitor reports the whole gradients under FSDP, as under DDP: scalars, histogram, culprits."""
+    fsdp, ddp = read_events(fsdp_out / "tb" / "version_0"), read_events(ddp_out / "tb" / "version_0")
+    for tag in ("precision/grad_norm", "precision/grad_zero_fraction", "precision/grad_headroom_log2"):
+        # Under DDP rank 1's planted inf never reaches rank 0, which logs its own finite gradients on those steps.
+        expected = {step: value for step, value in scalars(ddp, tag).items() if step not in skipped}
+        assert scalars(fsdp, tag).keys() == expected.keys(), tag
+        torch.testing.assert_close(scalars(fsdp, tag), expected, rtol=1e-5, atol=0.0)
+    histograms = [
+        {event.step: list(event.histogram_value.bucket) for event in events.Histograms("precision/grad_log2_magnitude")}
+        for events in (fsdp, ddp)
+    ]
+    assert histograms[0] == {step: buckets for step, buckets in histograms[1].items() if step not in skipped}
+    # The culprit is named as the model declares it, with its full shape, not its shard's.
+    for step in skipped:
+        assert "| `first.weight` | [16, 8] |" in texts(fsdp, "precision/overflow")[step]

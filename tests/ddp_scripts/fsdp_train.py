@@ -26,10 +26,11 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from typing_extensions import override
 
-from lightning_mp import FSDPMixedPrecision, MixedPrecision
+from lightning_mp import FSDPMixedPrecision, GradientHealthMonitor, MixedPrecision
 from tests.helpers import FEATURES, CPUFabricFSDPStrategy, CPUFSDPStrategy, TinyRegressor, loader, make_trainer
 
 
@@ -89,14 +90,20 @@ def run_trainer(args: argparse.Namespace, inject_at: tuple[int, ...]) -> dict[st
     def trainer(plugin: MixedPrecision, recorder: StepRecorder, max_steps: int) -> L.Trainer:
         strategy: Any = CPUFSDPStrategy(state_dict_type=args.state_dict_type) if args.strategy == "fsdp" else "ddp"
         clip = {"gradient_clip_val": 1.0, "gradient_clip_algorithm": args.clip} if args.clip != "none" else {}
+        if args.telemetry and max_steps == args.steps:
+            telemetry = {"logger": TensorBoardLogger(args.out / "tb", name=""), "log_every_n_steps": 1}
+            recorder_and_monitors: list[L.Callback] = [recorder, GradientHealthMonitor()]
+        else:
+            telemetry, recorder_and_monitors = {}, [recorder]
         return make_trainer(
             plugin,
             devices=2,
             strategy=strategy,
             max_steps=max_steps,
-            callbacks=[recorder],
+            callbacks=recorder_and_monitors,
             use_distributed_sampler=False,
             **clip,
+            **telemetry,
         )
 
     plugin, recorder = build_plugin(args), StepRecorder()
@@ -175,6 +182,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--clip", choices=["norm", "value", "none"], default="none")
     parser.add_argument("--state-dict-type", choices=["full", "sharded"], default="full")
+    parser.add_argument("--telemetry", action="store_true", help="Trainer: TensorBoard and GradientHealthMonitor")
     args = parser.parse_args(argv)
     inject_at = tuple(int(step) for step in args.inject_at.split(",") if step)
     report = run_trainer(args, inject_at) if args.front == "trainer" else run_fabric(args, inject_at)
