@@ -60,7 +60,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp.plugin import MixedPrecision, attached_trainer
+from lightning_mp.plugin import TORCH_SCALER_KEYS, MixedPrecision, attached_trainer
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.policies.fsdp_o2 import FSDPO2Policy
 
@@ -263,6 +263,17 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
                 " the FSDPStrategy wrap the model."
             )
         root.clip_grad_norm_(clip_val)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Also put torch's five GradScaler keys under ``FSDPPrecision``, the entry Lightning's own FSDP plugin reads.
+
+        Lightning's ``FSDPPrecision("16-mixed")`` then resumes from this checkpoint at the scale it reached, as
+        Lightning's ``MixedPrecision`` does from the plain plugin's (:meth:`MixedPrecision.state_dict`).
+        """
+        state = checkpoint.get(type(self).__qualname__)
+        if state:
+            checkpoint["FSDPPrecision"] = {key: state[key] for key in TORCH_SCALER_KEYS if key in state}
 
     @override
     def teardown(self) -> None:

@@ -86,6 +86,8 @@ PLUGIN_DEFAULTS = PluginSettings()
 """The defaults of the plugin's own arguments; the scaler's are :data:`~lightning_mp._scale_rules.SCALER_DEFAULTS`."""
 TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 """The keys of ``torch.amp.GradScaler.state_dict()``: Lightning's own plugin loads exactly these."""
+PLUGIN_ENTRY_KEYS = ("MixedPrecision", "FSDPMixedPrecision", "FSDPPrecision")
+"""The checkpoint entries that hold a loss scaler's state: this plugin's two forms', and Lightning's FSDPPrecision's."""
 _RUN_CLAIMS = threading.Lock()
 """Serialises the claims of runs on plugins (:meth:`MixedPrecision._claim_run`)."""
 
@@ -679,12 +681,20 @@ class MixedPrecision(LightningMixedPrecision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Warn when the checkpoint holds no scaler state.
+        """Restore from another form's entry where this form's is missing; warn when there is no scaler state at all.
 
-        Lightning itself then loads this plugin's entry, or the legacy ``native_amp_scaling_state`` key.
+        Lightning itself then loads this plugin's entry, or the legacy ``native_amp_scaling_state`` key. A checkpoint
+        of the other form (``MixedPrecision`` under DDP, ``FSDPMixedPrecision`` under FSDP) or of Lightning's
+        ``FSDPPrecision`` holds its entry under that class's name (:data:`PLUGIN_ENTRY_KEYS`): it is loaded here, so a
+        run moved between DDP and FSDP resumes at the scale it had.
         """
-        if type(self).__qualname__ not in checkpoint and "native_amp_scaling_state" not in checkpoint:
+        if type(self).__qualname__ in checkpoint or "native_amp_scaling_state" in checkpoint:
+            return
+        entry = next((key for key in PLUGIN_ENTRY_KEYS if key in checkpoint), None)
+        if entry is None:
             self._warn_missing_scaler_state()
+        else:
+            self.load_state_dict(checkpoint[entry])
 
     # ------------------------------------------------------------------------------------------------ runs
 

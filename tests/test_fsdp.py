@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
 from lightning_mp import FSDPMixedPrecision, MixedPrecision
+from lightning_mp.plugin import TORCH_SCALER_KEYS
 from tests.ddp_scripts.launch import reports, run
 from tests.helpers import (
     CPUFabricFSDPStrategy,
@@ -236,6 +237,30 @@ def test_trainer_resumes_the_plugin_state_from_a_sharded_fsdp_checkpoint(
     )
     assert recorder.state["scaler"] == plugin.state_dict()["scaler"]
     assert recorder.state["scaler"]["counters"]["skipped_steps"] == 2
+
+
+def test_a_run_moved_between_one_device_and_fsdp_resumes_its_scaler_state(
+    tmp_path: Path, single_process_group: None
+) -> None:
+    """MixedPrecision's checkpoint resumes under FSDPMixedPrecision and back, at the scale and counts it reached."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2)
+    first = make_trainer(plugin, max_steps=5)
+    first.fit(TinyRegressor(inject_at=(1,)), loader())
+    first.save_checkpoint(tmp_path / "single.ckpt")
+    recorder = StateAtStart()
+    fsdp_plugin = FSDPMixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2)
+    fsdp = make_trainer(fsdp_plugin, strategy=CPUFSDPStrategy(), max_steps=6, callbacks=[recorder])
+    fsdp.fit(TinyRegressor(), loader(), ckpt_path=tmp_path / "single.ckpt")
+    assert recorder.state["scaler"] == plugin.state_dict()["scaler"]
+    fsdp.save_checkpoint(tmp_path / "fsdp.ckpt")
+    checkpoint = torch.load(tmp_path / "fsdp.ckpt", weights_only=False)
+    # Lightning's own FSDPPrecision reads torch's five GradScaler keys under its own name.
+    assert checkpoint["FSDPPrecision"] == {key: checkpoint["FSDPMixedPrecision"][key] for key in TORCH_SCALER_KEYS}
+    back = StateAtStart()
+    make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2), max_steps=7, callbacks=[back]).fit(
+        TinyRegressor(), loader(), ckpt_path=tmp_path / "fsdp.ckpt"
+    )
+    assert back.state["scaler"] == fsdp_plugin.state_dict()["scaler"]
 
 
 # ------------------------------------------------------------------------------------------------ 2 processes
