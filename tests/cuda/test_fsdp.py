@@ -151,3 +151,17 @@ def test_host_syncs_per_step_are_no_more_than_lightnings_fsdp_precision(precisio
         # The first steps create the optimizer states (fused SGD's momentum decides its first step on the host).
         syncs[name] = [counts.syncs for counts in recorder.per_batch[3:]]
     assert max(syncs["ours"]) <= min(syncs["lightning"]), syncs
+
+
+def test_lightnings_own_fsdp_precision_resumes_from_the_plugins_checkpoint(tmp_path: Path) -> None:
+    """Lightning's FSDPPrecision('16-mixed') resumes an FSDPMixedPrecision checkpoint at the scale it reached."""
+    plugin = FSDPMixedPrecision("16-mixed", init_scale=2.0**8)
+    trainer = make_trainer(plugin, accelerator="gpu", devices=1, strategy="fsdp", max_steps=4)
+    trainer.fit(TinyRegressor(inject_at=(1,)), loader())
+    trainer.save_checkpoint(tmp_path / "fsdp.ckpt")
+    lightning = FSDPPrecision("16-mixed")
+    make_trainer(lightning, accelerator="gpu", devices=1, strategy="fsdp", max_steps=4).fit(
+        TinyRegressor(), loader(), ckpt_path=tmp_path / "fsdp.ckpt"
+    )
+    assert lightning.scaler is not None
+    assert lightning.scaler.get_scale() == 2.0**7
