@@ -301,12 +301,20 @@ def test_fsdp_on_two_processes_matches_ddp(tmp_path: Path, front: str, precision
     # The plugin's state went through FSDPStrategy's sharded checkpoint and came back whole on every rank.
     assert fsdp[0]["resumed_stats"] == fsdp[1]["resumed_stats"] == fsdp[0]["stats"]
     if front == "trainer":
-        _assert_same_gradient_health(tmp_path / "fsdp", tmp_path / "ddp", skipped=(2, 5))
+        _assert_same_telemetry(tmp_path / "fsdp", tmp_path / "ddp", skipped=(2, 5))
 
 
-def _assert_same_gradient_health(fsdp_out: Path, ddp_out: Path, skipped: tuple[int, ...]) -> None:
-    """GradientHealthMonitor reports the whole gradients under FSDP, as under DDP: scalars, histogram, culprits."""
+def _assert_same_telemetry(fsdp_out: Path, ddp_out: Path, skipped: tuple[int, ...]) -> None:
+    """The monitors report the whole gradients under FSDP, as under DDP: scalars, histogram, culprits, layer dtypes."""
     fsdp, ddp = read_events(fsdp_out / "tb" / "version_0"), read_events(ddp_out / "tb" / "version_0")
+    for tag in (
+        "precision/loss_scale",
+        "precision/skipped_steps_total",
+        "precision_sentinel/total_grad_underflow_share",
+    ):
+        assert scalars(fsdp, tag) == scalars(ddp, tag), tag
+    assert max(scalars(fsdp, "precision_sentinel/total_grad_underflow_share").values()) > 0
+    assert texts(fsdp, "precision/layer_dtypes") == texts(ddp, "precision/layer_dtypes")
     for tag in ("precision/grad_norm", "precision/grad_zero_fraction", "precision/grad_headroom_log2"):
         # Under DDP rank 1's planted inf never reaches rank 0, which logs its own finite gradients on those steps.
         expected = {step: value for step, value in scalars(ddp, tag).items() if step not in skipped}

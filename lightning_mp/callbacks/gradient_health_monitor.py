@@ -58,10 +58,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch.distributed.fsdp import ShardingStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -85,6 +83,7 @@ from lightning_mp.callbacks._logging import (
     validate_bool,
     validate_positive_int,
 )
+from lightning_mp.callbacks._sharding import gradient_copies
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -179,7 +178,7 @@ class GradientHealthMonitor(Callback):
             p for group in optimizer.param_groups for p in group["params"] if p.grad is not None and p.grad.numel() > 0
         ]
         dense = [p for p in parameters if not p.grad.is_sparse]
-        copies = _shard_copies(trainer)
+        copies = gradient_copies(trainer)
         if parameters:
             self._capture = _Capture(dense, largest_magnitudes([p.grad for p in dense]), plugin.stats.optimizer_steps)
         # Under FSDP every rank summarises its shards, those without any too: the ranks combine their summaries.
@@ -346,17 +345,6 @@ def _parameter_names(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict
     if policy is not None:
         return policy.parameter_names(pl_module)
     return {id(parameter): name for name, parameter in pl_module.named_parameters()}
-
-
-def _shard_copies(trainer: pl.Trainer) -> int | None:
-    """How many ranks hold each gradient element where the strategy shards them (FSDP); None where each holds all."""
-    strategy = trainer.strategy
-    if trainer.world_size <= 1 or not isinstance(strategy, FSDPStrategy):
-        return None
-    if strategy.sharding_strategy is ShardingStrategy.NO_SHARD:
-        return None
-    # Hybrid sharding shards within a node and replicates across the nodes.
-    return trainer.num_nodes if "HYBRID" in strategy.sharding_strategy.name else 1
 
 
 def _union_over_ranks(

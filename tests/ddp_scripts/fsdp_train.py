@@ -30,7 +30,14 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from typing_extensions import override
 
-from lightning_mp import FSDPMixedPrecision, GradientHealthMonitor, MixedPrecision
+from lightning_mp import (
+    FSDPMixedPrecision,
+    GradientHealthMonitor,
+    LayerDtypeMonitor,
+    LossScaleMonitor,
+    MixedPrecision,
+    PrecisionSentinel,
+)
 from tests.helpers import FEATURES, CPUFabricFSDPStrategy, CPUFSDPStrategy, TinyRegressor, loader, make_trainer
 
 
@@ -52,7 +59,9 @@ class RankInjectingRegressor(TinyRegressor):
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
+        x, y = batch
+        # A feature that is always 0 gives first.weight's gradient exact zeros, for the monitors to count.
+        loss = super().training_step((torch.cat([torch.zeros_like(x[:, :1]), x[:, 1:]], dim=1), y), batch_idx)
         self.losses.append(loss.item())
         return loss
 
@@ -92,7 +101,8 @@ def run_trainer(args: argparse.Namespace, inject_at: tuple[int, ...]) -> dict[st
         clip = {"gradient_clip_val": 1.0, "gradient_clip_algorithm": args.clip} if args.clip != "none" else {}
         if args.telemetry and max_steps == args.steps:
             telemetry = {"logger": TensorBoardLogger(args.out / "tb", name=""), "log_every_n_steps": 1}
-            recorder_and_monitors: list[L.Callback] = [recorder, GradientHealthMonitor()]
+            monitors = [GradientHealthMonitor(), LossScaleMonitor(), LayerDtypeMonitor(every_n_steps=1)]
+            recorder_and_monitors: list[L.Callback] = [recorder, *monitors, PrecisionSentinel(every_n_steps=1)]
         else:
             telemetry, recorder_and_monitors = {}, [recorder]
         return make_trainer(
@@ -182,7 +192,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--clip", choices=["norm", "value", "none"], default="none")
     parser.add_argument("--state-dict-type", choices=["full", "sharded"], default="full")
-    parser.add_argument("--telemetry", action="store_true", help="Trainer: TensorBoard and GradientHealthMonitor")
+    parser.add_argument("--telemetry", action="store_true", help="Trainer: TensorBoard and the four monitors")
     args = parser.parse_args(argv)
     inject_at = tuple(int(step) for step in args.inject_at.split(",") if step)
     report = run_trainer(args, inject_at) if args.front == "trainer" else run_fabric(args, inject_at)
