@@ -24,8 +24,9 @@ the strategy hands to ``FullyShardedDataParallel(mixed_precision=...)``):
   Normalisation layers stay fp32 where FSDP wraps them in units of their own (with an ``auto_wrap_policy``, FSDP's
   default). FSDP gathers every weight of a unit in one dtype, so each ``keep_fp32`` module must be a unit of its
   own with an fp32 policy: :meth:`FSDPMixedPrecision.auto_wrap_policy` builds the strategy's ``auto_wrap_policy``
-  that makes them (torch's public ``CustomPolicy``, whose per-module keyword arguments override the policy), and
-  the first forward refuses a ``keep_fp32`` module that is not such a unit.
+  that makes them (torch's public ``CustomPolicy``, whose per-module keyword arguments override the policy), and a
+  ``keep_fp32`` module that is not such a unit is refused by name (at the Trainer's setup, at Fabric's first
+  forward).
 * ``O3``, ``lean`` and ``lean-kahan`` keep half weights with no fp32 master. FSDP shards fp32 masters already (the
   memory those levels save is divided by the number of ranks), and ``O2`` gives the half compute: they are refused
   when the plugin is built, naming ``O2`` as the alternative.
@@ -38,7 +39,8 @@ goes through the root module's ``FullyShardedDataParallel.clip_grad_norm_``, whi
 
 A plain :class:`~lightning_mp.MixedPrecision` under ``strategy="fsdp"`` is refused by Lightning itself, before any
 hook of the plugin runs: ``TypeError: The FSDP strategy can only work with the FSDPPrecision plugin``. Pass
-``FSDPMixedPrecision`` with the same arguments instead.
+``FSDPMixedPrecision`` with the same arguments instead. The other way round, ``FSDPMixedPrecision`` under another
+strategy of the Trainer is refused at setup; Fabric does not tell a plugin its strategy, and there O2 would run as O1.
 """
 
 from __future__ import annotations

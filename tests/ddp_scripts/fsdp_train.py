@@ -4,10 +4,13 @@ Run as a user would run a script, so that the strategy can re-launch it::
 
     python fsdp_train.py --front trainer|fabric --strategy fsdp|ddp --out DIR [--precision 16-mixed] [--opt-level O1]
         [--inject-rank 1 --inject-at 2,5] [--steps 8] [--clip norm|value|none] [--state-dict-type full|sharded]
+        [--telemetry]
 
 Lightning runs its FSDPStrategy on GPUs only; ``--strategy fsdp`` runs it on the CPU through the tests'
 :class:`~tests.helpers.CPUFSDPStrategy` and :class:`~tests.helpers.CPUFabricFSDPStrategy`, which change only where
-FSDP wraps the model. Lightning's full state dict segfaults under FSDP1 on the CPU, so checkpoints there are sharded.
+FSDP wraps the model. torch FSDP1's full state dict crashes with 2 processes on the CPU, so checkpoints there are
+sharded. ``--telemetry`` adds a TensorBoard logger and the four monitors to the Trainer's first fit; the Trainer's
+model zeroes one input feature, so that the gradients hold exact zeros for the monitors to count.
 
 An inf is planted after backward on one rank, in the first gradient that rank holds (under FSDP its shard); every
 rank must skip that step. Every rank writes ``DIR/<tag>rank<rank>.json``: the per-step loss, scale and skip flag,
