@@ -236,15 +236,16 @@ class GradientHealthMonitor(Callback):
             summary = summary_over_shards(local, elements, copies)
 
         def log(values: list[float]) -> None:
-            nonlocal elements
+            total = elements
             if copies is not None:
-                values, elements = values[:-1], round(values[-1])
+                # The combined summary ends with the number of elements of the whole gradients.
+                values, total = values[:-1], round(values[-1])
             head = dict(zip(SUMMARY_FIELDS, values, strict=False))
             if not math.isfinite(head["norm"]):
                 return
             metrics = {
                 "precision/grad_norm": head["norm"] / scale_in_grads,
-                "precision/grad_zero_fraction": 1.0 - head["nonzero"] / elements,
+                "precision/grad_zero_fraction": 1.0 - head["nonzero"] / total,
             }
             if in_fp16 and head["largest"] > 0:
                 largest_scaled = head["largest"] * loss_scale / scale_in_grads
