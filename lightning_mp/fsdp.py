@@ -178,8 +178,10 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
         policy = self._policy
         if not isinstance(policy, FSDPO2Policy) or not policy.fp32_roots or self._model is None:
             return
-        units = {id(unit.module) for unit in FullyShardedDataParallel.fsdp_modules(self._model)}
-        unwrapped = [root for root in policy.fp32_roots if id(root) not in units]
+        # A later stage (validate after fit) matches the unit itself: the fit's wrapping put it in the module's place.
+        units = FullyShardedDataParallel.fsdp_modules(self._model)
+        wrapped = {id(unit) for unit in units} | {id(unit.module) for unit in units}
+        unwrapped = [root for root in policy.fp32_roots if id(root) not in wrapped]
         if unwrapped:
             names = {id(module): name for name, module in self._model.named_modules()}
             listed = [names.get(id(module), type(module).__name__) for module in unwrapped]

@@ -134,6 +134,9 @@ class DtypeRecordingRegressor(TinyRegressor):
         for name, seen in self.weight_dtypes.items():
             self.get_submodule(name).register_forward_pre_hook(functools.partial(_record_weight_dtype, seen))
 
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.training_step(batch, batch_idx)
+
 
 @pytest.mark.parametrize(("precision", "opt_level"), [("16-mixed", "O1"), ("bf16-mixed", "O2")])
 def test_trainer_fsdp_trains_skips_and_computes_in_the_mapped_dtype(
@@ -166,9 +169,12 @@ def test_keep_fp32_under_o2_computes_on_fp32_weights_in_their_own_unit(single_pr
     plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["second"])
     model = DtypeRecordingRegressor(inject_at=(2,))
     strategy = CPUFSDPStrategy(auto_wrap_policy=plugin.auto_wrap_policy({nn.Linear}))
-    make_trainer(plugin, strategy=strategy).fit(model, loader())
+    trainer = make_trainer(plugin, strategy=strategy)
+    trainer.fit(model, loader())
     assert model.weight_dtypes == {"first": {torch.bfloat16}, "second": {FP32}}
     assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps) == (8, 1)
+    # A later stage finds the fp32 unit the fit made in the module's place.
+    trainer.validate(model, loader(), verbose=False)
 
 
 def test_fabric_keep_fp32_under_o2_computes_on_fp32_weights_in_their_own_unit(single_process_group: None) -> None:
