@@ -2,7 +2,8 @@
 
 ``Trainer(plugins=[MixedPrecision(...)])`` runs the step under ``torch.autocast`` and a dynamic loss scaler with
 hysteresis, bounds and counters; the callbacks put the loss scale, skipped steps, gradient health and per-layer
-dtypes into TensorBoard, and the precision sentinel warns about silent precision failures.
+dtypes into TensorBoard, and the precision sentinel warns about silent precision failures. Under Lightning's
+``FSDPStrategy`` pass ``FSDPMixedPrecision``, built from the same arguments (:mod:`lightning_mp.fsdp`).
 """
 
 from lightning_mp.advisor import Advice, advise
