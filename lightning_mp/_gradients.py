@@ -2,7 +2,9 @@
 
 :func:`nonfinite_gradients` reads each gradient (one sync per tensor) and is meant for rare paths such as an error
 message. The telemetry uses the batched functions: :func:`gradient_summary` turns all gradients into one device vector
-with a fixed number of ops, and :func:`largest_magnitudes` takes ``max |g|`` of every gradient in one op.
+with a fixed number of ops, and :func:`largest_magnitudes` takes ``max |g|`` of every gradient in one op. Where each
+rank holds only shards of the gradients (FSDP), :func:`summary_over_shards` combines the ranks' summaries into the
+summary of the whole gradients, the one the same run under DDP gives.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 
 def nonfinite_gradients(
@@ -93,6 +96,38 @@ def gradient_summary(grads: list[torch.Tensor], log2_shift: float = 0.0) -> torc
         counts = torch.histc(torch.log2(flat), bins=high - low, min=low - log2_shift, max=high - log2_shift)
         head = torch.stack([torch.linalg.vector_norm(flat), torch.count_nonzero(flat).float(), flat.max()])
         return torch.cat([head, counts])
+
+
+def empty_gradient_summary(device: torch.device) -> torch.Tensor:
+    """The :func:`gradient_summary` of no gradient (all zeros): what a rank without gradient shards contributes."""
+    low, high = LOG2_HISTOGRAM_RANGE
+    return torch.zeros(len(SUMMARY_FIELDS) + high - low, device=device)
+
+
+def summary_over_shards(summary: torch.Tensor, elements: int, copies: int) -> torch.Tensor:
+    """The :func:`gradient_summary` of the whole gradients, from each rank's summary of the shards it holds.
+
+    Squared norms, non-zero counts, histogram counts and element counts add up over the ranks; each element is held
+    by ``copies`` ranks, so the sums are divided by it. The largest magnitude is the ranks' maximum. Two all-reduces
+    on the device, no host sync; every rank must call it in the same order, one without gradients with
+    :func:`empty_gradient_summary` and ``elements=0``.
+
+    Args:
+        summary: this rank's :func:`gradient_summary` of its gradient shards.
+        elements: the number of elements in those shards.
+        copies: how many ranks hold each element (1 under FSDP's full sharding).
+
+    Returns:
+        The summary of the whole gradients, with their number of elements appended as one more float.
+
+    """
+    head = len(SUMMARY_FIELDS)
+    summed = torch.cat([summary[:1].square(), summary[1:2], summary[head:], summary.new_tensor([elements])])
+    largest = summary[2:3].clone()
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    summed = summed / copies
+    return torch.cat([summed[:1].sqrt(), summed[1:2], largest, summed[2:]])
 
 
 def largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -86,6 +86,8 @@ PLUGIN_DEFAULTS = PluginSettings()
 """The defaults of the plugin's own arguments; the scaler's are :data:`~lightning_mp._scale_rules.SCALER_DEFAULTS`."""
 TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 """The keys of ``torch.amp.GradScaler.state_dict()``: Lightning's own plugin loads exactly these."""
+PLUGIN_ENTRY_KEYS = ("MixedPrecision", "FSDPMixedPrecision", "FSDPPrecision")
+"""The checkpoint entries that hold a loss scaler's state: this plugin's two forms', and Lightning's FSDPPrecision's."""
 _RUN_CLAIMS = threading.Lock()
 """Serialises the claims of runs on plugins (:meth:`MixedPrecision._claim_run`)."""
 
@@ -315,10 +317,8 @@ class MixedPrecision(LightningMixedPrecision):
             rank_zero_info(f"lightning_mp: precision='auto' chose {self.precision!r}: {self.precision_reason}.")
         self.settings.check_resolved("MixedPrecision", self.precision, self.precision_reason)
         self._warn_about_slow_half(device_type)
-        opt_level = "O0" if self.precision == "32-true" else self.opt_level
-        policy_class = POLICIES[opt_level]
-        options = {"recast_in_backward": self.recast_in_backward} if opt_level == "O2" else {}
-        self._policy = policy_class(self.half_dtype, keep_fp32=self.keep_fp32, **options)
+        self._policy = self._build_policy("O0" if self.precision == "32-true" else self.opt_level)
+        policy_class = type(self._policy)
         self._loss_scaler = self._build_loss_scaler(device_type, policy_class)
         if policy_class.half_weights:
             # Lightning reads ``precision`` for what the weights are (ModelSummary's model size, for one): O3 and
@@ -327,6 +327,12 @@ class MixedPrecision(LightningMixedPrecision):
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
             self.load_state_dict(pending)
+
+    def _build_policy(self, opt_level: str) -> PrecisionPolicy:
+        """The opt level's policy for this run (the FSDP form maps O2 onto FSDP's own half weights)."""
+        policy_class = POLICIES[opt_level]
+        options = {"recast_in_backward": self.recast_in_backward} if opt_level == "O2" else {}
+        return policy_class(self.half_dtype, keep_fp32=self.keep_fp32, **options)
 
     def _build_loss_scaler(self, device_type: str, policy_class: type[PrecisionPolicy]) -> LossScaler:
         if self._given_loss_scaler is not None:
@@ -681,12 +687,20 @@ class MixedPrecision(LightningMixedPrecision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Warn when the checkpoint holds no scaler state.
+        """Restore from another form's entry where this form's is missing; warn when there is no scaler state at all.
 
-        Lightning itself then loads this plugin's entry, or the legacy ``native_amp_scaling_state`` key.
+        Lightning itself then loads this plugin's entry, or the legacy ``native_amp_scaling_state`` key. A checkpoint
+        of the other form (``MixedPrecision`` under DDP, ``FSDPMixedPrecision`` under FSDP) or of Lightning's
+        ``FSDPPrecision`` holds its entry under that class's name (:data:`PLUGIN_ENTRY_KEYS`): it is loaded here, so a
+        run moved between DDP and FSDP resumes at the scale it had.
         """
-        if type(self).__qualname__ not in checkpoint and "native_amp_scaling_state" not in checkpoint:
+        if type(self).__qualname__ in checkpoint or "native_amp_scaling_state" in checkpoint:
+            return
+        entry = next((key for key in PLUGIN_ENTRY_KEYS if key in checkpoint), None)
+        if entry is None:
             self._warn_missing_scaler_state()
+        else:
+            self.load_state_dict(checkpoint[entry])
 
     # ------------------------------------------------------------------------------------------------ runs
 

@@ -85,7 +85,7 @@ from lightning_mp._scale_rules import (
 )
 from lightning_mp._validation import check_number
 from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
-from lightning_mp.scaling import hand_off, kernels
+from lightning_mp.scaling import hand_off, kernels, sharded
 from lightning_mp.scaling.checkpoint import validated_state
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.host_mirror import HostMirror
@@ -438,9 +438,11 @@ class LossScaler(torch.amp.GradScaler):
             return {}
         per_device = self._check_gradients(optimizer, index, device_scale, unscales)
         if _distributed():
+            # Under DDP and under sharding alike (FSDP2's gradients are checked by their local shards), every rank
+            # skips when any rank found an inf.
             for flag in per_device.values():
                 self._flag_pool.count_local_overflow(flag)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                sharded.agree_on_found_inf(flag)
         self._stages[id(optimizer)] = _OptimizerStage("unscaled", per_device)
         combined = kernels.combined_flag(per_device)
         if combined is not None:

@@ -182,7 +182,16 @@ def _tensor_dtypes(output: Any) -> list[torch.dtype]:
 
 
 def _gradient_dtypes(module: torch.nn.Module) -> list[torch.dtype]:
-    return [p.grad.dtype for p in module.parameters(recurse=False) if p.grad is not None]
+    """The dtypes of the module's own parameters' gradients.
+
+    Under FSDP a rank holds no elements of some parameters (an empty shard, whose gradient is None there); the ranks
+    that hold them get gradients in the parameter's dtype, which FSDP casts them back to after the reduction.
+    """
+    return [
+        p.grad.dtype if p.grad is not None else p.dtype
+        for p in module.parameters(recurse=False)
+        if p.grad is not None or (p.requires_grad and p.numel() == 0)
+    ]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

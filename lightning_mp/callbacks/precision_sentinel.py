@@ -93,6 +93,7 @@ from lightning_mp.callbacks._sentinel_rules import (
     stale_update_finding,
     underflow_finding,
 )
+from lightning_mp.callbacks._sharding import gradient_copies
 from lightning_mp.plugin import MixedPrecision
 
 _HALF_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -185,6 +186,10 @@ class PrecisionSentinel(Callback):
         self._activation_maxima: list[tuple[str, torch.Tensor]] = []
         self._snapshots: list[_Snapshot] = []
         self._skipped_before: int | None = None
+        self._copies: int | None = None
+        """Under FSDP, how many ranks hold each gradient element (:mod:`lightning_mp.callbacks._sharding`)."""
+        self._declared_sizes: dict[int, int] = {}
+        """``id(parameter) -> numel`` before the strategy set the model up: FSDP leaves each rank a shard."""
 
     # ------------------------------------------------------------------------------------------------ hooks
 
@@ -195,6 +200,7 @@ class PrecisionSentinel(Callback):
         if self.log_heatmaps and tensorboard_writers(trainer):
             require_matplotlib(type(self).__name__)
         host_reads(trainer).join(self)
+        self._declared_sizes = {id(parameter): parameter.numel() for parameter in pl_module.parameters()}
         self.samples, self.warned, self._samples_drawn = [], set(), 0
         self._lowest_zero_share = math.inf
         self._output_dtypes = set()
@@ -206,9 +212,12 @@ class PrecisionSentinel(Callback):
         if self._sampling:
             return  # still sampling the optimizer step that gradient accumulation delays
         step = logging_step(trainer)
-        # The first step, then the steps Lightning logs at with log_every_n_steps=every_n_steps.
-        self._sampling = trainer.is_global_zero and (step == 0 or (step + 1) % self.every_n_steps == 0)
-        if not self._sampling:
+        self._copies = gradient_copies(trainer)
+        # The first step, then the steps Lightning logs at with log_every_n_steps=every_n_steps. Under FSDP every rank
+        # samples its gradient shards, for rank zero to combine them.
+        sampling_rank = trainer.is_global_zero or self._copies is not None
+        self._sampling = sampling_rank and (step == 0 or (step + 1) % self.every_n_steps == 0)
+        if not self._sampling or not trainer.is_global_zero:
             return
         plugin = trainer.precision_plugin
         self._skipped_before = plugin.stats.skipped_steps if isinstance(plugin, MixedPrecision) else None
@@ -224,17 +233,21 @@ class PrecisionSentinel(Callback):
         if not self._sampling:
             return
         seen = {id(p) for snapshot in self._snapshots for p in snapshot.parameters}
-        parameters = [
-            p
-            for group in optimizer.param_groups
-            if not _is_zero(group.get("lr", 1.0))
-            for p in group["params"]
-            if p.grad is not None and not p.grad.is_sparse and p.grad.numel() > 0 and id(p) not in seen
-        ]
+        stepped = [p for group in optimizer.param_groups if not _is_zero(group.get("lr", 1.0)) for p in group["params"]]
+        if self._copies is None:
+            parameters = [
+                p
+                for p in stepped
+                if p.grad is not None and not p.grad.is_sparse and p.grad.numel() > 0 and id(p) not in seen
+            ]
+        else:
+            # The same tensors, in the same order, on every rank, whatever its shards hold: the counts are summed.
+            parameters = [p for p in stepped if id(p) not in seen]
         if not parameters:
             return
         with torch.no_grad():
-            grad_signs = list(torch._foreach_sign([p.grad for p in parameters]))
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+            grad_signs = list(torch._foreach_sign(grads))
             weights_before = list(torch._foreach_mul(parameters, 1.0))
         self._snapshots.append(_Snapshot(parameters, weights_before, grad_signs))
 
@@ -262,6 +275,16 @@ class PrecisionSentinel(Callback):
         device_values = [torch.stack([value for _, value in maxima])] if maxima else []
         if snapshots:
             device_values.append(_update_counts(snapshots))
+        sizes = [p.numel() for p in parameters]
+        if self._copies is not None and snapshots:
+            # Each rank counted its shards: the sums over the ranks count the whole tensors, declared before FSDP.
+            counts = device_values.pop()
+            torch.distributed.all_reduce(counts)
+            device_values.append(counts / self._copies)
+            sizes = [self._declared_sizes.get(id(p), p.numel()) for p in parameters]
+            if not trainer.is_global_zero:
+                host_reads(trainer).submit(trainer, self)
+                return
         if not device_values:
             host_reads(trainer).submit(trainer, self)
             return
@@ -269,7 +292,6 @@ class PrecisionSentinel(Callback):
         layers = [layer for layer, _ in maxima]
         names = _parameter_names(trainer, pl_module)
         parameter_layers = [_layer_of(names.get(id(p), "unnamed")) for p in parameters]
-        sizes = [p.numel() for p in parameters]
         plugin = trainer.precision_plugin
         skipped = (
             plugin.stats.skipped_steps > self._skipped_before

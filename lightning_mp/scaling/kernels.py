@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_mp.scaling import sharded
+
 UNSCALE_KERNEL_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
 """The dtypes CUDA's ``_amp_foreach_non_finite_check_and_unscale_`` takes (``AT_DISPATCH_FLOATING_TYPES_AND_HALF`` in
 torch's ``aten/src/ATen/native/cuda/AmpKernels.cu``): bf16 is refused there, although the CPU kernel accepts it."""
@@ -47,6 +49,7 @@ def inf_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def gradient_groups(optimizer: torch.optim.Optimizer, refuse_fp16: bool) -> GradientGroups:
     """``optimizer``'s gradients (a sparse one by its values) grouped by device, then dtype.
 
+    A sharded gradient (a ``DTensor``, under FSDP2) is this rank's local shard (:mod:`~lightning_mp.scaling.sharded`).
     Empty gradients are left out: they hold nothing to unscale or check, and torch's inf-norm refuses an empty tensor
     (a zero-element parameter, or a rank's empty shard of a sharded one).
 
@@ -66,6 +69,7 @@ def gradient_groups(optimizer: torch.optim.Optimizer, refuse_fp16: bool) -> Grad
                 if not grad.is_coalesced():
                     param.grad = grad = grad.coalesce()
                 grad = grad.values()
+            grad = sharded.local_shard(grad)
             if grad.numel():
                 groups[grad.device][grad.dtype].append(grad)
     return groups
@@ -129,7 +133,7 @@ def recheck_norms(optimizer: torch.optim.Optimizer, home: torch.device | None) -
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.grad is not None:
-                grad = param.grad.coalesce().values() if param.grad.is_sparse else param.grad
+                grad = param.grad.coalesce().values() if param.grad.is_sparse else sharded.local_shard(param.grad)
                 if grad.numel():
                     grads[grad.device].append(grad)
     return [

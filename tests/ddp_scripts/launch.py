@@ -33,10 +33,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(arguments: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``train.py`` in its own session, so that it and every process it launches can be stopped together."""
+def start(arguments: Sequence[str], env: dict[str, str] | None = None, script: Path = TRAIN_SCRIPT) -> subprocess.Popen:
+    """Start ``script`` (``train.py``) in its own session, so that it and every process it launches can be stopped
+    together."""
     return subprocess.Popen(
-        [sys.executable, str(TRAIN_SCRIPT), *arguments],
+        [sys.executable, str(script), *arguments],
         env=env if env is not None else clean_environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -67,9 +68,11 @@ def finish(process: subprocess.Popen, timeout: float) -> str:
     return output
 
 
-def run(arguments: Sequence[str], timeout: float = 60, env: dict[str, str] | None = None) -> str:
-    """Run ``train.py`` to the end and return its output."""
-    return finish(start(arguments, env), timeout)
+def run(
+    arguments: Sequence[str], timeout: float = 60, env: dict[str, str] | None = None, script: Path = TRAIN_SCRIPT
+) -> str:
+    """Run ``script`` (``train.py``) to the end and return its output."""
+    return finish(start(arguments, env, script), timeout)
 
 
 def reports(out: Path, world_size: int = 2, tag: str = "") -> list[dict[str, Any]]:
