@@ -201,8 +201,8 @@ def test_an_inf_gradient_clipped_for_a_fused_optimizer_still_skips_the_step(algo
 
 
 @pytest.mark.parametrize("optimizer", ["adamw-fused", "sgd-fused", "adam"])
-def test_a_skipped_fabric_step_changes_no_weight_state_or_rounding_generator(optimizer: str) -> None:
-    """Lean under Fabric, clipped: an inf gradient skips the step; weights, states and the rounding RNG stay put."""
+def test_a_skipped_fabric_step_changes_no_weight_or_state(optimizer: str) -> None:
+    """Lean under Fabric, clipped: an inf gradient skips the step; weights, states and Kahan buffers stay put."""
     from lightning.fabric import Fabric
 
     plugin = MixedPrecision("bf16-mixed", opt_level="lean-kahan")
@@ -232,7 +232,6 @@ def test_a_skipped_fabric_step_changes_no_weight_state_or_rounding_generator(opt
     after = fabric_optimizer.state_dict()
     assert plugin.stats.skipped_steps == 1
     assert all(torch.equal(w, p) for w, p in zip(weights, module.parameters(), strict=True))
-    assert torch.equal(before[STATE_KEY]["generators"]["cpu"], after[STATE_KEY]["generators"]["cpu"])
     for index, state in before["state"].items():
         for key, value in state.items():
             assert torch.equal(value, after["state"][index][key]), key
