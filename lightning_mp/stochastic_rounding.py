@@ -147,11 +147,11 @@ def stale_update_share(before: Tensor, after: Tensor, intended: Tensor) -> float
 
 @dataclass(frozen=True)
 class _Chunk:
-    """Parameters updated together in one fp32 workspace, with their gradients and state tensors."""
+    """Parameters updated together in one fp32 workspace, with their gradients and sizes."""
 
     params: list[Tensor]
     grads: list[Tensor]
-    numel: int
+    sizes: list[int]
 
 
 class StochasticRoundingStep:
@@ -270,81 +270,78 @@ class StochasticRoundingStep:
         for pairs in by_device.values():
             params: list[Tensor] = []
             grads: list[Tensor] = []
-            size = 0
+            sizes: list[int] = []
+            total = 0
             for parameter, grad in pairs:
-                if params and size + parameter.numel() > self.chunk_numel:
-                    chunks.append(_Chunk(params, grads, size))
-                    params, grads, size = [], [], 0
+                size = parameter.numel()
+                if params and total + size > self.chunk_numel:
+                    chunks.append(_Chunk(params, grads, sizes))
+                    params, grads, sizes, total = [], [], [], 0
                 params.append(parameter)
                 grads.append(grad)
-                size += parameter.numel()
+                sizes.append(size)
+                total += size
             if params:
-                chunks.append(_Chunk(params, grads, size))
+                chunks.append(_Chunk(params, grads, sizes))
         return chunks
 
     def _step_chunk(self, optimizer: Optimizer, group: dict[str, Any], chunk: _Chunk, found_inf: Tensor | None) -> None:
         device = chunk.params[0].device
         fused = device.type in _FUSED_DEVICE_TYPES
         state_names, update = _update_rule(optimizer, group, fused)
-        states = _states_of(optimizer, chunk.params, state_names, self.kahan)
-        saved = {name: [state[name] for state in states] for name in state_names}
-        fresh_momentum = any(buffer is None for buffer in saved.get("momentum_buffer", ()))
-        if found_inf is not None and (not fused or fresh_momentum):
-            # Only torch's fused kernels skip on the device; and a first SGD momentum step skipped there would leave
-            # the buffers started from non-finite gradients.
+        states = _ChunkStates(optimizer, chunk.params, state_names, self.kahan)
+        if found_inf is not None and (not fused or states.fresh):
+            # Only torch's fused kernels skip on the device, and a first SGD momentum step skipped there would leave
+            # its buffers started from non-finite gradients.
             if found_inf.item():
                 return
             found_inf = None
         # Workspace rows: the weights and states (rounded back to bf16 together), the gradients, the compensation.
         rounded_rows = 1 + len(state_names)
         rows = rounded_rows + 1 + (1 if self.kahan else 0)
-        workspace = torch.empty(rows, chunk.numel, dtype=torch.float32, device=device)
-        views = _row_views(workspace, chunk.params)
+        workspace = torch.empty(rows, sum(chunk.sizes), dtype=torch.float32, device=device)
+        views = _row_views(workspace, chunk.params, chunk.sizes)
         weights, grads = views[0], views[rounded_rows]
-        state_views = {name: views[1 + index] for index, name in enumerate(state_names)}
         torch._foreach_copy_(weights, chunk.params)
         torch._foreach_copy_(grads, chunk.grads)
         if self.kahan:
-            compensation, compensation_row = [state[COMPENSATION_KEY] for state in states], workspace[rows - 1]
-            torch._foreach_copy_(views[rows - 1], compensation)
+            compensation_row = workspace[rows - 1]
+            torch._foreach_copy_(views[rows - 1], states.compensation)
             # 1.0 where the step is taken, 0.0 where the device skips it: a skip must leave weight and compensation
             # as they were, and multiplying by exactly 1 or 0 changes nothing else, bit for bit.
             taken = torch.ones((), device=device) if found_inf is None else (found_inf.to(device) == 0).float()
             workspace[0].addcmul_(compensation_row, taken)
-        for name in state_names:
-            fresh = [index for index, tensor in enumerate(saved[name]) if tensor is None]
-            if fresh:
-                self._first_momentum(
-                    group, [state_views[name][i] for i in fresh], [grads[i] for i in fresh], [weights[i] for i in fresh]
-                )
-            if len(fresh) < len(states):
-                present = [index for index, tensor in enumerate(saved[name]) if tensor is not None]
-                torch._foreach_copy_([state_views[name][i] for i in present], [saved[name][i] for i in present])
-        steps = [state["step"] for state in states if "step" in state]
-        update(weights, grads, state_views, steps, optimizer, found_inf)
+        state_views = {name: views[1 + index] for index, name in enumerate(state_names)}
+        for name, row in state_views.items():
+            if not states.fresh:
+                torch._foreach_copy_(row, states.present[name])
+                continue
+            self._first_momentum(group, states.fresh, row, grads, weights)
+            if states.present[name]:
+                targets = [view for view, saved in zip(row, states.tensors[name], strict=True) if saved is not None]
+                torch._foreach_copy_(targets, states.present[name])
+        update(weights, grads, state_views, states.steps, optimizer, found_inf)
         if self.kahan:
             compensation_row.mul_(1 - taken).addcmul_(workspace[0], taken)
         stochastic_round_(workspace[:rounded_rows], self.generator(device))
         torch._foreach_copy_(chunk.params, weights)
         for name in state_names:
-            for index, state in enumerate(states):
-                if state[name] is None:
-                    state[name] = torch.empty_like(chunk.params[index], memory_format=torch.preserve_format)
-            torch._foreach_copy_([state[name] for state in states], state_views[name])
+            torch._foreach_copy_(states.created(name, chunk.params), state_views[name])
         if self.kahan:
             compensation_row.addcmul_(workspace[0], taken, value=-1)
-            torch._foreach_copy_(compensation, views[rows - 1])
+            torch._foreach_copy_(states.compensation, views[rows - 1])
 
     @staticmethod
     def _first_momentum(
-        group: dict[str, Any], buffers: list[Tensor], grads: list[Tensor], weights: list[Tensor]
+        group: dict[str, Any], fresh: list[int], buffers: list[Tensor], grads: list[Tensor], weights: list[Tensor]
     ) -> None:
-        """Start SGD momentum buffers so that torch's rule makes them its first-step value, ``d_p``.
+        """Start the SGD momentum buffers ``fresh`` so that torch's rule makes them its first-step value, ``d_p``.
 
         The rule computes ``buffer = momentum * buffer + (1 - dampening) * d_p`` with ``d_p = ±grad + weight_decay *
         weight``; starting from ``d_p * dampening / momentum`` gives ``d_p``, as torch's first step does, while other
         parameters of the chunk are past theirs.
         """
+        buffers, grads, weights = [buffers[i] for i in fresh], [grads[i] for i in fresh], [weights[i] for i in fresh]
         if group["dampening"] == 0:
             torch._foreach_zero_(buffers)
             return
@@ -450,33 +447,63 @@ _FUSED_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia")
 """Device types with torch's fused Adam/AdamW/SGD kernels (``torch.utils._foreach_utils``'s list, kept here)."""
 
 
-def _states_of(optimizer: Optimizer, params: list[Tensor], state_names: Sequence[str], kahan: bool) -> list[dict]:
-    """The optimizer state of each of ``params``, created as torch would (bf16 moments), with Kahan buffers."""
-    states = []
-    adam = isinstance(optimizer, Adam)
-    for parameter in params:
-        state = optimizer.state[parameter]
-        if adam:
-            if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=parameter.device)
-                for name in state_names:
-                    state[name] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-            elif state["step"].device != parameter.device:
-                # torch loads a non-fused optimizer's step count onto the CPU; the fused rule needs it on the device.
-                state["step"] = state["step"].to(parameter.device)
-        for name in state_names:
-            state.setdefault(name, None)
-        if kahan and COMPENSATION_KEY not in state:
-            state[COMPENSATION_KEY] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-        states.append(state)
-    return states
+class _ChunkStates:
+    """The optimizer states of a chunk's parameters, created as torch would (bf16 moments), gathered in one pass.
+
+    Attributes:
+        tensors: per state name, each parameter's tensor; None for an SGD momentum buffer not started yet.
+        present: per state name, the tensors that exist, in order.
+        fresh: the indices of the parameters whose SGD momentum buffer is not started yet.
+        steps: the step counts (Adam, AdamW).
+        compensation: the Kahan compensation buffers, with ``kahan``.
+
+    """
+
+    def __init__(self, optimizer: Optimizer, params: list[Tensor], state_names: Sequence[str], kahan: bool) -> None:
+        self.states: list[dict[str, Any]] = []
+        self.tensors: dict[str, list[Tensor | None]] = {name: [] for name in state_names}
+        self.present: dict[str, list[Tensor]] = {name: [] for name in state_names}
+        self.fresh: list[int] = []
+        self.steps: list[Tensor] = []
+        self.compensation: list[Tensor] = []
+        adam = isinstance(optimizer, Adam)
+        for index, parameter in enumerate(params):
+            state = optimizer.state[parameter]
+            if adam:
+                if "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=parameter.device)
+                elif state["step"].device != parameter.device:
+                    # torch loads a non-fused optimizer's step count onto the CPU; the fused rule needs it there.
+                    state["step"] = state["step"].to(parameter.device)
+                self.steps.append(state["step"])
+            for name in state_names:
+                tensor = state.get(name)
+                if tensor is None and adam:
+                    tensor = state[name] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                if tensor is None:
+                    self.fresh.append(index)
+                else:
+                    self.present[name].append(tensor)
+                self.tensors[name].append(tensor)
+            if kahan:
+                if COMPENSATION_KEY not in state:
+                    state[COMPENSATION_KEY] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                self.compensation.append(state[COMPENSATION_KEY])
+            self.states.append(state)
+
+    def created(self, name: str, params: list[Tensor]) -> list[Tensor]:
+        """Every parameter's state tensor ``name``, in order; the buffers not started yet are created (empty) now."""
+        if not self.fresh:
+            return self.present[name]
+        for index in self.fresh:
+            self.states[index][name] = torch.empty_like(params[index], memory_format=torch.preserve_format)
+        return [state[name] for state in self.states]
 
 
-def _row_views(workspace: Tensor, params: list[Tensor]) -> list[list[Tensor]]:
+def _row_views(workspace: Tensor, params: list[Tensor], sizes: list[int]) -> list[list[Tensor]]:
     """Per row of ``workspace``, one view per parameter, shaped like it, side by side along the row."""
     views: list[list[Tensor]] = [[] for _ in range(workspace.shape[0])]
-    pieces = workspace.split_with_sizes([parameter.numel() for parameter in params], dim=1)
-    for piece, parameter in zip(pieces, params, strict=True):
+    for piece, parameter in zip(workspace.split_with_sizes(sizes, dim=1), params, strict=True):
         for row, piece_of_row in zip(views, piece.unbind(), strict=True):
             row.append(piece_of_row.view(parameter.shape))
     return views
