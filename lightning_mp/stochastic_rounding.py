@@ -25,7 +25,9 @@ torch's public optimizer hooks, so schedulers, ``param_groups`` and checkpoints 
 
 1. A step pre-hook takes the gradients of the bf16 parameters aside, so that torch's step only updates the fp32
    parameters (normalisation layers, ``keep_fp32`` modules) with their fp32 states, exactly as without this mode.
-2. The step post-hook updates the bf16 parameters in chunks of at most ``chunk_numel`` elements. For each chunk it
+2. The step post-hook updates the bf16 parameters in chunks (:func:`chunk_limit` elements at most, unless a
+   parameter is larger). Each chunk costs about a dozen kernel launches, so a large model's chunks are larger
+   rather than more numerous: at most :data:`MAX_CHUNKS` per parameter group and device. For each chunk it
    copies weights, moment estimates and gradients into one fp32 workspace (one ``_foreach_copy_`` per quantity),
    runs **torch's own update rule** on it (``torch.optim.adam.adam`` or ``torch.optim.sgd.sgd``: the fused kernel
    wherever torch has one for the device, CPU and CUDA included, whatever the optimizer was built with, since it
@@ -83,6 +85,25 @@ COMPENSATION_KEY = "kahan_compensation"
 SUPPORTED_OPTIMIZERS: tuple[type[Optimizer], ...] = (Adam, SGD)
 """``torch.optim.Adam`` and its subclass ``AdamW``, and ``torch.optim.SGD``."""
 _LOW_BITS_MASK = -(1 << 16)
+MIN_CHUNK_NUMEL = 1 << 19
+"""The fewest elements :func:`chunk_limit` lets a chunk hold: 14 MiB of transient memory for AdamW."""
+MAX_CHUNKS = 32
+"""The most chunks :func:`chunk_limit` cuts a parameter group into on one device (more only for larger parameters)."""
+
+
+def chunk_limit(numel: int) -> int:
+    """The most elements per chunk for a parameter group of ``numel`` bf16 elements on one device.
+
+    The larger of :data:`MIN_CHUNK_NUMEL` and a :data:`MAX_CHUNKS`-th of the group: a small model's step needs
+    little transient memory, and a large one's about a dozen kernel launches per chunk, which a fixed chunk size would
+    multiply (a 219M-parameter model would take 420 chunks of ``2**19``, over 5,000 launches per step).
+
+    Example:
+        >>> chunk_limit(1_000), chunk_limit(219_000_000)
+        (524288, 6843750)
+
+    """
+    return max(MIN_CHUNK_NUMEL, -(-numel // MAX_CHUNKS))
 
 
 def stochastic_round_(values: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -164,9 +185,11 @@ class StochasticRoundingStep:
         optimizer: a ``torch.optim.Adam``, ``AdamW`` or ``SGD``; its bf16 states are created in bf16.
         kahan: also keep a bf16 Kahan compensation buffer per bf16 parameter.
         seed: seed of the rounding's generators; None takes ``torch.initial_seed()`` (rank 0's under DDP).
-        chunk_numel: the most elements per fp32 workspace (a larger parameter gets a chunk of its own); bounds the
-            step's transient memory to about ``4 * (3 + 2 * states + kahan) * chunk_numel`` bytes, with ``states``
-            the optimizer's tensors per parameter (2 for Adam and AdamW): 14 MiB for AdamW by default.
+        chunk_numel: the most elements per fp32 workspace (a larger parameter gets a chunk of its own); None takes
+            :func:`chunk_limit` of each parameter group's bf16 elements on a device. Bounds the step's transient
+            memory to about ``4 * (3 + 2 * states + kahan) * chunk_numel`` bytes, with ``states`` the optimizer's
+            tensors per parameter (2 for Adam and AdamW): by default 14 MiB for AdamW, or under 1 byte per
+            parameter for a model of more than ``MAX_CHUNKS * 2**19`` elements.
 
     .. warning:: With ``seed=None`` under ``torch.distributed``, the constructor broadcasts rank 0's seed and reads
         it on the host: one synchronisation, once.
@@ -181,7 +204,7 @@ class StochasticRoundingStep:
     """
 
     def __init__(
-        self, optimizer: Optimizer, kahan: bool = False, seed: int | None = None, chunk_numel: int = 1 << 19
+        self, optimizer: Optimizer, kahan: bool = False, seed: int | None = None, chunk_numel: int | None = None
     ) -> None:
         if not isinstance(optimizer, SUPPORTED_OPTIMIZERS):
             raise TypeError(
@@ -194,7 +217,7 @@ class StochasticRoundingStep:
                     "StochasticRoundingStep(optimizer) with differentiable=True is not supported: the bf16 update is"
                     " written back outside autograd. Build the optimizer with differentiable=False."
                 )
-        if chunk_numel < 1:
+        if chunk_numel is not None and chunk_numel < 1:
             raise ValueError(f"StochasticRoundingStep(chunk_numel={chunk_numel!r}) is not allowed: it must be >= 1.")
         self.optimizer = optimizer
         self.kahan = kahan
@@ -262,19 +285,22 @@ class StochasticRoundingStep:
 
     def _chunks(self, group: dict[str, Any], set_aside: dict[int, tuple[Tensor, Tensor]]) -> list[_Chunk]:
         by_device: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
+        numel_by_device: dict[torch.device, int] = {}
         for parameter in group["params"]:
             pair = set_aside.get(id(parameter))
             if pair is not None:
                 by_device.setdefault(parameter.device, []).append(pair)
+                numel_by_device[parameter.device] = numel_by_device.get(parameter.device, 0) + parameter.numel()
         chunks: list[_Chunk] = []
-        for pairs in by_device.values():
+        for device, pairs in by_device.items():
+            limit = self.chunk_numel or chunk_limit(numel_by_device[device])
             params: list[Tensor] = []
             grads: list[Tensor] = []
             sizes: list[int] = []
             total = 0
             for parameter, grad in pairs:
                 size = parameter.numel()
-                if params and total + size > self.chunk_numel:
+                if params and total + size > limit:
                     chunks.append(_Chunk(params, grads, sizes))
                     params, grads, sizes, total = [], [], [], 0
                 params.append(parameter)
@@ -593,9 +619,12 @@ def _shared_seed() -> int:
 
 __all__ = [
     "COMPENSATION_KEY",
+    "MAX_CHUNKS",
+    "MIN_CHUNK_NUMEL",
     "STATE_KEY",
     "SUPPORTED_OPTIMIZERS",
     "StochasticRoundingStep",
+    "chunk_limit",
     "stale_update_share",
     "stochastic_round_",
 ]

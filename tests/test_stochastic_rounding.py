@@ -13,8 +13,11 @@ from lightning_mp.counting import StepCounts, count_syncs_and_ops
 from lightning_mp.scaling import hand_off
 from lightning_mp.stochastic_rounding import (
     COMPENSATION_KEY,
+    MAX_CHUNKS,
+    MIN_CHUNK_NUMEL,
     STATE_KEY,
     StochasticRoundingStep,
+    chunk_limit,
     stale_update_share,
     stochastic_round_,
 )
@@ -309,3 +312,12 @@ def test_detach_gives_the_optimizer_back_its_own_step() -> None:
     optimizer.step()
     assert torch.equal(parameter, torch.ones_like(parameter))
     assert STATE_KEY not in optimizer.state_dict()
+
+
+def test_a_large_model_is_stepped_in_a_bounded_number_of_chunks() -> None:
+    """Each chunk costs about a dozen kernel launches: a small model keeps chunks of 2**19 elements, and a large one
+    gets at most MAX_CHUNKS larger chunks per group and device instead of one chunk per 2**19 elements."""
+    assert chunk_limit(1_000) == chunk_limit(MAX_CHUNKS * MIN_CHUNK_NUMEL) == MIN_CHUNK_NUMEL == 1 << 19
+    for numel in (MAX_CHUNKS * MIN_CHUNK_NUMEL + 1, 219_000_000):
+        limit = chunk_limit(numel)
+        assert limit * MAX_CHUNKS >= numel > limit * (MAX_CHUNKS - 1)
