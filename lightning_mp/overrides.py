@@ -114,8 +114,8 @@ def cast_arguments(
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """A forward pre-hook's arguments with their floating tensors cast to ``dtype``; None when none needs a cast.
 
-    Runs at every forward of every hooked module, so arguments that are tensors or plain values are cast in place
-    here, without a Python call each; collections go through Lightning's ``apply_to_collection``.
+    Runs at every forward of every hooked module, so arguments that are tensors or plain values are handled here,
+    without a Python call each; collections go through Lightning's ``apply_to_collection``.
 
     Args:
         args: the positional arguments.
