@@ -16,7 +16,13 @@ from typing_extensions import override
 
 from lightning_mp import bench
 from lightning_mp.bench.allreduced_bytes import AllReducedBytes, measure_allreduced_bytes
-from lightning_mp.bench.opt_level_counts import OptLevelCounts, count_opt_level, opt_level_table
+from lightning_mp.bench.opt_level_counts import (
+    LIGHTNING_BF16_TRUE,
+    OptLevelCounts,
+    count_opt_level,
+    opt_level_table,
+    opt_level_target_lines,
+)
 from tests.helpers import TinyRegressor, loader
 
 
@@ -90,6 +96,23 @@ def test_table_gives_casts_per_weight_and_bytes_against_o1() -> None:
     assert rows == [
         "| O1 | bf16-mixed | 1.00 / 0.00 / 0.00 | 100 | 1,000 | 400 (torch.float32) | 1.00x |",
         "| O3 | bf16-mixed | 0.00 / 0.00 / 0.00 | 90 | 900 | 200 (torch.bfloat16) | 0.50x |",
+    ]
+
+
+def test_lightnings_bf16_true_is_counted_as_a_baseline_row() -> None:
+    """Lightning's own bf16-true, lean's step-time reference, is counted like an opt level: bf16 weights, no casts."""
+    counts = count_opt_level(*LIGHTNING_BF16_TRUE)
+    assert (counts.opt_level, counts.precision) == ("Lightning", "bf16-true")
+    assert counts.casts == 0 and counts.weights == 18 and counts.python_calls > 0
+
+
+def test_target_lines_check_lean_against_o1() -> None:
+    """Under the table, lean is checked for host syncs, and for ops and Python calls against O1's."""
+    o1 = OptLevelCounts("O1", "bf16-mixed", 4, 4, 0, 0, 100, 0, 1000)
+    lean = OptLevelCounts("lean", "bf16-mixed", 4, 0, 0, 8, 100, 0, 1100)
+    assert opt_level_target_lines([o1, lean]) == [
+        "lean bf16-mixed host syncs per step, none: 0 -> met",
+        "lean bf16-mixed ops and Python calls <= O1's: 100 vs 100, 1,100 vs 1,000 -> MISSED",
     ]
 
 

@@ -2,9 +2,10 @@
 
 Each opt level (O0 in fp32; O1, O2 and O3 in fp16 and bf16; lean in bf16) trains the tiny Markov-text model
 (:mod:`~lightning_mp.bench.workloads`) with a real Trainer and :class:`~lightning_mp.MixedPrecision` on the CPU:
-the plugin runs every hook it runs on a GPU, in the same order. After ``2`` warm-up batches (the optimizer's
-state, the scaler's tensors and autocast's first calls exist by then) :class:`SteadyStepCounter` counts, from the
-start of one batch to its end:
+the plugin runs every hook it runs on a GPU, in the same order; Lightning's own ``bf16-true`` runs beside them as a
+baseline row (lean's step-time reference). After ``2`` warm-up batches (the optimizer's state, the scaler's tensors
+and autocast's first calls exist by then) :class:`SteadyStepCounter` counts, from the start of one batch to its
+end:
 
 * **Weight casts**, with :class:`~lightning_mp.counting.WeightCastCounter`: every dispatched copy that changes the
   dtype of a weight or writes another dtype into one (``aten._to_copy``, ``copy_``, ``_foreach_copy_``). A tensor
@@ -70,6 +71,9 @@ OPT_LEVELS: tuple[tuple[str, str], ...] = (
 )
 """Every opt level in each precision it supports, as ``(opt_level, precision)``: the rows of the table."""
 QUICK_OPT_LEVELS = (("O0", "32-true"), ("O1", "16-mixed"), ("O2", "16-mixed"))
+LIGHTNING_BF16_TRUE = ("Lightning", "bf16-true")
+"""Lightning's own ``precision="bf16-true"`` (bf16 weights, no masters, no plugin): lean's step-time reference. The
+full report counts it as a baseline row; pass it to :func:`count_opt_level` as ``(opt_level, precision)``."""
 WARMUP_STEPS = 2
 
 
@@ -243,7 +247,14 @@ def markov_counting_task(steps: int) -> tuple[L.LightningModule, Any]:
 
 
 def trainer_for_counting(opt_level: str, precision: str, max_steps: int, **options: Any) -> L.Trainer:
-    """A CPU Trainer with ``MixedPrecision(precision, opt_level=opt_level)`` that logs, checks and saves nothing."""
+    """A CPU Trainer with ``MixedPrecision(precision, opt_level=opt_level)`` that logs, checks and saves nothing.
+
+    ``opt_level="Lightning"`` trains with Lightning's own plugin of ``precision`` (:data:`LIGHTNING_BF16_TRUE`).
+    """
+    if opt_level == LIGHTNING_BF16_TRUE[0]:
+        precision_arguments: dict[str, Any] = {"precision": precision}
+    else:
+        precision_arguments = {"plugins": [MixedPrecision(precision, opt_level=opt_level)]}
     arguments: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": 1,
@@ -254,7 +265,7 @@ def trainer_for_counting(opt_level: str, precision: str, max_steps: int, **optio
         "enable_checkpointing": False,
         "enable_progress_bar": False,
         "enable_model_summary": False,
-        "plugins": [MixedPrecision(precision, opt_level=opt_level)],
+        **precision_arguments,
     }
     return L.Trainer(**{**arguments, **options})
 
@@ -263,8 +274,10 @@ def count_opt_level(opt_level: str, precision: str, task: Task = markov_counting
     """Train ``task``'s model under ``opt_level`` in ``precision`` and count one steady step.
 
     Args:
-        opt_level: an opt level of :class:`~lightning_mp.MixedPrecision`.
-        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"32-true"``.
+        opt_level: an opt level of :class:`~lightning_mp.MixedPrecision`, or ``"Lightning"`` for Lightning's own
+            plugin of ``precision``.
+        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"32-true"``; with ``"Lightning"``, any precision of
+            Lightning's Trainer (``"bf16-true"``).
         task: builds the model and its data.
 
     Returns:
@@ -323,7 +336,7 @@ def opt_level_table(counts: Sequence[OptLevelCounts], allreduced: Sequence[AllRe
 
 
 def opt_level_target_lines(counts: Sequence[OptLevelCounts], allreduced: Sequence[AllReducedBytes] = ()) -> list[str]:
-    """Issue 22's CPU-checkable targets for O2, with the measured values, for the precisions that ran."""
+    """Issue 22's CPU-checkable targets for O2 and lean, with the measured values, for the precisions that ran."""
     lines = []
 
     def verdict(met: bool) -> str:
@@ -346,6 +359,15 @@ def opt_level_target_lines(counts: Sequence[OptLevelCounts], allreduced: Sequenc
                 f"{name} Python calls <= O1's: {o2.python_calls:,} vs {o1.python_calls:,}"
                 f" -> {verdict(o2.python_calls <= o1.python_calls)}"
             )
+    for lean in (row for row in counts if row.opt_level == "lean"):
+        o1 = _o1_reference(lean, counts)
+        lines.append(f"lean {lean.precision} host syncs per step, none: {lean.syncs} -> {verdict(lean.syncs == 0)}")
+        if o1 is not None and o1.precision == lean.precision:
+            lines.append(
+                f"lean {lean.precision} ops and Python calls <= O1's: {lean.compute_ops:,} vs {o1.compute_ops:,},"
+                f" {lean.python_calls:,} vs {o1.python_calls:,}"
+                f" -> {verdict(lean.compute_ops <= o1.compute_ops and lean.python_calls <= o1.python_calls)}"
+            )
     for o2_bytes in (row for row in allreduced if row.opt_level == "O2"):
         o1_bytes = _o1_reference(o2_bytes, allreduced)
         if o1_bytes is not None and o1_bytes.precision == o2_bytes.precision:
@@ -359,10 +381,11 @@ def opt_level_target_lines(counts: Sequence[OptLevelCounts], allreduced: Sequenc
 def opt_level_report(quick: bool) -> str:
     """The opt levels' part of the ``--counts`` report: the table and issue 22's targets.
 
-    ``quick`` counts O0, O1 and O2 in fp16 only, and leaves out DDP (two processes, about 20 seconds).
+    ``quick`` counts O0, O1 and O2 in fp16 only, and leaves out DDP (two processes, about 20 seconds) and the
+    baseline row of Lightning's ``bf16-true``.
     """
     opt_levels = QUICK_OPT_LEVELS if quick else OPT_LEVELS
-    counts = count_opt_levels(opt_levels)
+    counts = count_opt_levels(opt_levels if quick else (*opt_levels, LIGHTNING_BF16_TRUE))
     allreduced = () if quick else measure_allreduced_bytes(opt_levels)
     size = SIZES["tiny"]
     parts = [
@@ -378,6 +401,7 @@ def opt_level_report(quick: bool) -> str:
 
 
 __all__ = [
+    "LIGHTNING_BF16_TRUE",
     "OPT_LEVELS",
     "OptLevelCounts",
     "SteadyStepCounter",
