@@ -311,8 +311,7 @@ class MixedPrecision(LightningMixedPrecision):
         self._warn_about_slow_half(device_type)
         opt_level = "O0" if self.precision == "32-true" else self.opt_level
         policy_class = POLICIES[opt_level]
-        options = {"recast_in_backward": self.recast_in_backward} if opt_level == "O2" else {}
-        self._policy = policy_class(self.half_dtype, keep_fp32=self.keep_fp32, **options)
+        self._policy = policy_class(self.half_dtype, keep_fp32=self.keep_fp32)
         self._loss_scaler = self._build_loss_scaler(device_type, policy_class)
         if policy_class.half_weights:
             # Lightning reads ``precision`` for what the weights are (ModelSummary's model size, for one): O3 and

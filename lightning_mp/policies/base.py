@@ -11,9 +11,11 @@ Where each hook runs::
     connect(module, optimizers)                # once the optimizers exist (O3 checks their eps; Kahan buffers)
     with forward_context(), autocast:          # every training/validation/test/predict step, Fabric's forward
         step ...
-    backward, unscale, clipping, step          # the plugin's step engine, on the module's own parameters
-    after_backward()                           # O2: the fp32 parameters back in place (manual optimization)
-    after_optimizer_step(optimizer, skipped)   # O2: name weights beyond fp16's range after a skip
+    with backward_context():                   # O2: no gradients for half weights whose masters need none
+        backward
+    prepare_step(optimizer)                    # O2: the fp32 masters in the model, with the gradients
+    unscale, clipping, step                    # the plugin's step engine, on the optimizer's parameters
+    after_optimizer_step(optimizer, skipped)   # O2: masters into the half weights; name weights beyond fp16
     state_dict() / load_state_dict(state)      # the level's own state in the plugin's checkpoint entry
     teardown()                                 # end of fit/validate/test/predict, also after an exception
 
@@ -95,10 +97,17 @@ class PrecisionPolicy:
         """What surrounds every forward, around the plugin's autocast; entered and left once per step."""
         return contextlib.nullcontext()
 
-    def after_backward(self) -> None:
-        """Called after every backward under the Trainer, before ``on_after_backward``.
+    def backward_context(self) -> AbstractContextManager:
+        """What surrounds every backward (``manual_backward``, the Trainer's automatic backward, ``fabric.backward``).
 
         In manual optimization this is inside the forward context; in automatic optimization, after it.
+        """
+        return contextlib.nullcontext()
+
+    def prepare_step(self, optimizer: Optimizer) -> None:
+        """Called before the gradients of ``optimizer`` are unscaled, clipped or stepped (at least once per step).
+
+        Also once after each closure evaluation of an optimizer that evaluates its closure itself (LBFGS).
         """
 
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:

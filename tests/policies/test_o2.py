@@ -237,12 +237,12 @@ class TwoForwards(Net):
 
 
 def test_o2_manual_optimization_recasts_after_a_step_inside_training_step() -> None:
-    """In manual optimization a forward after optimizer.step() inside training_step sees the new weights."""
+    """In manual optimization a forward after optimizer.step() inside training_step sees the new weights, in half."""
     model = TwoForwards()
     fit(model, o2(), max_steps=2)
-    # After manual_backward the module holds its fp32 parameters again (their .grad is readable), stepped in place.
-    assert model.second_forward_weight.dtype == torch.float32
-    torch.testing.assert_close(model.second_forward_weight, model.stepped_weight, rtol=0, atol=0)
+    # Inside training_step the model holds the half weights; the step wrote the stepped fp32 master into them.
+    assert model.second_forward_weight.dtype == torch.bfloat16 and model.stepped_weight.dtype == torch.float32
+    torch.testing.assert_close(model.second_forward_weight, model.stepped_weight.bfloat16(), rtol=0, atol=0)
 
 
 class ReadsGradientsInTrainingStep(Net):
@@ -268,13 +268,16 @@ class ReadsGradientsInTrainingStep(Net):
         optimizer.step()
 
 
-def test_o2_manual_optimization_reads_and_clips_the_fp32_gradients_in_training_step() -> None:
-    """After manual_backward, self.parameters() are the fp32 weights with their gradients, as without the plugin."""
+def test_o2_manual_optimization_reads_and_clips_the_gradients_in_training_step() -> None:
+    """After manual_backward, self.parameters() hold their (half) gradients; clipping them decides the step."""
     model = ReadsGradientsInTrainingStep()
+    initial = model.net[0].weight.detach().clone()
     fit(model, o2(), max_steps=2)
     assert len(model.norms_after_backward) == 2 and all(norm > 0 for norm in model.norms_after_backward)
     assert model.norms_before_clipping == pytest.approx(model.norms_after_backward, rel=1e-4)
-    assert model.norms_after_clipping == pytest.approx([1e-3] * 2, rel=1e-3)
+    assert model.norms_after_clipping == pytest.approx([1e-3] * 2, rel=1e-2)
+    # Two SGD steps of lr 0.1 on gradients clipped to a norm of 1e-3 move no weight by more than 2e-4.
+    assert 0 < (model.net[0].weight - initial).abs().max() <= 2e-4 * 1.01
 
 
 # ------------------------------------------------------------------------------------------------ loss scaling
@@ -732,106 +735,6 @@ def test_o2_trains_a_toggled_gan_like_o1(precision, use_closure):
         torch.testing.assert_close(parameter, models["O1"].get_parameter(name), rtol=2e-2, atol=2e-3)
 
 
-# ------------------------------------------------------------------------------------------------ recast in backward
-
-
-class Mixed(nn.Module):
-    """A conv (saves its weight as is), linears (save a transposed view) and a tied head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embedding = nn.Embedding(10, 6)
-        self.conv = nn.Conv1d(6, 6, 3, padding=1)
-        self.hidden = nn.Linear(6, 6)
-        self.head = nn.Linear(6, 10, bias=False)
-        self.head.weight = self.embedding.weight
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        x = self.embedding(tokens)
-        x = self.conv(x.transpose(1, 2)).transpose(1, 2)
-        return self.head(torch.relu(self.hidden(x)))
-
-
-def halved(model: nn.Module, recast: bool) -> Any:
-    from lightning_mp.policies.o2 import HalfWeights
-
-    slots = [(m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)]
-    names = {id(p): n for n, p in model.named_parameters()}
-    return HalfWeights(slots, torch.bfloat16, names, recast_in_backward=recast)
-
-
-def o2_gradients(recast: bool, create_graph: bool = False) -> tuple[dict[str, Tensor], list[weakref.ref]]:
-    model = Mixed()
-    tokens = torch.randint(0, 10, (2, 5), generator=torch.Generator().manual_seed(1))
-    with halved(model, recast), torch.autocast("cpu", dtype=torch.bfloat16):
-        copies = [weakref.ref(model.hidden.weight), weakref.ref(model.conv.weight), weakref.ref(model.head.weight)]
-        loss = model(tokens).float().square().mean()
-    if create_graph:  # a gradient penalty: the gradient's norm is part of the loss
-        (grad,) = torch.autograd.grad(loss, model.hidden.weight, create_graph=True)
-        loss = loss + grad.square().sum()
-    gc.collect()
-    alive = [ref for ref in copies if ref() is not None]
-    loss.backward()
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, alive
-
-
-def test_o2_half_copies_are_freed_when_the_forward_ends_and_backward_recasts_them_exactly() -> None:
-    """With the recast, no half copy outlives the forward context; the gradients are bitwise those of saved copies."""
-    recast, alive_recast = o2_gradients(recast=True)
-    saved, alive_saved = o2_gradients(recast=False)
-    assert alive_recast == []
-    assert len(alive_saved) == 3  # autograd keeps every copy until backward: what the recast saves
-    assert (
-        recast.keys()
-        == saved.keys()
-        == {"embedding.weight", "conv.weight", "conv.bias", "hidden.weight", "hidden.bias"}
-    )
-    for name in recast:
-        assert recast[name].dtype == torch.float32
-        assert torch.equal(recast[name], saved[name]), name
-
-
-def test_o2_recast_supports_a_gradient_penalty_with_create_graph() -> None:
-    """Double backward (a gradient penalty) through recast weights gives the gradients of saved copies."""
-    recast, _ = o2_gradients(recast=True, create_graph=True)
-    saved, _ = o2_gradients(recast=False, create_graph=True)
-    for name in saved:
-        torch.testing.assert_close(recast[name], saved[name], rtol=0, atol=0)
-
-
-def test_o2_backward_after_an_in_place_weight_change_raises_naming_the_weight() -> None:
-    """A weight changed between the forward and its backward is named, as torch does for fp32 saved tensors."""
-    model = Mixed()
-    with halved(model, recast=True), torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(torch.zeros(1, 3, dtype=torch.long)).float().sum()
-    with torch.no_grad():
-        model.hidden.weight.add_(1.0)
-    with pytest.raises(RuntimeError, match=r"'hidden\.weight' was modified in place"):
-        loss.backward()
-
-
-class LossHolder(Net):
-    """Records whether the last linear's half copy (which backward needs) is still alive when backward starts."""
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        self.copy_ref = weakref.ref(self.net[3].weight)
-        return super().training_step(batch, batch_idx)
-
-    def on_before_backward(self, loss: Tensor) -> None:
-        gc.collect()
-        self.copy_alive_at_backward = self.copy_ref() is not None
-
-
-@pytest.mark.parametrize(("recast", "alive"), [(True, False), (False, True)])
-def test_o2_trainer_backward_starts_without_half_copies_unless_recast_is_off(recast: bool, alive: bool) -> None:
-    """In a Trainer run the half copies are gone when backward starts; recast_in_backward=False keeps them saved."""
-    model = LossHolder()
-    fit(model, o2(recast_in_backward=recast), max_steps=2)
-    assert model.copy_alive_at_backward is alive
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-
-
 class PerSampleGradNorms(Net):
     """Logs per-sample gradient norms of the head with torch.func inside training_step."""
 
@@ -849,12 +752,10 @@ class PerSampleGradNorms(Net):
         return super().training_step(batch, batch_idx)
 
 
-def test_o2_torch_func_in_the_step_needs_recast_off_and_the_error_says_so() -> None:
-    """torch.func refuses saved-tensor hooks: the error names recast_in_backward=False, which then trains."""
-    with pytest.raises(RuntimeError, match=r"recast_in_backward=False"):
-        fit(PerSampleGradNorms(), o2(), max_steps=1)
+def test_o2_torch_func_in_the_step_trains() -> None:
+    """torch.func (vmap of grad) inside training_step works under O2 as it is: no saved-tensor hook refuses it."""
     model = PerSampleGradNorms()
-    fit(model, o2(recast_in_backward=False), max_steps=2)
+    fit(model, o2(), max_steps=2)
     assert model.per_sample_norm.shape == (8,) and torch.isfinite(model.per_sample_norm).all()
 
 
@@ -867,33 +768,6 @@ def test_recast_in_backward_must_be_a_boolean(value: Any) -> None:
 def test_recast_in_backward_off_is_refused_outside_o2() -> None:
     with pytest.raises(ValueError, match=r"opt_level='O1', recast_in_backward=False\) is not allowed"):
         MixedPrecision("bf16-mixed", opt_level="O1", recast_in_backward=False)
-
-
-class EditsItsCopy(nn.Module):
-    """Doubles its weight's half copy in place inside the forward (O2 lets a forward edit the copy, not the weight)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = nn.Linear(4, 4)
-        self.second = nn.Linear(4, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        with torch.no_grad():
-            self.second.weight.mul_(2.0)
-        return self.second(torch.relu(self.first(x)))
-
-
-def test_o2_a_half_copy_edited_in_place_is_saved_as_edited_not_recast() -> None:
-    """Backward must see the weights the forward used: an edited copy is kept, not recast from the fp32 weight."""
-    grads = []
-    for recast in (True, False):
-        model = EditsItsCopy()
-        with halved(model, recast), torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(torch.ones(3, 4)).float().sum()
-        loss.backward()
-        grads.append(model.first.weight.grad)
-    assert torch.equal(grads[0], grads[1])
 
 
 class Checkpointed(L.LightningModule):
