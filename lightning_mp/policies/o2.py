@@ -74,9 +74,8 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Generator, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -169,6 +168,7 @@ class MasterWeights:
         self.keys: list[list[str]] = []
         """Per pair, its qualified names in the converted model (a tied parameter has several)."""
         self.twins_in_slots = False
+        self._no_grad = torch.no_grad()
         self._twin_versions: list[int] = []
         self._master_versions: list[int] = []
         """The masters' versions when their twins were last written: a master whose version moved has changed."""
@@ -203,82 +203,74 @@ class MasterWeights:
         """The pair index of each of ``parameters`` that has one."""
         return [index for p in parameters if (index := self._index_of.get(id(p))) is not None]
 
-    def show_twins(self, stepped: Sequence[int] = (), mirror: bool = True) -> None:
+    def show_twins(self, stepped: Collection[int] = (), mirror: bool = True) -> None:
         """Put the twins into the slots, after writing the masters that changed (:meth:`push`) into them.
 
         ``mirror`` also mirrors ``requires_grad`` (at the edges of a step, not inside it: module docstring).
         """
-        self.push(stepped)
-        if mirror:
-            self.mirror_requires_grad()
-        for twin, slots in zip(self.twins, self.slots, strict=True):
-            for module, name in slots:
-                module._parameters[name] = twin
-        self.twins_in_slots = True
+        self.push(stepped, show=True, mirror=mirror)
 
-    def show_masters(self, mirror: bool = True) -> None:
-        """Put the masters back into the slots, after copying what was edited on the twins into them."""
-        self.pull_edits()
-        if mirror:
-            self.mirror_requires_grad()
-        for master, slots in zip(self.masters, self.slots, strict=True):
-            for module, name in slots:
-                module._parameters[name] = master
-        self.twins_in_slots = False
+    def show_masters(self, mirror: bool = True, show: bool = True) -> None:
+        """Put the masters back into the slots, after copying what was edited on the twins into them.
 
-    def push(self, stepped: Sequence[int] = ()) -> None:
+        ``show=False`` only copies the edits (and mirrors ``requires_grad`` if asked).
+
+        Where an edited twin still equals its master rounded to half, the master keeps its value: writing back
+        what was there (an EMA swap, a ``load_state_dict`` of the same values) loses no precision. One method, not
+        three, because it runs at every forward (module docstring, point 3).
+        """
+        versions = self._twin_versions
+        recorded = self._requires_grad
+        for i, (master, twin) in enumerate(zip(self.masters, self.twins, strict=True)):
+            if twin._version != versions[i]:
+                with self._no_grad:
+                    master.copy_(torch.where(twin == master.to(self.dtype), master, twin.to(master.dtype)))
+                versions[i] = twin._version
+                self._master_versions[i] = master._version
+            if mirror and twin.requires_grad != recorded[i]:
+                master.requires_grad_(twin.requires_grad)
+            elif mirror and master.requires_grad != recorded[i]:
+                twin.requires_grad_(master.requires_grad)
+            recorded[i] = master.requires_grad
+            if show:
+                for module, name in self.slots[i]:
+                    module._parameters[name] = master
+        if show:
+            self.twins_in_slots = False
+
+    def push(self, stepped: Collection[int] = (), show: bool = False, mirror: bool = False) -> None:
         """Write the ``stepped`` masters, and every master whose version moved, into their twins: one foreach cast.
 
         The stepped ones are named because fused optimizer kernels write the parameters without moving their
         version counters.
+        ``show`` also puts the twins into the slots and ``mirror`` mirrors ``requires_grad`` (:meth:`show_twins`).
         """
-        changed = sorted(
-            {*stepped, *(i for i, master in enumerate(self.masters) if master._version != self._master_versions[i])}
-        )
-        if not changed:
-            return
-        with torch.no_grad():
-            torch._foreach_copy_([self.twins[i] for i in changed], [self.masters[i] for i in changed])
-        for i in changed:
-            self._master_versions[i] = self.masters[i]._version
-            self._twin_versions[i] = self.twins[i]._version
-
-    def pull_edits(self) -> None:
-        """Copy the twins edited in place since they were written into their masters, keeping unchanged bits.
-
-        Where an edited twin still equals its master rounded to half, the master keeps its value: writing back
-        what was there (an EMA swap, a ``load_state_dict`` of the same values) loses no precision.
-        """
-        edited = [i for i, twin in enumerate(self.twins) if twin._version != self._twin_versions[i]]
-        with torch.no_grad():
-            for i in edited:
-                master, twin = self.masters[i], self.twins[i]
-                master.copy_(torch.where(twin == master.to(self.dtype), master, twin.to(master.dtype)))
-                self._twin_versions[i] = twin._version
-                self._master_versions[i] = master._version
-
-    def mirror_requires_grad(self) -> None:
-        """Give both sides of a pair the ``requires_grad`` that one of them was set to since the last mirror."""
+        targets, sources = [], []
+        versions = self._master_versions
+        recorded = self._requires_grad
         for i, (master, twin) in enumerate(zip(self.masters, self.twins, strict=True)):
-            recorded = self._requires_grad[i]
-            if master.requires_grad != recorded:
+            if master._version != versions[i] or i in stepped:
+                targets.append(twin)
+                sources.append(master)
+                versions[i] = master._version
+            if mirror and master.requires_grad != recorded[i]:
                 twin.requires_grad_(master.requires_grad)
-            elif twin.requires_grad != recorded:
+            elif mirror and twin.requires_grad != recorded[i]:
                 master.requires_grad_(twin.requires_grad)
-            self._requires_grad[i] = master.requires_grad
+            if mirror:
+                recorded[i] = master.requires_grad
+            if show:
+                for module, name in self.slots[i]:
+                    module._parameters[name] = twin
+        if targets:
+            with self._no_grad:
+                torch._foreach_copy_(targets, sources)
+            for i, twin in enumerate(self.twins):
+                self._twin_versions[i] = twin._version
+        if show:
+            self.twins_in_slots = True
 
-    def hold_gradients(self) -> list[nn.Parameter]:
-        """Stop the twins whose masters do not require gradients from requiring them; return those twins."""
-        held = [
-            twin
-            for master, twin in zip(self.masters, self.twins, strict=True)
-            if twin.requires_grad and not master.requires_grad
-        ]
-        for twin in held:
-            twin.requires_grad_(False)
-        return held
-
-    def gather_gradients(self, indices: Sequence[int]) -> None:
+    def gather_gradients(self, indices: Iterable[int]) -> None:
         """Move the twins' half gradients into their masters' ``.grad`` in fp32 (added to one already there)."""
         for i in indices:
             twin = self.twins[i]
@@ -294,7 +286,7 @@ class MasterWeights:
 
     def substitute_masters(self, state_dict: dict[str, Any], prefix: str) -> None:
         """Put the masters' fp32 values in ``state_dict`` where the twins' are."""
-        self.pull_edits()
+        self.show_masters(mirror=False, show=False)
         for master, keys in zip(self.masters, self.keys, strict=True):
             for key in keys:
                 value = state_dict.get(prefix + key)
@@ -308,6 +300,53 @@ class MasterWeights:
                 value = state_dict.get(prefix + keys[0])
                 if isinstance(value, Tensor) and value.shape == master.shape:
                     master.copy_(value)
+
+
+class _TwinsInSlots(AbstractContextManager):
+    """The forward context: twins in the slots from the outermost entry to its exit (module docstring, point 3)."""
+
+    def __init__(self, policy: O2Policy) -> None:
+        self.policy = policy
+
+    def __enter__(self) -> None:
+        policy = self.policy
+        weights = policy.weights
+        # Inside a compiled region the slots cannot change: that forward computes with the masters, as O1 does.
+        if weights is None or torch.compiler.is_compiling():
+            return
+        policy.forward_depth += 1
+        if policy.forward_depth == 1:
+            if policy.lazy:
+                policy.adopt_materialized_lazy()
+            weights.push(show=True, mirror=True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        policy = self.policy
+        if policy.forward_depth == 0:
+            return
+        policy.forward_depth -= 1
+        if policy.forward_depth == 0 and policy.weights is not None:
+            policy.weights.show_masters()
+
+
+class _HeldGradients(AbstractContextManager):
+    """The backward context: twins whose masters need no gradient get none (``toggle_optimizer``)."""
+
+    def __init__(self, weights: MasterWeights) -> None:
+        self.weights = weights
+        self.held: list[nn.Parameter] = []
+
+    def __enter__(self) -> None:
+        held = self.held
+        for master, twin in zip(self.weights.masters, self.weights.twins, strict=True):
+            if twin.requires_grad and not master.requires_grad:
+                twin.requires_grad_(False)
+                held.append(twin)
+
+    def __exit__(self, *exc_info: object) -> None:
+        for twin in self.held:
+            twin.requires_grad_(True)
+        self.held.clear()
 
 
 def _substitute_masters(
@@ -342,13 +381,16 @@ class O2Policy(PrecisionPolicy):
         self.overrides = Fp32Overrides(self.keep_fp32)
         self.weights: MasterWeights | None = None
         """The masters and their twins, from ``convert_module`` until ``teardown``."""
-        self._lazy: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = []
+        self.lazy: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = []
         """Lazy parameters waiting for their first forward, with their names and slots."""
         self._adopted: dict[int, int] = {}
         """Per optimizer (by ``id``), how many parameter groups ``connect`` has pointed at the masters."""
-        self._stepped: dict[int, list[int]] = {}
+        self._stepped: dict[int, set[int]] = {}
         """Per optimizer (by ``id``), the pairs its coming step writes: their twins are rewritten after it."""
-        self._forward_depth = 0
+        self.forward_depth = 0
+        # Built once: a forward and a backward then cost two Python calls each (the host overhead O2 must not add).
+        self._twins_in_slots = _TwinsInSlots(self)
+        self._held_gradients: _HeldGradients | None = None
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -378,7 +420,8 @@ class O2Policy(PrecisionPolicy):
         for master, slots, keys in materialized:
             weights.add(master, slots, keys)
         weights.show_twins()
-        self._lazy = [
+        self._held_gradients = _HeldGradients(weights)
+        self.lazy = [
             (keys[0], master, slots)
             for master, slots, keys in chosen.values()
             if isinstance(master, nn.UninitializedParameter)
@@ -404,44 +447,20 @@ class O2Policy(PrecisionPolicy):
         """``id -> name`` of the masters the optimizers step, and of every other parameter of ``module``."""
         names = super().parameter_names(module)
         if self.weights is not None:
-            names.update({id(master): name for master, name in zip(self.weights.masters, self.weights.names)})
+            names.update(
+                {id(master): name for master, name in zip(self.weights.masters, self.weights.names, strict=True)}
+            )
         return names
 
     @override
     def forward_context(self) -> AbstractContextManager:
         """The twins in the model's slots for the duration of the (outermost) forward context."""
-        return self._twins_in_slots()
-
-    @contextlib.contextmanager
-    def _twins_in_slots(self) -> Generator[None, None, None]:
-        weights = self.weights
-        # Inside a compiled region the slots cannot change: that forward computes with the masters, as O1 does.
-        if weights is None or torch.compiler.is_compiling():
-            yield
-            return
-        self._forward_depth += 1
-        try:
-            if self._forward_depth == 1:
-                if self._lazy:
-                    self._adopt_materialized_lazy()
-                weights.show_twins()
-            yield
-        finally:
-            self._forward_depth -= 1
-            if self._forward_depth == 0 and self.weights is not None:
-                self.weights.show_masters()
+        return self._twins_in_slots
 
     @override
-    @contextlib.contextmanager
-    def backward_context(self) -> Generator[None, None, None]:
+    def backward_context(self) -> AbstractContextManager:
         """Keep gradients from the twins whose masters do not require them (``toggle_optimizer`` inside the step)."""
-        weights = self.weights
-        held = weights.hold_gradients() if weights is not None else []
-        try:
-            yield
-        finally:
-            for twin in held:
-                twin.requires_grad_(True)
+        return self._held_gradients if self._held_gradients is not None else super().backward_context()
 
     @override
     def prepare_step(self, optimizer: Optimizer) -> None:
@@ -453,9 +472,11 @@ class O2Policy(PrecisionPolicy):
             self._adopt(optimizer)
         if weights.twins_in_slots:
             weights.show_masters(mirror=False)
-        stepped = self._stepped[id(optimizer)] = weights.indices(
-            [p for group in optimizer.param_groups for p in group["params"]]
-        )
+        stepped = self._stepped.get(id(optimizer))
+        if stepped is None:
+            stepped = self._stepped[id(optimizer)] = set(
+                weights.indices([p for group in optimizer.param_groups for p in group["params"]])
+            )
         weights.gather_gradients(stepped)
 
     @override
@@ -473,13 +494,13 @@ class O2Policy(PrecisionPolicy):
         if weights is None:
             return
         # A step the host saw skipped changed no master; one skipped on the device is written again, unchanged.
-        stepped = () if skipped is True else self._stepped.pop(id(optimizer), ())
-        if self._forward_depth > 0:
+        stepped = () if skipped is True else self._stepped.get(id(optimizer), ())
+        if self.forward_depth > 0:
             weights.show_twins(stepped, mirror=False)
         else:
             weights.push(stepped)
         if skipped:
-            self._check_range([(name, master) for name, master in zip(weights.names, weights.masters)])
+            self._check_range([(name, master) for name, master in zip(weights.names, weights.masters, strict=True)])
 
     @override
     def teardown(self) -> None:
@@ -488,10 +509,11 @@ class O2Policy(PrecisionPolicy):
             self.weights.show_masters()
         super().teardown()
         self.weights = None
-        self._lazy = []
+        self._held_gradients = None
+        self.lazy = []
         self._adopted = {}
         self._stepped = {}
-        self._forward_depth = 0
+        self.forward_depth = 0
 
     def _adopt(self, optimizer: Optimizer) -> None:
         """Point ``optimizer``'s groups at the masters of the twins they hold; move the twins' state to them."""
@@ -506,18 +528,20 @@ class O2Policy(PrecisionPolicy):
                 if parameter in optimizer.state:
                     optimizer.state[master] = optimizer.state.pop(parameter)
         self._adopted[id(optimizer)] = len(optimizer.param_groups)
+        self._stepped.pop(id(optimizer), None)
 
-    def _adopt_materialized_lazy(self) -> None:
+    def adopt_materialized_lazy(self) -> None:
         """Give the lazy parameters that their first forward materialised a twin."""
         assert self.weights is not None
         waiting = []
-        for name, parameter, slots in self._lazy:
+        for name, parameter, slots in self.lazy:
             if isinstance(parameter, nn.UninitializedParameter):
                 waiting.append((name, parameter, slots))
                 continue
             self._check_range([(name, parameter)])
             self.weights.add(parameter, slots, [name])
-        self._lazy = waiting
+            self._stepped.clear()
+        self.lazy = waiting
 
     def _check_range(self, named: Sequence[tuple[str, Tensor]]) -> None:
         if self.half_dtype != torch.float16:

@@ -17,9 +17,12 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
+from lightning_mp.counting import count_python_calls, count_syncs_and_ops
 from lightning_mp.inference import compare, to_inference
 from lightning_mp.policies.o2 import HalfOverflowError, O2Policy
 from tests.ddp_scripts.launch import reports, run
@@ -883,3 +886,197 @@ def test_o2_trains_a_lazy_linear_with_half_copies_after_its_first_forward(precis
     assert o2_model.layer.weight.dtype == torch.float32 and o2_model.layer.weight.shape == (8, 8)
     for name, parameter in o2_model.named_parameters():
         torch.testing.assert_close(parameter, o1.get_parameter(name), rtol=2e-2, atol=2e-3)
+
+
+# ------------------------------------------------------------------------------------------------ what a step costs
+
+
+class WeightCasts(TorchDispatchMode):
+    """Counts the reads of the given fp32 weights by ops that write half tensors (casts), and all ops."""
+
+    def __init__(self, weights: list[Tensor]) -> None:
+        super().__init__()
+        self.pointers = {weight.untyped_storage().data_ptr() for weight in weights}
+        self.casts = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs, output)) if isinstance(t, Tensor)]
+        if any(t.dtype in HALF.values() for t in tensors):
+            self.casts += sum(
+                t.dtype == torch.float32 and t.untyped_storage().data_ptr() in self.pointers
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, Tensor)
+            )
+        return output
+
+
+def fabric_step_counts(opt_level: str, precision: str) -> tuple[int, int, int, int]:
+    """(weight casts in forward and backward, in the optimizer step, ops per step, Python calls per step)."""
+    plugin = MixedPrecision(precision, opt_level=opt_level)  # type: ignore[arg-type]
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    weights = [model[0].weight, model[0].bias, model[3].weight, model[3].bias]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    model, optimizer = fabric.setup(model, optimizer)
+    features, target = torch.randn(8, 8), torch.randint(0, 4, (8,))
+
+    def forward_backward() -> None:
+        fabric.backward(F.cross_entropy(model(features), target))
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(2):  # steady state
+        forward_backward()
+        step()
+    with WeightCasts(weights) as in_forward_and_backward:
+        forward_backward()
+    with WeightCasts(weights) as in_step:
+        step()
+    with count_syncs_and_ops() as counts:
+        forward_backward()
+        step()
+    with count_python_calls() as calls:
+        forward_backward()
+        step()
+    plugin.teardown()
+    return in_forward_and_backward.casts, in_step.casts, counts.ops, calls.python_calls
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_casts_each_weight_once_per_optimizer_step_and_never_in_forward_or_backward(precision: str) -> None:
+    """Steady O2 steps cast no weight in forward or backward and each converted weight once at the step."""
+    in_forward_and_backward, in_step, _, _ = fabric_step_counts("O2", precision)
+    assert in_forward_and_backward == 0
+    assert in_step == 4  # the two linears' weights and biases; the LayerNorm stays fp32
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_dispatches_no_more_ops_and_python_calls_per_step_than_o1(precision: str) -> None:
+    """A steady O2 step dispatches no more ATen ops than O1, and at most a constant few more Python calls."""
+    _, _, o1_ops, o1_calls = fabric_step_counts("O1", precision)
+    _, _, o2_ops, o2_calls = fabric_step_counts("O2", precision)
+    assert o2_ops <= o1_ops
+    assert o2_calls <= o1_calls + 10  # the bookkeeping of masters and twins: a few calls per step, whatever the model
+
+
+# ------------------------------------------------------------------------------------------------ edits and checkpoints
+
+
+def converted(precision: str = "bf16-mixed") -> tuple[Net, MixedPrecision, torch.optim.Optimizer]:
+    """A Net converted by an O2 plugin outside any loop, with its optimizer connected (the Trainer's order)."""
+    model = Net()
+    plugin = o2(precision)
+    plugin.setup_for_device("cpu")
+    plugin.convert_module(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plugin.connect(model, [optimizer], [])
+    return model, plugin, optimizer
+
+
+def test_o2_model_holds_half_weights_and_the_optimizer_their_fp32_masters() -> None:
+    """After setup the model's chosen weights are half twins and the optimizer steps fp32 masters of equal value."""
+    model, plugin, optimizer = converted()
+    masters = optimizer.param_groups[0]["params"]
+    assert model.net[0].weight.dtype == torch.bfloat16 and model.net[1].weight.dtype == torch.float32
+    assert {p.dtype for p in masters} == {torch.float32}
+    assert all(p is not q for p, q in zip(masters, model.parameters(), strict=True) if q.dtype == torch.bfloat16)
+    assert torch.equal(masters[0].bfloat16(), model.net[0].weight)
+    plugin.teardown()
+    assert list(model.parameters()) == masters  # the original fp32 parameter objects are back
+
+
+def test_o2_state_dict_gives_fp32_masters_and_load_state_dict_restores_them_exactly() -> None:
+    """While the model holds half weights, state_dict() is fp32 and load_state_dict sets the fp32 masters bit-exactly."""
+    model, plugin, optimizer = converted()
+    fp32 = {name: torch.randn_like(value, dtype=torch.float32) for name, value in model.state_dict().items()}
+    model.load_state_dict(fp32)
+    assert all(value.dtype == torch.float32 for value in model.state_dict().values())
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in fp32.items())
+    assert torch.equal(model.net[0].weight, fp32["net.0.weight"].bfloat16())
+    plugin.teardown()
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in fp32.items())
+
+
+def test_o2_an_edit_of_a_half_weight_reaches_its_master_and_a_swap_back_loses_no_bits() -> None:
+    """An in-place edit of a half weight is copied into its master; writing the same half values back keeps fp32 bits."""
+    model, plugin, optimizer = converted()
+    master = optimizer.param_groups[0]["params"][0]
+    before = master.detach().clone()
+    with torch.no_grad():
+        kept = model.net[0].weight.clone()
+        model.net[0].weight.zero_()  # an EMA swap: other weights in, then the originals back
+        model.net[0].weight.copy_(kept)
+    assert torch.equal(model.state_dict()["net.0.weight"], before)
+    with torch.no_grad():
+        model.net[0].weight[0].fill_(0.5)
+    edited = model.state_dict()["net.0.weight"]
+    assert torch.equal(edited[0], torch.full((8,), 0.5)) and torch.equal(edited[1:], before[1:])
+    plugin.teardown()
+
+
+def test_o2_add_param_group_with_model_parameters_steps_their_masters() -> None:
+    """A group added with the model's (half) parameters is pointed at their fp32 masters at the next step."""
+    model, plugin, optimizer = converted()
+    optimizer.param_groups[0]["params"] = optimizer.param_groups[0]["params"][:2]
+    optimizer.add_param_group({"params": list(model.net[3].parameters())})
+    policy = plugin.policy
+    assert isinstance(policy, O2Policy)
+    policy.prepare_step(optimizer)
+    assert {p.dtype for p in optimizer.param_groups[1]["params"]} == {torch.float32}
+    plugin.teardown()
+    assert optimizer.param_groups[1]["params"] == list(model.net[3].parameters())
+
+
+class EditsWeightsInStep(Net):
+    """Writes fp32 values into the model with load_state_dict inside training_step, before the forward."""
+
+    def __init__(self, weights: dict[str, Tensor]) -> None:
+        super().__init__(optimizer="sgd")
+        self.weights = weights
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if batch_idx == 1:
+            self.load_state_dict(self.weights)
+            self.in_step = {name: p.detach().clone() for name, p in self.named_parameters()}
+        return super().training_step(batch, batch_idx)
+
+
+def test_o2_load_state_dict_inside_training_step_decides_the_step_and_keeps_fp32_precision() -> None:
+    """fp32 weights loaded inside training_step are what the forward computes with and what the step starts from."""
+    weights = {name: torch.randn_like(value) for name, value in Net().state_dict().items()}
+    model = EditsWeightsInStep(weights)
+    stepped: dict[str, Tensor] = {}
+
+    class Record(L.Callback):
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+            if trainer.global_step == 1:
+                stepped.update({name: p.detach().clone() for name, p in pl_module.named_parameters()})
+
+    fit(model, o2(), max_steps=2, callbacks=[Record()])
+    assert model.in_step["net.0.weight"].dtype == torch.bfloat16
+    assert torch.equal(model.in_step["net.0.weight"], weights["net.0.weight"].bfloat16())
+    for name, value in weights.items():  # the masters the optimizer steps hold the loaded fp32 values, unrounded
+        assert torch.equal(stepped[name], value), name
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_a_skipped_step_leaves_masters_and_half_weights_unchanged(precision: str) -> None:
+    """An inf step changes neither the fp32 masters nor the half weights the next forward computes with."""
+    seen: dict[int, tuple[Tensor, Tensor]] = {}
+
+    class Records(Net):
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            master = self.trainer.optimizers[0].param_groups[0]["params"][0]
+            seen[batch_idx] = (master.detach().clone(), self.net[0].weight.detach().clone())
+            return super().training_step(batch, batch_idx)
+
+    trainer = fit(Records(inf_at=(1,)), o2(precision), max_steps=3)
+    assert trainer.precision_plugin.stats.skipped_steps == 1
+    assert torch.equal(seen[1][0], seen[2][0]) and torch.equal(seen[1][1], seen[2][1])
+    assert seen[2][1].dtype == HALF[precision] and torch.equal(seen[2][0].to(HALF[precision]), seen[2][1])
+    assert not torch.equal(seen[0][0], seen[1][0])
