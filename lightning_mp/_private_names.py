@@ -89,7 +89,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch._foreach_sign", "torch", ("callbacks/precision_sentinel.py",), _FOREACH),
     PrivateName("torch._foreach_sign_", "torch", ("callbacks/precision_sentinel.py",), _FOREACH),
     PrivateName("torch._foreach_sub", "torch", ("callbacks/precision_sentinel.py",), _FOREACH),
-    PrivateName("torch._foreach_copy_", "torch", ("stochastic_rounding.py",), _FOREACH),
+    PrivateName("torch._foreach_copy_", "torch", ("policies/o2.py", "stochastic_rounding.py"), _FOREACH),
     PrivateName("torch._foreach_zero_", "torch", ("stochastic_rounding.py",), _FOREACH),
     PrivateName("torch._foreach_neg_", "torch", ("stochastic_rounding.py",), _FOREACH),
     PrivateName("torch._foreach_add_", "torch", ("stochastic_rounding.py",), _FOREACH),
@@ -145,14 +145,15 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "Tensor._version",
         "torch",
         ("policies/o2.py",),
-        "the in-place version counter autograd checks saved tensors against: O2's recast in backward checks it too",
+        "the in-place version counter autograd checks saved tensors against: O2 finds by it the half weights and fp32"
+        " masters edited between steps, to copy each edit to the other side",
     ),
     PrivateName(
         "nn.Module._parameters",
         "torch",
         ("policies/o2.py",),
-        "the only way to put a plain tensor in a parameter's slot while keeping the module's parameter order"
-        " (torch.func.functional_call wraps one forward call, not a LightningModule's training_step)",
+        "O2 swaps each slot between the fp32 master and its half twin at every forward; setattr would run two"
+        " Python calls per slot (Module.__setattr__, register_parameter) and keep the parameter order the same",
     ),
     PrivateName(
         "nn.Module._forward_pre_hooks",

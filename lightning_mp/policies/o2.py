@@ -330,13 +330,16 @@ class _TwinsInSlots(AbstractContextManager):
 
 
 class _HeldGradients(AbstractContextManager):
-    """The backward context: twins whose masters need no gradient get none (``toggle_optimizer``)."""
+    """The backward context: the twins in the slots; those whose masters need no gradient get none."""
 
     def __init__(self, weights: MasterWeights) -> None:
         self.weights = weights
         self.held: list[nn.Parameter] = []
 
     def __enter__(self) -> None:
+        if not self.weights.twins_in_slots:
+            # The gradients land on the twins: the model shows them, with their gradients, until the step.
+            self.weights.push(show=True)
         held = self.held
         for master, twin in zip(self.weights.masters, self.weights.twins, strict=True):
             if twin.requires_grad and not master.requires_grad:

@@ -16,9 +16,9 @@ from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
@@ -991,8 +991,8 @@ def test_o2_model_holds_half_weights_and_the_optimizer_their_fp32_masters() -> N
 
 
 def test_o2_state_dict_gives_fp32_masters_and_load_state_dict_restores_them_exactly() -> None:
-    """While the model holds half weights, state_dict() is fp32 and load_state_dict sets the fp32 masters bit-exactly."""
-    model, plugin, optimizer = converted()
+    """While the model holds half weights, state_dict() is fp32 and load_state_dict sets the fp32 masters exactly."""
+    model, plugin, _ = converted()
     fp32 = {name: torch.randn_like(value, dtype=torch.float32) for name, value in model.state_dict().items()}
     model.load_state_dict(fp32)
     assert all(value.dtype == torch.float32 for value in model.state_dict().values())
@@ -1003,7 +1003,7 @@ def test_o2_state_dict_gives_fp32_masters_and_load_state_dict_restores_them_exac
 
 
 def test_o2_an_edit_of_a_half_weight_reaches_its_master_and_a_swap_back_loses_no_bits() -> None:
-    """An in-place edit of a half weight is copied into its master; writing the same half values back keeps fp32 bits."""
+    """An in-place edit of a half weight reaches its master; writing the same half values back keeps the fp32 bits."""
     model, plugin, optimizer = converted()
     master = optimizer.param_groups[0]["params"][0]
     before = master.detach().clone()
