@@ -484,10 +484,12 @@ class O2Policy(PrecisionPolicy):
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
-        """Write the stepped masters into their twins (one foreach cast); name weights beyond fp16 after a skip.
+        """Write the stepped masters into their twins (one foreach cast) and free their fp32 gradients.
 
-        Inside a forward context (manual optimization's ``training_step``) the twins go back into the slots, so
-        that a later forward in the same step computes in half with the new weights.
+        The fp32 gradients live from :meth:`prepare_step` to here: between steps O2 keeps 2 bytes of half weight,
+        4 of master and the optimizer's states per parameter, and no gradient. After a skip, weights beyond fp16's
+        range are named. Inside a forward context (manual optimization's ``training_step``) the twins go back into
+        the slots, so that a later forward in the same step computes in half with the new weights.
 
         Raises:
             HalfOverflowError: if the step was skipped because a weight's fp16 twin was inf.
@@ -502,6 +504,8 @@ class O2Policy(PrecisionPolicy):
             weights.show_twins(stepped, mirror=False)
         else:
             weights.push(stepped)
+        for i in stepped:
+            weights.masters[i].grad = None
         if skipped:
             self._check_range([(name, master) for name, master in zip(weights.names, weights.masters, strict=True)])
 
