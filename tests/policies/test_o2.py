@@ -671,6 +671,22 @@ def test_o2_under_real_ddp_skips_an_overflow_on_one_rank_and_keeps_the_ranks_ide
     assert len({checksum for rank in ranks for checksum in rank["checksums"]}) == 1
 
 
+@pytest.mark.slow
+def test_o2_under_real_ddp_all_reduces_half_gradients(tmp_path: Path) -> None:
+    """Under strategy='ddp' (gloo, 2 ranks) O2's gradient buckets are half: at most 0.55x the bytes O1 all-reduces."""
+    precision, reduced = "16-mixed", {}
+    for opt_level in ("O1", "O2"):
+        out = tmp_path / opt_level
+        common = ["--strategy", "ddp", "--max-steps", "4", "--count-reduced-bytes"]
+        run([*common, "--out", str(out), "--opt-level", opt_level, "--precision", precision])
+        reduced[opt_level] = ranks = reports(out)
+        assert ranks[0]["checksums"][0] == ranks[0]["checksums"][1]
+        assert ranks[0]["reduced_bytes"] == ranks[1]["reduced_bytes"] > 0
+    assert reduced["O1"][0]["reduced_dtypes"] == ["torch.float32"]
+    assert reduced["O2"][0]["reduced_dtypes"] == [str(HALF[precision])]
+    assert reduced["O2"][0]["reduced_bytes"] <= 0.55 * reduced["O1"][0]["reduced_bytes"]
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_o2_validation_loss_is_within_2_percent_of_o0_on_the_reference_task(precision: str) -> None:
     """On the reference task O2 ends within 2% of the fp32 baseline's validation loss, without a skipped step."""
