@@ -132,7 +132,6 @@ class MixedPrecision(LightningMixedPrecision):
         skip_scheduler_on_overflow: <knob>
         keep_fp32: <knob>
         max_consecutive_skips: <knob>
-        recast_in_backward: <knob>
         skip_nonfinite: <knob>
 
     Every knob is declared, documented and checked once, in :class:`~lightning_mp.settings.PluginSettings` and
@@ -171,7 +170,6 @@ class MixedPrecision(LightningMixedPrecision):
         skip_scheduler_on_overflow: bool = PLUGIN_DEFAULTS.skip_scheduler_on_overflow,
         keep_fp32: Sequence[type | str] | None = PLUGIN_DEFAULTS.keep_fp32,
         max_consecutive_skips: int | None = SCALER_DEFAULTS.max_consecutive_skips,
-        recast_in_backward: bool = PLUGIN_DEFAULTS.recast_in_backward,
         skip_nonfinite: bool = SCALER_DEFAULTS.skip_nonfinite,
     ) -> None:
         settings = PluginSettings.from_arguments(
@@ -195,7 +193,6 @@ class MixedPrecision(LightningMixedPrecision):
             skip_scheduler_on_overflow=skip_scheduler_on_overflow,
             keep_fp32=keep_fp32,
             max_consecutive_skips=max_consecutive_skips,
-            recast_in_backward=recast_in_backward,
             skip_nonfinite=skip_nonfinite,
         )
         self.settings = settings
@@ -208,7 +205,6 @@ class MixedPrecision(LightningMixedPrecision):
         """The ``device`` given; None follows the Trainer's accelerator, or under Fabric the model's device."""
         self.loss_scale = settings.loss_scale
         self.skip_scheduler_on_overflow = settings.skip_scheduler_on_overflow
-        self.recast_in_backward = settings.recast_in_backward
         self.keep_fp32 = list(settings.keep_fp32)
         self.precision_reason = "asked for" if settings.precision != "auto" else ""
         self._given_loss_scaler = scaler if isinstance(scaler, LossScaler) else None

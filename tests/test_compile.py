@@ -159,7 +159,7 @@ def trainer_run(opt_level: str, compile_what: str, backend: str = BACKEND) -> tu
     plugin = MixedPrecision("16-mixed", opt_level=opt_level, keep_fp32=KEEP_FP32)
     data = DataLoader(TensorDataset(*map(torch.cat, zip(*batches(), strict=True))), batch_size=8)
     make_trainer(plugin, max_steps=STEPS).fit(model, data)
-    weights = dict(net.named_parameters())  # fp32 at every level but O3: O2 keeps its masters in the model
+    weights = dict(net.named_parameters())  # fp32 at every level but O3: O2 shows its masters between steps
     return [w.detach().clone() for w in weights.values()], seen
 
 
@@ -192,7 +192,7 @@ def fabric_run(opt_level: str, compile_what: str, backend: str = BACKEND) -> tup
         fabric.backward(nn.functional.mse_loss(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
-    weights = dict(net.named_parameters())  # fp32 at every level but O3: O2 keeps its masters in the model
+    weights = dict(net.named_parameters())  # fp32 at every level but O3: O2 shows its masters between steps
     return [copy.deepcopy(w.detach()) for w in weights.values()], seen
 
 

@@ -1,9 +1,10 @@
 """The seam between the plugin and an opt level.
 
-An opt level decides how the module is prepared before training (O3 casts its weights to half, O2 chooses which
-weights compute in half), whether the forward runs under autocast, what else surrounds the forward (O2 puts half
-copies of the weights in place), and what it must release when training ends. The plugin asks the policy at each of
-those points instead of branching on the level, so a new level is one new module.
+An opt level decides how the module is prepared before training (O3 casts its weights to half, O2 gives them half
+twins and keeps fp32 masters), whether the forward runs under autocast, what else surrounds the forward and the
+backward (O2 puts its half weights in place), what happens around each optimizer step (O2 moves the gradients to
+the masters, and the stepped masters back into the half weights), and what it must release when training ends. The
+plugin asks the policy at each of those points instead of branching on the level, so a new level is one new module.
 
 Where each hook runs::
 
@@ -11,7 +12,7 @@ Where each hook runs::
     connect(module, optimizers)                # once the optimizers exist (O3 checks their eps; Kahan buffers)
     with forward_context(), autocast:          # every training/validation/test/predict step, Fabric's forward
         step ...
-    with backward_context():                   # O2: no gradients for half weights whose masters need none
+    with backward_context():                   # O2: the half weights in place; none for masters needing no grad
         backward
     prepare_step(optimizer)                    # O2: the fp32 masters in the model, with the gradients
     unscale, clipping, step                    # the plugin's step engine, on the optimizer's parameters

@@ -245,11 +245,14 @@ class MasterWeights:
         version counters.
         ``show`` also puts the twins into the slots and ``mirror`` mirrors ``requires_grad`` (:meth:`show_twins`).
         """
-        targets, sources = [], []
+        written: list[int] = []
+        targets: list[Tensor] = []
+        sources: list[Tensor] = []
         versions = self._master_versions
         recorded = self._requires_grad
         for i, (master, twin) in enumerate(zip(self.masters, self.twins, strict=True)):
             if master._version != versions[i] or i in stepped:
+                written.append(i)
                 targets.append(twin)
                 sources.append(master)
                 versions[i] = master._version
@@ -265,8 +268,8 @@ class MasterWeights:
         if targets:
             with self._no_grad:
                 torch._foreach_copy_(targets, sources)
-            for i, twin in enumerate(self.twins):
-                self._twin_versions[i] = twin._version
+            for i in written:
+                self._twin_versions[i] = self.twins[i]._version
         if show:
             self.twins_in_slots = True
 
@@ -540,7 +543,7 @@ class O2Policy(PrecisionPolicy):
     def adopt_materialized_lazy(self) -> None:
         """Give the lazy parameters that their first forward materialised a twin."""
         assert self.weights is not None
-        waiting = []
+        waiting: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = []
         for name, parameter, slots in self.lazy:
             if isinstance(parameter, nn.UninitializedParameter):
                 waiting.append((name, parameter, slots))

@@ -778,17 +778,6 @@ def test_o2_torch_func_in_the_step_trains() -> None:
     assert model.per_sample_norm.shape == (8,) and torch.isfinite(model.per_sample_norm).all()
 
 
-@pytest.mark.parametrize("value", ["yes", 1.0, None])
-def test_recast_in_backward_must_be_a_boolean(value: Any) -> None:
-    with pytest.raises((TypeError, ValueError), match="recast_in_backward"):
-        MixedPrecision("bf16-mixed", opt_level="O2", recast_in_backward=value)
-
-
-def test_recast_in_backward_off_is_refused_outside_o2() -> None:
-    with pytest.raises(ValueError, match=r"opt_level='O1', recast_in_backward=False\) is not allowed"):
-        MixedPrecision("bf16-mixed", opt_level="O1", recast_in_backward=False)
-
-
 class Checkpointed(L.LightningModule):
     """A block under torch.utils.checkpoint (non-reentrant), or the same block run plainly."""
 
