@@ -75,6 +75,7 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -193,6 +194,18 @@ class MasterWeights:
         if self.twins_in_slots:
             for module, name in slots:
                 module._parameters[name] = twin
+
+    def follow_devices(self) -> None:
+        """Move each master (and its gradient) to its twin's device; the masters stay the same parameter objects.
+
+        The Trainer and Fabric move the model after ``convert_module``, while it holds the twins.
+        """
+        with self._no_grad:
+            for master, twin in zip(self.masters, self.twins, strict=True):
+                if master.device != twin.device:
+                    master.data = master.data.to(twin.device)
+                    if master.grad is not None:
+                        master.grad = master.grad.to(twin.device)
 
     def master_of(self, parameter: Tensor) -> Tensor:
         """The master of a twin; any other tensor (a master, a parameter without twin) as it is."""
@@ -321,6 +334,8 @@ class _TwinsInSlots(AbstractContextManager):
         if policy.forward_depth == 1:
             if policy.lazy:
                 policy.adopt_materialized_lazy()
+            if weights.masters and weights.masters[0].device != weights.twins[0].device:
+                weights.follow_devices()
             weights.push(show=True, mirror=True)
 
     def __exit__(self, *exc_info: object) -> None:
@@ -353,6 +368,28 @@ class _HeldGradients(AbstractContextManager):
         for twin in self.held:
             twin.requires_grad_(True)
         self.held.clear()
+
+
+def _upcast_state(state: dict[str, Any], master: Tensor) -> dict[str, Any]:
+    """An optimizer state kept for a twin, made its master's: elementwise half states become fp32, with a warning.
+
+    torch's ``Optimizer.load_state_dict`` casts states to the dtype of the parameter they are loaded for, so a state
+    loaded while the optimizer held twins was rounded to half.
+    """
+    rounded = [key for key, value in state.items() if _is_half_elementwise(value, master)]
+    if rounded:
+        warnings.warn(
+            f"lightning_mp O2: an optimizer state ({', '.join(rounded)}) was loaded while the optimizer held O2's half"
+            " weights, so torch rounded it to half; it continues in fp32 from the rounded values. Build the optimizer"
+            " on the model's parameters before fabric.setup (or let the Trainer connect it) before loading its state.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return {key: value.to(master.dtype) if key in rounded else value for key, value in state.items()}
+
+
+def _is_half_elementwise(value: Any, master: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.shape == master.shape and value.dtype in (torch.float16, torch.bfloat16)
 
 
 def _substitute_masters(
@@ -442,8 +479,13 @@ class O2Policy(PrecisionPolicy):
 
     @override
     def connect(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
-        """Point each optimizer's ``param_groups`` (and any state it holds) at the masters instead of the twins."""
+        """Point each optimizer's ``param_groups`` (and any state it holds) at the masters instead of the twins.
+
+        The masters move first to the device the model was moved to since ``convert_module``.
+        """
         optimizers = super().connect(module, optimizers)
+        if self.weights is not None:
+            self.weights.follow_devices()
         for optimizer in optimizers:
             self._adopt(optimizer)
         return optimizers
@@ -536,7 +578,7 @@ class O2Policy(PrecisionPolicy):
                     continue
                 group["params"][position] = master
                 if parameter in optimizer.state:
-                    optimizer.state[master] = optimizer.state.pop(parameter)
+                    optimizer.state[master] = _upcast_state(optimizer.state.pop(parameter), master)
         self._adopted[id(optimizer)] = len(optimizer.param_groups)
         self._stepped.pop(id(optimizer), None)
 

@@ -1085,3 +1085,71 @@ def test_o2_a_skipped_step_leaves_masters_and_half_weights_unchanged(precision: 
     assert torch.equal(seen[1][0], seen[2][0]) and torch.equal(seen[1][1], seen[2][1])
     assert seen[2][1].dtype == HALF[precision] and torch.equal(seen[2][0].to(HALF[precision]), seen[2][1])
     assert not torch.equal(seen[0][0], seen[1][0])
+
+
+class LBFGSNet(Net):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+def test_o2_lbfgs_evaluates_its_closure_with_the_weights_it_moved_to() -> None:
+    """LBFGS steps the fp32 masters several times per step; each closure computes with their current half values."""
+    seen: list[tuple[Tensor, Tensor]] = []
+
+    class Records(LBFGSNet):
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            master = self.trainer.optimizers[0].param_groups[0]["params"][0]
+            seen.append((master.detach().clone(), self.net[0].weight.detach().clone()))
+            return super().training_step(batch, batch_idx)
+
+    model = Records()
+    initial = model.net[0].weight.detach().clone()
+    trainer = fit(model, o2(), max_steps=2)
+    assert trainer.precision_plugin.stats.skipped_steps == 0 and len(seen) > 2
+    assert all(torch.equal(master.bfloat16(), twin) for master, twin in seen)
+    assert not torch.equal(model.net[0].weight, initial)
+
+
+class PartlyTrained(Net):
+    """net.0 frozen, net.3 in no optimizer: only the LayerNorm trains."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        for parameter in self.net[0].parameters():
+            parameter.requires_grad_(False)
+        return torch.optim.SGD(self.net[1].parameters(), lr=0.1)
+
+
+def test_o2_frozen_parameters_and_parameters_in_no_optimizer_keep_their_fp32_values() -> None:
+    """A frozen layer and a layer no optimizer steps end fit with exactly their fp32 values; the rest trains."""
+    model = PartlyTrained()
+    before = snapshot(model)
+    fit(model, o2(), max_steps=2)
+    after = snapshot(model)
+    for name in ("net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"):
+        assert after[name].dtype == torch.float32 and torch.equal(after[name], before[name]), name
+    assert not torch.equal(after["net.1.weight"], before["net.1.weight"])
+    assert not model.net[0].weight.requires_grad and model.net[3].weight.requires_grad
+
+
+def test_o2_fabric_optimizer_loaded_while_it_held_half_weights_continues_in_fp32_and_says_so(tmp_path: Path) -> None:
+    """An optimizer built after fabric.setup_module and loaded before its first step warns and steps fp32 states."""
+    features, target = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    states = []
+    for run_index in range(2):
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[o2()])
+        torch.manual_seed(0)
+        model = fabric.setup_module(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+        if run_index == 1:
+            fabric.load(tmp_path / "state.ckpt", {"optimizer": optimizer})
+        fabric.backward(F.cross_entropy(model(features), target))
+        if run_index == 1:
+            with pytest.warns(UserWarning, match="rounded it to half; it continues in fp32"):
+                optimizer.step()
+        else:
+            optimizer.step()
+        states.append(optimizer.state_dict()["state"])
+        fabric.save(tmp_path / "state.ckpt", {"optimizer": optimizer})
+    assert {value.dtype for state in states[1].values() for key, value in state.items() if key != "step"} == {
+        torch.float32
+    }
