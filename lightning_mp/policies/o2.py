@@ -1,9 +1,9 @@
 """O2: the model computes with persistent half weights; fp32 master weights take the optimizer steps.
 
 Apex's O2 and DeepSpeed's fp16/bf16 optimizers keep the model's weights in half and an fp32 master copy of each
-for the optimizer. This level does the same, with one difference that keeps Lightning's recipes working: the model
-computes with the half weights, but outside the forward it shows its masters, so that callbacks, checkpoints,
-``load_state_dict`` and the optimizer all read and write fp32 weights.
+for the optimizer. This level does the same, with one difference that keeps Lightning's recipes working: the
+masters are the model's original parameters, and between an optimizer step and the next forward the model shows
+them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32 weights without knowing about O2.
 
 1. ``convert_module`` (before the model moves and before DDP wraps it) gives each chosen parameter a half twin: a
    new ``nn.Parameter`` holding its value cast once to the half type, put in the parameter's slot in every module
@@ -33,34 +33,42 @@ computes with the half weights, but outside the forward it shows its masters, so
    cast, no op, no Python call). Autocast stays on around it, as a safety net for what is not a chosen weight: fp32
    inputs of matrix products, losses and softmax-like reductions in fp32, normalisation layers in fp32 (their fp32
    weights with half inputs). Since embeddings are half, the residual stream and the activations saved for backward
-   are half too. Backward (after the exit, in the Trainer's automatic optimization) flows into the twins, whose
-   ``.grad`` is half, where autograd and DDP accumulate it (``no_sync`` gradient accumulation included).
+   are half too. Backward (``backward_context``) flows into the twins, whose ``.grad`` is half, where autograd and
+   DDP accumulate it (``no_sync`` gradient accumulation included); it puts the twins back into the slots, so that
+   from backward to the step the model shows them with their gradients (``on_after_backward``, ``clip_grad_norm_``
+   of ``self.parameters()`` after ``manual_backward``, Fabric code between ``fabric.backward`` and the step).
 4. Step (the engines call :meth:`O2Policy.prepare_step` before unscaling, clipping or stepping an optimizer): the
-   twins' gradients move into their masters' ``.grad`` in fp32 (added where a master already holds one) and the
-   twins' are freed. So the loss scaler unscales and checks fp32 master gradients (foreach, fused and the fused
-   hand-off work unchanged), and ``on_before_optimizer_step`` hooks, ``grad_norm`` and gradient clipping see true
-   fp32 gradients on ``model.parameters()``. Gradients move at the step, not after each backward: DDP reduces the
-   accumulated ``.grad`` once, at the last micro-batch, so an earlier move would keep earlier micro-batches out of
-   the reduction. The cost is that micro-batches accumulate in half (in fp16 the scaled gradients, whose range
-   fits); a step without accumulation loses nothing. After the optimizer step (:meth:`O2Policy.after_optimizer_step`)
-   one foreach copy writes every master that changed into its twin: the one cast per weight per optimizer step. A
-   skipped step changes no master, so nothing is copied; with a step skipped on the device (fused kernels) the
-   copy writes the same values again.
-5. Edits are never lost. The twin of a master is rewritten only when the master changed (its version counter moved:
-   the optimizer, ``load_state_dict``, StochasticWeightAveraging or an EMA callback writing fp32 weights between
-   steps). A twin edited in place while it is in the slots (a weight changed inside ``training_step``) is copied
-   into its master when the masters come back, element by element: where the twin still equals the master rounded
-   to half, the master keeps its extra bits, so swapping weights out and back in loses nothing. ``state_dict()``
-   gives the masters' fp32 values also while the twins are in the slots, and ``load_state_dict`` writes fp32
-   values into the masters exactly. ``requires_grad`` set on either side (``toggle_optimizer`` sets it on the
-   masters the optimizer holds, ``BackboneFinetuning`` on the model's parameters) is mirrored before the twins
-   compute and before each backward.
-6. ``teardown`` (after fit, and after a failed fit) puts the masters back for good, removes every hook and forgets
-   the model: the model is the fp32 model it was, with the same parameter objects. The ``keep_fp32`` subtrees run
-   in fp32 regions (:mod:`lightning_mp.overrides`) whose hooks are attached here once and removed there.
+   masters come back into the slots, and the twins' gradients move into their masters' ``.grad`` in fp32 (added
+   where a master already holds one); the twins' are freed. So the loss scaler unscales and checks fp32 master
+   gradients (foreach, fused and the fused hand-off work unchanged), and ``on_before_optimizer_step`` hooks,
+   ``grad_norm`` and gradient clipping see true fp32 gradients on ``model.parameters()``. Gradients move at the
+   step, not after each backward: DDP reduces the accumulated ``.grad`` once, at the last micro-batch, so an earlier
+   move would keep earlier micro-batches out of the reduction. The cost is that micro-batches accumulate in half (in
+   fp16 the scaled gradients, whose range fits); a step without accumulation loses nothing. After the optimizer step
+   (:meth:`O2Policy.after_optimizer_step`) one foreach copy writes the stepped masters into their twins, the one
+   cast per weight per optimizer step, and the masters' fp32 gradients are freed. The stepped masters are named,
+   not found by their version counters, which fused optimizer kernels do not move. A step the host saw skipped
+   changed no master and writes nothing; one skipped on the device (fused kernels) writes the same values again.
+5. Edits are never lost. A master whose version counter moved since its twin was written (``load_state_dict``,
+   StochasticWeightAveraging or an EMA callback writing fp32 weights between steps) is written into its twin at the
+   next forward. A twin edited in place while it is in the slots (a weight changed inside ``training_step``) is
+   copied into its master when the masters come back, element by element: where the twin still equals the master
+   rounded to half, the master keeps its extra bits, so swapping weights out and back in loses nothing.
+   ``state_dict()`` gives the masters' fp32 values also while the twins are in the slots, and ``load_state_dict``
+   writes fp32 values into the masters exactly. ``requires_grad`` set on either side since the last forward
+   (``BackboneFinetuning`` freezes and unfreezes whichever the model shows) is mirrored at the outermost forward's
+   entry and exit; inside a step, where ``toggle_optimizer`` sets it on the masters the optimizer holds, the
+   backward context keeps gradients from the twins whose masters do not require them.
+6. The Trainer and Fabric move the model to its device after ``convert_module``, while it holds the twins: the
+   masters follow at ``connect`` and at the first forward (same parameter objects, new storage). ``teardown``
+   (after fit, and after a failed fit) puts the masters back for good, removes every hook and forgets the model: the
+   model is the fp32 model it was, with the same parameter objects. The ``keep_fp32`` subtrees run in fp32 regions
+   (:mod:`lightning_mp.overrides`) whose hooks are attached here once and removed there.
 
-Memory with AdamW: 2 bytes of half weight, 4 of master, 8 of moments, and gradients in half during backward (2) and
-in fp32 for the step (4), against O1's 4 + 8 and an fp32 gradient during backward.
+Memory with AdamW, per parameter: between steps 2 bytes of half weight, 4 of master and 8 of moments (fp32 and O1
+keep 16, with their gradients); during backward 2 more of half gradient, at the step 4 of fp32 gradient. The host
+work is a few Python calls per step, whatever the size of the model (the forward and backward contexts are built
+once; each swap is one pass over the parameters).
 
 Under ``torch.compile`` of a whole model after ``fabric.setup`` the forward context is traced, and the slots cannot
 change inside a graph: that model computes with its masters under autocast, as in O1.
@@ -177,8 +185,8 @@ class MasterWeights:
         self._index_of: dict[int, int] = {}
         """``id`` of a master or a twin -> its pair's index."""
 
-    def add(self, master: nn.Parameter, slots: list[tuple[nn.Module, str]], keys: list[str]) -> None:
-        """Make a half twin of ``master`` (one cast) for the ``slots`` that hold it; the slots keep the master."""
+    def add(self, master: nn.Parameter, slots: list[tuple[nn.Module, str]], keys: list[str]) -> int:
+        """Make a half twin of ``master`` (one cast) for the ``slots`` that hold it; return the pair's index."""
         with torch.no_grad():
             twin = nn.Parameter(master.detach().to(self.dtype), requires_grad=master.requires_grad)
         index = len(self.masters)
@@ -194,6 +202,7 @@ class MasterWeights:
         if self.twins_in_slots:
             for module, name in slots:
                 module._parameters[name] = twin
+        return index
 
     def follow_devices(self) -> None:
         """Move each master (and its gradient) to its twin's device; the masters stay the same parameter objects.
@@ -240,11 +249,12 @@ class MasterWeights:
                     master.copy_(torch.where(twin == master.to(self.dtype), master, twin.to(master.dtype)))
                 versions[i] = twin._version
                 self._master_versions[i] = master._version
-            if mirror and twin.requires_grad != recorded[i]:
-                master.requires_grad_(twin.requires_grad)
-            elif mirror and master.requires_grad != recorded[i]:
-                twin.requires_grad_(master.requires_grad)
-            recorded[i] = master.requires_grad
+            if mirror:
+                if twin.requires_grad != recorded[i]:
+                    master.requires_grad_(twin.requires_grad)
+                elif master.requires_grad != recorded[i]:
+                    twin.requires_grad_(master.requires_grad)
+                recorded[i] = master.requires_grad
             if show:
                 for module, name in self.slots[i]:
                     module._parameters[name] = master
@@ -269,11 +279,11 @@ class MasterWeights:
                 targets.append(twin)
                 sources.append(master)
                 versions[i] = master._version
-            if mirror and master.requires_grad != recorded[i]:
-                twin.requires_grad_(master.requires_grad)
-            elif mirror and twin.requires_grad != recorded[i]:
-                master.requires_grad_(twin.requires_grad)
             if mirror:
+                if master.requires_grad != recorded[i]:
+                    twin.requires_grad_(master.requires_grad)
+                elif twin.requires_grad != recorded[i]:
+                    master.requires_grad_(twin.requires_grad)
                 recorded[i] = master.requires_grad
             if show:
                 for module, name in self.slots[i]:
@@ -300,20 +310,22 @@ class MasterWeights:
                 master.grad.add_(gradient)
             twin.grad = None
 
-    def substitute_masters(self, state_dict: dict[str, Any], prefix: str) -> None:
-        """Put the masters' fp32 values in ``state_dict`` where the twins' are."""
+    def substitute_masters(self, state_dict: dict[str, Any], prefix: str, indices: Iterable[int]) -> None:
+        """Put the fp32 values of the masters ``indices`` (one model's) in ``state_dict`` where their twins' are."""
         self.show_masters(mirror=False, show=False)
-        for master, keys in zip(self.masters, self.keys, strict=True):
-            for key in keys:
+        for i in indices:
+            master = self.masters[i]
+            for key in self.keys[i]:
                 value = state_dict.get(prefix + key)
                 if isinstance(value, Tensor):
                     state_dict[prefix + key] = master if isinstance(value, nn.Parameter) else master.detach()
 
-    def load_masters(self, state_dict: dict[str, Any], prefix: str) -> None:
-        """Write the fp32 values of ``state_dict`` into the masters, before ``load_state_dict`` rounds them."""
-        with torch.no_grad():
-            for master, keys in zip(self.masters, self.keys, strict=True):
-                value = state_dict.get(prefix + keys[0])
+    def load_masters(self, state_dict: dict[str, Any], prefix: str, indices: Iterable[int]) -> None:
+        """Write the fp32 values of ``state_dict`` into the masters ``indices``, which ``load_state_dict`` rounds."""
+        with self._no_grad:
+            for i in indices:
+                master = self.masters[i]
+                value = state_dict.get(prefix + self.keys[i][0])
                 if isinstance(value, Tensor) and value.shape == master.shape:
                     master.copy_(value)
 
@@ -393,15 +405,15 @@ def _is_half_elementwise(value: Any, master: Tensor) -> bool:
 
 
 def _substitute_masters(
-    weights: MasterWeights, module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any
+    weights: MasterWeights, indices: list[int], module: nn.Module, state_dict: dict[str, Any], prefix: str, _: Any
 ) -> None:
-    weights.substitute_masters(state_dict, prefix)
+    weights.substitute_masters(state_dict, prefix, indices)
 
 
 def _load_masters(
-    weights: MasterWeights, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    weights: MasterWeights, indices: list[int], module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
 ) -> None:
-    weights.load_masters(state_dict, prefix)
+    weights.load_masters(state_dict, prefix, indices)
 
 
 class O2Policy(PrecisionPolicy):
@@ -424,8 +436,8 @@ class O2Policy(PrecisionPolicy):
         self.overrides = Fp32Overrides(self.keep_fp32)
         self.weights: MasterWeights | None = None
         """The masters and their twins, from ``convert_module`` until ``teardown``."""
-        self.lazy: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = []
-        """Lazy parameters waiting for their first forward, with their names and slots."""
+        self.lazy: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]], list[int]]] = []
+        """Lazy parameters waiting for their first forward: name, parameter, slots and their model's pair indices."""
         self._adopted: dict[int, int] = {}
         """Per optimizer (by ``id``), how many parameter groups ``connect`` has pointed at the masters."""
         self._stepped: dict[int, set[int]] = {}
@@ -459,19 +471,25 @@ class O2Policy(PrecisionPolicy):
                 keys.append(prefix + name)
         materialized = [entry for entry in chosen.values() if not isinstance(entry[0], nn.UninitializedParameter)]
         self._check_range([(keys[0], master) for master, _, keys in materialized])
-        weights = self.weights = MasterWeights(self.half_dtype)
-        for master, slots, keys in materialized:
-            weights.add(master, slots, keys)
+        # One MasterWeights for every model this run converts (Fabric sets up a GAN's two models one by one); each
+        # model's state-dict hooks know its own pairs, whose names may repeat in another model.
+        if self.weights is None:
+            self.weights = MasterWeights(self.half_dtype)
+            self._held_gradients = _HeldGradients(self.weights)
+        weights = self.weights
+        indices = [weights.add(master, slots, keys) for master, slots, keys in materialized]
         weights.show_twins()
-        self._held_gradients = _HeldGradients(weights)
-        self.lazy = [
-            (keys[0], master, slots)
+        self.lazy += [
+            (keys[0], master, slots, indices)
             for master, slots, keys in chosen.values()
             if isinstance(master, nn.UninitializedParameter)
         ]
         # Partials, not bound methods: torch marks the hooks its public API registers with an attribute.
-        self.hook_handles.append(module.register_state_dict_post_hook(functools.partial(_substitute_masters, weights)))
-        self.hook_handles.append(module.register_load_state_dict_pre_hook(functools.partial(_load_masters, weights)))
+        substitute = functools.partial(_substitute_masters, weights, indices)
+        self.hook_handles.append(module.register_state_dict_post_hook(substitute))
+        self.hook_handles.append(
+            module.register_load_state_dict_pre_hook(functools.partial(_load_masters, weights, indices))
+        )
         for root in [module.get_submodule(name) for name in outermost(self.overrides.match(module))]:
             if not has_fp32_region(root):  # a region the user attached is the user's to keep
                 self.hook_handles += Fp32Region().attach(root)
@@ -585,13 +603,13 @@ class O2Policy(PrecisionPolicy):
     def adopt_materialized_lazy(self) -> None:
         """Give the lazy parameters that their first forward materialised a twin."""
         assert self.weights is not None
-        waiting: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = []
-        for name, parameter, slots in self.lazy:
+        waiting: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]], list[int]]] = []
+        for name, parameter, slots, indices in self.lazy:
             if isinstance(parameter, nn.UninitializedParameter):
-                waiting.append((name, parameter, slots))
+                waiting.append((name, parameter, slots, indices))
                 continue
             self._check_range([(name, parameter)])
-            self.weights.add(parameter, slots, [name])
+            indices.append(self.weights.add(parameter, slots, [name]))
             self._stepped.clear()
         self.lazy = waiting
 

@@ -1153,3 +1153,36 @@ def test_o2_fabric_optimizer_loaded_while_it_held_half_weights_continues_in_fp32
     assert {value.dtype for state in states[1].values() for key, value in state.items() if key != "step"} == {
         torch.float32
     }
+
+
+def test_o2_fabric_trains_two_models_set_up_one_after_the_other() -> None:
+    """Two models set up by one Fabric (a GAN's): both compute with half weights that follow their stepped masters."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[o2()])
+    torch.manual_seed(0)
+    models, optimizers = [], []
+    for _ in range(2):
+        network = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        model, optimizer = fabric.setup(network, torch.optim.SGD(network.parameters(), lr=0.1))
+        models.append(model)
+        optimizers.append(optimizer)
+    features = torch.randn(8, 8)
+    seen: list[list[Tensor]] = [[], []]
+    for model, weights in zip(models, seen, strict=True):
+        model.module[0].register_forward_pre_hook(
+            lambda module, args, weights=weights: weights.append(module.weight.detach().clone())
+        )
+    initial = [[p.detach().clone() for group in o.param_groups for p in group["params"]] for o in optimizers]
+    for _ in range(2):
+        fabric.backward(models[1](models[0](features)).float().square().mean())
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for optimizer, before, weights in zip(optimizers, initial, seen, strict=True):
+        masters = [p for group in optimizer.param_groups for p in group["params"]]
+        assert all(p.dtype == torch.float32 and not torch.equal(p, q) for p, q in zip(masters, before, strict=True))
+        assert weights[0].dtype == torch.bfloat16
+        assert not torch.equal(weights[0], weights[1])  # the second forward computed with the stepped weights
+    for model, optimizer in zip(models, optimizers, strict=True):
+        state = model.state_dict()
+        for name, master in zip(state, [p for group in optimizer.param_groups for p in group["params"]], strict=True):
+            assert torch.equal(state[name], master.detach()), name
