@@ -55,7 +55,10 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
    copied into its master when the masters come back, element by element: where the twin still equals the master
    rounded to half, the master keeps its extra bits, so swapping weights out and back in loses nothing.
    ``state_dict()`` gives the masters' fp32 values also while the twins are in the slots, and ``load_state_dict``
-   writes fp32 values into the masters exactly. ``requires_grad`` set on either side since the last forward
+   writes fp32 values into the masters exactly. Writes through ``.data`` move no version counter; Lightning's
+   ``WeightAveraging`` swaps the average in and out that way around validation, so the first forward without
+   gradients (validation, test, predict) after one with them, and the reverse, write every master into its twin.
+   ``requires_grad`` set on either side since the last forward
    (``BackboneFinetuning`` freezes and unfreezes whichever the model shows) is mirrored at the outermost forward's
    entry and exit; inside a step, where ``toggle_optimizer`` sets it on the masters the optimizer holds, the
    backward context keeps gradients from the twins whose masters do not require them.
@@ -348,7 +351,12 @@ class _TwinsInSlots(AbstractContextManager):
                 policy.adopt_materialized_lazy()
             if weights.masters and weights.masters[0].device != weights.twins[0].device:
                 weights.follow_devices()
-            weights.push(show=True, mirror=True)
+            # Edits through ``.data`` move no version counter (Lightning's WeightAveraging swaps the average in and
+            # out that way around validation): where evaluation starts or ends, every master is written.
+            evaluating = not torch.is_grad_enabled()
+            everything = range(len(weights.masters)) if evaluating != policy.evaluating else ()
+            policy.evaluating = evaluating
+            weights.push(everything, show=True, mirror=True)
 
     def __exit__(self, *exc_info: object) -> None:
         policy = self.policy
@@ -443,6 +451,8 @@ class O2Policy(PrecisionPolicy):
         self._stepped: dict[int, set[int]] = {}
         """Per optimizer (by ``id``), the pairs its coming step writes: their twins are rewritten after it."""
         self.forward_depth = 0
+        self.evaluating = False
+        """Whether the last outermost forward ran without gradients (validation, test, predict)."""
         # Built once: a forward and a backward then cost two Python calls each (the host overhead O2 must not add).
         self._twins_in_slots = _TwinsInSlots(self)
         self._held_gradients: _HeldGradients | None = None
@@ -584,6 +594,7 @@ class O2Policy(PrecisionPolicy):
         self._adopted = {}
         self._stepped = {}
         self.forward_depth = 0
+        self.evaluating = False
 
     def _adopt(self, optimizer: Optimizer) -> None:
         """Point ``optimizer``'s groups at the masters of the twins they hold; move the twins' state to them."""

@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, StochasticWeightAveraging
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 from torch.func import functional_call
@@ -1186,3 +1186,20 @@ def test_o2_fabric_trains_two_models_set_up_one_after_the_other() -> None:
         state = model.state_dict()
         for name, master in zip(state, [p for group in optimizer.param_groups for p in group["params"]], strict=True):
             assert torch.equal(state[name], master.detach()), name
+
+
+def test_o2_validation_computes_with_the_average_lightnings_weight_averaging_swaps_in() -> None:
+    """EMAWeightAveraging swaps the average in through .data for validation: validation computes with it, in half."""
+    seen: list[tuple[Tensor, Tensor]] = []
+
+    class Records(Net):
+        def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+            master = self.trainer.optimizers[0].param_groups[0]["params"][0]
+            seen.append((master.detach().clone(), self.net[0].weight.detach().clone()))
+            super().validation_step(batch, batch_idx)
+
+    model = Records()
+    fit(model, o2(), max_steps=2 * STEPS, max_epochs=2, callbacks=[EMAWeightAveraging(decay=0.5)])
+    assert len(seen) >= 2  # the sanity check, then one validation per epoch
+    for master, weight in seen:
+        assert weight.dtype == torch.bfloat16 and torch.equal(master.bfloat16(), weight)
