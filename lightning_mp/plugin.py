@@ -474,14 +474,16 @@ class MixedPrecision(LightningMixedPrecision):
         if policy is None:
             yield
             return
-        if self._engine is not None and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if self._engine is not None and not compiling:
             self._engine.before_forward()
-        with policy.forward_context():
+        # Traced inside a compiled model the level's context is left out: a graph cannot swap O2's weights.
+        with contextlib.nullcontext() if compiling else policy.forward_context():
             if not policy.uses_autocast or self.half_dtype is None:
                 yield
                 return
             assert self.device is not None
-            if torch.compiler.is_compiling():
+            if compiling:
                 # Traced inside a compiled model (torch.compile after fabric.setup): lightning_mp._compile.
                 with autocast_by_flags(self.device, self.half_dtype):
                     yield

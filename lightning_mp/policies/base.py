@@ -95,7 +95,7 @@ class PrecisionPolicy:
         return {id(parameter): name for name, parameter in module.named_parameters()}
 
     def forward_context(self) -> AbstractContextManager:
-        """What surrounds every forward, around the plugin's autocast; entered and left once per step."""
+        """What surrounds every eager forward, around the plugin's autocast (a compiled region traces none)."""
         return contextlib.nullcontext()
 
     def backward_context(self) -> AbstractContextManager:

@@ -185,6 +185,9 @@ class MasterWeights:
         self._master_versions: list[int] = []
         """The masters' versions when their twins were last written: a master whose version moved has changed."""
         self._requires_grad: list[bool] = []
+        self._aliases: list[Tensor] = []
+        """A detached alias of each twin, made once: it shares the twin's storage and version counter, and writing
+        through it needs no ``torch.no_grad()`` context (five Python calls at every step) and no op to make it."""
         self._index_of: dict[int, int] = {}
         """``id`` of a master or a twin -> its pair's index."""
 
@@ -201,6 +204,7 @@ class MasterWeights:
         self._twin_versions.append(twin._version)
         self._master_versions.append(master._version)
         self._requires_grad.append(master.requires_grad)
+        self._aliases.append(twin.detach())
         self._index_of[id(master)] = self._index_of[id(twin)] = index
         if self.twins_in_slots:
             for module, name in slots:
@@ -227,13 +231,6 @@ class MasterWeights:
     def indices(self, parameters: Sequence[Tensor]) -> list[int]:
         """The pair index of each of ``parameters`` that has one."""
         return [index for p in parameters if (index := self._index_of.get(id(p))) is not None]
-
-    def show_twins(self, stepped: Collection[int] = (), mirror: bool = True) -> None:
-        """Put the twins into the slots, after writing the masters that changed (:meth:`push`) into them.
-
-        ``mirror`` also mirrors ``requires_grad`` (at the edges of a step, not inside it: module docstring).
-        """
-        self.push(stepped, show=True, mirror=mirror)
 
     def show_masters(self, mirror: bool = True, show: bool = True) -> None:
         """Put the masters back into the slots, after copying what was edited on the twins into them.
@@ -269,17 +266,22 @@ class MasterWeights:
 
         The stepped ones are named because fused optimizer kernels write the parameters without moving their
         version counters.
-        ``show`` also puts the twins into the slots and ``mirror`` mirrors ``requires_grad`` (:meth:`show_twins`).
+        ``show`` also puts the twins into the slots, and ``mirror`` gives both sides of a pair the ``requires_grad``
+        that one of them was set to since the last mirror (at the edges of a step, not inside it: module docstring).
         """
         written: list[int] = []
         targets: list[Tensor] = []
         sources: list[Tensor] = []
         versions = self._master_versions
         recorded = self._requires_grad
+        aliases = self._aliases
         for i, (master, twin) in enumerate(zip(self.masters, self.twins, strict=True)):
             if master._version != versions[i] or i in stepped:
                 written.append(i)
-                targets.append(twin)
+                alias = aliases[i]
+                if alias.data_ptr() != twin.data_ptr():  # the model was moved: the twin has new storage
+                    alias = aliases[i] = twin.detach()
+                targets.append(alias)
                 sources.append(master)
                 versions[i] = master._version
             if mirror:
@@ -292,26 +294,11 @@ class MasterWeights:
                 for module, name in self.slots[i]:
                     module._parameters[name] = twin
         if targets:
-            with self._no_grad:
-                torch._foreach_copy_(targets, sources)
+            torch._foreach_copy_(targets, sources)
             for i in written:
                 self._twin_versions[i] = self.twins[i]._version
         if show:
             self.twins_in_slots = True
-
-    def gather_gradients(self, indices: Iterable[int]) -> None:
-        """Move the twins' half gradients into their masters' ``.grad`` in fp32 (added to one already there)."""
-        for i in indices:
-            twin = self.twins[i]
-            gradient = twin.grad
-            if gradient is None:
-                continue
-            master = self.masters[i]
-            if master.grad is None:
-                master.grad = gradient.to(master.dtype)
-            else:
-                master.grad.add_(gradient)
-            twin.grad = None
 
     def substitute_masters(self, state_dict: dict[str, Any], prefix: str, indices: Iterable[int]) -> None:
         """Put the fp32 values of the masters ``indices`` (one model's) in ``state_dict`` where their twins' are."""
@@ -342,8 +329,7 @@ class _TwinsInSlots(AbstractContextManager):
     def __enter__(self) -> None:
         policy = self.policy
         weights = policy.weights
-        # Inside a compiled region the slots cannot change: that forward computes with the masters, as O1 does.
-        if weights is None or torch.compiler.is_compiling():
+        if weights is None:
             return
         policy.forward_depth += 1
         if policy.forward_depth == 1:
@@ -375,14 +361,19 @@ class _HeldGradients(AbstractContextManager):
         self.held: list[nn.Parameter] = []
 
     def __enter__(self) -> None:
-        if not self.weights.twins_in_slots:
-            # The gradients land on the twins: the model shows them, with their gradients, until the step.
-            self.weights.push(show=True)
+        weights = self.weights
+        # The gradients land on the twins: the model shows them, with their gradients, until the step. Nothing is
+        # written into them here: backward computes with what the forward saved.
+        show = not weights.twins_in_slots
         held = self.held
-        for master, twin in zip(self.weights.masters, self.weights.twins, strict=True):
+        for master, twin, slots in zip(weights.masters, weights.twins, weights.slots, strict=True):
             if twin.requires_grad and not master.requires_grad:
                 twin.requires_grad_(False)
                 held.append(twin)
+            if show:
+                for module, name in slots:
+                    module._parameters[name] = twin
+        weights.twins_in_slots = True
 
     def __exit__(self, *exc_info: object) -> None:
         for twin in self.held:
@@ -488,7 +479,7 @@ class O2Policy(PrecisionPolicy):
             self._held_gradients = _HeldGradients(self.weights)
         weights = self.weights
         indices = [weights.add(master, slots, keys) for master, slots, keys in materialized]
-        weights.show_twins()
+        weights.push(show=True, mirror=True)
         self.lazy += [
             (keys[0], master, slots, indices)
             for master, slots, keys in chosen.values()
@@ -553,7 +544,19 @@ class O2Policy(PrecisionPolicy):
             stepped = self._stepped[id(optimizer)] = set(
                 weights.indices([p for group in optimizer.param_groups for p in group["params"]])
             )
-        weights.gather_gradients(stepped)
+        # The twins' half gradients move into their masters' .grad in fp32, added to one already there.
+        masters, twins = weights.masters, weights.twins
+        for i in stepped:
+            twin = twins[i]
+            gradient = twin.grad
+            if gradient is None:
+                continue
+            master = masters[i]
+            if master.grad is None:
+                master.grad = gradient.to(master.dtype)
+            else:
+                master.grad.add_(gradient)
+            twin.grad = None
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
@@ -573,10 +576,7 @@ class O2Policy(PrecisionPolicy):
             return
         # A step the host saw skipped changed no master; one skipped on the device is written again, unchanged.
         stepped = () if skipped is True else self._stepped.get(id(optimizer), ())
-        if self.forward_depth > 0:
-            weights.show_twins(stepped, mirror=False)
-        else:
-            weights.push(stepped)
+        weights.push(stepped, show=self.forward_depth > 0)
         for i in stepped:
             weights.masters[i].grad = None
         if skipped:

@@ -962,11 +962,12 @@ def test_o2_casts_each_weight_once_per_optimizer_step_and_never_in_forward_or_ba
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_o2_dispatches_no_more_ops_and_python_calls_per_step_than_o1(precision: str) -> None:
-    """A steady O2 step dispatches no more ATen ops than O1, and at most a constant few more Python calls."""
+    """A steady O2 step dispatches no more ATen ops than O1 and at most two more Python calls, whatever the model."""
     _, _, o1_ops, o1_calls = fabric_step_counts("O1", precision)
     _, _, o2_ops, o2_calls = fabric_step_counts("O2", precision)
     assert o2_ops <= o1_ops
-    assert o2_calls <= o1_calls + 10  # the bookkeeping of masters and twins: a few calls per step, whatever the model
+    # Two calls more per step, whatever the model: the swaps at the step's start and end go through a method each.
+    assert o2_calls <= o1_calls + 2
 
 
 # ------------------------------------------------------------------------------------------------ edits and checkpoints
