@@ -16,7 +16,7 @@ Trainer's (:mod:`lightning_mp.engine.trainer`) when a Trainer is attached to the
 What happens in a training iteration under the Trainer:
 
 1. The forward pass (training, validation, test and predict steps) runs under ``torch.autocast`` when the opt level
-   uses autocast (O1, and O2 around its half weight copies), in fp16 or bf16. Before the first forward after an
+   uses autocast (O1, and O2 around its half weights), in fp16 or bf16. Before the first forward after an
    optimizer step, the running statistics of the normalisation layers that track them (BatchNorm, InstanceNorm with
    ``track_running_stats``) are copied.
 2. ``pre_backward`` multiplies the loss by the loss scale (fp16 only). Every backward of the iteration uses the
