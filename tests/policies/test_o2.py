@@ -1,5 +1,6 @@
-"""O2: the model's fp32 parameters are the masters, half copies exist only for the step, and every Lightning recipe
-that touches the weights (callbacks, param groups, checkpoints, a second stage) sees the real fp32 parameters."""
+"""O2: the model computes with persistent half weights, the optimizer steps the original fp32 parameters (the masters),
+one cast per weight per step links them, and every Lightning recipe that touches the weights (callbacks, param groups,
+checkpoints, a second stage) sees the fp32 masters."""
 
 from __future__ import annotations
 
