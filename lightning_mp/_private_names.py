@@ -98,6 +98,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
             "callbacks/precision_sentinel.py",
             "stochastic_rounding.py",
             "counting.py",
+            "policies/o2.py",
         ),
         'a family: documented in torch\'s reference as "Foreach operations" (beta), spelled with an underscore.'
         " One dispatched op for a whole list of tensors, as torch.optim's foreach implementations use them; the"
@@ -151,14 +152,15 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "Tensor._version",
         "torch",
         ("policies/o2.py",),
-        "the in-place version counter autograd checks saved tensors against: O2's recast in backward checks it too",
+        "the in-place version counter autograd checks saved tensors against: O2 finds by it the half weights and fp32"
+        " masters edited between steps, to copy each edit to the other side",
     ),
     PrivateName(
         "nn.Module._parameters",
         "torch",
         ("policies/o2.py",),
-        "the only way to put a plain tensor in a parameter's slot while keeping the module's parameter order"
-        " (torch.func.functional_call wraps one forward call, not a LightningModule's training_step)",
+        "O2 swaps each slot between the fp32 master and its half twin at every forward; setattr would run two"
+        " Python calls per slot (Module.__setattr__, register_parameter) and keep the parameter order the same",
     ),
     PrivateName(
         "nn.Module._forward_pre_hooks",

@@ -16,7 +16,7 @@ Trainer's (:mod:`lightning_mp.engine.trainer`) when a Trainer is attached to the
 What happens in a training iteration under the Trainer:
 
 1. The forward pass (training, validation, test and predict steps) runs under ``torch.autocast`` when the opt level
-   uses autocast (O1, and O2 around its half weight copies), in fp16 or bf16. Before the first forward after an
+   uses autocast (O1, and O2 around its half weights), in fp16 or bf16. Before the first forward after an
    optimizer step, the running statistics of the normalisation layers that track them (BatchNorm, InstanceNorm with
    ``track_running_stats``) are copied.
 2. ``pre_backward`` multiplies the loss by the loss scale (fp16 only). Every backward of the iteration uses the
@@ -140,7 +140,6 @@ class MixedPrecision(LightningMixedPrecision):
         skip_scheduler_on_overflow: <knob>
         keep_fp32: <knob>
         max_consecutive_skips: <knob>
-        recast_in_backward: <knob>
         skip_nonfinite: <knob>
 
     Every knob is declared, documented and checked once, in :class:`~lightning_mp.settings.PluginSettings` and
@@ -179,7 +178,6 @@ class MixedPrecision(LightningMixedPrecision):
         skip_scheduler_on_overflow: bool = PLUGIN_DEFAULTS.skip_scheduler_on_overflow,
         keep_fp32: Sequence[type | str] | None = PLUGIN_DEFAULTS.keep_fp32,
         max_consecutive_skips: int | None = SCALER_DEFAULTS.max_consecutive_skips,
-        recast_in_backward: bool = PLUGIN_DEFAULTS.recast_in_backward,
         skip_nonfinite: bool = SCALER_DEFAULTS.skip_nonfinite,
     ) -> None:
         settings = PluginSettings.from_arguments(
@@ -203,7 +201,6 @@ class MixedPrecision(LightningMixedPrecision):
             skip_scheduler_on_overflow=skip_scheduler_on_overflow,
             keep_fp32=keep_fp32,
             max_consecutive_skips=max_consecutive_skips,
-            recast_in_backward=recast_in_backward,
             skip_nonfinite=skip_nonfinite,
         )
         self.settings = settings
@@ -216,7 +213,6 @@ class MixedPrecision(LightningMixedPrecision):
         """The ``device`` given; None follows the Trainer's accelerator, or under Fabric the model's device."""
         self.loss_scale = settings.loss_scale
         self.skip_scheduler_on_overflow = settings.skip_scheduler_on_overflow
-        self.recast_in_backward = settings.recast_in_backward
         self.keep_fp32 = list(settings.keep_fp32)
         self.precision_reason = "asked for" if settings.precision != "auto" else ""
         self._given_loss_scaler = scaler if isinstance(scaler, LossScaler) else None
@@ -330,9 +326,7 @@ class MixedPrecision(LightningMixedPrecision):
 
     def _build_policy(self, opt_level: str) -> PrecisionPolicy:
         """The opt level's policy for this run (the FSDP form maps O2 onto FSDP's own half weights)."""
-        policy_class = POLICIES[opt_level]
-        options = {"recast_in_backward": self.recast_in_backward} if opt_level == "O2" else {}
-        return policy_class(self.half_dtype, keep_fp32=self.keep_fp32, **options)
+        return POLICIES[opt_level](self.half_dtype, keep_fp32=self.keep_fp32)
 
     def _build_loss_scaler(self, device_type: str, policy_class: type[PrecisionPolicy]) -> LossScaler:
         if self._given_loss_scaler is not None:
@@ -491,14 +485,16 @@ class MixedPrecision(LightningMixedPrecision):
         if policy is None:
             yield
             return
-        if self._engine is not None and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if self._engine is not None and not compiling:
             self._engine.before_forward()
-        with policy.forward_context():
+        # Traced inside a compiled model the level's context is left out: a graph cannot swap O2's weights.
+        with contextlib.nullcontext() if compiling else policy.forward_context():
             if not policy.uses_autocast or self.half_dtype is None:
                 yield
                 return
             assert self.device is not None
-            if torch.compiler.is_compiling():
+            if compiling:
                 # Traced inside a compiled model (torch.compile after fabric.setup): lightning_mp._compile.
                 with autocast_by_flags(self.device, self.half_dtype):
                     yield

@@ -191,7 +191,7 @@ def test_keep_fp32_under_o2_keeps_matched_weights_fp32() -> None:
     """Under O2 kept modules compute in fp32 and output fp32, while the rest computes and outputs bf16."""
     model = Classifier()
     fit(model, MixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["head", "re:block\\.attn.*"]))
-    assert {p.dtype for p in model.parameters()} == {torch.float32}  # O2's half copies exist only in the step
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # after fit O2's model holds its fp32 masters
     assert model.output_dtypes["head"] == torch.float32
     assert model.output_dtypes["stem"] == torch.bfloat16
 

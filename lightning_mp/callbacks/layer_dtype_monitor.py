@@ -7,7 +7,8 @@ or one that silently runs in half when it should not, is visible only by looking
 
 On a sampled step it attaches a forward hook to every leaf module (a module without children), records the dtype of
 the output the module returns inside the autocast region of ``training_step``, and right after backward reads the
-dtype of each parameter's gradient (fp32 under O1 and O2, whose parameters stay fp32; half under O3). A module with
+dtype of each parameter's gradient (fp32 under O1; half under O2, whose half weights get the gradients that reach
+their fp32 masters at the step, and under O3). A module with
 children that also holds parameters of its own, such as ``nn.MultiheadAttention`` with its input projection, gets a
 row too, so that every parameter appears in the table. A module whose weights are used without calling it
 (``MultiheadAttention.out_proj``) shows "not called". The hooks are removed at the end of that batch, so the steps

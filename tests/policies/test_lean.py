@@ -254,7 +254,7 @@ def test_persistent_bytes_per_parameter_are_8_and_10_with_kahan() -> None:
         state = trainer.optimizers[0].state
         total = 0
         for parameter in model.parameters():
-            total += parameter.nbytes + parameter.grad.nbytes
+            total += parameter.nbytes + (parameter.grad.nbytes if parameter.grad is not None else 0)
             total += sum(value.nbytes for key, value in state[parameter].items() if key in ELEMENTWISE_STATES)
         assert total == expected * sum(parameter.numel() for parameter in model.parameters())
 
@@ -263,12 +263,13 @@ def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of weights, gradients and elementwise optimizer states."""
     total = 0
     for parameter in model.parameters():
-        total += parameter.nbytes + parameter.grad.nbytes
+        total += parameter.nbytes + (parameter.grad.nbytes if parameter.grad is not None else 0)
         total += sum(value.nbytes for key, value in optimizer.state[parameter].items() if key in ELEMENTWISE_STATES)
     return total
 
 
-@pytest.mark.parametrize(("opt_level", "bytes_per_parameter"), [("lean", 8), ("O1", 16), ("O2", 16)])
+# O2 frees its fp32 gradients after each step, and its half weights when fit ends.
+@pytest.mark.parametrize(("opt_level", "bytes_per_parameter"), [("lean", 8), ("O1", 16), ("O2", 12)])
 def test_a_lean_kahan_checkpoint_resumed_without_kahan_drops_the_compensation_buffers(
     tmp_path: Path, opt_level: str, bytes_per_parameter: int
 ) -> None:
