@@ -2,7 +2,8 @@
 
 ``Trainer(plugins=[MixedPrecision(...)])`` runs the step under ``torch.autocast`` and a dynamic loss scaler with
 hysteresis, bounds and counters; the callbacks put the loss scale, skipped steps, gradient health and per-layer
-dtypes into TensorBoard, and the precision sentinel warns about silent precision failures.
+dtypes into TensorBoard, and the precision sentinel warns about silent precision failures. Under Lightning's
+``FSDPStrategy`` pass ``FSDPMixedPrecision``, built from the same arguments (:mod:`lightning_mp.fsdp`).
 """
 
 from lightning_mp.advisor import Advice, advise
@@ -14,6 +15,7 @@ from lightning_mp.callbacks import (
     PrecisionSentinel,
 )
 from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
+from lightning_mp.fsdp import FSDPMixedPrecision
 from lightning_mp.inference import ParityReport, compare, to_inference
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.scaler import LossScaler
@@ -24,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Advice",
     "AdvisorCallback",
+    "FSDPMixedPrecision",
     "GradientHealthMonitor",
     "LayerDtypeMonitor",
     "LossScaleCollapseError",

@@ -2,7 +2,9 @@
 
 :func:`nonfinite_gradients` reads each gradient (one sync per tensor) and is meant for rare paths such as an error
 message. The telemetry uses the batched functions: :func:`gradient_summary` turns all gradients into one device vector
-with a fixed number of ops, and :func:`largest_magnitudes` takes ``max |g|`` of every gradient in one op.
+with a fixed number of ops, and :func:`largest_magnitudes` takes ``max |g|`` of every gradient in one op. Where each
+rank holds only shards of the gradients (FSDP), :func:`summary_over_shards` combines the ranks' summaries into the
+summary of the whole gradients, the one the same run under DDP gives.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
@@ -14,7 +16,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from lightning_mp.scaling.sharded import is_sharded, local_shard
+from lightning_mp.scaling.sharded import local_shard
 
 
 def nonfinite_gradients(
@@ -98,6 +100,38 @@ def gradient_summary(grads: list[torch.Tensor], log2_shift: float = 0.0) -> torc
         return torch.cat([head, counts])
 
 
+def empty_gradient_summary(device: torch.device) -> torch.Tensor:
+    """The :func:`gradient_summary` of no gradient (all zeros): what a rank without gradient shards contributes."""
+    low, high = LOG2_HISTOGRAM_RANGE
+    return torch.zeros(len(SUMMARY_FIELDS) + high - low, device=device)
+
+
+def summary_over_shards(summary: torch.Tensor, elements: int, copies: int) -> torch.Tensor:
+    """The :func:`gradient_summary` of the whole gradients, from each rank's summary of the shards it holds.
+
+    Squared norms, non-zero counts, histogram counts and element counts add up over the ranks; each element is held
+    by ``copies`` ranks, so the sums are divided by it. The largest magnitude is the ranks' maximum. Two all-reduces
+    on the device, no host sync; every rank must call it in the same order, one without gradients with
+    :func:`empty_gradient_summary` and ``elements=0``.
+
+    Args:
+        summary: this rank's :func:`gradient_summary` of its gradient shards.
+        elements: the number of elements in those shards.
+        copies: how many ranks hold each element (1 under FSDP's full sharding).
+
+    Returns:
+        The summary of the whole gradients, with their number of elements appended as one more float.
+
+    """
+    head = len(SUMMARY_FIELDS)
+    summed = torch.cat([summary[:1].square(), summary[1:2], summary[head:], summary.new_tensor([elements])])
+    largest = summary[2:3].clone()
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    summed = summed / copies
+    return torch.cat([summed[:1].sqrt(), summed[1:2], largest, summed[2:]])
+
+
 def largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """``max |g|`` of each gradient, in one batched op and without a synchronisation.
 
@@ -111,40 +145,3 @@ def largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         filled = [grad for grad in grads if grad.numel()]
         norms = iter(torch._foreach_norm(filled, float("inf")) if filled else ())
         return [next(norms) if grad.numel() else grad.new_zeros(()) for grad in grads]
-
-
-def gradient_summary_over_shards(grads: list[torch.Tensor], log2_shift: float = 0.0) -> torch.Tensor:
-    """:func:`gradient_summary` of gradients sharded across ranks (FSDP2's ``DTensor`` gradients): every rank calls it.
-
-    Each rank summarises its local shards (an empty shard adds nothing), then two all-reduces combine the ranks:
-    ``SUM`` over the squared norm, the non-zero count and the histogram counts, ``MAX`` over the largest magnitude.
-    The result, the same on every rank, is the summary of the whole gradients, as one process holding them all (or
-    DDP) computes it. Sharded gradients must not be replicated across ranks (FSDP2's are not).
-
-    .. warning:: Both all-reduces are collectives: every rank must call this, in the same order.
-    """
-    shards = [shard for shard in map(local_shard, grads) if shard.numel()]
-    head_size = len(SUMMARY_FIELDS)
-    low, high = LOG2_HISTOGRAM_RANGE
-    device = local_shard(grads[0]).device
-    summary = (
-        gradient_summary(shards, log2_shift)
-        if shards
-        else torch.zeros(head_size + high - low, dtype=torch.float32, device=device)
-    )
-    norm_index, largest_index = SUMMARY_FIELDS.index("norm"), SUMMARY_FIELDS.index("largest")
-    summed = summary.clone()
-    summed[norm_index] = summary[norm_index].square()
-    summed[largest_index] = 0.0
-    largest = summary[largest_index].clone()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    summed[norm_index] = summed[norm_index].sqrt()
-    summed[largest_index] = largest
-    return summed
-
-
-def any_sharded(grads: list[torch.Tensor]) -> bool:
-    """Whether any of ``grads`` is sharded across ranks (a ``DTensor``)."""
-    return any(is_sharded(grad) for grad in grads)

@@ -9,6 +9,11 @@ change in any release, without a deprecation. The policy:
 * Every private name used is one record of :data:`PRIVATE_NAMES`: the name as the source spells it, whose it is,
   the modules that use it, why, and the versions it was checked on. Module docstrings point here instead of keeping
   lists of their own, and the README's "Private names" section is this table.
+* Two records are families rather than single names, because torch documents their members although it spells them
+  with an underscore: the ``torch._foreach_*`` ops (torch's reference documentation lists them as "Foreach
+  operations", in beta) and the ATen ops the counters recognise (members of torch's documented Core ATen IR opset,
+  which torch tags ``torch.Tag.core``). A family record lists each member it covers in ``members``, and its reason
+  names them.
 * ``tests/test_private_names.py`` reads the package's source and fails when a private torch or Lightning name is
   used without a record here, when a record names a module that no longer uses it, or when the README's table
   differs from this registry; so the list cannot go stale.
@@ -38,6 +43,7 @@ class PrivateName:
         used_in: the package's modules that use it, relative to ``lightning_mp/``.
         reason: why no public API does instead.
         checked_on: the versions it was checked on.
+        members: for a family record (``torch._foreach_*``), every member the package spells, with its path.
 
     """
 
@@ -46,18 +52,28 @@ class PrivateName:
     used_in: tuple[str, ...]
     reason: str
     checked_on: str = CHECKED_ON
+    members: tuple[str, ...] = ()
 
 
-_FOREACH = (
-    "one dispatched op for a whole list of tensors, the batched op behind torch.optim's foreach implementations;"
-    " the public alternative is one op per tensor"
+_FOREACH_OPS = (
+    "torch._foreach_norm",
+    "torch._foreach_mul_",
+    "torch._foreach_mul",
+    "torch._foreach_sign",
+    "torch._foreach_sign_",
+    "torch._foreach_sub",
+    "torch._foreach_copy_",
+    "torch._foreach_zero_",
+    "torch._foreach_neg_",
+    "torch._foreach_add_",
 )
+"""The ``torch._foreach_*`` ops the package uses."""
+_CORE_ATEN_OPS = ("aten._local_scalar_dense", "aten._to_copy")
+"""The ATen ops the op and sync counters recognise by identity."""
 _GRAD_SCALER_BOOKKEEPING = (
     "LossScaler is a torch.amp.GradScaler (code that checks isinstance(scaler, GradScaler), Lightning's included,"
     " keeps working) and keeps torch's bookkeeping consistent for the methods it inherits (scale, the getters)"
 )
-_MEMORY_TIMELINE = "torch offers no public way to read the profiler's categorised memory timeline (the benchmark)"
-_COUNTED_OP = "the aten op that the op and sync counters recognise; an op name, not an API"
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # torch: kernels and batched ops
@@ -74,25 +90,22 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "torch's device-side scale rule, used when the inf flag is not on the host (fused optimizers)",
     ),
     PrivateName(
-        "torch._foreach_norm",
+        "torch._foreach_*",
         "torch",
-        ("_gradients.py", "scaling/kernels.py", "callbacks/precision_sentinel.py"),
-        _FOREACH,
+        (
+            "_gradients.py",
+            "scaling/kernels.py",
+            "callbacks/precision_sentinel.py",
+            "stochastic_rounding.py",
+            "counting.py",
+            "policies/o2.py",
+        ),
+        'a family: documented in torch\'s reference as "Foreach operations" (beta), spelled with an underscore.'
+        " One dispatched op for a whole list of tensors, as torch.optim's foreach implementations use them; the"
+        " public alternative is one op per tensor (the weight cast counter recognises aten._foreach_copy_)."
+        " The ops used: " + ", ".join(_FOREACH_OPS),
+        members=_FOREACH_OPS,
     ),
-    PrivateName(
-        "torch._foreach_mul_",
-        "torch",
-        ("callbacks/precision_sentinel.py", "scaling/kernels.py", "stochastic_rounding.py"),
-        _FOREACH,
-    ),
-    PrivateName("torch._foreach_mul", "torch", ("callbacks/precision_sentinel.py",), _FOREACH),
-    PrivateName("torch._foreach_sign", "torch", ("callbacks/precision_sentinel.py",), _FOREACH),
-    PrivateName("torch._foreach_sign_", "torch", ("callbacks/precision_sentinel.py",), _FOREACH),
-    PrivateName("torch._foreach_sub", "torch", ("callbacks/precision_sentinel.py",), _FOREACH),
-    PrivateName("torch._foreach_copy_", "torch", ("stochastic_rounding.py",), _FOREACH),
-    PrivateName("torch._foreach_zero_", "torch", ("stochastic_rounding.py",), _FOREACH),
-    PrivateName("torch._foreach_neg_", "torch", ("stochastic_rounding.py",), _FOREACH),
-    PrivateName("torch._foreach_add_", "torch", ("stochastic_rounding.py",), _FOREACH),
     # torch: GradScaler internals
     PrivateName(
         "GradScaler._growth_tracker",
@@ -136,23 +149,18 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     ),
     # torch: tensors and modules
     PrivateName(
-        "Tensor._values",
-        "torch",
-        ("scaling/kernels.py",),
-        "the stored values of a sparse gradient, which are what needs unscaling and checking, as in torch's unscale_",
-    ),
-    PrivateName(
         "Tensor._version",
         "torch",
         ("policies/o2.py",),
-        "the in-place version counter autograd checks saved tensors against: O2's recast in backward checks it too",
+        "the in-place version counter autograd checks saved tensors against: O2 finds by it the half weights and fp32"
+        " masters edited between steps, to copy each edit to the other side",
     ),
     PrivateName(
         "nn.Module._parameters",
         "torch",
         ("policies/o2.py",),
-        "the only way to put a plain tensor in a parameter's slot while keeping the module's parameter order"
-        " (torch.func.functional_call wraps one forward call, not a LightningModule's training_step)",
+        "O2 swaps each slot between the fp32 master and its half twin at every forward; setattr would run two"
+        " Python calls per slot (Module.__setattr__, register_parameter) and keep the parameter order the same",
     ),
     PrivateName(
         "nn.Module._forward_pre_hooks",
@@ -168,12 +176,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "read only: nn.Module has no public way to list hooks, needed to attach ours once",
     ),
     # torch: device, compile and dispatch
-    PrivateName(
-        "torch._C._get_privateuse1_backend_name",
-        "torch",
-        ("overrides.py",),
-        "the name of an out-of-tree device type, whose autocast keep_fp32 regions must switch off too",
-    ),
     PrivateName(
         "torch._functorch.config.backward_pass_autocast",
         "torch",
@@ -193,23 +195,16 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ("policies/lean.py",),
         "the devices where AveragedModel picks its foreach update, so lean's refusal matches torch's own choice",
     ),
-    PrivateName("aten._local_scalar_dense", "torch", ("counting.py",), _COUNTED_OP),
-    PrivateName("aten._to_copy", "torch", ("counting.py",), _COUNTED_OP),
-    PrivateName("torch.profiler.profile._memory_profile", "torch", ("bench/memory.py",), _MEMORY_TIMELINE),
     PrivateName(
-        "torch.profiler._memory_profiler.MemoryProfileTimeline", "torch", ("bench/memory.py",), _MEMORY_TIMELINE
+        "torch.ops.aten._*",
+        "torch",
+        ("counting.py",),
+        "a family: ATen ops of torch's documented Core ATen IR opset (tagged torch.Tag.core), spelled with an"
+        " underscore. The op and sync counters recognise them by identity: an op, not an API. The ops used: "
+        + ", ".join(_CORE_ATEN_OPS),
+        members=_CORE_ATEN_OPS,
     ),
-    PrivateName("MemoryProfileTimeline._coalesce_timeline", "torch", ("bench/memory.py",), _MEMORY_TIMELINE),
-    PrivateName("torch.profiler._memory_profiler.Category", "torch", ("bench/memory.py",), _MEMORY_TIMELINE),
-    PrivateName("torch.profiler._memory_profiler._CATEGORY_TO_INDEX", "torch", ("bench/memory.py",), _MEMORY_TIMELINE),
     # Lightning
-    PrivateName(
-        "LightningModule._trainer",
-        "lightning",
-        ("plugin.py",),
-        "read with getattr: whether a Trainer drives the run, which chooses the engine; the public trainer property"
-        " raises when none is attached",
-    ),
     PrivateName(
         "Precision._after_closure",
         "lightning",
@@ -218,34 +213,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         " gradients are unscaled",
     ),
     PrivateName(
-        "lightning.fabric.plugins.precision.amp._optimizer_handles_unscaling",
-        "lightning",
-        ("engine/trainer.py", "callbacks/gradient_health_monitor.py"),
-        "Lightning's own test for optimizers that unscale inside their step (fused Adam/AdamW/SGD)",
-    ),
-    PrivateName(
         "WeightAveraging._average_model",
         "lightning",
         ("policies/lean.py",),
         "Lightning keeps the averaged copy only there; lean checks how it will be averaged",
-    ),
-    PrivateName(
-        "Trainer._logger_connector",
-        "lightning",
-        ("callbacks/_logging.py",),
-        "should_update_logs: log_every_n_steps as the Trainer applies it; Lightning's LearningRateMonitor reads it too",
-    ),
-    PrivateName(
-        "fit_loop.epoch_loop._batches_that_stepped",
-        "lightning",
-        ("callbacks/_logging.py",),
-        "the step self.log writes at; Lightning's DeviceStatsMonitor reads it too",
-    ),
-    PrivateName(
-        "fit_loop.epoch_loop._should_accumulate",
-        "lightning",
-        ("callbacks/precision_sentinel.py",),
-        "whether the current batch only accumulates gradients, to carry a sample over the micro-batches of a step",
     ),
 )
 """The registry, grouped by owner and kind."""

@@ -12,6 +12,12 @@ Wall time on a shared CPU says little about a GPU, but three counts carry over e
   GPU each compute op is at least one kernel launch; for small models launches decide the speed. ``compute_ops``
   leaves out views (metadata only) and the syncs themselves.
 * **Python calls**: Python function calls counted by ``sys.setprofile``: the host's own overhead per step.
+* **Weight casts**: copies that change the dtype of a weight, or write another dtype into one: a dispatched
+  ``aten._to_copy`` whose source, or a ``copy_``/``_foreach_copy_`` whose source or destination, lies in the storage of
+  a weight (``untyped_storage().data_ptr()``, so that views of a weight, a transposed one included, count as the
+  weight). Which storages are weights is asked again at each phase (:meth:`WeightCastCounter.start_phase`): an opt
+  level may keep its weights in the model, in the optimizer's ``param_groups`` (fp32 masters), or swap them between
+  phases. On a GPU each cast is one kernel that reads the whole weight, so casts per weight carry over exactly.
 
 Use the counters around one steady-state step::
 
@@ -22,6 +28,12 @@ Use the counters around one steady-state step::
     with count_python_calls() as calls:
         trainer_step()
     print(calls.python_calls)
+
+    with WeightCastCounter(model.parameters) as casts:
+        loss = model(inputs).sum()          # under autocast: each weight cast once, its cached copy reused
+        casts.start_phase("backward")
+        loss.backward()
+    assert casts.by_phase["backward"] == 0
 
 The method was checked on known cases (``tests/test_counting.py``): torch's ``GradScaler.step`` makes 1 sync with a
 foreach optimizer and 0 with a fused one, ``.item()`` and ``.tolist()`` each count 1, and a pure compute region
@@ -36,17 +48,19 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import Counter
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from typing_extensions import override
 
 _SCALAR_READ = torch.ops.aten._local_scalar_dense.default
 _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+_FOREACH_COPY = torch.ops.aten._foreach_copy_.default
 _HOST_READ_METHODS = ("tolist", "numpy")
 """Tensor methods that read device memory into Python without dispatching ``_local_scalar_dense`` on the CPU."""
 
@@ -163,15 +177,21 @@ class PythonCalls:
 class count_python_calls:  # a class, so that its own frames can be left out; used like a function
     """Count Python function calls in the ``with`` block, through ``sys.setprofile``; restores the previous hook.
 
-    The counter's own ``__exit__`` is not counted.
+    The counter's own ``__exit__`` is not counted, nor calls of the functions in ``excluding`` (the hooks of a tool
+    that starts and stops the counter, say).
+
+    Args:
+        excluding: code objects (``function.__code__``) whose calls are not counted.
+
     """
 
-    def __init__(self) -> None:
+    def __init__(self, excluding: Iterable[CodeType] = ()) -> None:
         self.calls = PythonCalls()
+        self._excluded = {_EXIT_CODE, *excluding}
         self._previous: Any = None
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is not _EXIT_CODE:
+        if event == "call" and frame.f_code not in self._excluded:
             self.calls.python_calls += 1
 
     def __enter__(self) -> PythonCalls:
@@ -186,4 +206,66 @@ class count_python_calls:  # a class, so that its own frames can be left out; us
 _EXIT_CODE = count_python_calls.__exit__.__code__
 
 
-__all__ = ["PythonCalls", "StepCounts", "count_python_calls", "count_syncs_and_ops"]
+def _storage_of(tensor: Any) -> int | None:
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+        return None
+    return tensor.untyped_storage().data_ptr() or None
+
+
+class WeightCastCounter(TorchDispatchMode):
+    """Count the casts of weights in the ``with`` block, per phase of a training step.
+
+    A cast of a weight is a dispatched ``aten._to_copy`` that changes the dtype of a weight (or a view of one), or a
+    ``copy_``/``_foreach_copy_`` between tensors of different dtypes whose source or destination is a weight. Casts
+    of gradients, activations and optimizer states are not counted.
+
+    Args:
+        weights: returns the tensors that are weights (a model's ``parameters``, an optimizer's ``param_groups``);
+            asked on entering the block and at each :meth:`start_phase`.
+        phase: the name of the first phase.
+
+    Attributes:
+        by_phase: casts counted in each phase, by the phase's name.
+
+    """
+
+    def __init__(self, weights: Callable[[], Iterable[torch.Tensor]], phase: str = "forward") -> None:
+        super().__init__()
+        self.by_phase: Counter[str] = Counter()
+        self._weights = weights
+        self._phase = phase
+        self._storages: set[int] = set()
+
+    def start_phase(self, phase: str) -> None:
+        """Count the casts from here on under ``phase``, and look up again which storages hold weights."""
+        self._phase = phase
+        self._storages = {storage for tensor in self._weights() if (storage := _storage_of(tensor)) is not None}
+
+    @override
+    def __enter__(self) -> WeightCastCounter:
+        self.start_phase(self._phase)
+        return super().__enter__()
+
+    def _touches_weight(self, *tensors: Any) -> bool:
+        return any(_storage_of(tensor) in self._storages for tensor in tensors)
+
+    def _casts_in(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        if func is torch.ops.aten._to_copy.default:
+            dtype = kwargs.get("dtype")
+            return int(dtype is not None and dtype != args[0].dtype and self._touches_weight(args[0]))
+        if func is torch.ops.aten.copy_.default:
+            target, source = args[0], args[1]
+            return int(target.dtype != source.dtype and self._touches_weight(target, source))
+        if func is _FOREACH_COPY:
+            pairs = zip(args[0], args[1], strict=True)
+            return sum(t.dtype != s.dtype and self._touches_weight(t, s) for t, s in pairs)
+        return 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if casts := self._casts_in(func, args, kwargs):
+            self.by_phase[self._phase] += casts
+        return func(*args, **kwargs)
+
+
+__all__ = ["PythonCalls", "StepCounts", "WeightCastCounter", "count_python_calls", "count_syncs_and_ops"]

@@ -44,6 +44,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -75,18 +76,98 @@ _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ma
 
 
 def _autocast_device_types() -> tuple[str, ...]:
-    custom = torch._C._get_privateuse1_backend_name()
+    # An out-of-tree backend renames torch's "privateuseone" device type; a device of that type reports the new name.
+    custom = torch.device("privateuseone").type
     return (*_AUTOCAST_DEVICE_TYPES, custom) if custom not in _AUTOCAST_DEVICE_TYPES else _AUTOCAST_DEVICE_TYPES
 
 
 def is_low_precision(tensor: Tensor) -> bool:
     """Whether ``tensor`` is floating point with fewer than 32 bits (fp16, bf16, fp8)."""
-    return tensor.is_floating_point() and torch.finfo(tensor.dtype).bits < 32
+    return tensor.is_floating_point() and tensor.dtype.itemsize < 4
 
 
 def cast_low_precision(data: Any, dtype: torch.dtype) -> Any:
     """Cast every floating tensor below 32 bits in a nested collection to ``dtype``; leave the rest alone."""
+    if isinstance(data, Tensor):
+        return data.to(dtype) if data.dtype in _castable_dtypes(dtype, low_precision_only=True) else data
     return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if is_low_precision(t) else t)
+
+
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device})
+"""Types of arguments that hold no tensor: a hook need not look inside them."""
+_FLOATING_DTYPES = frozenset(
+    value for value in vars(torch).values() if isinstance(value, torch.dtype) and value.is_floating_point
+)
+
+
+@functools.cache
+def _castable_dtypes(dtype: torch.dtype, low_precision_only: bool) -> frozenset[torch.dtype]:
+    """The floating dtypes :func:`cast_arguments` casts to ``dtype``: a set, so that a hook tests one membership."""
+    return frozenset(
+        floating
+        for floating in _FLOATING_DTYPES
+        if floating != dtype and (not low_precision_only or floating.itemsize < 4)
+    )
+
+
+def cast_arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, low_precision_only: bool = False
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """A forward pre-hook's arguments with their floating tensors cast to ``dtype``; None when none needs a cast.
+
+    Runs at every forward of every hooked module, so arguments that are tensors or plain values are handled here,
+    without a Python call each; collections go through Lightning's ``apply_to_collection``.
+
+    Args:
+        args: the positional arguments.
+        kwargs: the keyword arguments.
+        dtype: the floating dtype the tensors should have.
+        low_precision_only: cast only tensors below 32 bits (fp16, bf16, fp8); else every floating tensor.
+
+    """
+    castable = _castable_dtypes(dtype, low_precision_only)
+    cast_args: list[Any] | None = None
+    for index, value in enumerate(args):
+        if isinstance(value, Tensor):
+            if value.dtype in castable:
+                cast_args = list(args) if cast_args is None else cast_args
+                cast_args[index] = value.to(dtype)
+        elif type(value) not in _PLAIN_TYPES:
+            return _cast_collection((args, kwargs), dtype, low_precision_only)
+    cast_kwargs: dict[str, Any] | None = None
+    for name, value in kwargs.items():
+        if isinstance(value, Tensor):
+            if value.dtype in castable:
+                cast_kwargs = dict(kwargs) if cast_kwargs is None else cast_kwargs
+                cast_kwargs[name] = value.to(dtype)
+        elif type(value) not in _PLAIN_TYPES:
+            return _cast_collection((args, kwargs), dtype, low_precision_only)
+    if cast_args is None and cast_kwargs is None:
+        return None
+    return (args if cast_args is None else tuple(cast_args)), (kwargs if cast_kwargs is None else cast_kwargs)
+
+
+def _cast_collection(data: Any, dtype: torch.dtype, low_precision_only: bool) -> Any:
+    if low_precision_only:
+        return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if is_low_precision(t) else t)
+    return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def first_low_precision_dtype(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype | None:
+    """The dtype of the first floating tensor below 32 bits among a hook's arguments, in order; None if none."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            if value.is_floating_point() and value.dtype.itemsize < 4:
+                return value.dtype
+        elif type(value) not in _PLAIN_TYPES and (dtypes := _low_precision_dtypes(value)):
+            return dtypes[0]
+    return None
+
+
+def _low_precision_dtypes(data: Any) -> list[torch.dtype]:
+    dtypes: list[torch.dtype] = []
+    apply_to_collection(data, Tensor, lambda t: dtypes.append(t.dtype) if is_low_precision(t) else None)
+    return dtypes
 
 
 class Fp32Region:
@@ -118,32 +199,27 @@ class Fp32Region:
             module.register_forward_hook(self.exit, with_kwargs=True, always_call=True),
         ]
 
-    def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
         """Switch autocast off and cast the inputs; the forward hook undoes the first."""
-        incoming = _first_low_precision_dtype((args, kwargs))
-        args, kwargs = cast_low_precision(args, torch.float32), cast_low_precision(kwargs, torch.float32)
+        incoming = first_low_precision_dtype(args, kwargs)
         switched_off = [device for device in self._device_types if torch.is_autocast_enabled(device)]
         if switched_off:
             note_autocast_flag_toggle()
         for device in switched_off:
             torch.set_autocast_enabled(device, False)
         self._open.append((switched_off, incoming))
-        return args, kwargs
+        return cast_arguments(args, kwargs, torch.float32, low_precision_only=True)
 
     def exit(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         """Restore autocast; optionally cast the output back to the incoming half type."""
         switched_off, incoming = self._open.pop()
         for device in switched_off:
             torch.set_autocast_enabled(device, True)
-        if self.restore_output_dtype and incoming is not None:
-            return apply_to_collection(output, Tensor, lambda t: t.to(incoming) if t.is_floating_point() else t)
-        return None
-
-
-def _first_low_precision_dtype(data: Any) -> torch.dtype | None:
-    dtypes: list[torch.dtype] = []
-    apply_to_collection(data, Tensor, lambda t: dtypes.append(t.dtype) if is_low_precision(t) else None)
-    return dtypes[0] if dtypes else None
+        if not self.restore_output_dtype or incoming is None:
+            return None
+        if isinstance(output, Tensor):
+            return output.to(incoming) if output.is_floating_point() else output
+        return apply_to_collection(output, Tensor, lambda t: t.to(incoming) if t.is_floating_point() else t)
 
 
 def has_fp32_region(module: nn.Module) -> bool:
@@ -278,6 +354,8 @@ __all__ = [
     "Fp32Overrides",
     "Fp32Region",
     "KeepFp32Pattern",
+    "cast_arguments",
     "cast_low_precision",
+    "first_low_precision_dtype",
     "is_low_precision",
 ]

@@ -16,7 +16,7 @@ Trainer's (:mod:`lightning_mp.engine.trainer`) when a Trainer is attached to the
 What happens in a training iteration under the Trainer:
 
 1. The forward pass (training, validation, test and predict steps) runs under ``torch.autocast`` when the opt level
-   uses autocast (O1, and O2 around its half weight copies), in fp16 or bf16. Before the first forward after an
+   uses autocast (O1, and O2 around its half weights), in fp16 or bf16. Before the first forward after an
    optimizer step, the running statistics of the normalisation layers that track them (BatchNorm, InstanceNorm with
    ``track_running_stats``) are copied.
 2. ``pre_backward`` multiplies the loss by the loss scale (fp16 only). Every backward of the iteration uses the
@@ -89,13 +89,21 @@ PLUGIN_DEFAULTS = PluginSettings()
 """The defaults of the plugin's own arguments; the scaler's are :data:`~lightning_mp._scale_rules.SCALER_DEFAULTS`."""
 TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 """The keys of ``torch.amp.GradScaler.state_dict()``: Lightning's own plugin loads exactly these."""
+PLUGIN_ENTRY_KEYS = ("MixedPrecision", "FSDPMixedPrecision", "FSDPPrecision")
+"""The checkpoint entries that hold a loss scaler's state: this plugin's two forms', and Lightning's FSDPPrecision's."""
 _RUN_CLAIMS = threading.Lock()
 """Serialises the claims of runs on plugins (:meth:`MixedPrecision._claim_run`)."""
 
 
 def attached_trainer(module: nn.Module | None) -> Any:
     """The Trainer a LightningModule is attached to; None for Fabric's modules (and no module)."""
-    return getattr(module, "_trainer", None)
+    # Under Fabric, LightningModule.trainer returns a stand-in for the Fabric object rather than None.
+    if not isinstance(module, LightningModule) or module.fabric is not None:
+        return None
+    try:
+        return module.trainer
+    except RuntimeError:  # not attached to a Trainer
+        return None
 
 
 _HALF_WEIGHTS_PRECISION: dict[str, Literal["16-true", "bf16-true"]] = {"16-mixed": "16-true", "bf16-mixed": "bf16-true"}
@@ -135,7 +143,6 @@ class MixedPrecision(LightningMixedPrecision):
         skip_scheduler_on_overflow: <knob>
         keep_fp32: <knob>
         max_consecutive_skips: <knob>
-        recast_in_backward: <knob>
         skip_nonfinite: <knob>
 
     Every knob is declared, documented and checked once, in :class:`~lightning_mp.settings.PluginSettings` and
@@ -174,7 +181,6 @@ class MixedPrecision(LightningMixedPrecision):
         skip_scheduler_on_overflow: bool = PLUGIN_DEFAULTS.skip_scheduler_on_overflow,
         keep_fp32: Sequence[type | str] | None = PLUGIN_DEFAULTS.keep_fp32,
         max_consecutive_skips: int | None = SCALER_DEFAULTS.max_consecutive_skips,
-        recast_in_backward: bool = PLUGIN_DEFAULTS.recast_in_backward,
         skip_nonfinite: bool = SCALER_DEFAULTS.skip_nonfinite,
     ) -> None:
         settings = PluginSettings.from_arguments(
@@ -198,7 +204,6 @@ class MixedPrecision(LightningMixedPrecision):
             skip_scheduler_on_overflow=skip_scheduler_on_overflow,
             keep_fp32=keep_fp32,
             max_consecutive_skips=max_consecutive_skips,
-            recast_in_backward=recast_in_backward,
             skip_nonfinite=skip_nonfinite,
         )
         self.settings = settings
@@ -211,7 +216,6 @@ class MixedPrecision(LightningMixedPrecision):
         """The ``device`` given; None follows the Trainer's accelerator, or under Fabric the model's device."""
         self.loss_scale = settings.loss_scale
         self.skip_scheduler_on_overflow = settings.skip_scheduler_on_overflow
-        self.recast_in_backward = settings.recast_in_backward
         self.keep_fp32 = list(settings.keep_fp32)
         self.precision_reason = "asked for" if settings.precision != "auto" else ""
         self._given_loss_scaler = scaler if isinstance(scaler, LossScaler) else None
@@ -346,9 +350,8 @@ class MixedPrecision(LightningMixedPrecision):
         opt_level = "O0" if self.precision == "32-true" else self.opt_level
         if sharded:
             refuse_half_weights(opt_level, self.precision)
-        policy_class = SHARDED_POLICIES.get(opt_level, POLICIES[opt_level]) if sharded else POLICIES[opt_level]
-        options = {"recast_in_backward": self.recast_in_backward} if policy_class is POLICIES["O2"] else {}
-        self._policy = policy_class(self.half_dtype, keep_fp32=self.keep_fp32, **options)
+        self._policy = self._build_policy(opt_level, sharded)
+        policy_class = type(self._policy)
         self._loss_scaler = self._build_loss_scaler(device_type, policy_class)
         if policy_class.half_weights:
             # Lightning reads ``precision`` for what the weights are (ModelSummary's model size, for one): O3 and
@@ -357,6 +360,15 @@ class MixedPrecision(LightningMixedPrecision):
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
             self.load_state_dict(pending)
+
+    def _build_policy(self, opt_level: str, sharded: bool = False) -> PrecisionPolicy:
+        """The opt level's policy for this run.
+
+        A model that FSDP2 has sharded already gets the level's sharded form (:data:`SHARDED_POLICIES`: O2 onto
+        FSDP2's own policy); the FSDP form overrides this to map O2 onto FSDP's own half weights.
+        """
+        policy_class = SHARDED_POLICIES.get(opt_level, POLICIES[opt_level]) if sharded else POLICIES[opt_level]
+        return policy_class(self.half_dtype, keep_fp32=self.keep_fp32)
 
     def _build_loss_scaler(self, device_type: str, policy_class: type[PrecisionPolicy]) -> LossScaler:
         if self._given_loss_scaler is not None:
@@ -515,14 +527,16 @@ class MixedPrecision(LightningMixedPrecision):
         if policy is None:
             yield
             return
-        if self._engine is not None and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if self._engine is not None and not compiling:
             self._engine.before_forward()
-        with policy.forward_context():
+        # Traced inside a compiled model the level's context is left out: a graph cannot swap O2's weights.
+        with contextlib.nullcontext() if compiling else policy.forward_context():
             if not policy.uses_autocast or self.half_dtype is None:
                 yield
                 return
             assert self.device is not None
-            if torch.compiler.is_compiling():
+            if compiling:
                 # Traced inside a compiled model (torch.compile after fabric.setup): lightning_mp._compile.
                 with autocast_by_flags(self.device, self.half_dtype):
                     yield
@@ -711,12 +725,20 @@ class MixedPrecision(LightningMixedPrecision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Warn when the checkpoint holds no scaler state.
+        """Restore from another form's entry where this form's is missing; warn when there is no scaler state at all.
 
-        Lightning itself then loads this plugin's entry, or the legacy ``native_amp_scaling_state`` key.
+        Lightning itself then loads this plugin's entry, or the legacy ``native_amp_scaling_state`` key. A checkpoint
+        of the other form (``MixedPrecision`` under DDP, ``FSDPMixedPrecision`` under FSDP) or of Lightning's
+        ``FSDPPrecision`` holds its entry under that class's name (:data:`PLUGIN_ENTRY_KEYS`): it is loaded here, so a
+        run moved between DDP and FSDP resumes at the scale it had.
         """
-        if type(self).__qualname__ not in checkpoint and "native_amp_scaling_state" not in checkpoint:
+        if type(self).__qualname__ in checkpoint or "native_amp_scaling_state" in checkpoint:
+            return
+        entry = next((key for key in PLUGIN_ENTRY_KEYS if key in checkpoint), None)
+        if entry is None:
             self._warn_missing_scaler_state()
+        else:
+            self.load_state_dict(checkpoint[entry])
 
     # ------------------------------------------------------------------------------------------------ runs
 

@@ -152,16 +152,6 @@ class PluginSettings:
             _keep_fp32,
         ),
     )
-    recast_in_backward: bool = field(
-        default=True,
-        metadata=knob(
-            "O2 only: autograd saves the fp32 parameters instead of their half copies, and backward casts them again,"
-            " so the copies never outlive the forward (2 bytes per parameter less at the start of backward, for one"
-            " cast per weight in backward). Set it to False for a training step that calls ``torch.func`` transforms"
-            " (``grad``, ``vjp``, ``jacrev``), which refuse saved-tensor hooks.",
-            check_flag,
-        ),
-    )
     scaler: ScalerSettings = SCALER_DEFAULTS
     """The loss scaler's knobs."""
     scaler_given: bool = False
@@ -182,12 +172,6 @@ class PluginSettings:
                 f"{owner}(precision='16-mixed', skip_nonfinite=False) is not allowed: fp16 overflows routinely, and"
                 " a scaled step whose gradients overflowed must be skipped. Use skip_nonfinite=False with"
                 " 'bf16-mixed' or '32-true' only."
-            )
-        if not self.recast_in_backward and self.opt_level != "O2":
-            raise ValueError(
-                f"{owner}(opt_level={self.opt_level!r}, recast_in_backward=False) is not allowed: only O2 makes the"
-                " half weight copies that it recasts in backward. Leave recast_in_backward=True, or use"
-                " opt_level='O2'."
             )
         precision, opt_level = self.precision, self.opt_level
         if self.loss_scale != "dynamic" and precision in ("bf16-mixed", "32-true"):

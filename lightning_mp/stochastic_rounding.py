@@ -25,7 +25,9 @@ torch's public optimizer hooks, so schedulers, ``param_groups`` and checkpoints 
 
 1. A step pre-hook takes the gradients of the bf16 parameters aside, so that torch's step only updates the fp32
    parameters (normalisation layers, ``keep_fp32`` modules) with their fp32 states, exactly as without this mode.
-2. The step post-hook updates the bf16 parameters in chunks of at most ``chunk_numel`` elements. For each chunk it
+2. The step post-hook updates the bf16 parameters in chunks (:func:`chunk_limit` elements at most, unless a
+   parameter is larger). Each chunk costs about a dozen kernel launches, so a large model's chunks are larger
+   rather than more numerous: at most :data:`MAX_CHUNKS` per parameter group and device. For each chunk it
    copies weights, moment estimates and gradients into one fp32 workspace (one ``_foreach_copy_`` per quantity),
    runs **torch's own update rule** on it (``torch.optim.adam.adam`` or ``torch.optim.sgd.sgd``: the fused kernel
    wherever torch has one for the device, CPU and CUDA included, whatever the optimizer was built with, since it
@@ -34,9 +36,23 @@ torch's public optimizer hooks, so schedulers, ``param_groups`` and checkpoints 
 3. The random numbers come from a ``torch.Generator`` per device, seeded from ``torch.initial_seed()`` (rank 0's
    under ``torch.distributed``, so that every rank rounds alike). Its state is saved in the optimizer's own
    ``state_dict`` under :data:`STATE_KEY`, so a resumed run draws the same numbers as an uninterrupted one.
+4. A step with non-finite gradients is skipped **on the device**, without a host sync. The loss scaler hands the
+   optimizer its inf flag (``found_inf``, torch's fused-step protocol), and the post-hook passes it on to torch's
+   fused rule, which then leaves the workspace as it was filled. Those values round back to themselves exactly
+   (their low 16 bits are zero, so no random carry reaches the kept bits). Kahan's addition and new compensation
+   are weighted by the flag (exactly 1 or 0, so a clean step's numbers are unchanged, bit for bit). The generator
+   draws as on a clean step, so later steps draw the same numbers whether or not one was skipped. Only two cases
+   read the flag on the host: a device without torch's fused kernels, and an SGD step that would start momentum
+   buffers, since a skipped one must leave them unstarted.
 
 Persistent memory per bf16 parameter with AdamW: 2 bytes of weight, 2 of gradient, 4 of moment estimates, plus 2
 with Kahan compensation. The workspace is transient and bounded by the chunk size.
+
+Casts of weights per optimizer step: two per bf16 weight, one into the fp32 workspace and one of the rounded result
+back (moment estimates and Kahan buffers go in and out once each too); fp32 parameters none. Both are needed: the
+update must be computed in fp32, since a bf16 update would lose the small changes that stochastic rounding keeps,
+and the weight is stored in bf16. Fewer would take a kernel of its own that reads bf16, updates and rounds in one
+pass.
 
 Why not torchao: torchao 0.18's low-precision optimizers (``torchao.optim._AdamW(bf16_stochastic_round=True)``)
 offer Adam and AdamW only (no SGD), compile each parameter's update with ``torch.compile`` (a C++ tool chain and a
@@ -69,6 +85,25 @@ COMPENSATION_KEY = "kahan_compensation"
 SUPPORTED_OPTIMIZERS: tuple[type[Optimizer], ...] = (Adam, SGD)
 """``torch.optim.Adam`` and its subclass ``AdamW``, and ``torch.optim.SGD``."""
 _LOW_BITS_MASK = -(1 << 16)
+MIN_CHUNK_NUMEL = 1 << 19
+"""The fewest elements :func:`chunk_limit` lets a chunk hold: 14 MiB of transient memory for AdamW."""
+MAX_CHUNKS = 32
+"""The most chunks :func:`chunk_limit` cuts a parameter group into on one device (more only for larger parameters)."""
+
+
+def chunk_limit(numel: int) -> int:
+    """The most elements per chunk for a parameter group of ``numel`` bf16 elements on one device.
+
+    The larger of :data:`MIN_CHUNK_NUMEL` and a :data:`MAX_CHUNKS`-th of the group: a small model's step needs
+    little transient memory, and a large one's about a dozen kernel launches per chunk, which a fixed chunk size would
+    multiply (a 219M-parameter model would take 420 chunks of ``2**19``, over 5,000 launches per step).
+
+    Example:
+        >>> chunk_limit(1_000), chunk_limit(219_000_000)
+        (524288, 6843750)
+
+    """
+    return max(MIN_CHUNK_NUMEL, -(-numel // MAX_CHUNKS))
 
 
 def stochastic_round_(values: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -133,11 +168,11 @@ def stale_update_share(before: Tensor, after: Tensor, intended: Tensor) -> float
 
 @dataclass(frozen=True)
 class _Chunk:
-    """Parameters updated together in one fp32 workspace, with their gradients and state tensors."""
+    """Parameters updated together in one fp32 workspace, with their gradients and sizes."""
 
     params: list[Tensor]
     grads: list[Tensor]
-    numel: int
+    sizes: list[int]
 
 
 class StochasticRoundingStep:
@@ -150,12 +185,17 @@ class StochasticRoundingStep:
         optimizer: a ``torch.optim.Adam``, ``AdamW`` or ``SGD``; its bf16 states are created in bf16.
         kahan: also keep a bf16 Kahan compensation buffer per bf16 parameter.
         seed: seed of the rounding's generators; None takes ``torch.initial_seed()`` (rank 0's under DDP).
-        chunk_numel: the most elements per fp32 workspace (a larger parameter gets a chunk of its own); bounds the
-            step's transient memory to about ``4 * (3 + 2 * states + kahan) * chunk_numel`` bytes, with ``states``
-            the optimizer's tensors per parameter (2 for Adam and AdamW): 14 MiB for AdamW by default.
+        chunk_numel: the most elements per fp32 workspace (a larger parameter gets a chunk of its own); None takes
+            :func:`chunk_limit` of each parameter group's bf16 elements on a device. Bounds the step's transient
+            memory to about ``4 * (3 + 2 * states + kahan) * chunk_numel`` bytes, with ``states`` the optimizer's
+            tensors per parameter (2 for Adam and AdamW): by default 14 MiB for AdamW, or under 1 byte per
+            parameter for a model of more than ``MAX_CHUNKS * 2**19`` elements.
 
     .. warning:: With ``seed=None`` under ``torch.distributed``, the constructor broadcasts rank 0's seed and reads
         it on the host: one synchronisation, once.
+
+    .. warning:: An inf flag handed to a step on a device without torch's fused kernels, or to an SGD step that
+        starts momentum buffers, is read on the host: one synchronisation there. Other steps make none.
 
     Raises:
         TypeError: if ``optimizer`` is not one of the supported types.
@@ -164,7 +204,7 @@ class StochasticRoundingStep:
     """
 
     def __init__(
-        self, optimizer: Optimizer, kahan: bool = False, seed: int | None = None, chunk_numel: int = 1 << 19
+        self, optimizer: Optimizer, kahan: bool = False, seed: int | None = None, chunk_numel: int | None = None
     ) -> None:
         if not isinstance(optimizer, SUPPORTED_OPTIMIZERS):
             raise TypeError(
@@ -177,7 +217,7 @@ class StochasticRoundingStep:
                     "StochasticRoundingStep(optimizer) with differentiable=True is not supported: the bf16 update is"
                     " written back outside autograd. Build the optimizer with differentiable=False."
                 )
-        if chunk_numel < 1:
+        if chunk_numel is not None and chunk_numel < 1:
             raise ValueError(f"StochasticRoundingStep(chunk_numel={chunk_numel!r}) is not allowed: it must be >= 1.")
         self.optimizer = optimizer
         self.kahan = kahan
@@ -185,7 +225,8 @@ class StochasticRoundingStep:
         self.seed = _shared_seed() if seed is None else seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._pending_generator_states: dict[str, Tensor] = {}
-        self._set_aside: dict[Tensor, Tensor] = {}
+        self._set_aside: dict[int, tuple[Tensor, Tensor]] = {}
+        """The bf16 parameters whose gradients the pre-hook took aside, with those gradients, by ``id``."""
         self._handles: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._take_bf16_gradients),
             optimizer.register_step_post_hook(self._step_bf16_parameters),
@@ -214,102 +255,119 @@ class StochasticRoundingStep:
     # ------------------------------------------------------------------------------------------------ step hooks
 
     def _take_bf16_gradients(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self._set_aside.clear()
-        bf16 = [p for group in optimizer.param_groups for p in group["params"] if p.dtype is torch.bfloat16]
-        if any(parameter.grad is not None and parameter.grad.is_sparse for parameter in bf16):
-            raise ValueError("StochasticRoundingStep does not support sparse gradients: use a dense embedding.")
-        for parameter in bf16:
-            if parameter.grad is not None:
-                self._set_aside[parameter] = parameter.grad
-                parameter.grad = None
+        # Keyed by id: a tensor's own __hash__ is a Python call, and this runs for every parameter at every step.
+        set_aside: dict[int, tuple[Tensor, Tensor]] = {}
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                grad = parameter.grad
+                if grad is None or parameter.dtype is not torch.bfloat16:
+                    continue
+                if grad.is_sparse:
+                    raise ValueError("StochasticRoundingStep does not support sparse gradients: use a dense embedding.")
+                set_aside[id(parameter)] = (parameter, grad)
+        for parameter, _ in set_aside.values():
+            parameter.grad = None
+        self._set_aside = set_aside
 
     def _step_bf16_parameters(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        grads, self._set_aside = self._set_aside, {}
+        set_aside, self._set_aside = self._set_aside, {}
         try:
-            if grads and not _found_inf(optimizer):
+            if set_aside:
+                flag = getattr(optimizer, "found_inf", None)
+                found_inf = flag if isinstance(flag, Tensor) else None
                 with torch.no_grad():
                     for group in optimizer.param_groups:
-                        for chunk in self._chunks(group, grads):
-                            self._step_chunk(optimizer, group, chunk)
+                        for chunk in self._chunks(group, set_aside):
+                            self._step_chunk(optimizer, group, chunk, found_inf)
         finally:
-            for parameter, grad in grads.items():
+            for parameter, grad in set_aside.values():
                 parameter.grad = grad
 
-    def _chunks(self, group: dict[str, Any], grads: dict[Tensor, Tensor]) -> list[_Chunk]:
-        by_device: dict[torch.device, list[Tensor]] = {}
+    def _chunks(self, group: dict[str, Any], set_aside: dict[int, tuple[Tensor, Tensor]]) -> list[_Chunk]:
+        by_device: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
+        numel_by_device: dict[torch.device, int] = {}
         for parameter in group["params"]:
-            if parameter in grads:
-                by_device.setdefault(parameter.device, []).append(parameter)
+            pair = set_aside.get(id(parameter))
+            if pair is not None:
+                by_device.setdefault(parameter.device, []).append(pair)
+                numel_by_device[parameter.device] = numel_by_device.get(parameter.device, 0) + parameter.numel()
         chunks: list[_Chunk] = []
-        for parameters in by_device.values():
-            current: list[Tensor] = []
-            size = 0
-            for parameter in parameters:
-                if current and size + parameter.numel() > self.chunk_numel:
-                    chunks.append(_Chunk(current, [grads[p] for p in current], size))
-                    current, size = [], 0
-                current.append(parameter)
-                size += parameter.numel()
-            if current:
-                chunks.append(_Chunk(current, [grads[p] for p in current], size))
+        for device, pairs in by_device.items():
+            limit = self.chunk_numel or chunk_limit(numel_by_device[device])
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            sizes: list[int] = []
+            total = 0
+            for parameter, grad in pairs:
+                size = parameter.numel()
+                if params and total + size > limit:
+                    chunks.append(_Chunk(params, grads, sizes))
+                    params, grads, sizes, total = [], [], [], 0
+                params.append(parameter)
+                grads.append(grad)
+                sizes.append(size)
+                total += size
+            if params:
+                chunks.append(_Chunk(params, grads, sizes))
         return chunks
 
-    def _step_chunk(self, optimizer: Optimizer, group: dict[str, Any], chunk: _Chunk) -> None:
+    def _step_chunk(self, optimizer: Optimizer, group: dict[str, Any], chunk: _Chunk, found_inf: Tensor | None) -> None:
         device = chunk.params[0].device
-        state_names, update = _update_rule(optimizer, group, device)
-        states = [self._state_of(optimizer, parameter, state_names, self.kahan) for parameter in chunk.params]
+        fused = device.type in _FUSED_DEVICE_TYPES
+        state_names, update = _update_rule(optimizer, group, fused)
+        states = _ChunkStates(optimizer, chunk.params, state_names, self.kahan)
+        if found_inf is not None and (not fused or states.fresh):
+            # Only torch's fused kernels skip on the device, and a first SGD momentum step skipped there would leave
+            # its buffers started from non-finite gradients.
+            if found_inf.item():
+                return
+            found_inf = None
         # Workspace rows: the weights and states (rounded back to bf16 together), the gradients, the compensation.
         rounded_rows = 1 + len(state_names)
         rows = rounded_rows + 1 + (1 if self.kahan else 0)
-        workspace = torch.empty(rows, chunk.numel, dtype=torch.float32, device=device)
-        sizes = [parameter.numel() for parameter in chunk.params]
-        shapes = [parameter.shape for parameter in chunk.params]
-
-        def views(row: int) -> list[Tensor]:
-            return [piece.view(shape) for piece, shape in zip(workspace[row].split(sizes), shapes, strict=True)]
-
-        weights, grads = views(0), views(rounded_rows)
-        state_views = {name: views(1 + index) for index, name in enumerate(state_names)}
+        workspace = torch.empty(rows, sum(chunk.sizes), dtype=torch.float32, device=device)
+        views = _row_views(workspace, chunk.params, chunk.sizes)
+        weights, grads = views[0], views[rounded_rows]
         torch._foreach_copy_(weights, chunk.params)
         torch._foreach_copy_(grads, chunk.grads)
         if self.kahan:
-            compensation = [state[COMPENSATION_KEY] for state in states]
-            torch._foreach_copy_(views(rows - 1), compensation)
-            workspace[0].add_(workspace[rows - 1])
-        for name in state_names:
-            saved = [state[name] for state in states]
-            fresh = [index for index, tensor in enumerate(saved) if tensor is None]
-            if fresh:
-                self._first_momentum(
-                    group, [state_views[name][i] for i in fresh], [grads[i] for i in fresh], [weights[i] for i in fresh]
-                )
-            if len(fresh) < len(saved):
-                present = [index for index, tensor in enumerate(saved) if tensor is not None]
-                torch._foreach_copy_([state_views[name][i] for i in present], [saved[i] for i in present])
-        update(weights, grads, state_views, [state["step"] for state in states if "step" in state], optimizer)
+            compensation_row = workspace[rows - 1]
+            torch._foreach_copy_(views[rows - 1], states.compensation)
+            # 1.0 where the step is taken, 0.0 where the device skips it: a skip must leave weight and compensation
+            # as they were, and multiplying by exactly 1 or 0 changes nothing else, bit for bit.
+            taken = torch.ones((), device=device) if found_inf is None else (found_inf.to(device) == 0).float()
+            workspace[0].addcmul_(compensation_row, taken)
+        state_views = {name: views[1 + index] for index, name in enumerate(state_names)}
+        for name, row in state_views.items():
+            if not states.fresh:
+                torch._foreach_copy_(row, states.present[name])
+                continue
+            self._first_momentum(group, states.fresh, row, grads, weights)
+            if states.present[name]:
+                targets = [view for view, saved in zip(row, states.tensors[name], strict=True) if saved is not None]
+                torch._foreach_copy_(targets, states.present[name])
+        update(weights, grads, state_views, states.steps, optimizer, found_inf)
         if self.kahan:
-            workspace[rows - 1].copy_(workspace[0])
+            compensation_row.mul_(1 - taken).addcmul_(workspace[0], taken)
         stochastic_round_(workspace[:rounded_rows], self.generator(device))
         torch._foreach_copy_(chunk.params, weights)
         for name in state_names:
-            for index, state in enumerate(states):
-                if state[name] is None:
-                    state[name] = torch.empty_like(chunk.params[index], memory_format=torch.preserve_format)
-            torch._foreach_copy_([state[name] for state in states], state_views[name])
+            torch._foreach_copy_(states.created(name, chunk.params), state_views[name])
         if self.kahan:
-            workspace[rows - 1].sub_(workspace[0])
-            torch._foreach_copy_(compensation, views(rows - 1))
+            compensation_row.addcmul_(workspace[0], taken, value=-1)
+            torch._foreach_copy_(states.compensation, views[rows - 1])
 
     @staticmethod
     def _first_momentum(
-        group: dict[str, Any], buffers: list[Tensor], grads: list[Tensor], weights: list[Tensor]
+        group: dict[str, Any], fresh: list[int], buffers: list[Tensor], grads: list[Tensor], weights: list[Tensor]
     ) -> None:
-        """Start SGD momentum buffers so that torch's rule makes them its first-step value, ``d_p``.
+        """Start the SGD momentum buffers ``fresh`` so that torch's rule makes them its first-step value, ``d_p``.
 
         The rule computes ``buffer = momentum * buffer + (1 - dampening) * d_p`` with ``d_p = ±grad + weight_decay *
         weight``; starting from ``d_p * dampening / momentum`` gives ``d_p``, as torch's first step does, while other
         parameters of the chunk are past theirs.
         """
+        buffers, grads, weights = [buffers[i] for i in fresh], [grads[i] for i in fresh], [weights[i] for i in fresh]
         if group["dampening"] == 0:
             torch._foreach_zero_(buffers)
             return
@@ -319,23 +377,6 @@ class StochasticRoundingStep:
         if group["weight_decay"] != 0:
             torch._foreach_add_(buffers, weights, alpha=group["weight_decay"])
         torch._foreach_mul_(buffers, group["dampening"] / group["momentum"])
-
-    @staticmethod
-    def _state_of(optimizer: Optimizer, parameter: Tensor, state_names: Sequence[str], kahan: bool) -> dict[str, Any]:
-        state = optimizer.state[parameter]
-        if isinstance(optimizer, Adam):
-            if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=parameter.device)
-                for name in state_names:
-                    state[name] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-            elif state["step"].device != parameter.device:
-                # torch loads a non-fused optimizer's step count onto the CPU; the fused rule needs it on the device.
-                state["step"] = state["step"].to(parameter.device)
-        for name in state_names:
-            state.setdefault(name, None)
-        if kahan and COMPENSATION_KEY not in state:
-            state[COMPENSATION_KEY] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-        return state
 
     # ------------------------------------------------------------------------------------------------ state dict
 
@@ -424,24 +465,94 @@ def check_rounding_state(field: str, state: Any) -> dict[str, Any]:
     return {**state, "seed": seed, "kahan": kahan}
 
 
-UpdateRule = Callable[[list[Tensor], list[Tensor], dict[str, list[Tensor]], list[Tensor], Optimizer], None]
+UpdateRule = Callable[
+    [list[Tensor], list[Tensor], dict[str, list[Tensor]], list[Tensor], Optimizer, Tensor | None], None
+]
+"""Steps the workspace: weights, gradients, states by name, step counts, the optimizer, and the inf flag to skip on."""
 _FUSED_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia")
 """Device types with torch's fused Adam/AdamW/SGD kernels (``torch.utils._foreach_utils``'s list, kept here)."""
 
 
-def _update_rule(optimizer: Optimizer, group: dict[str, Any], device: torch.device) -> tuple[list[str], UpdateRule]:
+class _ChunkStates:
+    """The optimizer states of a chunk's parameters, created as torch would (bf16 moments), gathered in one pass.
+
+    Attributes:
+        tensors: per state name, each parameter's tensor; None for an SGD momentum buffer not started yet.
+        present: per state name, the tensors that exist, in order.
+        fresh: the indices of the parameters whose SGD momentum buffer is not started yet.
+        steps: the step counts (Adam, AdamW).
+        compensation: the Kahan compensation buffers, with ``kahan``.
+
+    """
+
+    def __init__(self, optimizer: Optimizer, params: list[Tensor], state_names: Sequence[str], kahan: bool) -> None:
+        self.states: list[dict[str, Any]] = []
+        self.tensors: dict[str, list[Tensor | None]] = {name: [] for name in state_names}
+        self.present: dict[str, list[Tensor]] = {name: [] for name in state_names}
+        self.fresh: list[int] = []
+        self.steps: list[Tensor] = []
+        self.compensation: list[Tensor] = []
+        adam = isinstance(optimizer, Adam)
+        for index, parameter in enumerate(params):
+            state = optimizer.state[parameter]
+            if adam:
+                if "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=parameter.device)
+                elif state["step"].device != parameter.device:
+                    # torch loads a non-fused optimizer's step count onto the CPU; the fused rule needs it there.
+                    state["step"] = state["step"].to(parameter.device)
+                self.steps.append(state["step"])
+            for name in state_names:
+                tensor = state.get(name)
+                if tensor is None and adam:
+                    tensor = state[name] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                if tensor is None:
+                    self.fresh.append(index)
+                else:
+                    self.present[name].append(tensor)
+                self.tensors[name].append(tensor)
+            if kahan:
+                if COMPENSATION_KEY not in state:
+                    state[COMPENSATION_KEY] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                self.compensation.append(state[COMPENSATION_KEY])
+            self.states.append(state)
+
+    def created(self, name: str, params: list[Tensor]) -> list[Tensor]:
+        """Every parameter's state tensor ``name``, in order; the buffers not started yet are created (empty) now."""
+        if not self.fresh:
+            return self.present[name]
+        for index in self.fresh:
+            self.states[index][name] = torch.empty_like(params[index], memory_format=torch.preserve_format)
+        return [state[name] for state in self.states]
+
+
+def _row_views(workspace: Tensor, params: list[Tensor], sizes: list[int]) -> list[list[Tensor]]:
+    """Per row of ``workspace``, one view per parameter, shaped like it, side by side along the row."""
+    views: list[list[Tensor]] = [[] for _ in range(workspace.shape[0])]
+    for piece, parameter in zip(workspace.split_with_sizes(sizes, dim=1), params, strict=True):
+        for row, piece_of_row in zip(views, piece.unbind(), strict=True):
+            row.append(piece_of_row.view(parameter.shape))
+    return views
+
+
+def _update_rule(optimizer: Optimizer, group: dict[str, Any], fused: bool) -> tuple[list[str], UpdateRule]:
     """The state tensors the optimizer keeps per parameter, and torch's update rule for the fp32 workspace.
 
-    torch's fused kernel where it has one for the device (one op for the whole chunk, no host sync), else foreach.
+    torch's fused kernel where the device has one (one op for the whole chunk, no host sync, skipped on the device
+    when handed an inf flag), else foreach.
     """
-    fused = device.type in _FUSED_DEVICE_TYPES
     kernel: dict[str, Any] = {"fused": True} if fused else {"foreach": True}
     if isinstance(optimizer, Adam):
         names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
         beta1, beta2 = group["betas"]
 
         def adam_rule(
-            weights: list[Tensor], grads: list[Tensor], states: dict[str, list[Tensor]], steps: list[Tensor], opt: Any
+            weights: list[Tensor],
+            grads: list[Tensor],
+            states: dict[str, list[Tensor]],
+            steps: list[Tensor],
+            opt: Any,
+            found_inf: Tensor | None,
         ) -> None:
             adam_rule_of_torch(
                 weights,
@@ -452,6 +563,7 @@ def _update_rule(optimizer: Optimizer, group: dict[str, Any], device: torch.devi
                 steps,
                 capturable=group.get("capturable", False) and not fused,
                 grad_scale=getattr(opt, "grad_scale", None) if fused else None,
+                found_inf=found_inf,
                 decoupled_weight_decay=group.get("decoupled_weight_decay", False),
                 amsgrad=group["amsgrad"],
                 beta1=beta1,
@@ -469,7 +581,12 @@ def _update_rule(optimizer: Optimizer, group: dict[str, Any], device: torch.devi
     names = ["momentum_buffer"] if momentum != 0 else []
 
     def sgd_rule(
-        weights: list[Tensor], grads: list[Tensor], states: dict[str, list[Tensor]], steps: list[Tensor], opt: Any
+        weights: list[Tensor],
+        grads: list[Tensor],
+        states: dict[str, list[Tensor]],
+        steps: list[Tensor],
+        opt: Any,
+        found_inf: Tensor | None,
     ) -> None:
         sgd_rule_of_torch(
             weights,
@@ -477,6 +594,7 @@ def _update_rule(optimizer: Optimizer, group: dict[str, Any], device: torch.devi
             # torch's rule takes list[Tensor | None]; mypy's invariant lists reject both list[Tensor] and list[None].
             states.get("momentum_buffer", [None] * len(weights)),  # type: ignore[arg-type]
             grad_scale=getattr(opt, "grad_scale", None) if fused else None,
+            found_inf=found_inf,
             weight_decay=group["weight_decay"],
             momentum=momentum,
             lr=group["lr"],
@@ -487,17 +605,6 @@ def _update_rule(optimizer: Optimizer, group: dict[str, Any], device: torch.devi
         )
 
     return names, sgd_rule
-
-
-def _found_inf(optimizer: Optimizer) -> bool:
-    """Whether a GradScaler handed the optimizer a non-finite gradient flag for this step.
-
-    .. warning:: Reads the flag on the host: one synchronisation per step, where a flag was handed over (fused
-        optimizers; in bf16 also Adam, AdamW and SGD, which :class:`~lightning_mp.LossScaler` steps through their
-        fused kernel).
-    """
-    found_inf = getattr(optimizer, "found_inf", None)
-    return isinstance(found_inf, Tensor) and bool(found_inf.item())
 
 
 def _shared_seed() -> int:
@@ -512,9 +619,12 @@ def _shared_seed() -> int:
 
 __all__ = [
     "COMPENSATION_KEY",
+    "MAX_CHUNKS",
+    "MIN_CHUNK_NUMEL",
     "STATE_KEY",
     "SUPPORTED_OPTIMIZERS",
     "StochasticRoundingStep",
+    "chunk_limit",
     "stale_update_share",
     "stochastic_round_",
 ]

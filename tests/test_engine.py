@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from lightning_mp import LossScaler, MixedPrecision
-from lightning_mp.engine import FabricEngine, RunningStats
+from lightning_mp.engine import FabricEngine, RunningStats, TrainerEngine
 from lightning_mp.policies import POLICIES
 from tests.helpers import TinyRegressor, loader, make_trainer
 
@@ -203,3 +203,19 @@ def test_a_fabric_step_runs_the_fabric_engine_and_no_trainer_code() -> None:
     seen = engine_modules_run(train)
     assert seen == {"lightning_mp.engine.base", "lightning_mp.engine.fabric"}
     assert plugin.stats.optimizer_steps == 2
+
+
+def test_a_lightning_module_set_up_with_fabric_gets_the_fabric_engine() -> None:
+    """A LightningModule under Fabric, whose trainer property answers with a stand-in, still runs Fabric's engine;
+    after fitting with a Trainer it runs the Trainer's."""
+    plugin = MixedPrecision("bf16-mixed")
+    module = TinyRegressor()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.01))
+    fabric.backward(model(torch.randn(4, 8)).pow(2).mean())
+    optimizer.step()
+    assert isinstance(plugin._engine, FabricEngine) and plugin.stats.optimizer_steps == 1
+
+    trainer_plugin = MixedPrecision("bf16-mixed")
+    make_trainer(trainer_plugin, max_steps=1).fit(TinyRegressor(), loader(n=8))
+    assert isinstance(trainer_plugin._engine, TrainerEngine) and trainer_plugin.stats.optimizer_steps == 1

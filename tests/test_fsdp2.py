@@ -144,8 +144,8 @@ def test_fsdp2_o2_keeps_a_module_fp32_with_its_own_fully_shard_policy(resumed):
 @pytest.mark.parametrize(
     ("precision", "opt_level", "param_dtype", "reduce_dtype"),
     [
-        ("16-mixed", "O2", torch.float16, torch.float32),
-        ("bf16-mixed", "O2", torch.bfloat16, torch.float32),
+        ("16-mixed", "O2", torch.float16, torch.float16),
+        ("bf16-mixed", "O2", torch.bfloat16, torch.bfloat16),
         ("16-mixed", "O1", None, None),
         ("32-true", "O0", None, None),
     ],

@@ -191,7 +191,7 @@ def test_keep_fp32_under_o2_keeps_matched_weights_fp32() -> None:
     """Under O2 kept modules compute in fp32 and output fp32, while the rest computes and outputs bf16."""
     model = Classifier()
     fit(model, MixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["head", "re:block\\.attn.*"]))
-    assert {p.dtype for p in model.parameters()} == {torch.float32}  # O2's half copies exist only in the step
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # after fit O2's model holds its fp32 masters
     assert model.output_dtypes["head"] == torch.float32
     assert model.output_dtypes["stem"] == torch.bfloat16
 
@@ -367,3 +367,22 @@ def test_a_model_saved_after_fit_loads_where_the_package_is_not_installed(opt_le
     )
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.split() == ["BoringModel", "0"]
+
+
+RENAMED_BACKEND = """
+import torch
+torch.utils.rename_privateuse1_backend("npu9")
+from lightning_mp.overrides import _autocast_device_types
+print(",".join(_autocast_device_types()))
+"""
+
+
+@pytest.mark.slow
+def test_keep_fp32_regions_know_an_out_of_tree_device_by_its_registered_name() -> None:
+    """A backend registered under its own name (torch.utils.rename_privateuse1_backend) is among the device types
+    whose autocast a keep_fp32 region switches off."""
+    root = Path(__file__).parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", RENAMED_BACKEND], capture_output=True, text=True, check=True, cwd=root, timeout=120
+    )
+    assert done.stdout.strip().split(",")[-1] == "npu9" and "cuda" in done.stdout

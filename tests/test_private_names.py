@@ -7,10 +7,13 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 from lightning_mp._private_names import PRIVATE_NAMES, PrivateName
 from tests.test_readme import readme_table
 
 PACKAGE = Path(__file__).parents[1] / "lightning_mp"
+README_TEXT = " ".join((PACKAGE.parent / "README.md").read_text().split())
 SOURCES = {path.relative_to(PACKAGE).as_posix(): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
 UPSTREAM = ("torch", "lightning")
 
@@ -20,10 +23,22 @@ def is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__") and len(name) > 1
 
 
+def name_parts(name: str) -> list[str]:
+    """The parts of a dotted name that the source spells: the private ones, else the last one."""
+    parts = [part for part in name.split(".") if is_private(part)]
+    return parts or [name.split(".")[-1]]
+
+
 def private_parts(record: PrivateName) -> list[str]:
-    """The parts of a record's dotted name that the source spells: the private ones, else the last one."""
-    parts = [part for part in record.name.split(".") if is_private(part)]
-    return parts or [record.name.split(".")[-1]]
+    """The parts the source spells of a record's name, or of every member of a family record."""
+    if record.members:
+        return [part for member in record.members for part in name_parts(member)]
+    return name_parts(record.name)
+
+
+def spells(module: str, parts: list[str]) -> bool:
+    """Whether ``module``'s source spells every one of ``parts``."""
+    return all(re.search(rf"(?<![\w]){re.escape(part)}\b", SOURCES.get(module, "")) for part in parts)
 
 
 def is_override(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -84,16 +99,36 @@ def test_every_private_upstream_name_the_package_uses_is_registered():
 
 
 def test_every_record_is_still_used_where_it_says():
-    """A record names only modules whose code still spells the name, so the registry cannot outlive its uses."""
+    """A record names only modules whose code still spells the name (a family: one of its members), and a family
+    lists only members some module still spells, so the registry cannot outlive its uses."""
     stale = [
         (record.name, module)
         for record in PRIVATE_NAMES
         for module in record.used_in
-        if not all(
-            re.search(rf"(?<![\w]){re.escape(part)}\b", SOURCES.get(module, "")) for part in private_parts(record)
+        if not (
+            any(spells(module, name_parts(member)) for member in record.members)
+            if record.members
+            else spells(module, private_parts(record))
         )
     ]
     assert not stale
+    unused_members = [
+        member
+        for record in PRIVATE_NAMES
+        for member in record.members
+        if not any(spells(module, name_parts(member)) for module in record.used_in)
+    ]
+    assert not unused_members
+
+
+def test_family_records_group_only_ops_torch_documents():
+    """The two family records hold what their reason says: torch's foreach ops and Core ATen IR ops of this torch."""
+    families = {record.name: record.members for record in PRIVATE_NAMES if record.members}
+    assert set(families) == {"torch._foreach_*", "torch.ops.aten._*"}
+    for member in families["torch._foreach_*"]:
+        assert member.startswith("torch._foreach_") and callable(getattr(torch, member.removeprefix("torch.")))
+    for member in families["torch.ops.aten._*"]:
+        assert torch.Tag.core in getattr(torch.ops.aten, member.removeprefix("aten.")).default.tags
 
 
 def test_records_are_unique_and_complete():
@@ -111,6 +146,13 @@ def test_the_readme_lists_the_registry():
         [f"`{record.name}`", record.owner, ", ".join(f"`{m}`" for m in record.used_in), record.reason]
         for record in PRIVATE_NAMES
     ]
+
+
+def test_the_readme_counts_the_records():
+    """The README states how many records the registry has, by owner."""
+    owners = [record.owner for record in PRIVATE_NAMES]
+    stated = f"({len(owners)} records: {owners.count('torch')} torch, {owners.count('lightning')} Lightning"
+    assert stated in README_TEXT
 
 
 def test_no_module_keeps_its_own_list_of_private_names():

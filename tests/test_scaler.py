@@ -443,3 +443,38 @@ def test_check_mode_unscale_then_update_without_a_step_is_a_recorded_check(model
     scaler.update()  # torch raises "No inf checks were recorded" when unscale_ recorded nothing
     assert scaler.optimizer_steps == 0 and scaler.skipped_steps == 0
     assert scaler.step_verdict(optimizer) is None  # a new iteration knows nothing yet
+
+
+def test_sparse_gradients_with_repeated_rows_unscale_to_the_true_gradient() -> None:
+    """A sparse embedding gradient with a row looked up twice unscales to the gradient of the unscaled loss."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(4, 3, sparse=True)
+    optimizer = torch.optim.SGD(embedding.parameters(), lr=0.1)
+    scaler = LossScaler("cpu", init_scale=8.0)
+    rows = torch.tensor([1, 1, 2])
+    embedding(rows).pow(2).sum().backward()
+    expected = embedding.weight.grad.to_dense().clone()
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(embedding(rows).pow(2).sum()).backward()
+    scaler.unscale_(optimizer)
+    assert torch.equal(embedding.weight.grad.to_dense(), expected)
+    before = embedding.weight.detach().clone()
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.skipped_steps == 0
+    torch.testing.assert_close(embedding.weight.detach(), before - 0.1 * expected)
+
+
+def test_a_sparse_gradient_whose_repeated_rows_sum_to_inf_skips_the_step() -> None:
+    """In check mode a step is skipped when a row looked up twice sums to inf, though each lookup's part is finite:
+    the optimizer would add that inf to the weights."""
+    embedding = nn.Embedding(4, 3, sparse=True)
+    optimizer = torch.optim.SGD(embedding.parameters(), lr=0.1)
+    scaler = LossScaler("cpu", mode="check")
+    huge = torch.finfo(torch.float32).max
+    embedding(torch.tensor([1, 1, 2])).mul(torch.tensor([[huge], [huge], [0.0]])).sum().backward()
+    assert not embedding.weight.grad.is_coalesced() and not embedding.weight.grad.to_dense().isfinite().all()
+    before = embedding.weight.detach().clone()
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.skipped_steps == 1 and torch.equal(embedding.weight, before)

@@ -9,10 +9,15 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_mp.counting import StepCounts, count_syncs_and_ops
+from lightning_mp.scaling import hand_off
 from lightning_mp.stochastic_rounding import (
     COMPENSATION_KEY,
+    MAX_CHUNKS,
+    MIN_CHUNK_NUMEL,
     STATE_KEY,
     StochasticRoundingStep,
+    chunk_limit,
     stale_update_share,
     stochastic_round_,
 )
@@ -212,19 +217,63 @@ def test_state_dict_carries_the_rounding_generator_so_a_resumed_step_is_identica
     )
 
 
-def test_a_fused_step_flagged_non_finite_by_the_grad_scaler_changes_nothing() -> None:
-    """When a GradScaler tells a fused optimizer that a gradient is inf, weights, states and generator stay put."""
-    model = _model().bfloat16()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
-    StochasticRoundingStep(optimizer, seed=0)
+FLAGGED_OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "adam-fused": lambda model: torch.optim.Adam(model.parameters(), lr=1e-2, fused=True),
+    "adamw-foreach": lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True),
+    "sgd-momentum": lambda model: torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, dampening=0.1),
+}
+
+
+def _flagged_step(model: nn.Module, optimizer: torch.optim.Optimizer, flag: float) -> StepCounts:
+    """One step with unit gradients, handed an inf flag as the loss scaler hands it; its syncs and ops."""
     for parameter in model.parameters():
         parameter.grad = torch.ones_like(parameter)
-    before = copy.deepcopy(model.state_dict())
-    optimizer.found_inf = torch.ones(())  # what torch's GradScaler.step sets on a fused optimizer
-    optimizer.step()
-    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    with count_syncs_and_ops() as counts:
+        # As lightning_mp's scaler does in bf16: the step goes to torch's fused kernel, told to skip by ``found_inf``.
+        hand_off.step_on_device(optimizer, torch.full((), flag), None)
+    return counts
+
+
+@pytest.mark.parametrize("kahan", [False, True], ids=["plain", "kahan"])
+@pytest.mark.parametrize("name", FLAGGED_OPTIMIZERS)
+def test_a_step_flagged_non_finite_changes_nothing_and_is_decided_on_the_device(name: str, kahan: bool) -> None:
+    """A flagged step leaves weights, states and Kahan buffers as they were, without a host sync; the rounding draws
+    its numbers as a clean step does, so later steps round alike whether or not one was skipped."""
+    model = _model().bfloat16()
+    optimizer = FLAGGED_OPTIMIZERS[name](model)
+    StochasticRoundingStep(optimizer, kahan=kahan, seed=0)
+    _flagged_step(model, optimizer, flag=0.0)  # states (and SGD's momentum buffers) exist from here on
+    twin = copy.deepcopy(model)
+    twin_optimizer = FLAGGED_OPTIMIZERS[name](twin)
+    StochasticRoundingStep(twin_optimizer, kahan=kahan, seed=0)
+    twin_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # torch would share the step tensors
+    before_model, before_state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+
+    counts = _flagged_step(model, optimizer, flag=1.0)
+    _flagged_step(twin, twin_optimizer, flag=0.0)
+
+    assert counts.syncs == 0
+    assert all(torch.equal(before_model[key], value) for key, value in model.state_dict().items())
+    after_state = optimizer.state_dict()
+    for index, state in before_state["state"].items():
+        assert state.keys() == after_state["state"][index].keys()
+        for key, value in state.items():
+            assert torch.equal(value, after_state["state"][index][key]), key
     assert all(parameter.grad is not None for parameter in model.parameters())
-    assert optimizer.state_dict()[STATE_KEY]["generators"] == {}  # no random number was drawn
+    generators = after_state[STATE_KEY]["generators"]["cpu"]
+    assert torch.equal(generators, twin_optimizer.state_dict()[STATE_KEY]["generators"]["cpu"])
+
+
+def test_a_first_sgd_momentum_step_flagged_non_finite_starts_no_momentum_buffer() -> None:
+    """SGD's first momentum step, flagged non-finite, leaves no buffer started from the bad gradients: the next
+    clean step starts the momentum as torch's first step does."""
+    model = _model().bfloat16()
+    optimizer = FLAGGED_OPTIMIZERS["sgd-momentum"](model)
+    StochasticRoundingStep(optimizer, seed=0)
+    before = copy.deepcopy(model.state_dict())
+    _flagged_step(model, optimizer, flag=1.0)
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+    assert all(optimizer.state[parameter].get("momentum_buffer") is None for parameter in model.parameters())
 
 
 def test_fp32_parameters_are_stepped_by_the_optimizer_itself() -> None:
@@ -263,3 +312,12 @@ def test_detach_gives_the_optimizer_back_its_own_step() -> None:
     optimizer.step()
     assert torch.equal(parameter, torch.ones_like(parameter))
     assert STATE_KEY not in optimizer.state_dict()
+
+
+def test_a_large_model_is_stepped_in_a_bounded_number_of_chunks() -> None:
+    """Each chunk costs about a dozen kernel launches: a small model keeps chunks of 2**19 elements, and a large one
+    gets at most MAX_CHUNKS larger chunks per group and device instead of one chunk per 2**19 elements."""
+    assert chunk_limit(1_000) == chunk_limit(MAX_CHUNKS * MIN_CHUNK_NUMEL) == MIN_CHUNK_NUMEL == 1 << 19
+    for numel in (MAX_CHUNKS * MIN_CHUNK_NUMEL + 1, 219_000_000):
+        limit = chunk_limit(numel)
+        assert limit * MAX_CHUNKS >= numel > limit * (MAX_CHUNKS - 1)

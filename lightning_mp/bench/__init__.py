@@ -12,9 +12,12 @@
 - :mod:`~lightning_mp.bench.report`: the timing report, its paired differences and the targets;
 - :mod:`~lightning_mp.bench.memory`: tensor memory of one step, split by category (``--memory``);
 - :mod:`~lightning_mp.bench.counts`: host syncs and ops of one iteration against torch's loop and Lightning's
-  plugin (``--counts``).
+  plugin (``--counts``);
+- :mod:`~lightning_mp.bench.opt_level_counts`: weight casts, ops and Python calls of one step per opt level
+  (``--counts``), with :mod:`~lightning_mp.bench.allreduced_bytes`: bytes DDP all-reduces per step (gloo).
 """
 
+from lightning_mp.bench.allreduced_bytes import AllReducedBytes, measure_allreduced_bytes
 from lightning_mp.bench.cli import main, parse_args
 from lightning_mp.bench.configurations import CONFIGURATIONS, FP32, Configuration, default_configurations
 from lightning_mp.bench.counts import counts_report, counts_table
@@ -25,6 +28,14 @@ from lightning_mp.bench.memory import (
     measure_memory,
     memory_report,
     memory_table,
+)
+from lightning_mp.bench.opt_level_counts import (
+    OPT_LEVELS,
+    OptLevelCounts,
+    count_opt_level,
+    count_opt_levels,
+    opt_level_report,
+    opt_level_table,
 )
 from lightning_mp.bench.report import ReportContext, Summary, report, summarize
 from lightning_mp.bench.timing import (
@@ -41,16 +52,21 @@ __all__ = [
     "CONFIGURATIONS",
     "FP32",
     "MEMORY_CONFIGURATIONS",
+    "OPT_LEVELS",
     "SIZES",
     "WORKLOADS",
+    "AllReducedBytes",
     "Configuration",
     "MemoryBreakdown",
     "ModelSize",
+    "OptLevelCounts",
     "ReportContext",
     "RunResult",
     "RunSpec",
     "Summary",
     "Workload",
+    "count_opt_level",
+    "count_opt_levels",
     "counts_report",
     "counts_table",
     "default_configurations",
@@ -58,9 +74,12 @@ __all__ = [
     "machine_description",
     "main",
     "matmul_rates",
+    "measure_allreduced_bytes",
     "measure_memory",
     "memory_report",
     "memory_table",
+    "opt_level_report",
+    "opt_level_table",
     "paired_ratios",
     "parse_args",
     "report",

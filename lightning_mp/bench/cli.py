@@ -6,7 +6,8 @@ Three benchmarks share it:
   the CPU the Markov-text model, on CUDA the three GPU-sized workloads (:mod:`~lightning_mp.bench.workloads`);
   ``--workload`` picks others, ``--quick`` runs a smoke test in this process;
 - ``--memory``: tensor memory of one step per configuration (:mod:`~lightning_mp.bench.memory`);
-- ``--counts``: host syncs and ops per iteration (:mod:`~lightning_mp.bench.counts`).
+- ``--counts``: host syncs and ops per iteration (:mod:`~lightning_mp.bench.counts`), then weight casts, ops,
+  Python calls and DDP bytes all-reduced of one step per opt level (:mod:`~lightning_mp.bench.opt_level_counts`).
 
 Every report is Markdown on stdout (``--out FILE.md`` keeps a copy); progress and warnings go to stderr.
 """
@@ -35,6 +36,7 @@ from lightning_mp.bench.configurations import (
 from lightning_mp.bench.counts import counts_report
 from lightning_mp.bench.machine import machine_description, matmul_rates
 from lightning_mp.bench.memory import MEMORY_CONFIGURATIONS, run_memory
+from lightning_mp.bench.opt_level_counts import opt_level_report
 from lightning_mp.bench.report import ReportContext, report, summarize
 from lightning_mp.bench.timing import RunSpec, profile_all, run_all, run_configuration, step_units
 from lightning_mp.bench.workloads import (
@@ -117,7 +119,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--counts", action="store_true", help="host syncs and compute ops per iteration, per precision and optimizer"
+        "--counts",
+        action="store_true",
+        help="host syncs and compute ops per iteration, per precision and optimizer; weight casts, ops, Python calls"
+        " and DDP bytes all-reduced per step, per opt level",
     )
     parser.add_argument("--worker", choices=list(CONFIGURATIONS), help=argparse.SUPPRESS)
     parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
@@ -276,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.counts:
-        _emit(counts_report(args.quick), args.out)
+        _emit(f"{counts_report(args.quick)}\n\n{opt_level_report(args.quick)}", args.out)
         return 0
     if args.worker is not None:
         # The worker's own warnings (bf16 emulated on this CPU, few dataloader workers) are known and said once below.

@@ -8,17 +8,22 @@ of the step. The last step's gradients are freed before profiling: the timeline 
 started once an op touches it, and Lightning frees them untouched. The byte counts depend on the model and torch's
 kernels, not on the machine, and since counting bytes needs no fast fp16, the fp16 configurations are measured too.
 
+The timeline is read through torch's public ``profile.export_memory_timeline(path, device)``, whose JSON file holds
+``[times, sizes]``: one row of byte counts per timestamp, column 0 unused and then one column per category in torch's
+order (:data:`TIMELINE_COLUMNS`, the same from torch 2.8 to 2.15). torch deprecates that export in favour of CUDA's
+memory snapshots, which know no categories and no CPU; the deprecation warning is silenced where it is called.
+
 Two more steps count the host work of a steady step with :mod:`lightning_mp.counting`: its compute ops in one
 batch, its Python calls in the next (so that the op counter's own frames are not counted as Python calls).
-
-Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
+import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -26,7 +31,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, Category, MemoryProfileTimeline
 from typing_extensions import override
 
 from lightning_mp.bench.configurations import CONFIGURATIONS, FP32
@@ -75,36 +79,71 @@ class MemoryBreakdown:
         return self.persistent_bytes / self.parameters
 
 
-_CATEGORY_FIELDS: dict[Category | None, str] = {
-    Category.PARAMETER: "weights",
-    Category.GRADIENT: "gradients",
-    Category.OPTIMIZER_STATE: "optimizer_state",
-    Category.ACTIVATION: "activations",
+TIMELINE_COLUMNS = (
+    "unused",
+    "parameter",
+    "optimizer_state",
+    "input",
+    "temporary",
+    "activation",
+    "gradient",
+    "autograd_detail",
+    "unknown",
+)
+"""The columns of a row of ``export_memory_timeline``'s sizes: torch's categories in the order it writes them."""
+
+_FIELD_OF_COLUMN = {
+    "parameter": "weights",
+    "gradient": "gradients",
+    "optimizer_state": "optimizer_state",
+    "activation": "activations",
 }
+"""The breakdown's field for each category it names; the other columns go to ``other``."""
 
-
-_KEPT = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
+_KEPT = ("parameter", "gradient", "optimizer_state")
 """What a model keeps between steps: Lightning frees gradients at the next step's ``zero_grad``."""
 
 
 def breakdown_from_timeline(
     times_and_sizes: tuple[list[int], list[list[int]]], configuration: str, parameters: int
 ) -> MemoryBreakdown:
-    """The peak and its split by category from a coalesced memory timeline (one row of sizes per timestamp)."""
+    """The peak and its split by category from a memory timeline (one row of sizes per timestamp).
+
+    Raises:
+        ValueError: if a row does not have one size per column of :data:`TIMELINE_COLUMNS`.
+
+    """
     _, sizes = times_and_sizes
+    if any(len(row) != len(TIMELINE_COLUMNS) for row in sizes):
+        raise ValueError(
+            f"A memory timeline row must have {len(TIMELINE_COLUMNS)} sizes ({', '.join(TIMELINE_COLUMNS)}), got"
+            f" {sorted({len(row) for row in sizes})}: this torch writes another format."
+        )
     totals = [sum(row) for row in sizes]
-    at_peak = sizes[max(range(len(totals)), key=totals.__getitem__)]
+    at_peak = dict(zip(TIMELINE_COLUMNS, sizes[max(range(len(totals)), key=totals.__getitem__)], strict=True))
     split = dict.fromkeys(("weights", "gradients", "optimizer_state", "activations", "other"), 0)
-    for category, index in _CATEGORY_TO_INDEX.items():
-        split[_CATEGORY_FIELDS.get(category, "other")] += at_peak[index + 1]  # column 0 is unused by torch
-    split["other"] += at_peak[0]
-    at_end = sizes[-1]
-    persistent = sum(at_end[_CATEGORY_TO_INDEX[category] + 1] for category in _CATEGORY_FIELDS if category in _KEPT)
+    for column, size in at_peak.items():
+        split[_FIELD_OF_COLUMN.get(column, "other")] += size
+    at_end = dict(zip(TIMELINE_COLUMNS, sizes[-1], strict=True))
+    persistent = sum(at_end[column] for column in _KEPT)
     return MemoryBreakdown(configuration, parameters, max(totals), persistent_bytes=persistent, **split)
 
 
+def export_timeline(profiler: torch.profiler.profile, device: str) -> tuple[list[int], list[list[int]]]:
+    """``profiler``'s memory timeline on ``device``: the timestamps, and one row of sizes per timestamp."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = f"{directory}/timeline.json"
+        with warnings.catch_warnings():
+            # Deprecated for CUDA's memory snapshots, which have no categories and no CPU (module docstring).
+            warnings.filterwarnings("ignore", message=".*export_memory_timeline", category=FutureWarning)
+            profiler.export_memory_timeline(path, device)
+        with open(path) as file:
+            times, sizes = json.load(file)
+    return times, sizes
+
+
 class MemoryTimelineCallback(L.Callback):
-    """Profile the tensor memory of one training batch, forward to optimizer step, and keep the coalesced timeline."""
+    """Profile the tensor memory of one training batch, forward to optimizer step, and keep its memory timeline."""
 
     def __init__(self, batch: int) -> None:
         self.batch = batch
@@ -135,8 +174,7 @@ class MemoryTimelineCallback(L.Callback):
         if batch_idx != self.batch or self._profiler is None:
             return
         self._profiler.__exit__(None, None, None)
-        timeline = MemoryProfileTimeline(self._profiler._memory_profile())
-        self.timeline = timeline._coalesce_timeline("cpu")
+        self.timeline = export_timeline(self._profiler, "cpu")
         self._profiler = None
 
 

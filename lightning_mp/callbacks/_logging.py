@@ -3,15 +3,24 @@
 The three monitors follow the conventions of Lightning's ``LearningRateMonitor`` and ``DeviceStatsMonitor``:
 
 - they need a logger, and say so in ``setup`` when there is none;
-- they log at ``trainer.fit_loop.epoch_loop._batches_that_stepped``, the step at which ``self.log`` writes, so their
-  curves line up with the user's own metrics;
-- they respect ``log_every_n_steps`` through the trainer's ``should_update_logs``;
+- they log at the step at which ``self.log`` writes, so their curves line up with the user's own metrics
+  (:func:`logging_step`);
+- they respect ``log_every_n_steps`` as the Trainer applies it (:func:`should_log`);
 - they write from rank zero only.
+
+The step ``self.log`` writes a batch's metrics at is the number of earlier batches after which the optimizer stepped.
+Lightning keeps that count privately; it is computed here from the Trainer's public state. Under automatic
+optimization each such batch steps the one optimizer once, so the count is ``trainer.global_step`` until the batch's
+own step, and one less after it when the batch stepped (:func:`only_accumulates` says whether it did). Under manual
+optimization Lightning refuses gradient accumulation and counts every batch, however many optimizer steps it takes,
+so the count is the number of batches completed (the fit loop's batch progress). ``tests/callbacks/test_logging.py``
+checks the result against Lightning's own count in every hook. It differs in two places only: a batch the dataloader
+yields as ``None`` under automatic optimization (Lightning warns about it) takes no optimizer step but counts for
+Lightning; and in ``on_train_start`` after a resume in the middle of an epoch, Lightning's count is one behind until
+its epoch loop starts, where this is already the step of the first batch to come.
 
 Scalars go to every logger. Text (Markdown) goes only to :class:`~lightning.pytorch.loggers.TensorBoardLogger`, whose
 ``SummaryWriter`` renders it; other loggers cannot show it, so it is skipped for them rather than failing.
-
-Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
@@ -88,14 +97,45 @@ def require_mixed_precision(trainer: pl.Trainer, callback_name: str) -> MixedPre
     return plugin
 
 
-def logging_step(trainer: pl.Trainer) -> int:
-    """The step at which Lightning's ``self.log`` writes during training."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
+def only_accumulates(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether training batch ``batch_idx`` (of its epoch) only accumulates gradients: the optimizer steps later.
+
+    Lightning's rule: the optimizer steps after every ``accumulate_grad_batches``-th batch of an epoch and after the
+    epoch's last batch, unless the strategy accumulates gradients itself (DeepSpeed).
+    """
+    if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+        return False
+    is_last = batch_idx + 1 == trainer.num_training_batches or trainer.is_last_batch
+    return not is_last or trainer.strategy.handles_gradient_accumulation
 
 
-def should_log(trainer: pl.Trainer) -> bool:
-    """Whether this batch is a logging step under ``Trainer(log_every_n_steps=...)``."""
-    return trainer._logger_connector.should_update_logs
+def logging_step(trainer: pl.Trainer, finished_batch: int | None = None) -> int:
+    """The step at which Lightning's ``self.log`` writes the current training batch's metrics (module docstring).
+
+    Args:
+        trainer: the Trainer, in a training hook or ``on_train_start``.
+        finished_batch: the hook's ``batch_idx`` in ``on_train_batch_end``, after the batch's optimizer step; None
+            in the hooks before it.
+
+    """
+    if not trainer.lightning_module.automatic_optimization:
+        return trainer.fit_loop.epoch_loop.batch_progress.total.completed
+    if finished_batch is not None and not only_accumulates(trainer, finished_batch):
+        return trainer.global_step - 1
+    return trainer.global_step
+
+
+def should_log(trainer: pl.Trainer, finished_batch: int | None = None) -> bool:
+    """Whether the current batch is a logging step under ``Trainer(log_every_n_steps=...)``, as Lightning decides.
+
+    ``finished_batch`` as in :func:`logging_step`.
+    """
+    # Trainer.log_every_n_steps is public, but the logger connector assigns it outside __init__, where mypy does not
+    # see it.
+    every_n_steps: int = trainer.log_every_n_steps  # type: ignore[attr-defined]
+    if every_n_steps == 0:
+        return False
+    return (logging_step(trainer, finished_batch) + 1) % every_n_steps == 0 or trainer.should_stop
 
 
 def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:

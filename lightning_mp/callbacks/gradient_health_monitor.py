@@ -19,12 +19,15 @@ overflow. Raising the loss scale shifts the whole histogram right by log2 of the
 ``precision/grad_norm`` is the global 2-norm of the gradients after unscaling, the true norm the optimizer sees,
 which is what gradient clipping thresholds are compared with.
 
+**Under FSDP** (Lightning's ``FSDPStrategy``, sharded) and **FSDP2** (``fully_shard``: ``DTensor`` gradients) each
+rank holds only shards of the gradients, so on a logging step every rank summarises its shards and two all-reduces
+combine them (:func:`lightning_mp._gradients.summary_over_shards`): the scalars and the histogram are those of the
+whole gradients, as under DDP. Overflow reports name each parameter by its full name, with the shape the model
+declared, not its shard's.
+
 **Overflow forensics.** On every skipped step a TensorBoard text entry under ``precision/overflow`` names the
 parameters whose gradients are not finite (at most 20, with their shapes) and the step, and a warning says the
-same every ``warn_every_n_skips`` skips. Under DDP the names are the union over the ranks. Under FSDP2 each rank
-checks its shard of every gradient and names the whole parameter (``first.weight``, its full shape), and the logged
-statistics are over all shards: every rank summarises its shards on a logging step and two all-reduces combine them
-(:func:`lightning_mp._gradients.gradient_summary_over_shards`), so they equal those of the same run under DDP.
+same every ``warn_every_n_skips`` skips. Under DDP the names are the union over the ranks.
 
 The culprits are captured when the overflow is detected, not after: Lightning calls ``on_before_optimizer_step``
 inside the optimizer step, after the plugin has unscaled the gradients and before the step runs or is skipped, in
@@ -54,7 +57,6 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -64,10 +66,10 @@ from typing_extensions import override
 from lightning_mp._gradients import (
     LOG2_HISTOGRAM_RANGE,
     SUMMARY_FIELDS,
-    any_sharded,
+    empty_gradient_summary,
     gradient_summary,
-    gradient_summary_over_shards,
     largest_magnitudes,
+    summary_over_shards,
 )
 from lightning_mp.callbacks._host_reads import Consumer, host_reads
 from lightning_mp.callbacks._logging import (
@@ -81,6 +83,9 @@ from lightning_mp.callbacks._logging import (
     validate_bool,
     validate_positive_int,
 )
+from lightning_mp.callbacks._sharding import gradient_copies
+from lightning_mp.scaling.hand_off import supports_fused_protocol
+from lightning_mp.scaling.sharded import local_shard
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -144,11 +149,17 @@ class GradientHealthMonitor(Callback):
         self._skips_reported = 0
         self._capture: _Capture | None = None
         self._summary: tuple[torch.Tensor, Consumer] | None = None
+        self._declared_shapes: dict[int, tuple[int, ...]] = {}
+        """``id(parameter) -> shape`` before the strategy set the model up: FSDP leaves each rank a flat shard."""
+        self._declared_names: dict[int, str] = {}
+        """``id(parameter) -> name`` before the strategy set the model up: FSDP's nested units prefix the names."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._declared_shapes = {id(parameter): tuple(parameter.shape) for parameter in pl_module.parameters()}
+        self._declared_names = {id(parameter): name for name, parameter in pl_module.named_parameters()}
         require_logger(trainer, type(self).__name__)
         require_mixed_precision(trainer, type(self).__name__)
         host_reads(trainer).join(self)
@@ -169,15 +180,19 @@ class GradientHealthMonitor(Callback):
             p for group in optimizer.param_groups for p in group["params"] if p.grad is not None and p.grad.numel() > 0
         ]
         dense = [p for p in parameters if not p.grad.is_sparse]
-        if not parameters:
-            return
-        self._capture = _Capture(dense, largest_magnitudes([p.grad for p in dense]), plugin.stats.optimizer_steps)
-        sharded = any_sharded([p.grad for p in dense])
-        # Sharded gradients are summarised by every rank, over its shards, and combined (the same on every rank).
-        if should_log(trainer) and (trainer.is_global_zero or sharded):
+        copies = gradient_copies(trainer)
+        if parameters:
+            self._capture = _Capture(dense, largest_magnitudes([p.grad for p in dense]), plugin.stats.optimizer_steps)
+        # Under FSDP every rank summarises its shards, those without any too: the ranks combine their summaries.
+        if (
+            should_log(trainer)
+            and (parameters or copies is not None)
+            and (trainer.is_global_zero or copies is not None)
+        ):
             grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in parameters]
-            summary = self._summarise(trainer, grads, optimizer, sharded)
-            self._summary = summary if trainer.is_global_zero else None
+            summary = self._summarise(trainer, grads, optimizer, copies)
+            if trainer.is_global_zero:
+                self._summary = summary
 
     @override
     def on_train_batch_end(
@@ -188,7 +203,7 @@ class GradientHealthMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self._report_if_skipped(trainer, pl_module)
+        self._report_if_skipped(trainer, pl_module, finished_batch=batch_idx)
         summary, self._summary = self._summary, None
         host_reads(trainer).submit(trainer, self, *(summary or (None, None)))
 
@@ -198,25 +213,44 @@ class GradientHealthMonitor(Callback):
         self._summary = self._capture = None
 
     def _summarise(
-        self, trainer: pl.Trainer, grads: list[torch.Tensor], optimizer: Optimizer, sharded: bool
+        self, trainer: pl.Trainer, grads: list[torch.Tensor], optimizer: Optimizer, copies: int | None
     ) -> tuple[torch.Tensor, Consumer]:
-        """The gradient summary on the device, and the function that logs it once it has been read."""
+        """The gradient summary on the device, and the function that logs it once it has been read.
+
+        With ``copies`` (FSDP: how many ranks hold each gradient element) the ranks' summaries of their shards are
+        combined, a collective that every rank joins.
+        """
         plugin = require_mixed_precision(trainer, type(self).__name__)
         loss_scale = plugin.stats.loss_scale if plugin.scaler is not None else 1.0
         # A fused optimizer unscales inside its own step, so its gradients still carry the scale here.
-        scale_in_grads = loss_scale if _optimizer_handles_unscaling(optimizer) else 1.0
+        scale_in_grads = loss_scale if supports_fused_protocol(optimizer) else 1.0
+        if copies is not None:
+            # This rank's part of each gradient (FSDP2's DTensors); a shard can be empty on this rank.
+            grads = [shard for shard in map(local_shard, grads) if shard.numel()]
         elements = sum(grad.numel() for grad in grads)
         in_fp16 = plugin.half_dtype == torch.float16
         step = logging_step(trainer)
         writers = tensorboard_writers(trainer) if self.log_histogram else []
+        log2_shift = math.log2(loss_scale / scale_in_grads)
+        if copies is None:
+            summary = gradient_summary(grads, log2_shift=log2_shift)
+        else:
+            local = (
+                gradient_summary(grads, log2_shift) if grads else empty_gradient_summary(trainer.strategy.root_device)
+            )
+            summary = summary_over_shards(local, elements, copies)
 
         def log(values: list[float]) -> None:
+            total = elements
+            if copies is not None:
+                # The combined summary ends with the number of elements of the whole gradients.
+                values, total = values[:-1], round(values[-1])
             head = dict(zip(SUMMARY_FIELDS, values, strict=False))
             if not math.isfinite(head["norm"]):
                 return
             metrics = {
                 "precision/grad_norm": head["norm"] / scale_in_grads,
-                "precision/grad_zero_fraction": 1.0 - head["nonzero"] / elements,
+                "precision/grad_zero_fraction": 1.0 - head["nonzero"] / total,
             }
             if in_fp16 and head["largest"] > 0:
                 largest_scaled = head["largest"] * loss_scale / scale_in_grads
@@ -225,10 +259,11 @@ class GradientHealthMonitor(Callback):
             if writers:
                 _log_magnitude_histogram(writers, values[len(SUMMARY_FIELDS) :], step)
 
-        summarise = gradient_summary_over_shards if sharded else gradient_summary
-        return summarise(grads, log2_shift=math.log2(loss_scale / scale_in_grads)), log
+        return summary, log
 
-    def _report_if_skipped(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _report_if_skipped(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, finished_batch: int | None = None
+    ) -> None:
         stats = require_mixed_precision(trainer, type(self).__name__).stats
         capture = self._capture
         if capture is not None and stats.optimizer_steps > capture.optimizer_steps_before:
@@ -242,10 +277,10 @@ class GradientHealthMonitor(Callback):
         first_new_skip = self._skips_reported + 1
         self._skips_reported = stats.skipped_steps
 
-        local = _nonfinite_names(trainer, pl_module, capture)
+        local = _nonfinite_names(trainer, pl_module, capture, self._declared_names, self._declared_shapes)
         # Skips are identical on every rank, so every rank reaches this collective together.
         names = _union_over_ranks(trainer, local)
-        step = logging_step(trainer)
+        step = logging_step(trainer, finished_batch)
         log_text(trainer, "precision/overflow", _overflow_markdown(step, names, stats.loss_scale), step)
 
         # Warn on skips 1, 1 + N, 1 + 2N, ...; several skips can land in one batch under manual optimization.
@@ -282,15 +317,26 @@ def _log_magnitude_histogram(writers: list[SummaryWriter], bucket_counts: list[f
 
 
 def _nonfinite_names(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, capture: _Capture | None
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    capture: _Capture | None,
+    declared_names: dict[int, str],
+    declared_shapes: dict[int, tuple[int, ...]],
 ) -> list[tuple[str, tuple[int, ...]]]:
-    """Name the captured tensors whose largest gradient magnitude was inf or NaN: one transfer for all of them."""
+    """Name the captured tensors whose largest gradient magnitude was inf or NaN: one transfer for all of them.
+
+    Names and shapes are those the model declared before the strategy set it up, where known (FSDP renames nested
+    parameters and leaves each rank a flat shard); the opt level names the tensors it steps in place of them.
+    """
     if capture is None or not capture.largest:
         return []
     largest = torch.stack([value.float().to(capture.largest[0].device) for value in capture.largest]).tolist()
-    names_by_id = _parameter_names(trainer, pl_module)
+    names_by_id = {**_parameter_names(trainer, pl_module), **declared_names}
     found = [
-        (names_by_id.get(id(parameter), f"parameter {position}"), tuple(parameter.shape))
+        (
+            names_by_id.get(id(parameter), f"parameter {position}"),
+            declared_shapes.get(id(parameter), tuple(parameter.shape)),
+        )
         for position, (parameter, value) in enumerate(zip(capture.parameters, largest, strict=True))
         if not math.isfinite(value)
     ]

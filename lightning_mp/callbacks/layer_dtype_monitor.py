@@ -7,7 +7,8 @@ or one that silently runs in half when it should not, is visible only by looking
 
 On a sampled step it attaches a forward hook to every leaf module (a module without children), records the dtype of
 the output the module returns inside the autocast region of ``training_step``, and right after backward reads the
-dtype of each parameter's gradient (fp32 under O1 and O2, whose parameters stay fp32; half under O3). A module with
+dtype of each parameter's gradient (fp32 under O1; half under O2, whose half weights get the gradients that reach
+their fp32 masters at the step, and under O3). A module with
 children that also holds parameters of its own, such as ``nn.MultiheadAttention`` with its input projection, gets a
 row too, so that every parameter appears in the table. A module whose weights are used without calling it
 (``MultiheadAttention.out_proj``) shows "not called". The hooks are removed at the end of that batch, so the steps
@@ -134,7 +135,7 @@ class LayerDtypeMonitor(Callback):
             return
         self._remove_hooks()
         records, self._records = self._records, []
-        step = logging_step(trainer)
+        step = logging_step(trainer, finished_batch=batch_idx)
         log_text(trainer, "precision/layer_dtypes", _markdown_table(records), step)
 
         counts = dict.fromkeys(self._dtypes_seen, 0)
@@ -182,7 +183,16 @@ def _tensor_dtypes(output: Any) -> list[torch.dtype]:
 
 
 def _gradient_dtypes(module: torch.nn.Module) -> list[torch.dtype]:
-    return [p.grad.dtype for p in module.parameters(recurse=False) if p.grad is not None]
+    """The dtypes of the module's own parameters' gradients.
+
+    Under FSDP a rank holds no elements of some parameters (an empty shard, whose gradient is None there); the ranks
+    that hold them get gradients in the parameter's dtype, which FSDP casts them back to after the reduction.
+    """
+    return [
+        p.grad.dtype if p.grad is not None else p.dtype
+        for p in module.parameters(recurse=False)
+        if p.grad is not None or (p.requires_grad and p.numel() == 0)
+    ]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

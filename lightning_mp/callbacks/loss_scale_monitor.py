@@ -128,7 +128,7 @@ class LossScaleMonitor(Callback):
         if stepped and self.prog_bar:
             trainer.progress_bar_metrics["loss_scale"] = stats.loss_scale
         # Accumulating gradients, nothing changed since the last batch; or not a step to log.
-        if not stepped or not (should_log(trainer) or skipped):
+        if not stepped or not (should_log(trainer, finished_batch=batch_idx) or skipped):
             host_reads(trainer).submit(trainer, self)
             return
 
@@ -136,7 +136,7 @@ class LossScaleMonitor(Callback):
         window_skips = stats.skipped_steps - self._window_start_skipped_steps
         self._window_start_optimizer_steps = stats.optimizer_steps
         self._window_start_skipped_steps = stats.skipped_steps
-        step = logging_step(trainer)
+        step = logging_step(trainer, finished_batch=batch_idx)
         shared_counters = (stats.skipped_steps, stats.scale_backoffs, stats.scale_growths)
 
         def log(per_rank: list[float]) -> None:

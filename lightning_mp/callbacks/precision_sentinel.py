@@ -4,9 +4,7 @@ Silent means they do not crash, do not produce a NaN and do not show in the loss
 show them per layer over the steps.
 
 **What it measures.** On the first training step and then every ``every_n_steps`` steps (a *sampled* step, at the
-same steps as Lightning's ``log_every_n_steps=every_n_steps``), on rank zero only (on an FSDP2-sharded model every
-rank counts its own shards of the gradients and weights, one all-reduce sums the counts, and rank zero reports them,
-so they are those of the whole model, as under DDP):
+same steps as Lightning's ``log_every_n_steps=every_n_steps``), on rank zero only:
 
 - **Activation headroom**, per layer: ``log2(65504 / max |output|)``, the number of doublings left before the
   layer's output overflows fp16. Forward hooks on the leaf modules take one ``max |output|`` each (one op per layer)
@@ -68,7 +66,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -82,6 +79,7 @@ from lightning_mp.callbacks._host_reads import host_reads
 from lightning_mp.callbacks._logging import (
     log_scalars,
     logging_step,
+    only_accumulates,
     tensorboard_writers,
     validate_bool,
     validate_positive_int,
@@ -95,8 +93,9 @@ from lightning_mp.callbacks._sentinel_rules import (
     stale_update_finding,
     underflow_finding,
 )
+from lightning_mp.callbacks._sharding import gradient_copies
 from lightning_mp.plugin import MixedPrecision
-from lightning_mp.scaling.sharded import has_sharded_parameters, is_sharded, local_shard
+from lightning_mp.scaling.sharded import local_shard
 
 _HALF_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 HEADROOM_STYLE = HeatmapStyle("activation headroom (doublings to fp16 max)", "log2(65504 / max|a|)", "RdYlGn", 0, 16)
@@ -188,6 +187,10 @@ class PrecisionSentinel(Callback):
         self._activation_maxima: list[tuple[str, torch.Tensor]] = []
         self._snapshots: list[_Snapshot] = []
         self._skipped_before: int | None = None
+        self._copies: int | None = None
+        """Under FSDP, how many ranks hold each gradient element (:mod:`lightning_mp.callbacks._sharding`)."""
+        self._declared_sizes: dict[int, int] = {}
+        """``id(parameter) -> numel`` before the strategy set the model up: FSDP leaves each rank a shard."""
 
     # ------------------------------------------------------------------------------------------------ hooks
 
@@ -198,6 +201,7 @@ class PrecisionSentinel(Callback):
         if self.log_heatmaps and tensorboard_writers(trainer):
             require_matplotlib(type(self).__name__)
         host_reads(trainer).join(self)
+        self._declared_sizes = {id(parameter): parameter.numel() for parameter in pl_module.parameters()}
         self.samples, self.warned, self._samples_drawn = [], set(), 0
         self._lowest_zero_share = math.inf
         self._output_dtypes = set()
@@ -209,11 +213,12 @@ class PrecisionSentinel(Callback):
         if self._sampling:
             return  # still sampling the optimizer step that gradient accumulation delays
         step = logging_step(trainer)
-        # The first step, then the steps Lightning logs at with log_every_n_steps=every_n_steps.
-        # A sharded model (FSDP2) is sampled on every rank: each counts its own shards, and the counts are summed.
-        samples_here = trainer.is_global_zero or has_sharded_parameters(pl_module)
-        self._sampling = samples_here and (step == 0 or (step + 1) % self.every_n_steps == 0)
-        if not self._sampling:
+        self._copies = gradient_copies(trainer)
+        # The first step, then the steps Lightning logs at with log_every_n_steps=every_n_steps. Under FSDP every rank
+        # samples its gradient shards, for rank zero to combine them.
+        sampling_rank = trainer.is_global_zero or self._copies is not None
+        self._sampling = sampling_rank and (step == 0 or (step + 1) % self.every_n_steps == 0)
+        if not self._sampling or not trainer.is_global_zero:
             return
         plugin = trainer.precision_plugin
         self._skipped_before = plugin.stats.skipped_steps if isinstance(plugin, MixedPrecision) else None
@@ -229,17 +234,23 @@ class PrecisionSentinel(Callback):
         if not self._sampling:
             return
         seen = {id(p) for snapshot in self._snapshots for p in snapshot.parameters}
-        parameters = [
-            p
-            for group in optimizer.param_groups
-            if not _is_zero(group.get("lr", 1.0))
-            for p in group["params"]
-            if p.grad is not None and not p.grad.is_sparse and p.grad.numel() > 0 and id(p) not in seen
-        ]
+        stepped = [p for group in optimizer.param_groups if not _is_zero(group.get("lr", 1.0)) for p in group["params"]]
+        if self._copies is None:
+            parameters = [
+                p
+                for p in stepped
+                if p.grad is not None and not p.grad.is_sparse and p.grad.numel() > 0 and id(p) not in seen
+            ]
+        else:
+            # The same tensors, in the same order, on every rank, whatever its shards hold: the counts are summed.
+            parameters = [p for p in stepped if id(p) not in seen]
         if not parameters:
             return
         with torch.no_grad():
-            grad_signs = list(torch._foreach_sign([local_shard(p.grad) for p in parameters]))
+            grads = [
+                local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p)) for p in parameters
+            ]
+            grad_signs = list(torch._foreach_sign(grads))
             weights_before = list(torch._foreach_mul([local_shard(p) for p in parameters], 1.0))
         self._snapshots.append(_Snapshot(parameters, weights_before, grad_signs))
 
@@ -256,7 +267,7 @@ class PrecisionSentinel(Callback):
             host_reads(trainer).submit(trainer, self)
             return
         self._remove_hooks()
-        if not self._snapshots and trainer.fit_loop.epoch_loop._should_accumulate():
+        if not self._snapshots and only_accumulates(trainer, batch_idx):
             # Accumulating gradients: one micro-batch's activations are enough; the step comes on a later batch.
             host_reads(trainer).submit(trainer, self)
             return
@@ -267,18 +278,23 @@ class PrecisionSentinel(Callback):
         device_values = [torch.stack([value for _, value in maxima])] if maxima else []
         if snapshots:
             device_values.append(_update_counts(snapshots))
-        if not trainer.is_global_zero:
-            # A sharded model's other ranks only add their shards' counts to rank zero's (the same collective).
-            host_reads(trainer).submit(trainer, self)
-            return
+        sizes = [p.numel() for p in parameters]
+        if self._copies is not None and snapshots:
+            # Each rank counted its shards: the sums over the ranks count the whole tensors, declared before FSDP.
+            counts = device_values.pop()
+            torch.distributed.all_reduce(counts)
+            device_values.append(counts / self._copies)
+            sizes = [self._declared_sizes.get(id(p), p.numel()) for p in parameters]
+            if not trainer.is_global_zero:
+                host_reads(trainer).submit(trainer, self)
+                return
         if not device_values:
             host_reads(trainer).submit(trainer, self)
             return
-        step = logging_step(trainer)
+        step = logging_step(trainer, finished_batch=batch_idx)
         layers = [layer for layer, _ in maxima]
         names = _parameter_names(trainer, pl_module)
         parameter_layers = [_layer_of(names.get(id(p), "unnamed")) for p in parameters]
-        sizes = [p.numel() for p in parameters]
         plugin = trainer.precision_plugin
         skipped = (
             plugin.stats.skipped_steps > self._skipped_before
@@ -418,10 +434,7 @@ _ALL_LAYERS = "(all layers)"
 
 
 def _update_counts(snapshots: list[_Snapshot]) -> torch.Tensor:
-    """Per stepped tensor: elements with a non-zero gradient, then those of them whose weight moved; one vector.
-
-    Sharded tensors (FSDP2) are counted by their local shards on every rank, and one all-reduce sums the ranks' counts.
-    """
+    """Per stepped tensor: elements with a non-zero gradient, then those of them whose weight moved; one vector."""
     with torch.no_grad():
         parameters = [local_shard(p) for snapshot in snapshots for p in snapshot.parameters]
         before = [w for snapshot in snapshots for w in snapshot.weights_before]
@@ -431,10 +444,7 @@ def _update_counts(snapshots: list[_Snapshot]) -> torch.Tensor:
         torch._foreach_mul_(moved, grad_signs)
         with_gradient = torch._foreach_norm(grad_signs, 0)
         with_gradient_and_moved = torch._foreach_norm(moved, 0)
-        counts = torch.stack([*with_gradient, *with_gradient_and_moved]).float()
-    if any(is_sharded(p) for snapshot in snapshots for p in snapshot.parameters) and dist.is_initialized():
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    return counts
+        return torch.stack([*with_gradient, *with_gradient_and_moved]).float()
 
 
 def _per_layer_shares(

@@ -283,6 +283,7 @@ class StepEngine(ABC):
         def checked_closure() -> Any:
             nonlocal finite
             loss = closure()
+            self.policy.prepare_step(optimizer)
             finite = all_finite(loss, parameters) and finite
             return loss
 

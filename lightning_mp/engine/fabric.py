@@ -238,7 +238,8 @@ class FabricEngine(StepEngine):
         self.settle()
         while self._skipped_on_device:
             self.policy.after_optimizer_step(self._skipped_on_device.pop(), True)
-        self.loss_scaler.scale(tensor).backward(*args, **kwargs)
+        with self.policy.backward_context():
+            self.loss_scaler.scale(tensor).backward(*args, **kwargs)
 
     def post_backward(self, tensor: Tensor, module: Any) -> Any:
         """Nothing: Fabric has no hooks to run after backward."""
@@ -356,6 +357,7 @@ class FabricEngine(StepEngine):
 
     def _unscale(self, optimizer: Optimizer) -> None:
         self._connect(optimizer)
+        self.policy.prepare_step(optimizer)
         if id(optimizer) in self._unscaled:
             return
         if id(optimizer) in self._stepped_since_update:

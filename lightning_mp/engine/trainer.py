@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision.precision import Precision
@@ -46,6 +45,7 @@ from lightning_mp._schedulers import SkipAwareScheduler
 from lightning_mp.engine.base import StepEngine, check_loss
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
+from lightning_mp.scaling.hand_off import supports_fused_protocol
 
 
 def raw_optimizer(optimizer: Any) -> Any:
@@ -173,16 +173,17 @@ class TrainerEngine(StepEngine):
         return Precision.pre_backward(self.lightning, tensor, module)
 
     def backward(self, tensor: Tensor, module: LightningModule, *args: Any, **kwargs: Any) -> None:
-        """Lightning's backward: ``module.backward`` of the loss ``pre_backward`` scaled."""
-        Precision.backward(self.lightning, tensor, module, *args, **kwargs)
+        """Lightning's backward: ``module.backward`` of the loss ``pre_backward`` scaled, in the level's context."""
+        with self.policy.backward_context():
+            Precision.backward(self.lightning, tensor, module, *args, **kwargs)
 
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Any:
-        """Run the opt level's and Lightning's ``on_after_backward`` hooks."""
-        self.policy.after_backward()
+        """Run Lightning's ``on_after_backward`` hooks."""
         return Precision.post_backward(self.lightning, tensor, module)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Make the gradients true gradients, at most once per optimizer step."""
+        self.policy.prepare_step(optimizer)
         self._prepare_gradients(optimizer, unscale=True)
 
     def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:
@@ -194,6 +195,7 @@ class TrainerEngine(StepEngine):
         wrapper, optimizer = optimizer, raw_optimizer(optimizer)
         if isinstance(wrapper, LightningOptimizer):
             adopt_wrapper_unscale(self.loss_scaler, [wrapper], optimizer)
+        self.policy.prepare_step(optimizer)
         if clip_val > 0:
             # Checked before clipping in every precision (bf16 and fp32 only read them): clipping by value would turn
             # an inf into a finite gradient, and a fused optimizer, checked at its step, would take the step.
@@ -221,12 +223,15 @@ class TrainerEngine(StepEngine):
             wrappers = model.optimizers(use_pl_optimizer=True)
             wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
             adopt_wrapper_unscale(loss_scaler, wrappers, optimizer)
-        self._prepare_gradients(optimizer, unscale=not _optimizer_handles_unscaling(optimizer))
+        self.policy.prepare_step(optimizer)
+        self._prepare_gradients(optimizer, unscale=not supports_fused_protocol(optimizer))
         self.lightning._after_closure(model, optimizer)
         if not _has_gradients(optimizer):
             # Nothing to check or unscale (torch's GradScaler would refuse such a step): step as Lightning would.
             self._skipped_by_optimizer[id(optimizer)] = False
-            return optimizer.step(**kwargs)
+            step_output = optimizer.step(**kwargs)
+            self.policy.after_optimizer_step(optimizer, False)
+            return step_output
         step_output = loss_scaler.step(optimizer, **kwargs)
         self._stepped_this_iteration = True
         # This step's own verdict, read before the update: on an accelerator the scaler's host view of a verdict

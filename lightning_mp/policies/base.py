@@ -1,9 +1,10 @@
 """The seam between the plugin and an opt level.
 
-An opt level decides how the module is prepared before training (O3 casts its weights to half, O2 chooses which
-weights compute in half), whether the forward runs under autocast, what else surrounds the forward (O2 puts half
-copies of the weights in place), and what it must release when training ends. The plugin asks the policy at each of
-those points instead of branching on the level, so a new level is one new module.
+An opt level decides how the module is prepared before training (O3 casts its weights to half, O2 gives them half
+twins and keeps fp32 masters), whether the forward runs under autocast, what else surrounds the forward and the
+backward (O2 puts its half weights in place), what happens around each optimizer step (O2 moves the gradients to
+the masters, and the stepped masters back into the half weights), and what it must release when training ends. The
+plugin asks the policy at each of those points instead of branching on the level, so a new level is one new module.
 
 Where each hook runs::
 
@@ -11,9 +12,11 @@ Where each hook runs::
     connect(module, optimizers)                # once the optimizers exist (O3 checks their eps; Kahan buffers)
     with forward_context(), autocast:          # every training/validation/test/predict step, Fabric's forward
         step ...
-    backward, unscale, clipping, step          # the plugin's step engine, on the module's own parameters
-    after_backward()                           # O2: the fp32 parameters back in place (manual optimization)
-    after_optimizer_step(optimizer, skipped)   # O2: name weights beyond fp16's range after a skip
+    with backward_context():                   # O2: the half weights in place; none for masters needing no grad
+        backward
+    prepare_step(optimizer)                    # O2: the fp32 masters in the model, with the gradients
+    unscale, clipping, step                    # the plugin's step engine, on the optimizer's parameters
+    after_optimizer_step(optimizer, skipped)   # O2: masters into the half weights; name weights beyond fp16
     state_dict() / load_state_dict(state)      # the level's own state in the plugin's checkpoint entry
     teardown()                                 # end of fit/validate/test/predict, also after an exception
 
@@ -92,13 +95,20 @@ class PrecisionPolicy:
         return {id(parameter): name for name, parameter in module.named_parameters()}
 
     def forward_context(self) -> AbstractContextManager:
-        """What surrounds every forward, around the plugin's autocast; entered and left once per step."""
+        """What surrounds every eager forward, around the plugin's autocast (a compiled region traces none)."""
         return contextlib.nullcontext()
 
-    def after_backward(self) -> None:
-        """Called after every backward under the Trainer, before ``on_after_backward``.
+    def backward_context(self) -> AbstractContextManager:
+        """What surrounds every backward (``manual_backward``, the Trainer's automatic backward, ``fabric.backward``).
 
         In manual optimization this is inside the forward context; in automatic optimization, after it.
+        """
+        return contextlib.nullcontext()
+
+    def prepare_step(self, optimizer: Optimizer) -> None:
+        """Called before the gradients of ``optimizer`` are unscaled, clipped or stepped (at least once per step).
+
+        Also once after each closure evaluation of an optimizer that evaluates its closure itself (LBFGS).
         """
 
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:

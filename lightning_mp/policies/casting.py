@@ -9,9 +9,11 @@ Each opt level imports only :mod:`lightning_mp.policies.base` and this module, s
    are one tensor with one dtype, so a module that shares a parameter with a kept one is kept too, with a warning:
    keeping one side only would make the first forward mix fp32 and half.
 2. Hooks make the dtypes meet: a module with half weights casts its floating inputs to its weights' dtype
-   (:class:`MatchParameterDtype`); a kept normalisation layer computes in fp32 and hands its output back in the half
-   type; the root module may return fp32 outputs (:class:`FloatOutputs`), so that the loss is computed in fp32. The
-   caller gets the hooks' handles, to remove them at teardown.
+   (:class:`MatchParameterDtype`; not ``nn.Embedding``, whose input is indices); a kept normalisation layer
+   computes in fp32 and hands its output back in the half type; the root module may return fp32 outputs
+   (:class:`FloatOutputs`), so that the loss is computed in fp32. The caller gets the hooks' handles, to remove them
+   at teardown. The hooks run at every forward of every module, so they look at plain arguments without a Python
+   call each (:func:`~lightning_mp.overrides.cast_arguments`).
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
@@ -23,11 +25,17 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mp.overrides import BATCH_NORMS, Fp32Overrides, Fp32Region, cast_low_precision, has_fp32_region
+from lightning_mp.overrides import (
+    BATCH_NORMS,
+    Fp32Overrides,
+    Fp32Region,
+    cast_arguments,
+    cast_low_precision,
+    has_fp32_region,
+)
 
 __all__ = [
     "BATCH_NORMALIZATION_TYPES",
@@ -78,13 +86,25 @@ def check_half_dtype(owner: str, half_dtype: torch.dtype | None) -> torch.dtype:
 
 
 class MatchParameterDtype:
-    """Forward pre-hook: cast floating inputs to the dtype of the module's own weights (half in O3)."""
+    """Forward pre-hook: cast floating inputs to the dtype of the module's own weights (half in O3).
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-        weight = next((p for p in module.parameters(recurse=False) if p.is_floating_point()), None)
-        if weight is None:
-            return args, kwargs
-        return _cast_floating((args, kwargs), weight.dtype)
+    Args:
+        parameter_name: the module's own floating parameter whose dtype the inputs take. It is looked up by name at
+            each call (one attribute read, where scanning the parameters would cost a generator per forward), so a
+            parameter replaced later is followed; if it is gone, the first floating parameter is.
+
+    """
+
+    def __init__(self, parameter_name: str) -> None:
+        self.parameter_name = parameter_name
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+        weight = getattr(module, self.parameter_name, None)
+        if not isinstance(weight, Tensor) or not weight.is_floating_point():
+            weight = next((p for p in module.parameters(recurse=False) if p.is_floating_point()), None)
+            if weight is None:
+                return None
+        return cast_arguments(args, kwargs, weight.dtype)
 
 
 class FloatOutputs:
@@ -92,10 +112,6 @@ class FloatOutputs:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         return cast_low_precision(output, torch.float32)
-
-
-def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _has_hook(hooks: dict[int, Any], kind: type) -> bool:
@@ -185,8 +201,11 @@ def convert_to_half(
         for name, buffer in child.named_buffers(recurse=False):
             if _castable(buffer, dtype):
                 setattr(child, name, buffer.to(dtype))
-        has_floating_weights = any(p.is_floating_point() for p in child.parameters(recurse=False))
-        if has_floating_weights and not _has_hook(child._forward_pre_hooks, MatchParameterDtype):
-            attached.append(child.register_forward_pre_hook(MatchParameterDtype(), with_kwargs=True))
+        weight_name = next((n for n, p in child.named_parameters(recurse=False) if p.is_floating_point()), None)
+        # An embedding's input is indices: it has nothing to cast, and the hook would cost calls at every forward.
+        if weight_name is None or type(child) is nn.Embedding:
+            continue
+        if not _has_hook(child._forward_pre_hooks, MatchParameterDtype):
+            attached.append(child.register_forward_pre_hook(MatchParameterDtype(weight_name), with_kwargs=True))
     if float_outputs and not _has_hook(module._forward_hooks, FloatOutputs):
         attached.append(module.register_forward_hook(FloatOutputs()))

@@ -32,8 +32,11 @@ The pieces:
    order, for loops that load an optimizer's state before the policy has connected it (Fabric's ``load``). An
    optimizer that arrives with a state but no such copy (the plugin left out of Fabric's state) is warned about: its
    rounding restarts from the seed. Saved states are checked when they are loaded.
-4. A skipped step (non-finite gradients) never calls the optimizer, so nothing changes and no random numbers are
-   drawn.
+4. A skipped step (non-finite gradients) changes no weight, moment estimate or compensation buffer, and is decided
+   on the device with every optimizer form (fused, foreach, single-tensor): the loss scaler hands the inf flag to
+   torch's fused kernel, which the rounding step hands it on to, so a steady step makes no host sync
+   (:mod:`~lightning_mp.stochastic_rounding`, point 4). Casts per step: two per bf16 weight, in the optimizer step
+   (none in forward or backward); the same module says why both are needed.
 
 Only ``torch.optim.Adam``, ``AdamW`` and ``SGD`` are supported (their ``fused`` and ``foreach`` forms included);
 another optimizer is refused at setup with a :class:`TypeError`.

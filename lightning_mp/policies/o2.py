@@ -1,89 +1,95 @@
-"""O2: the model keeps its fp32 weights; half copies of them exist only for the forward and backward pass.
+"""O2: the model computes with persistent half weights; fp32 master weights take the optimizer steps.
 
-The module's own parameters stay fp32 and are the master weights: the optimizer, ``param_groups``,
-``add_param_group``, callbacks (BackboneFinetuning, StochasticWeightAveraging, EMA), ``grad_norm``,
-``load_state_dict`` and checkpoints all see the real fp32 parameters, at any time. What changes is what the forward
-computes with, as in FSDP's mixed precision without sharding:
+Apex's O2 and DeepSpeed's fp16/bf16 optimizers keep the model's weights in half and an fp32 master copy of each
+for the optimizer. This level does the same, with one difference that keeps Lightning's recipes working: the
+masters are the model's original parameters, and between an optimizer step and the next forward the model shows
+them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32 weights without knowing about O2.
 
-1. ``convert_module`` only records which parameters compute in half: the fp32 parameters of every module except
-   normalisation layers (BatchNorm, LayerNorm, GroupNorm, InstanceNorm, RMSNorm and any class whose name ends in
-   ``Norm``), the subtrees that ``keep_fp32`` matches, and layers whose forward needs the fp32 parameter itself
-   (autocast casts their weights per use instead, as in O1):
+1. ``convert_module`` (before the model moves and before DDP wraps it) gives each chosen parameter a half twin: a
+   new ``nn.Parameter`` holding its value cast once to the half type, put in the parameter's slot in every module
+   that holds it (a tied parameter gets one twin). The original fp32 parameter object becomes the master. Chosen are
+   the fp32 parameters of every module except normalisation layers (BatchNorm, LayerNorm, GroupNorm,
+   InstanceNorm, RMSNorm and any class whose name ends in ``Norm``), the subtrees that ``keep_fp32`` matches, and
+   layers whose forward needs the fp32 parameter itself (they compute in fp32 under autocast, as in O1):
 
    - recurrent layers: their forward reads a cached list of their weights, not the module's slots;
    - reparametrized weights (``torch.nn.utils.parametrize``: ``parametrizations.spectral_norm``, ``weight_norm``,
      ``orthogonal``; and the older ``nn.utils.spectral_norm``/``weight_norm`` hooks): the parametrization runs on
-     the original parameter and may keep fp32 state that it updates in place (spectral norm's power-iteration
-     vectors), so it computes in fp32 and autocast casts the weight it produces;
-   - sparse embeddings (``Embedding``/``EmbeddingBag`` with ``sparse=True``): the backward of a cast cannot carry a
-     sparse gradient, and a half copy of a whole table would read every row for the few a batch looks up.
+     the original parameter and may keep fp32 state that it updates in place (spectral norm's power iteration);
+   - sparse embeddings (``Embedding``/``EmbeddingBag`` with ``sparse=True``): their sparse gradients would need a
+     sparse cast, and their optimizers (``SparseAdam``, SGD) are cheap on the rows a batch touches anyway.
 
-   Lazy parameters (``nn.LazyLinear``) are recorded too, and compute in fp32 until their first forward
-   materialises them; every later forward uses half copies. Nothing is cast; the only hooks attached are the
-   ``keep_fp32`` fp32 regions (point 5). Parameters of other dtypes (fp64) and every buffer keep their dtype. In
-   fp16 a weight beyond fp16's range (65504) is refused by name here already (a lazy one after its first skip).
-2. On entering the forward context (training, validation, test and predict steps, and Fabric's module forward),
-   one pass over those parameters casts each to the half type (a tied parameter once for all its uses), and the
-   half copy takes the parameter's place in its module (``module._parameters[name]``). The cast is differentiable:
-   in backward, autograd carries each half gradient through the cast and accumulates it, in fp32, into the real
-   parameter's ``.grad``. DDP's reducer hooks on the fp32 parameters therefore fire as usual. The pass costs one
-   ``_to_copy`` per parameter forward and one backward, the casts autocast makes per use in O1, and no Python call
-   per parameter. A single flat cast (concatenate, cast, split) would dispatch more ops, briefly need an fp32 copy
-   of every weight, and tie all copies to one storage, so that none is freed before the last.
-3. On leaving the context, also on an exception, the real parameters go back in place, and the half copies are
-   freed: autograd does not keep them for backward. While the context is open, a saved-tensor hook
-   (``torch.autograd.graph.saved_tensors_hooks``) replaces every half copy that an op saves for backward (a
-   matrix product saves its weight, or a transposed view of it) by a note of its fp32 parameter, the parameter's
-   version and the view's geometry; backward casts the parameter again when it needs the weight. The copies
-   therefore exist only while the forward runs, and backward holds one weight copy at a time, not all of them:
-   at the start of backward, where training's memory peaks, that is 2 bytes per parameter less, for one extra
-   cast per weight in backward (the forward made the same cast once). Activations, and a copy the forward edited
-   in place (it no longer equals a recast), are saved as usual. A
-   parameter changed in place between the forward and its backward (an optimizer step, a weight edit) would make
-   the recast differ from what the forward computed with; the backward then raises, naming the parameter, as torch
-   raises in fp32 for a saved tensor modified in place.
-4. ``torch.autocast`` stays on in the half type around the forward, as a safety net for what is not a parameter:
-   fp32 inputs of matrix products are cast to half, losses and softmax-like reductions run in fp32 (so the scaled
-   loss is fp32), and normalisation layers compute in fp32 (CUDA autocast upcasts them; on the CPU their kernels
-   take half inputs with fp32 weights and accumulate in fp32), handing half outputs on. Because the weights are
-   already half, autocast casts no weight; because embeddings are half, the residual stream and the activations
-   saved for backward are half too, which is where O2 saves memory over O1.
-5. ``keep_fp32`` subtrees keep fp32 weights and run in fp32 regions (:mod:`lightning_mp.overrides`), whose hooks
-   ``convert_module`` attaches once and ``teardown`` removes: after fit, or after a failed fit (the Trainer tears
-   the plugin down either way), the model is exactly the fp32 model it was, with no hook left behind. Attaching
-   them per forward instead would put ``register_forward_pre_hook`` inside the forward context, which a model
-   compiled after ``fabric.setup`` traces: dynamo cannot trace registering a hook and breaks the graph there.
-   Between forwards the hooks change nothing that matters: the fp32 subtree gets fp32 inputs with autocast off, as
-   it would in the context.
+   Lazy parameters (``nn.LazyLinear``) compute in fp32 until their first forward materialises them and get their
+   twin at the next forward. Parameters of other dtypes (fp64) and every buffer keep their dtype. In fp16 a weight
+   beyond fp16's range (65504) is refused by name (:class:`HalfOverflowError`). DDP, wrapped after this, holds the
+   half twins: it all-reduces half gradients, half the bytes of O1's.
+2. The optimizer steps the masters. An optimizer built on the model's parameters after the conversion (the
+   Trainer's ``configure_optimizers``) holds the twins: ``connect`` points its ``param_groups`` at their masters,
+   as Apex's ``amp.initialize`` does, and moves any state it holds; one built before it (Fabric) holds the masters
+   already. A group added later with twins (``BackboneFinetuning``'s ``add_param_group``) is pointed at the masters
+   at its first step.
+3. Forward (``forward_context``, every training, validation, test and predict step and Fabric's forward): the
+   outermost entry puts the twins into the slots and the exit puts the masters back (a dict write per slot: no
+   cast, no op, no Python call). Autocast stays on around it, as a safety net for what is not a chosen weight: fp32
+   inputs of matrix products, losses and softmax-like reductions in fp32, normalisation layers in fp32 (their fp32
+   weights with half inputs). Since embeddings are half, the residual stream and the activations saved for backward
+   are half too. Backward (``backward_context``) flows into the twins, whose ``.grad`` is half, where autograd and
+   DDP accumulate it (``no_sync`` gradient accumulation included); it puts the twins back into the slots, so that
+   from backward to the step the model shows them with their gradients (``on_after_backward``, ``clip_grad_norm_``
+   of ``self.parameters()`` after ``manual_backward``, Fabric code between ``fabric.backward`` and the step).
+4. Step (the engines call :meth:`O2Policy.prepare_step` before unscaling, clipping or stepping an optimizer): the
+   masters come back into the slots, and the twins' gradients move into their masters' ``.grad`` in fp32 (added
+   where a master already holds one); the twins' are freed. So the loss scaler unscales and checks fp32 master
+   gradients (foreach, fused and the fused hand-off work unchanged), and ``on_before_optimizer_step`` hooks,
+   ``grad_norm`` and gradient clipping see true fp32 gradients on ``model.parameters()``. Gradients move at the
+   step, not after each backward: DDP reduces the accumulated ``.grad`` once, at the last micro-batch, so an earlier
+   move would keep earlier micro-batches out of the reduction. The cost is that micro-batches accumulate in half (in
+   fp16 the scaled gradients, whose range fits); a step without accumulation loses nothing. After the optimizer step
+   (:meth:`O2Policy.after_optimizer_step`) one foreach copy writes the stepped masters into their twins, the one
+   cast per weight per optimizer step, and the masters' fp32 gradients are freed. The stepped masters are named,
+   not found by their version counters, which fused optimizer kernels do not move. A step the host saw skipped
+   changed no master and writes nothing; one skipped on the device (fused kernels) writes the same values again.
+5. Edits are never lost. A master whose version counter moved since its twin was written (``load_state_dict``,
+   StochasticWeightAveraging or an EMA callback writing fp32 weights between steps) is written into its twin at the
+   next forward. A twin edited in place while it is in the slots (a weight changed inside ``training_step``) is
+   copied into its master when the masters come back, element by element: where the twin still equals the master
+   rounded to half, the master keeps its extra bits, so swapping weights out and back in loses nothing.
+   ``state_dict()`` gives the masters' fp32 values also while the twins are in the slots, and ``load_state_dict``
+   writes fp32 values into the masters exactly. Writes through ``.data`` move no version counter; Lightning's
+   ``WeightAveraging`` swaps the average in and out that way around validation, so the first forward without
+   gradients (validation, test, predict) after one with them, and the reverse, write every master into its twin.
+   ``requires_grad`` set on either side since the last forward
+   (``BackboneFinetuning`` freezes and unfreezes whichever the model shows) is mirrored at the outermost forward's
+   entry and exit; inside a step, where ``toggle_optimizer`` sets it on the masters the optimizer holds, the
+   backward context keeps gradients from the twins whose masters do not require them.
+6. The Trainer and Fabric move the model to its device after ``convert_module``, while it holds the twins: the
+   masters follow at ``connect`` and at the first forward (same parameter objects, new storage). ``teardown``
+   (after fit, and after a failed fit) puts the masters back for good, removes every hook and forgets the model: the
+   model is the fp32 model it was, with the same parameter objects. The ``keep_fp32`` subtrees run in fp32 regions
+   (:mod:`lightning_mp.overrides`) whose hooks are attached here once and removed there.
 
-A fresh half copy is made for every forward, gradient-accumulation micro-batches included: the cast is one read of
-the weights against a forward that reads them once per token, and reusing copies across backward passes would need
-the autograd graph of the cast kept alive and the copies invalidated whenever a callback edits a weight. In manual
-optimization the fp32 parameters go back in place after each ``manual_backward``, so that ``on_after_backward``
-and the rest of ``training_step`` read their ``.grad`` (``clip_grad_norm_(self.parameters())``, gradient logging);
-later forwards in the same step then compute as in O1, autocast casting each weight per use. Where a step comes
-before any backward, it recasts the copies of the parameters it stepped, so a second forward sees the new weights;
-the other copies keep their autograd edges, so that ``toggle_optimizer`` around the step leaves the next
-optimizer's parameters trainable.
+Memory with AdamW, per parameter: between steps 2 bytes of half weight, 4 of master and 8 of moments (fp32 and O1
+keep 16, with their gradients); during backward 2 more of half gradient, at the step 4 of fp32 gradient. The host
+work is a few Python calls per step, whatever the size of the model (the forward and backward contexts are built
+once; each swap is one pass over the parameters).
 
-Loss scaling and skipping are O1's: the gradients the scaler unscales and checks are the fp32 parameters' own, so
-foreach and fused optimizers work unchanged. A skipped fp16 step is also checked for weights beyond fp16's range
-(whose half copies are inf), and :class:`HalfOverflowError` names them. The optimizer holds 4 bytes of weight, 4 of
-gradient and its states per parameter, as in fp32; the half copies (2 bytes per parameter) exist only during the
-step.
+Under ``torch.compile`` of a whole model after ``fabric.setup`` the forward context is traced, and the slots cannot
+change inside a graph: that model computes with its masters under autocast, as in O1.
 
 .. warning:: The fp16 range check reads values back to the host (a synchronisation on CUDA): once at setup and once
-    after each skipped step. Clean steps are not checked and make no extra synchronisation; a weight that outgrows
-    fp16 makes its copy inf, the gradients non-finite and the step skipped, and that skip names it.
+    after each skipped step. Clean steps are not checked; a weight that outgrows fp16 makes its twin inf, the
+    gradients non-finite and the step skipped, and that skip names it.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import functools
+import warnings
+from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
-from types import TracebackType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -101,7 +107,7 @@ _LEGACY_REPARAMETRIZATIONS = (SpectralNorm, WeightNorm)
 
 
 class HalfOverflowError(RuntimeError):
-    """fp32 weights beyond the half type's range: their half copies would be inf, and every step would be skipped.
+    """fp32 weights beyond the half type's range: their half twins would be inf, and every step would be skipped.
 
     Args:
         names: qualified names of the parameters.
@@ -122,7 +128,7 @@ class HalfOverflowError(RuntimeError):
 
 
 def computes_weights_in_fp32(module: nn.Module) -> set[nn.Module]:
-    """The modules under ``module`` whose forward needs their fp32 parameters themselves, not half copies.
+    """The modules under ``module`` whose forward needs their fp32 parameters themselves, not half twins.
 
     Reparametrized weights (their parametrization subtree, or a module with an older ``spectral_norm`` or
     ``weight_norm`` hook) and sparse embeddings: the module docstring, point 1, says why.
@@ -153,199 +159,268 @@ def overflowing_weights(named: Sequence[tuple[str, Tensor]], dtype: torch.dtype)
     return [name for name, _ in hits], [value for _, value in hits]
 
 
-class SavedWeight:
-    """A half copy that an op saved for backward, kept as its fp32 parameter and recast when backward needs it.
+class MasterWeights:
+    """fp32 masters and the half twins that take their place in the model's slots while it computes.
+
+    Each pair is a master (the model's original fp32 parameter) and its twin (a half ``nn.Parameter``), with every
+    ``(module, name)`` slot that holds it and every qualified name it has in the model. The module docstring says
+    when values, gradients and ``requires_grad`` move between the two.
 
     Args:
-        parameter: the fp32 parameter the copy was cast from.
-        name: its qualified name, for the error message.
         dtype: the half type.
-        view: ``(size, stride, storage_offset)`` of the saved tensor within the copy (a transposed weight, say).
 
     """
 
-    __slots__ = ("dtype", "name", "parameter", "version", "view")
-
-    def __init__(self, parameter: Tensor, name: str, dtype: torch.dtype, view: tuple[torch.Size, tuple[int, ...], int]):
-        self.parameter = parameter
-        self.name = name
+    def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.view = view
-        self.version = parameter._version
+        self.names: list[str] = []
+        self.masters: list[nn.Parameter] = []
+        self.twins: list[nn.Parameter] = []
+        self.slots: list[list[tuple[nn.Module, str]]] = []
+        self.keys: list[list[str]] = []
+        """Per pair, its qualified names in the converted model (a tied parameter has several)."""
+        self.twins_in_slots = False
+        self._no_grad = torch.no_grad()
+        self._twin_versions: list[int] = []
+        self._master_versions: list[int] = []
+        """The masters' versions when their twins were last written: a master whose version moved has changed."""
+        self._requires_grad: list[bool] = []
+        self._aliases: list[Tensor] = []
+        """A detached alias of each twin, made once: it shares the twin's storage and version counter, and writing
+        through it needs no ``torch.no_grad()`` context (five Python calls at every step) and no op to make it."""
+        self._index_of: dict[int, int] = {}
+        """``id`` of a master or a twin -> its pair's index."""
 
-    def recast(self) -> Tensor:
-        """The saved tensor again: the parameter cast to half, viewed as the op saw it.
+    def add(self, master: nn.Parameter, slots: list[tuple[nn.Module, str]], keys: list[str]) -> int:
+        """Make a half twin of ``master`` (one cast) for the ``slots`` that hold it; return the pair's index."""
+        with torch.no_grad():
+            twin = nn.Parameter(master.detach().to(self.dtype), requires_grad=master.requires_grad)
+        index = len(self.masters)
+        self.names.append(keys[0])
+        self.masters.append(master)
+        self.twins.append(twin)
+        self.slots.append(slots)
+        self.keys.append(keys)
+        self._twin_versions.append(twin._version)
+        self._master_versions.append(master._version)
+        self._requires_grad.append(master.requires_grad)
+        self._aliases.append(twin.detach())
+        self._index_of[id(master)] = self._index_of[id(twin)] = index
+        if self.twins_in_slots:
+            for module, name in slots:
+                module._parameters[name] = twin
+        return index
 
-        Raises:
-            RuntimeError: if the parameter was changed in place since the forward.
+    def follow_devices(self) -> None:
+        """Move each master (and its gradient) to its twin's device; the masters stay the same parameter objects.
 
+        The Trainer and Fabric move the model after ``convert_module``, while it holds the twins.
         """
-        if self.parameter._version != self.version:
-            raise RuntimeError(
-                f"lightning_mp O2: the fp32 weight {self.name!r} was modified in place (an optimizer step or an"
-                " in-place edit) after the forward that computed with it and before that forward's backward. The"
-                " gradients would be computed with weights the forward did not use; torch raises the same error in"
-                " fp32 for a saved tensor modified in place. Run backward before stepping or editing the weights."
-            )
-        copy = self.parameter.to(self.dtype)
-        size, stride, offset = self.view
-        if copy.size() == size and copy.stride() == stride and offset == 0:
-            return copy
-        return copy.as_strided(size, stride, offset)
+        with self._no_grad:
+            for master, twin in zip(self.masters, self.twins, strict=True):
+                if master.device != twin.device:
+                    master.data = master.data.to(twin.device)
+                    if master.grad is not None:
+                        master.grad = master.grad.to(twin.device)
 
+    def master_of(self, parameter: Tensor) -> Tensor:
+        """The master of a twin; any other tensor (a master, a parameter without twin) as it is."""
+        index = self._index_of.get(id(parameter))
+        return parameter if index is None else self.masters[index]
 
-def _swappable(parameter: Tensor) -> bool:
-    """An fp32 parameter with values: a lazy one stays in place until its module's first forward materialises it."""
-    # isinstance, not torch's is_lazy: dynamo traces it in a model compiled after fabric.setup, without a graph break.
-    return parameter.dtype == torch.float32 and not isinstance(parameter, nn.UninitializedParameter)
+    def indices(self, parameters: Sequence[Tensor]) -> list[int]:
+        """The pair index of each of ``parameters`` that has one."""
+        return [index for p in parameters if (index := self._index_of.get(id(p))) is not None]
 
+    def show_masters(self, mirror: bool = True, show: bool = True) -> None:
+        """Put the masters back into the slots, after copying what was edited on the twins into them.
 
-def _unpack(saved: Tensor | SavedWeight) -> Tensor:
-    return saved.recast() if isinstance(saved, SavedWeight) else saved
+        ``show=False`` only copies the edits (and mirrors ``requires_grad`` if asked).
 
-
-class HalfWeights(AbstractContextManager):
-    """Context manager that puts differentiable half copies in place of chosen fp32 parameters, then restores them.
-
-    While it is open, the copies that ops save for backward are saved as their fp32 parameters instead and recast in
-    backward (:class:`SavedWeight`), so that no copy outlives the forward. Re-entrant: a nested ``with`` (a forward
-    context inside another) changes nothing. :meth:`refresh` recasts the copies while the context is open, after
-    the weights changed.
-
-    Args:
-        slots: ``(module, parameter name)`` of every parameter to replace; a parameter shared by several slots is
-            cast once.
-        dtype: the half type.
-        names: qualified name of each parameter by ``id``, for error messages.
-        recast_in_backward: save the parameter, not its copy, for backward (the default); ``False`` keeps the
-            copies saved until backward frees them, as autocast does.
-
-    """
-
-    def __init__(
-        self,
-        slots: Sequence[tuple[nn.Module, str]],
-        dtype: torch.dtype,
-        names: Mapping[int, str] | None = None,
-        recast_in_backward: bool = True,
-    ):
-        self.slots = list(slots)
-        self.dtype = dtype
-        self.names = dict(names or {})
-        self.recast_in_backward = recast_in_backward
-        self._depth = 0
-        self._originals: list[nn.Parameter | None] = []
-        self._copies: dict[int, tuple[Tensor, nn.Parameter]] = {}
-        """Storage address of each live copy -> the copy and its parameter (the copies are alive: slots hold them)."""
-        self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._recasting = False
-
-    def __enter__(self) -> HalfWeights:
-        self._depth += 1
-        if self._depth == 1:
-            # Inside a compiled region the compiler decides what the graph saves; a hook there would break the graph.
-            self._recasting = self.recast_in_backward and not torch.compiler.is_compiling()
-            self._swap_in()
-            if self._recasting:
-                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-                self._saved_hooks.__enter__()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            hooks, self._saved_hooks = self._saved_hooks, None
-            if hooks is not None:
-                hooks.__exit__(None, None, None)
-            if self._originals:
-                self._restore()
-            if hooks is not None and isinstance(exc, RuntimeError) and "saved tensor hooks" in str(exc):
-                raise RuntimeError(
-                    "lightning_mp O2 recasts the half weight copies in backward through a saved-tensor hook, and"
-                    " torch.func transforms (grad, vjp, jacrev, hessian) refuse to run under one. Pass"
-                    " MixedPrecision(..., opt_level='O2', recast_in_backward=False) to keep the copies saved instead."
-                ) from exc
-
-    def step_out(self) -> None:
-        """Put the fp32 parameters back in place for the rest of the open context (a no-op when closed).
-
-        Later forwards in the context compute as in O1: autocast casts the fp32 weights per use.
+        Where an edited twin still equals its master rounded to half, the master keeps its value: writing back
+        what was there (an EMA swap, a ``load_state_dict`` of the same values) loses no precision. One method, not
+        three, because it runs at every forward (module docstring, point 3).
         """
-        if self._depth > 0 and self._originals:
-            self._restore()
+        versions = self._twin_versions
+        recorded = self._requires_grad
+        for i, (master, twin) in enumerate(zip(self.masters, self.twins, strict=True)):
+            if twin._version != versions[i]:
+                with self._no_grad:
+                    master.copy_(torch.where(twin == master.to(self.dtype), master, twin.to(master.dtype)))
+                versions[i] = twin._version
+                self._master_versions[i] = master._version
+            if mirror:
+                if twin.requires_grad != recorded[i]:
+                    master.requires_grad_(twin.requires_grad)
+                elif master.requires_grad != recorded[i]:
+                    twin.requires_grad_(master.requires_grad)
+                recorded[i] = master.requires_grad
+            if show:
+                for module, name in self.slots[i]:
+                    module._parameters[name] = master
+        if show:
+            self.twins_in_slots = False
 
-    def refresh(self, stepped: Iterable[Tensor]) -> None:
-        """Recast the copies of the ``stepped`` parameters from their new fp32 values, if the context is open.
+    def push(self, stepped: Collection[int] = (), show: bool = False, mirror: bool = False) -> None:
+        """Write the ``stepped`` masters, and every master whose version moved, into their twins: one foreach cast.
 
-        The other copies, and their autograd edges, stay: a copy is differentiable only if its parameter required
-        gradients when it was cast, and ``toggle_optimizer`` switches the other optimizers' parameters off around a
-        step; recast then, their copies would keep them out of the next optimizer's backward for good.
+        The stepped ones are named because fused optimizer kernels write the parameters without moving their
+        version counters.
+        ``show`` also puts the twins into the slots, and ``mirror`` gives both sides of a pair the ``requires_grad``
+        that one of them was set to since the last mirror (at the edges of a step, not inside it: module docstring).
         """
-        if self._depth == 0 or not self._originals:
+        written: list[int] = []
+        targets: list[Tensor] = []
+        sources: list[Tensor] = []
+        versions = self._master_versions
+        recorded = self._requires_grad
+        aliases = self._aliases
+        for i, (master, twin) in enumerate(zip(self.masters, self.twins, strict=True)):
+            if master._version != versions[i] or i in stepped:
+                written.append(i)
+                alias = aliases[i]
+                if alias.data_ptr() != twin.data_ptr():  # the model was moved: the twin has new storage
+                    alias = aliases[i] = twin.detach()
+                targets.append(alias)
+                sources.append(master)
+                versions[i] = master._version
+            if mirror:
+                if master.requires_grad != recorded[i]:
+                    twin.requires_grad_(master.requires_grad)
+                elif twin.requires_grad != recorded[i]:
+                    master.requires_grad_(twin.requires_grad)
+                recorded[i] = master.requires_grad
+            if show:
+                for module, name in self.slots[i]:
+                    module._parameters[name] = twin
+        if targets:
+            torch._foreach_copy_(targets, sources)
+            for i in written:
+                self._twin_versions[i] = self.twins[i]._version
+        if show:
+            self.twins_in_slots = True
+
+    def substitute_masters(self, state_dict: dict[str, Any], prefix: str, indices: Iterable[int]) -> None:
+        """Put the fp32 values of the masters ``indices`` (one model's) in ``state_dict`` where their twins' are."""
+        self.show_masters(mirror=False, show=False)
+        for i in indices:
+            master = self.masters[i]
+            for key in self.keys[i]:
+                value = state_dict.get(prefix + key)
+                if isinstance(value, Tensor):
+                    state_dict[prefix + key] = master if isinstance(value, nn.Parameter) else master.detach()
+
+    def load_masters(self, state_dict: dict[str, Any], prefix: str, indices: Iterable[int]) -> None:
+        """Write the fp32 values of ``state_dict`` into the masters ``indices``, which ``load_state_dict`` rounds."""
+        with self._no_grad:
+            for i in indices:
+                master = self.masters[i]
+                value = state_dict.get(prefix + self.keys[i][0])
+                if isinstance(value, Tensor) and value.shape == master.shape:
+                    master.copy_(value)
+
+
+class _TwinsInSlots(AbstractContextManager):
+    """The forward context: twins in the slots from the outermost entry to its exit (module docstring, point 3)."""
+
+    def __init__(self, policy: O2Policy) -> None:
+        self.policy = policy
+
+    def __enter__(self) -> None:
+        policy = self.policy
+        weights = policy.weights
+        if weights is None:
             return
-        stepped_ids = {id(parameter) for parameter in stepped}
-        copies: dict[int, Tensor] = {}
-        for (module, name), parameter in zip(self.slots, self._originals, strict=True):
-            if parameter is None or id(parameter) not in stepped_ids or not _swappable(parameter):
-                continue
-            copy = copies.get(id(parameter))
-            if copy is None:
-                copy = copies[id(parameter)] = self._cast(parameter)
-            # The slot holds a plain tensor for the forward: that is the point of the swap (module docstring).
-            module._parameters[name] = copy  # type: ignore[assignment]
-        live = {id(module._parameters[name]) for module, name in self.slots}
-        self._copies = {address: entry for address, entry in self._copies.items() if id(entry[0]) in live}
+        policy.forward_depth += 1
+        if policy.forward_depth == 1:
+            if policy.lazy:
+                policy.adopt_materialized_lazy()
+            if weights.masters and weights.masters[0].device != weights.twins[0].device:
+                weights.follow_devices()
+            # Edits through ``.data`` move no version counter (Lightning's WeightAveraging swaps the average in and
+            # out that way around validation): where evaluation starts or ends, every master is written.
+            evaluating = not torch.is_grad_enabled()
+            everything = range(len(weights.masters)) if evaluating != policy.evaluating else ()
+            policy.evaluating = evaluating
+            weights.push(everything, show=True, mirror=True)
 
-    def _cast(self, parameter: nn.Parameter) -> Tensor:
-        copy = parameter.to(self.dtype)
-        if self._recasting and copy.numel():  # an empty tensor has no storage address of its own
-            self._copies[copy.untyped_storage().data_ptr()] = (copy, parameter)
-        return copy
+    def __exit__(self, *exc_info: object) -> None:
+        policy = self.policy
+        if policy.forward_depth == 0:
+            return
+        policy.forward_depth -= 1
+        if policy.forward_depth == 0 and policy.weights is not None:
+            policy.weights.show_masters()
 
-    def _pack(self, tensor: Tensor) -> Tensor | SavedWeight:
-        """What autograd keeps for backward: a copy (or a view of one) becomes a :class:`SavedWeight`."""
-        if tensor.dtype != self.dtype or type(tensor) is not Tensor or not self._copies:
-            return tensor
-        if tensor.layout != torch.strided or tensor.numel() == 0:
-            return tensor
-        entry = self._copies.get(tensor.untyped_storage().data_ptr())
-        if entry is None or tensor._version != 0:  # a copy edited in place no longer equals a recast: keep it
-            return tensor
-        _, parameter = entry
-        view = (tensor.size(), tensor.stride(), int(tensor.storage_offset()))
-        return SavedWeight(parameter, self.names.get(id(parameter), "<unnamed>"), self.dtype, view)
 
-    def _swap_in(self) -> None:
-        copies: dict[int, Tensor] = {}
-        originals = self._originals
-        for module, name in self.slots:
-            parameter = module._parameters[name]
-            originals.append(parameter)
-            if parameter is None or not _swappable(parameter):
-                continue
-            copy = copies.get(id(parameter))
-            if copy is None:
-                copy = copies[id(parameter)] = self._cast(parameter)
-            # A plain tensor in a parameter's slot is the point of the swap (module docstring).
-            module._parameters[name] = copy  # type: ignore[assignment]
+class _HeldGradients(AbstractContextManager):
+    """The backward context: the twins in the slots; those whose masters need no gradient get none."""
 
-    def _restore(self) -> None:
-        for (module, name), parameter in zip(self.slots, self._originals, strict=True):
-            module._parameters[name] = parameter
-        self._originals = []
-        self._copies = {}
+    def __init__(self, weights: MasterWeights) -> None:
+        self.weights = weights
+        self.held: list[nn.Parameter] = []
+
+    def __enter__(self) -> None:
+        weights = self.weights
+        # The gradients land on the twins: the model shows them, with their gradients, until the step. Nothing is
+        # written into them here: backward computes with what the forward saved.
+        show = not weights.twins_in_slots
+        held = self.held
+        for master, twin, slots in zip(weights.masters, weights.twins, weights.slots, strict=True):
+            if twin.requires_grad and not master.requires_grad:
+                twin.requires_grad_(False)
+                held.append(twin)
+            if show:
+                for module, name in slots:
+                    module._parameters[name] = twin
+        weights.twins_in_slots = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        for twin in self.held:
+            twin.requires_grad_(True)
+        self.held.clear()
+
+
+def _upcast_state(state: dict[str, Any], master: Tensor) -> dict[str, Any]:
+    """An optimizer state kept for a twin, made its master's: elementwise half states become fp32, with a warning.
+
+    torch's ``Optimizer.load_state_dict`` casts states to the dtype of the parameter they are loaded for, so a state
+    loaded while the optimizer held twins was rounded to half.
+    """
+    rounded = [key for key, value in state.items() if _is_half_elementwise(value, master)]
+    if rounded:
+        warnings.warn(
+            f"lightning_mp O2: an optimizer state ({', '.join(rounded)}) was loaded while the optimizer held O2's half"
+            " weights, so torch rounded it to half; it continues in fp32 from the rounded values. Build the optimizer"
+            " on the model's parameters before fabric.setup (or let the Trainer connect it) before loading its state.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return {key: value.to(master.dtype) if key in rounded else value for key, value in state.items()}
+
+
+def _is_half_elementwise(value: Any, master: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.shape == master.shape and value.dtype in (torch.float16, torch.bfloat16)
+
+
+def _substitute_masters(
+    weights: MasterWeights, indices: list[int], module: nn.Module, state_dict: dict[str, Any], prefix: str, _: Any
+) -> None:
+    weights.substitute_masters(state_dict, prefix, indices)
+
+
+def _load_masters(
+    weights: MasterWeights, indices: list[int], module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
+) -> None:
+    weights.load_masters(state_dict, prefix, indices)
 
 
 class O2Policy(PrecisionPolicy):
-    """fp32 weights, gradients and optimizer states; half copies of the weights for the forward and backward pass.
+    """Half weights in the model, fp32 masters in the optimizer, fp32 gradients and optimizer states at the step.
 
     Args:
         half_dtype: ``torch.float16`` or ``torch.bfloat16``.
         keep_fp32: module types, qualified names or ``re:`` patterns whose modules compute in fp32.
-        recast_in_backward: save the fp32 parameters for backward and recast them there, instead of their half
-            copies (module docstring, point 3).
 
     Raises:
         ValueError: if ``half_dtype`` is not a half type, or a ``keep_fp32`` entry is invalid.
@@ -355,18 +430,27 @@ class O2Policy(PrecisionPolicy):
     opt_level = "O2"
     uses_autocast = True
 
-    def __init__(
-        self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = (), recast_in_backward: bool = True
-    ) -> None:
+    def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
         super().__init__(check_half_dtype(type(self).__name__, half_dtype), keep_fp32)
-        self.recast_in_backward = recast_in_backward
         self.overrides = Fp32Overrides(self.keep_fp32)
-        self._half_weights: HalfWeights | None = None
-        self._half_parameters: list[tuple[str, nn.Parameter]] = []
+        self.weights: MasterWeights | None = None
+        """The masters and their twins, from ``convert_module`` until ``teardown``."""
+        self.lazy: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]], list[int]]] = []
+        """Lazy parameters waiting for their first forward: name, parameter, slots and their model's pair indices."""
+        self._adopted: dict[int, int] = {}
+        """Per optimizer (by ``id``), how many parameter groups ``connect`` has pointed at the masters."""
+        self._stepped: dict[int, set[int]] = {}
+        """Per optimizer (by ``id``), the pairs its coming step writes: their twins are rewritten after it."""
+        self.forward_depth = 0
+        self.evaluating = False
+        """Whether the last outermost forward ran without gradients (validation, test, predict)."""
+        # Built once: a forward and a backward then cost two Python calls each (the host overhead O2 must not add).
+        self._twins_in_slots = _TwinsInSlots(self)
+        self._held_gradients: _HeldGradients | None = None
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Choose the parameters that compute in half and attach the ``keep_fp32`` fp32 regions until teardown.
+        """Give every chosen fp32 parameter a half twin and put the twins in the slots, before DDP wraps the model.
 
         Raises:
             HalfOverflowError: in fp16, if a chosen weight is beyond fp16's range.
@@ -374,69 +458,178 @@ class O2Policy(PrecisionPolicy):
         """
         assert self.half_dtype is not None
         in_fp32 = self.overrides.kept_modules(module) | computes_weights_in_fp32(module)
-        slots: list[tuple[nn.Module, str]] = []
-        named: dict[int, tuple[str, nn.Parameter]] = {}
-        for module_name, child in module.named_modules():
+        chosen: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]] = {}
+        for module_name, child in module.named_modules(remove_duplicate=False):
             if child in in_fp32 or is_normalization(child) or isinstance(child, nn.RNNBase):
                 continue
             prefix = f"{module_name}." if module_name else ""
-            for name, parameter in child.named_parameters(recurse=False):
-                if parameter.dtype == torch.float32:
+            for name, parameter in child._parameters.items():
+                if parameter is None or parameter.dtype != torch.float32:
+                    continue
+                _, slots, keys = chosen.setdefault(id(parameter), (parameter, [], []))
+                if (child, name) not in slots:
                     slots.append((child, name))
-                    named.setdefault(id(parameter), (prefix + name, parameter))
-        self._half_parameters = list(named.values())
-        self._check_range()
-        roots = [module.get_submodule(name) for name in outermost(self.overrides.match(module))]
-        for root in roots:
+                keys.append(prefix + name)
+        materialized = [entry for entry in chosen.values() if not isinstance(entry[0], nn.UninitializedParameter)]
+        self._check_range([(keys[0], master) for master, _, keys in materialized])
+        # One MasterWeights for every model this run converts (Fabric sets up a GAN's two models one by one); each
+        # model's state-dict hooks know its own pairs, whose names may repeat in another model.
+        if self.weights is None:
+            self.weights = MasterWeights(self.half_dtype)
+            self._held_gradients = _HeldGradients(self.weights)
+        weights = self.weights
+        indices = [weights.add(master, slots, keys) for master, slots, keys in materialized]
+        weights.push(show=True, mirror=True)
+        self.lazy += [
+            (keys[0], master, slots, indices)
+            for master, slots, keys in chosen.values()
+            if isinstance(master, nn.UninitializedParameter)
+        ]
+        # Partials, not bound methods: torch marks the hooks its public API registers with an attribute.
+        substitute = functools.partial(_substitute_masters, weights, indices)
+        self.hook_handles.append(module.register_state_dict_post_hook(substitute))
+        self.hook_handles.append(
+            module.register_load_state_dict_pre_hook(functools.partial(_load_masters, weights, indices))
+        )
+        for root in [module.get_submodule(name) for name in outermost(self.overrides.match(module))]:
             if not has_fp32_region(root):  # a region the user attached is the user's to keep
                 self.hook_handles += Fp32Region().attach(root)
-        names = {id(parameter): name for name, parameter in self._half_parameters}
-        self._half_weights = HalfWeights(slots, self.half_dtype, names, self.recast_in_backward)
         return module
 
     @override
-    def forward_context(self) -> AbstractContextManager:
-        """Half copies of the weights in place for the duration of the forward."""
-        return self._half_weights if self._half_weights is not None else super().forward_context()
+    def connect(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
+        """Point each optimizer's ``param_groups`` (and any state it holds) at the masters instead of the twins.
+
+        The masters move first to the device the model was moved to since ``convert_module``.
+        """
+        optimizers = super().connect(module, optimizers)
+        if self.weights is not None:
+            self.weights.follow_devices()
+        for optimizer in optimizers:
+            self._adopt(optimizer)
+        return optimizers
 
     @override
-    def after_backward(self) -> None:
-        """In manual optimization, put the fp32 parameters back, so that their ``.grad`` is what the user reads."""
-        if self._half_weights is not None:
-            self._half_weights.step_out()
+    def parameter_names(self, module: nn.Module) -> dict[int, str]:
+        """``id -> name`` of the masters the optimizers step, and of every other parameter of ``module``."""
+        names = super().parameter_names(module)
+        if self.weights is not None:
+            names.update(
+                {id(master): name for master, name in zip(self.weights.masters, self.weights.names, strict=True)}
+            )
+        return names
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        """The twins in the model's slots for the duration of the (outermost) forward context."""
+        return self._twins_in_slots
+
+    @override
+    def backward_context(self) -> AbstractContextManager:
+        """Keep gradients from the twins whose masters do not require them (``toggle_optimizer`` inside the step)."""
+        return self._held_gradients if self._held_gradients is not None else super().backward_context()
+
+    @override
+    def prepare_step(self, optimizer: Optimizer) -> None:
+        """Show the masters in the model and move the twins' gradients into them, in fp32, before the scaler."""
+        weights = self.weights
+        if weights is None:
+            return
+        if self._adopted.get(id(optimizer)) != len(optimizer.param_groups):
+            self._adopt(optimizer)
+        if weights.twins_in_slots:
+            weights.show_masters(mirror=False)
+        stepped = self._stepped.get(id(optimizer))
+        if stepped is None:
+            stepped = self._stepped[id(optimizer)] = set(
+                weights.indices([p for group in optimizer.param_groups for p in group["params"]])
+            )
+        # The twins' half gradients move into their masters' .grad in fp32, added to one already there.
+        masters, twins = weights.masters, weights.twins
+        for i in stepped:
+            twin = twins[i]
+            gradient = twin.grad
+            if gradient is None:
+                continue
+            master = masters[i]
+            if master.grad is None:
+                master.grad = gradient.to(master.dtype)
+            else:
+                master.grad.add_(gradient)
+            twin.grad = None
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
-        """After a skipped fp16 step, name weights beyond fp16's range; after a step inside a forward, recast.
+        """Write the stepped masters into their twins (one foreach cast) and free their fp32 gradients.
+
+        The fp32 gradients live from :meth:`prepare_step` to here: between steps O2 keeps 2 bytes of half weight,
+        4 of master and the optimizer's states per parameter, and no gradient. After a skip, weights beyond fp16's
+        range are named. Inside a forward context (manual optimization's ``training_step``) the twins go back into
+        the slots, so that a later forward in the same step computes in half with the new weights.
 
         Raises:
-            HalfOverflowError: if the step was skipped because a weight's fp16 copy was inf.
+            HalfOverflowError: if the step was skipped because a weight's fp16 twin was inf.
 
         """
+        weights = self.weights
+        if weights is None:
+            return
+        # A step the host saw skipped changed no master; one skipped on the device is written again, unchanged.
+        stepped = () if skipped is True else self._stepped.get(id(optimizer), ())
+        weights.push(stepped, show=self.forward_depth > 0)
+        for i in stepped:
+            weights.masters[i].grad = None
         if skipped:
-            self._check_range()
-        elif self._half_weights is not None:
-            # Manual optimization: a step inside training_step.
-            self._half_weights.refresh(p for group in optimizer.param_groups for p in group["params"])
+            self._check_range([(name, master) for name, master in zip(weights.names, weights.masters, strict=True)])
 
     @override
     def teardown(self) -> None:
-        """Remove the fp32 regions' hooks and drop every reference to the model, so that none stays alive."""
+        """Put the masters back for good, remove the hooks and forget the model."""
+        if self.weights is not None:
+            self.weights.show_masters()
         super().teardown()
-        self._half_weights = None
-        self._half_parameters = []
+        self.weights = None
+        self._held_gradients = None
+        self.lazy = []
+        self._adopted = {}
+        self._stepped = {}
+        self.forward_depth = 0
+        self.evaluating = False
 
-    def _check_range(self) -> None:
+    def _adopt(self, optimizer: Optimizer) -> None:
+        """Point ``optimizer``'s groups at the masters of the twins they hold; move the twins' state to them."""
+        assert self.weights is not None
+        master_of = self.weights.master_of
+        for group in optimizer.param_groups:
+            for position, parameter in enumerate(group["params"]):
+                master = master_of(parameter)
+                if master is parameter:
+                    continue
+                group["params"][position] = master
+                if parameter in optimizer.state:
+                    optimizer.state[master] = _upcast_state(optimizer.state.pop(parameter), master)
+        self._adopted[id(optimizer)] = len(optimizer.param_groups)
+        self._stepped.pop(id(optimizer), None)
+
+    def adopt_materialized_lazy(self) -> None:
+        """Give the lazy parameters that their first forward materialised a twin."""
+        assert self.weights is not None
+        waiting: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]], list[int]]] = []
+        for name, parameter, slots, indices in self.lazy:
+            if isinstance(parameter, nn.UninitializedParameter):
+                waiting.append((name, parameter, slots, indices))
+                continue
+            self._check_range([(name, parameter)])
+            indices.append(self.weights.add(parameter, slots, [name]))
+            self._stepped.clear()
+        self.lazy = waiting
+
+    def _check_range(self, named: Sequence[tuple[str, Tensor]]) -> None:
         if self.half_dtype != torch.float16:
             return
-        materialized = [
-            (name, parameter)
-            for name, parameter in self._half_parameters
-            if not isinstance(parameter, nn.UninitializedParameter)
-        ]
-        names, largest = overflowing_weights(materialized, torch.float16)
+        names, largest = overflowing_weights(named, torch.float16)
         if names:
             raise HalfOverflowError(names, largest, torch.float16)
 
 
-__all__ = ["HalfOverflowError", "HalfWeights", "O2Policy", "SavedWeight"]
+__all__ = ["HalfOverflowError", "MasterWeights", "O2Policy"]

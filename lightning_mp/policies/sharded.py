@@ -14,7 +14,7 @@ opt level   the plugin                                  ``fully_shard(mp_policy=
 O0          nothing (fp32)                              ``MixedPrecisionPolicy()``: no cast
 O1          autocast, loss scaler                       ``MixedPrecisionPolicy()``: fp32 gathered, autocast
                                                         casts per op
-O2          autocast, loss scaler; checks the weights   ``param_dtype=half, reduce_dtype=float32``
+O2          autocast, loss scaler; checks the weights   ``param_dtype=half, reduce_dtype=half``
             compute in half (:class:`ShardedO2Policy`)
 O3, lean    refused (:func:`refuse_half_weights`)       --
 ==========  ==========================================  =====================================================
@@ -98,7 +98,7 @@ def fsdp2_mixed_precision_policy(
     if keep_fp32:
         return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     if opt_level == "O2" and half_dtype is not None:
-        return MixedPrecisionPolicy(param_dtype=half_dtype, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=half_dtype, reduce_dtype=half_dtype)
     return MixedPrecisionPolicy()
 
 

@@ -11,9 +11,10 @@
   flag at all. The norms are stacked (one op, as the flag check was) and the step reads them on the host, the one
   sync it makes anyway, so nothing kept between iterations is touched.
 
-Sparse gradients are checked by their stored values (fp16 ones coalesced first, so that duplicates are summed as
-torch's own ``unscale_`` does). :func:`recheck_norms` reads gradients changed after the check (clipping with a NaN
-threshold) for the step's verdict.
+Sparse gradients are coalesced, then checked by their values: duplicate indices are summed first, as torch's own
+``unscale_`` does for fp16 ones and as the optimizer's sparse update adds them, so a sum that overflows is caught.
+:func:`recheck_norms` reads gradients changed after the check (clipping with a NaN threshold) for the step's
+verdict.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
@@ -65,9 +66,9 @@ def gradient_groups(optimizer: torch.optim.Optimizer, refuse_fp16: bool) -> Grad
             if refuse_fp16 and grad.dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             if grad.is_sparse:
-                if grad.dtype is torch.float16:
+                if not grad.is_coalesced():
                     param.grad = grad = grad.coalesce()
-                grad = grad._values()
+                grad = grad.values()
             grad = sharded.local_shard(grad)
             if grad.numel():
                 groups[grad.device][grad.dtype].append(grad)
@@ -132,7 +133,7 @@ def recheck_norms(optimizer: torch.optim.Optimizer, home: torch.device | None) -
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.grad is not None:
-                grad = param.grad._values() if param.grad.is_sparse else sharded.local_shard(param.grad)
+                grad = param.grad.coalesce().values() if param.grad.is_sparse else sharded.local_shard(param.grad)
                 if grad.numel():
                     grads[grad.device].append(grad)
     return [

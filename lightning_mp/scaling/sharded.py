@@ -107,9 +107,19 @@ def agree_on_found_inf(found_inf: torch.Tensor, group: dist.ProcessGroup | None 
 
     On the device, without a host sync. Does nothing outside a process group of more than one rank. Every rank must
     call it, once per check, in the same order, whether or not it holds any non-empty shard.
+
+    .. warning:: A flag on the CPU under an NCCL-only group (FSDP's ``cpu_offload`` keeps the gradients, and so
+        their flag, on the CPU; NCCL reduces GPU tensors only) is reduced through a copy on the current GPU and
+        copied back, which synchronises the host, as torch's ``ShardedGradScaler`` does there.
     """
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
+        return found_inf
+    if found_inf.device.type == "cpu" and dist.get_backend(group) == dist.Backend.NCCL:
+        on_gpu = found_inf.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_gpu, op=dist.ReduceOp.MAX, group=group)
+        found_inf.copy_(on_gpu)
+        return found_inf
+    dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
     return found_inf
 
 

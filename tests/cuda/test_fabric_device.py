@@ -61,3 +61,21 @@ def test_a_cpu_fabric_on_a_gpu_machine_autocasts_on_the_cpu(device: str) -> None
     model = fabric.setup(nn.Sequential(nn.Linear(8, 4)))
     assert model(torch.randn(2, 8)).isfinite().all()
     assert plugin.device == "cpu"
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+def test_o2_masters_follow_the_model_to_cuda(device: str) -> None:
+    """Fabric moves the model to CUDA after O2 converted it: the fp32 masters the optimizer steps move with it."""
+    plugin = MixedPrecision("16-mixed", opt_level="O2")
+    fabric = Fabric(accelerator=device, devices=1, plugins=[plugin])
+    network = make_network()
+    model, optimizer = fabric.setup(network, torch.optim.AdamW(network.parameters(), lr=1e-3))
+    for _ in range(2):
+        fabric.backward(model(torch.randn(8, 8, device=device)).float().square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    assert {p.device.type for p in masters} == {"cuda"} and {p.dtype for p in masters} == {torch.float32}
+    assert plugin.stats.optimizer_steps == 2 and all(p.isfinite().all() for p in masters)
+    plugin.teardown()
+    assert {p.device.type for p in network.parameters()} == {"cuda"}

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from typing_extensions import override
 
 from lightning_mp import MixedPrecision
@@ -80,11 +81,32 @@ def parameter_checksum(module: nn.Module) -> str:
     return digest.hexdigest()
 
 
+class ReducedBytes:
+    """What DDP's reducer all-reduced: the bytes of its gradient buckets and their dtypes."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.dtypes: set[str] = set()
+
+
+def count_and_allreduce(state: ReducedBytes, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook: count the bucket's bytes, then all-reduce it as DDP does without a hook."""
+    buffer = bucket.buffer()
+    state.bytes += buffer.numel() * buffer.element_size()
+    state.dtypes.add(str(buffer.dtype))
+    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+
+# DDP compares a hook's annotations with the classes themselves; this module's annotations are postponed (strings).
+count_and_allreduce.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+
+
 class Recorder(L.Callback):
     """Records the scale and the skip flag after every step; writes this rank's report at the end of training."""
 
-    def __init__(self, out: Path, tag: str = "", step_delay: float = 0.0) -> None:
+    def __init__(self, out: Path, tag: str = "", step_delay: float = 0.0, count_reduced_bytes: bool = False) -> None:
         self.out = out
+        self.reduced = ReducedBytes() if count_reduced_bytes else None
         self.tag = tag
         self.step_delay = step_delay
         self.steps: list[tuple[int, float, bool]] = []
@@ -93,6 +115,8 @@ class Recorder(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.first_scale = trainer.precision_plugin.stats.loss_scale
+        if self.reduced is not None:
+            trainer.strategy.model.register_comm_hook(self.reduced, count_and_allreduce)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         stats = trainer.precision_plugin.stats
@@ -123,6 +147,8 @@ class Recorder(L.Callback):
             "local_overflows": plugin.scaler.local_overflows() if plugin.scaler is not None else None,
             "checksums": checksums,
             "is_global_zero": trainer.is_global_zero,
+            "reduced_bytes": self.reduced.bytes if self.reduced is not None else None,
+            "reduced_dtypes": sorted(self.reduced.dtypes) if self.reduced is not None else None,
         }
         path = self.out / f"{self.tag}rank{trainer.global_rank}.json"
         path.write_text(json.dumps(report))
@@ -155,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after every step")
     parser.add_argument("--save-on-exception", action="store_true", help="save last.ckpt on SIGTERM and errors")
     parser.add_argument("--telemetry", action="store_true", help="TensorBoard logger and the three monitors")
+    parser.add_argument("--count-reduced-bytes", action="store_true", help="count the bytes DDP all-reduces")
     args = parser.parse_args(argv)
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -179,7 +206,7 @@ def fit(args: argparse.Namespace, ckpt_path: Path | None, tag: str) -> None:
         growth_interval=args.growth_interval,
         hysteresis=args.hysteresis,
     )
-    callbacks: list[L.Callback] = [Recorder(args.out, tag, args.step_delay)]
+    callbacks: list[L.Callback] = [Recorder(args.out, tag, args.step_delay, args.count_reduced_bytes)]
     logger: Any = False
     if args.telemetry:
         callbacks += [LossScaleMonitor(), GradientHealthMonitor(), LayerDtypeMonitor(every_n_steps=4)]

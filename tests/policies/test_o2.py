@@ -1,5 +1,6 @@
-"""O2: the model's fp32 parameters are the masters, half copies exist only for the step, and every Lightning recipe
-that touches the weights (callbacks, param groups, checkpoints, a second stage) sees the real fp32 parameters."""
+"""O2: the model computes with persistent half weights, the optimizer steps the original fp32 parameters (the masters),
+one cast per weight per step links them, and every Lightning recipe that touches the weights (callbacks, param groups,
+checkpoints, a second stage) sees the fp32 masters."""
 
 from __future__ import annotations
 
@@ -11,15 +12,18 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, StochasticWeightAveraging
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
+from lightning_mp.counting import count_python_calls, count_syncs_and_ops
 from lightning_mp.inference import compare, to_inference
 from lightning_mp.policies.o2 import HalfOverflowError, O2Policy
 from tests.ddp_scripts.launch import reports, run
@@ -237,12 +241,12 @@ class TwoForwards(Net):
 
 
 def test_o2_manual_optimization_recasts_after_a_step_inside_training_step() -> None:
-    """In manual optimization a forward after optimizer.step() inside training_step sees the new weights."""
+    """In manual optimization a forward after optimizer.step() inside training_step sees the new weights, in half."""
     model = TwoForwards()
     fit(model, o2(), max_steps=2)
-    # After manual_backward the module holds its fp32 parameters again (their .grad is readable), stepped in place.
-    assert model.second_forward_weight.dtype == torch.float32
-    torch.testing.assert_close(model.second_forward_weight, model.stepped_weight, rtol=0, atol=0)
+    # Inside training_step the model holds the half weights; the step wrote the stepped fp32 master into them.
+    assert model.second_forward_weight.dtype == torch.bfloat16 and model.stepped_weight.dtype == torch.float32
+    torch.testing.assert_close(model.second_forward_weight, model.stepped_weight.bfloat16(), rtol=0, atol=0)
 
 
 class ReadsGradientsInTrainingStep(Net):
@@ -268,13 +272,16 @@ class ReadsGradientsInTrainingStep(Net):
         optimizer.step()
 
 
-def test_o2_manual_optimization_reads_and_clips_the_fp32_gradients_in_training_step() -> None:
-    """After manual_backward, self.parameters() are the fp32 weights with their gradients, as without the plugin."""
+def test_o2_manual_optimization_reads_and_clips_the_gradients_in_training_step() -> None:
+    """After manual_backward, self.parameters() hold their (half) gradients; clipping them decides the step."""
     model = ReadsGradientsInTrainingStep()
+    initial = model.net[0].weight.detach().clone()
     fit(model, o2(), max_steps=2)
     assert len(model.norms_after_backward) == 2 and all(norm > 0 for norm in model.norms_after_backward)
     assert model.norms_before_clipping == pytest.approx(model.norms_after_backward, rel=1e-4)
-    assert model.norms_after_clipping == pytest.approx([1e-3] * 2, rel=1e-3)
+    assert model.norms_after_clipping == pytest.approx([1e-3] * 2, rel=1e-2)
+    # Two SGD steps of lr 0.1 on gradients clipped to a norm of 1e-3 move no weight by more than 2e-4.
+    assert 0 < (model.net[0].weight - initial).abs().max() <= 2e-4 * 1.01
 
 
 # ------------------------------------------------------------------------------------------------ loss scaling
@@ -665,6 +672,22 @@ def test_o2_under_real_ddp_skips_an_overflow_on_one_rank_and_keeps_the_ranks_ide
     assert len({checksum for rank in ranks for checksum in rank["checksums"]}) == 1
 
 
+@pytest.mark.slow
+def test_o2_under_real_ddp_all_reduces_half_gradients(tmp_path: Path) -> None:
+    """Under strategy='ddp' (gloo, 2 ranks) O2's gradient buckets are half: at most 0.55x the bytes O1 all-reduces."""
+    precision, reduced = "16-mixed", {}
+    for opt_level in ("O1", "O2"):
+        out = tmp_path / opt_level
+        common = ["--strategy", "ddp", "--max-steps", "4", "--count-reduced-bytes"]
+        run([*common, "--out", str(out), "--opt-level", opt_level, "--precision", precision])
+        reduced[opt_level] = ranks = reports(out)
+        assert ranks[0]["checksums"][0] == ranks[0]["checksums"][1]
+        assert ranks[0]["reduced_bytes"] == ranks[1]["reduced_bytes"] > 0
+    assert reduced["O1"][0]["reduced_dtypes"] == ["torch.float32"]
+    assert reduced["O2"][0]["reduced_dtypes"] == [str(HALF[precision])]
+    assert reduced["O2"][0]["reduced_bytes"] <= 0.55 * reduced["O1"][0]["reduced_bytes"]
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_o2_validation_loss_is_within_2_percent_of_o0_on_the_reference_task(precision: str) -> None:
     """On the reference task O2 ends within 2% of the fp32 baseline's validation loss, without a skipped step."""
@@ -732,106 +755,6 @@ def test_o2_trains_a_toggled_gan_like_o1(precision, use_closure):
         torch.testing.assert_close(parameter, models["O1"].get_parameter(name), rtol=2e-2, atol=2e-3)
 
 
-# ------------------------------------------------------------------------------------------------ recast in backward
-
-
-class Mixed(nn.Module):
-    """A conv (saves its weight as is), linears (save a transposed view) and a tied head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embedding = nn.Embedding(10, 6)
-        self.conv = nn.Conv1d(6, 6, 3, padding=1)
-        self.hidden = nn.Linear(6, 6)
-        self.head = nn.Linear(6, 10, bias=False)
-        self.head.weight = self.embedding.weight
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        x = self.embedding(tokens)
-        x = self.conv(x.transpose(1, 2)).transpose(1, 2)
-        return self.head(torch.relu(self.hidden(x)))
-
-
-def halved(model: nn.Module, recast: bool) -> Any:
-    from lightning_mp.policies.o2 import HalfWeights
-
-    slots = [(m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)]
-    names = {id(p): n for n, p in model.named_parameters()}
-    return HalfWeights(slots, torch.bfloat16, names, recast_in_backward=recast)
-
-
-def o2_gradients(recast: bool, create_graph: bool = False) -> tuple[dict[str, Tensor], list[weakref.ref]]:
-    model = Mixed()
-    tokens = torch.randint(0, 10, (2, 5), generator=torch.Generator().manual_seed(1))
-    with halved(model, recast), torch.autocast("cpu", dtype=torch.bfloat16):
-        copies = [weakref.ref(model.hidden.weight), weakref.ref(model.conv.weight), weakref.ref(model.head.weight)]
-        loss = model(tokens).float().square().mean()
-    if create_graph:  # a gradient penalty: the gradient's norm is part of the loss
-        (grad,) = torch.autograd.grad(loss, model.hidden.weight, create_graph=True)
-        loss = loss + grad.square().sum()
-    gc.collect()
-    alive = [ref for ref in copies if ref() is not None]
-    loss.backward()
-    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, alive
-
-
-def test_o2_half_copies_are_freed_when_the_forward_ends_and_backward_recasts_them_exactly() -> None:
-    """With the recast, no half copy outlives the forward context; the gradients are bitwise those of saved copies."""
-    recast, alive_recast = o2_gradients(recast=True)
-    saved, alive_saved = o2_gradients(recast=False)
-    assert alive_recast == []
-    assert len(alive_saved) == 3  # autograd keeps every copy until backward: what the recast saves
-    assert (
-        recast.keys()
-        == saved.keys()
-        == {"embedding.weight", "conv.weight", "conv.bias", "hidden.weight", "hidden.bias"}
-    )
-    for name in recast:
-        assert recast[name].dtype == torch.float32
-        assert torch.equal(recast[name], saved[name]), name
-
-
-def test_o2_recast_supports_a_gradient_penalty_with_create_graph() -> None:
-    """Double backward (a gradient penalty) through recast weights gives the gradients of saved copies."""
-    recast, _ = o2_gradients(recast=True, create_graph=True)
-    saved, _ = o2_gradients(recast=False, create_graph=True)
-    for name in saved:
-        torch.testing.assert_close(recast[name], saved[name], rtol=0, atol=0)
-
-
-def test_o2_backward_after_an_in_place_weight_change_raises_naming_the_weight() -> None:
-    """A weight changed between the forward and its backward is named, as torch does for fp32 saved tensors."""
-    model = Mixed()
-    with halved(model, recast=True), torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(torch.zeros(1, 3, dtype=torch.long)).float().sum()
-    with torch.no_grad():
-        model.hidden.weight.add_(1.0)
-    with pytest.raises(RuntimeError, match=r"'hidden\.weight' was modified in place"):
-        loss.backward()
-
-
-class LossHolder(Net):
-    """Records whether the last linear's half copy (which backward needs) is still alive when backward starts."""
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        self.copy_ref = weakref.ref(self.net[3].weight)
-        return super().training_step(batch, batch_idx)
-
-    def on_before_backward(self, loss: Tensor) -> None:
-        gc.collect()
-        self.copy_alive_at_backward = self.copy_ref() is not None
-
-
-@pytest.mark.parametrize(("recast", "alive"), [(True, False), (False, True)])
-def test_o2_trainer_backward_starts_without_half_copies_unless_recast_is_off(recast: bool, alive: bool) -> None:
-    """In a Trainer run the half copies are gone when backward starts; recast_in_backward=False keeps them saved."""
-    model = LossHolder()
-    fit(model, o2(recast_in_backward=recast), max_steps=2)
-    assert model.copy_alive_at_backward is alive
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-
-
 class PerSampleGradNorms(Net):
     """Logs per-sample gradient norms of the head with torch.func inside training_step."""
 
@@ -849,51 +772,11 @@ class PerSampleGradNorms(Net):
         return super().training_step(batch, batch_idx)
 
 
-def test_o2_torch_func_in_the_step_needs_recast_off_and_the_error_says_so() -> None:
-    """torch.func refuses saved-tensor hooks: the error names recast_in_backward=False, which then trains."""
-    with pytest.raises(RuntimeError, match=r"recast_in_backward=False"):
-        fit(PerSampleGradNorms(), o2(), max_steps=1)
+def test_o2_torch_func_in_the_step_trains() -> None:
+    """torch.func (vmap of grad) inside training_step works under O2 as it is: no saved-tensor hook refuses it."""
     model = PerSampleGradNorms()
-    fit(model, o2(recast_in_backward=False), max_steps=2)
+    fit(model, o2(), max_steps=2)
     assert model.per_sample_norm.shape == (8,) and torch.isfinite(model.per_sample_norm).all()
-
-
-@pytest.mark.parametrize("value", ["yes", 1.0, None])
-def test_recast_in_backward_must_be_a_boolean(value: Any) -> None:
-    with pytest.raises((TypeError, ValueError), match="recast_in_backward"):
-        MixedPrecision("bf16-mixed", opt_level="O2", recast_in_backward=value)
-
-
-def test_recast_in_backward_off_is_refused_outside_o2() -> None:
-    with pytest.raises(ValueError, match=r"opt_level='O1', recast_in_backward=False\) is not allowed"):
-        MixedPrecision("bf16-mixed", opt_level="O1", recast_in_backward=False)
-
-
-class EditsItsCopy(nn.Module):
-    """Doubles its weight's half copy in place inside the forward (O2 lets a forward edit the copy, not the weight)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = nn.Linear(4, 4)
-        self.second = nn.Linear(4, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        with torch.no_grad():
-            self.second.weight.mul_(2.0)
-        return self.second(torch.relu(self.first(x)))
-
-
-def test_o2_a_half_copy_edited_in_place_is_saved_as_edited_not_recast() -> None:
-    """Backward must see the weights the forward used: an edited copy is kept, not recast from the fp32 weight."""
-    grads = []
-    for recast in (True, False):
-        model = EditsItsCopy()
-        with halved(model, recast), torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(torch.ones(3, 4)).float().sum()
-        loss.backward()
-        grads.append(model.first.weight.grad)
-    assert torch.equal(grads[0], grads[1])
 
 
 class Checkpointed(L.LightningModule):
@@ -1009,3 +892,316 @@ def test_o2_trains_a_lazy_linear_with_half_copies_after_its_first_forward(precis
     assert o2_model.layer.weight.dtype == torch.float32 and o2_model.layer.weight.shape == (8, 8)
     for name, parameter in o2_model.named_parameters():
         torch.testing.assert_close(parameter, o1.get_parameter(name), rtol=2e-2, atol=2e-3)
+
+
+# ------------------------------------------------------------------------------------------------ what a step costs
+
+
+class WeightCasts(TorchDispatchMode):
+    """Counts the reads of the given fp32 weights by ops that write half tensors (casts), and all ops."""
+
+    def __init__(self, weights: list[Tensor]) -> None:
+        super().__init__()
+        self.pointers = {weight.untyped_storage().data_ptr() for weight in weights}
+        self.casts = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs, output)) if isinstance(t, Tensor)]
+        if any(t.dtype in HALF.values() for t in tensors):
+            self.casts += sum(
+                t.dtype == torch.float32 and t.untyped_storage().data_ptr() in self.pointers
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, Tensor)
+            )
+        return output
+
+
+def fabric_step_counts(opt_level: str, precision: str) -> tuple[int, int, int, int]:
+    """(weight casts in forward and backward, in the optimizer step, ops per step, Python calls per step)."""
+    plugin = MixedPrecision(precision, opt_level=opt_level)  # type: ignore[arg-type]
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    weights = [model[0].weight, model[0].bias, model[3].weight, model[3].bias]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    model, optimizer = fabric.setup(model, optimizer)
+    features, target = torch.randn(8, 8), torch.randint(0, 4, (8,))
+
+    def forward_backward() -> None:
+        fabric.backward(F.cross_entropy(model(features), target))
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(2):  # steady state
+        forward_backward()
+        step()
+    with WeightCasts(weights) as in_forward_and_backward:
+        forward_backward()
+    with WeightCasts(weights) as in_step:
+        step()
+    with count_syncs_and_ops() as counts:
+        forward_backward()
+        step()
+    with count_python_calls() as calls:
+        forward_backward()
+        step()
+    plugin.teardown()
+    return in_forward_and_backward.casts, in_step.casts, counts.ops, calls.python_calls
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_casts_each_weight_once_per_optimizer_step_and_never_in_forward_or_backward(precision: str) -> None:
+    """Steady O2 steps cast no weight in forward or backward and each converted weight once at the step."""
+    in_forward_and_backward, in_step, _, _ = fabric_step_counts("O2", precision)
+    assert in_forward_and_backward == 0
+    assert in_step == 4  # the two linears' weights and biases; the LayerNorm stays fp32
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_dispatches_no_more_ops_and_python_calls_per_step_than_o1(precision: str) -> None:
+    """A steady O2 step dispatches no more ATen ops than O1 and at most two more Python calls, whatever the model."""
+    _, _, o1_ops, o1_calls = fabric_step_counts("O1", precision)
+    _, _, o2_ops, o2_calls = fabric_step_counts("O2", precision)
+    assert o2_ops <= o1_ops
+    # Two calls more per step, whatever the model: the swaps at the step's start and end go through a method each.
+    assert o2_calls <= o1_calls + 2
+
+
+# ------------------------------------------------------------------------------------------------ edits and checkpoints
+
+
+def converted(precision: str = "bf16-mixed") -> tuple[Net, MixedPrecision, torch.optim.Optimizer]:
+    """A Net converted by an O2 plugin outside any loop, with its optimizer connected (the Trainer's order)."""
+    model = Net()
+    plugin = o2(precision)
+    plugin.setup_for_device("cpu")
+    plugin.convert_module(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plugin.connect(model, [optimizer], [])
+    return model, plugin, optimizer
+
+
+def test_o2_model_holds_half_weights_and_the_optimizer_their_fp32_masters() -> None:
+    """After setup the model's chosen weights are half twins and the optimizer steps fp32 masters of equal value."""
+    model, plugin, optimizer = converted()
+    masters = optimizer.param_groups[0]["params"]
+    assert model.net[0].weight.dtype == torch.bfloat16 and model.net[1].weight.dtype == torch.float32
+    assert {p.dtype for p in masters} == {torch.float32}
+    assert all(p is not q for p, q in zip(masters, model.parameters(), strict=True) if q.dtype == torch.bfloat16)
+    assert torch.equal(masters[0].bfloat16(), model.net[0].weight)
+    plugin.teardown()
+    assert list(model.parameters()) == masters  # the original fp32 parameter objects are back
+
+
+def test_o2_state_dict_gives_fp32_masters_and_load_state_dict_restores_them_exactly() -> None:
+    """While the model holds half weights, state_dict() is fp32 and load_state_dict sets the fp32 masters exactly."""
+    model, plugin, _ = converted()
+    fp32 = {name: torch.randn_like(value, dtype=torch.float32) for name, value in model.state_dict().items()}
+    model.load_state_dict(fp32)
+    assert all(value.dtype == torch.float32 for value in model.state_dict().values())
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in fp32.items())
+    assert torch.equal(model.net[0].weight, fp32["net.0.weight"].bfloat16())
+    plugin.teardown()
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in fp32.items())
+
+
+def test_o2_an_edit_of_a_half_weight_reaches_its_master_and_a_swap_back_loses_no_bits() -> None:
+    """An in-place edit of a half weight reaches its master; writing the same half values back keeps the fp32 bits."""
+    model, plugin, optimizer = converted()
+    master = optimizer.param_groups[0]["params"][0]
+    before = master.detach().clone()
+    with torch.no_grad():
+        kept = model.net[0].weight.clone()
+        model.net[0].weight.zero_()  # an EMA swap: other weights in, then the originals back
+        model.net[0].weight.copy_(kept)
+    assert torch.equal(model.state_dict()["net.0.weight"], before)
+    with torch.no_grad():
+        model.net[0].weight[0].fill_(0.5)
+    edited = model.state_dict()["net.0.weight"]
+    assert torch.equal(edited[0], torch.full((8,), 0.5)) and torch.equal(edited[1:], before[1:])
+    plugin.teardown()
+
+
+def test_o2_add_param_group_with_model_parameters_steps_their_masters() -> None:
+    """A group added with the model's (half) parameters is pointed at their fp32 masters at the next step."""
+    model, plugin, optimizer = converted()
+    optimizer.param_groups[0]["params"] = optimizer.param_groups[0]["params"][:2]
+    optimizer.add_param_group({"params": list(model.net[3].parameters())})
+    policy = plugin.policy
+    assert isinstance(policy, O2Policy)
+    policy.prepare_step(optimizer)
+    assert {p.dtype for p in optimizer.param_groups[1]["params"]} == {torch.float32}
+    plugin.teardown()
+    assert optimizer.param_groups[1]["params"] == list(model.net[3].parameters())
+
+
+class EditsWeightsInStep(Net):
+    """Writes fp32 values into the model with load_state_dict inside training_step, before the forward."""
+
+    def __init__(self, weights: dict[str, Tensor]) -> None:
+        super().__init__(optimizer="sgd")
+        self.weights = weights
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if batch_idx == 1:
+            self.load_state_dict(self.weights)
+            self.in_step = {name: p.detach().clone() for name, p in self.named_parameters()}
+        return super().training_step(batch, batch_idx)
+
+
+def test_o2_load_state_dict_inside_training_step_decides_the_step_and_keeps_fp32_precision() -> None:
+    """fp32 weights loaded inside training_step are what the forward computes with and what the step starts from."""
+    weights = {name: torch.randn_like(value) for name, value in Net().state_dict().items()}
+    model = EditsWeightsInStep(weights)
+    stepped: dict[str, Tensor] = {}
+
+    class Record(L.Callback):
+        def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+            if trainer.global_step == 1:
+                stepped.update({name: p.detach().clone() for name, p in pl_module.named_parameters()})
+
+    fit(model, o2(), max_steps=2, callbacks=[Record()])
+    assert model.in_step["net.0.weight"].dtype == torch.bfloat16
+    assert torch.equal(model.in_step["net.0.weight"], weights["net.0.weight"].bfloat16())
+    for name, value in weights.items():  # the masters the optimizer steps hold the loaded fp32 values, unrounded
+        assert torch.equal(stepped[name], value), name
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_a_skipped_step_leaves_masters_and_half_weights_unchanged(precision: str) -> None:
+    """An inf step changes neither the fp32 masters nor the half weights the next forward computes with."""
+    seen: dict[int, tuple[Tensor, Tensor]] = {}
+
+    class Records(Net):
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            master = self.trainer.optimizers[0].param_groups[0]["params"][0]
+            seen[batch_idx] = (master.detach().clone(), self.net[0].weight.detach().clone())
+            return super().training_step(batch, batch_idx)
+
+    trainer = fit(Records(inf_at=(1,)), o2(precision), max_steps=3)
+    assert trainer.precision_plugin.stats.skipped_steps == 1
+    assert torch.equal(seen[1][0], seen[2][0]) and torch.equal(seen[1][1], seen[2][1])
+    assert seen[2][1].dtype == HALF[precision] and torch.equal(seen[2][0].to(HALF[precision]), seen[2][1])
+    assert not torch.equal(seen[0][0], seen[1][0])
+
+
+class LBFGSNet(Net):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+def test_o2_lbfgs_evaluates_its_closure_with_the_weights_it_moved_to() -> None:
+    """LBFGS steps the fp32 masters several times per step; each closure computes with their current half values."""
+    seen: list[tuple[Tensor, Tensor]] = []
+
+    class Records(LBFGSNet):
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            master = self.trainer.optimizers[0].param_groups[0]["params"][0]
+            seen.append((master.detach().clone(), self.net[0].weight.detach().clone()))
+            return super().training_step(batch, batch_idx)
+
+    model = Records()
+    initial = model.net[0].weight.detach().clone()
+    trainer = fit(model, o2(), max_steps=2)
+    assert trainer.precision_plugin.stats.skipped_steps == 0 and len(seen) > 2
+    assert all(torch.equal(master.bfloat16(), twin) for master, twin in seen)
+    assert not torch.equal(model.net[0].weight, initial)
+
+
+class PartlyTrained(Net):
+    """net.0 frozen, net.3 in no optimizer: only the LayerNorm trains."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        for parameter in self.net[0].parameters():
+            parameter.requires_grad_(False)
+        return torch.optim.SGD(self.net[1].parameters(), lr=0.1)
+
+
+def test_o2_frozen_parameters_and_parameters_in_no_optimizer_keep_their_fp32_values() -> None:
+    """A frozen layer and a layer no optimizer steps end fit with exactly their fp32 values; the rest trains."""
+    model = PartlyTrained()
+    before = snapshot(model)
+    fit(model, o2(), max_steps=2)
+    after = snapshot(model)
+    for name in ("net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"):
+        assert after[name].dtype == torch.float32 and torch.equal(after[name], before[name]), name
+    assert not torch.equal(after["net.1.weight"], before["net.1.weight"])
+    assert not model.net[0].weight.requires_grad and model.net[3].weight.requires_grad
+
+
+def test_o2_fabric_optimizer_loaded_while_it_held_half_weights_continues_in_fp32_and_says_so(tmp_path: Path) -> None:
+    """An optimizer built after fabric.setup_module and loaded before its first step warns and steps fp32 states."""
+    features, target = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    states = []
+    for run_index in range(2):
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[o2()])
+        torch.manual_seed(0)
+        model = fabric.setup_module(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+        if run_index == 1:
+            fabric.load(tmp_path / "state.ckpt", {"optimizer": optimizer})
+        fabric.backward(F.cross_entropy(model(features), target))
+        if run_index == 1:
+            with pytest.warns(UserWarning, match="rounded it to half; it continues in fp32"):
+                optimizer.step()
+        else:
+            optimizer.step()
+        states.append(optimizer.state_dict()["state"])
+        fabric.save(tmp_path / "state.ckpt", {"optimizer": optimizer})
+    assert {value.dtype for state in states[1].values() for key, value in state.items() if key != "step"} == {
+        torch.float32
+    }
+
+
+def test_o2_fabric_trains_two_models_set_up_one_after_the_other() -> None:
+    """Two models set up by one Fabric (a GAN's): both compute with half weights that follow their stepped masters."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[o2()])
+    torch.manual_seed(0)
+    models, optimizers = [], []
+    for _ in range(2):
+        network = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        model, optimizer = fabric.setup(network, torch.optim.SGD(network.parameters(), lr=0.1))
+        models.append(model)
+        optimizers.append(optimizer)
+    features = torch.randn(8, 8)
+    seen: list[list[Tensor]] = [[], []]
+    for model, weights in zip(models, seen, strict=True):
+        model.module[0].register_forward_pre_hook(
+            lambda module, args, weights=weights: weights.append(module.weight.detach().clone())
+        )
+    initial = [[p.detach().clone() for group in o.param_groups for p in group["params"]] for o in optimizers]
+    for _ in range(2):
+        fabric.backward(models[1](models[0](features)).float().square().mean())
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for optimizer, before, weights in zip(optimizers, initial, seen, strict=True):
+        masters = [p for group in optimizer.param_groups for p in group["params"]]
+        assert all(p.dtype == torch.float32 and not torch.equal(p, q) for p, q in zip(masters, before, strict=True))
+        assert weights[0].dtype == torch.bfloat16
+        assert not torch.equal(weights[0], weights[1])  # the second forward computed with the stepped weights
+    for model, optimizer in zip(models, optimizers, strict=True):
+        state = model.state_dict()
+        for name, master in zip(state, [p for group in optimizer.param_groups for p in group["params"]], strict=True):
+            assert torch.equal(state[name], master.detach()), name
+
+
+def test_o2_validation_computes_with_the_average_lightnings_weight_averaging_swaps_in() -> None:
+    """EMAWeightAveraging swaps the average in through .data for validation: validation computes with it, in half."""
+    seen: list[tuple[Tensor, Tensor]] = []
+
+    class Records(Net):
+        def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+            master = self.trainer.optimizers[0].param_groups[0]["params"][0]
+            seen.append((master.detach().clone(), self.net[0].weight.detach().clone()))
+            super().validation_step(batch, batch_idx)
+
+    model = Records()
+    fit(model, o2(), max_steps=2 * STEPS, max_epochs=2, callbacks=[EMAWeightAveraging(decay=0.5)])
+    assert len(seen) >= 2  # the sanity check, then one validation per epoch
+    for master, weight in seen:
+        assert weight.dtype == torch.bfloat16 and torch.equal(master.bfloat16(), weight)

@@ -1,0 +1,289 @@
+"""The plugin in the form Lightning's ``FSDPStrategy`` (torch FSDP1) accepts, for the Trainer and for Fabric.
+
+Lightning's ``FSDPStrategy`` refuses every precision plugin that is not its ``FSDPPrecision`` (the Trainer's and
+Fabric's are two classes). :class:`FSDPMixedPrecision` is :class:`~lightning_mp.MixedPrecision` and both of them, built
+from the same arguments::
+
+    trainer = Trainer(accelerator="gpu", devices=2, strategy="fsdp", plugins=[FSDPMixedPrecision("16-mixed")])
+    fabric = Fabric(accelerator="gpu", devices=2, strategy="fsdp", plugins=[FSDPMixedPrecision("bf16-mixed")])
+
+Everything else is the plugin's own step engine and loss scaler: autocast, hysteresis, bounds and the collapse
+error, skipped-step accounting in bf16, the scheduler held back on a skipped step, telemetry and checkpoints.
+
+How the opt levels map onto FSDP's own mixed precision (:attr:`FSDPMixedPrecision.mixed_precision_config`, which
+the strategy hands to ``FullyShardedDataParallel(mixed_precision=...)``):
+
+* ``O1`` (and fp32, ``O0``): FSDP keeps, gathers, reduces and stores everything in fp32 (parameter, reduce and buffer
+  dtypes fp32), and autocast casts per op, exactly as under DDP. ``keep_fp32`` modules run outside autocast.
+* ``O2``: FSDP's fp32 shards are the master weights, and it gathers half copies of them for the forward and
+  backward passes (``param_dtype`` half); the gradients are reduce-scattered in half (``reduce_dtype``), as DDP
+  all-reduces O2's half gradients (half the bytes of fp32 on the wire; in fp16 a sum over ranks that overflows is a
+  skipped step, as under DDP), and the run matches DDP's; buffers stay fp32. That is O2's design (half weights for
+  compute, fp32 masters for the step) done by FSDP itself, so the package's own O2 copies are not made. The inputs are not cast to half (``cast_root_forward_inputs=False``): the
+  Trainer sends the whole batch, targets included, through the root's forward, and autocast casts each op's inputs.
+  Normalisation layers stay fp32 where FSDP wraps them in units of their own (with an ``auto_wrap_policy``, FSDP's
+  default). FSDP gathers every weight of a unit in one dtype, so each ``keep_fp32`` module must be a unit of its
+  own with an fp32 policy: :meth:`FSDPMixedPrecision.auto_wrap_policy` builds the strategy's ``auto_wrap_policy``
+  that makes them (torch's public ``CustomPolicy``, whose per-module keyword arguments override the policy), and a
+  ``keep_fp32`` module that is not such a unit is refused by name (at the Trainer's setup, at Fabric's first
+  forward).
+* ``O3``, ``lean`` and ``lean-kahan`` keep half weights with no fp32 master. FSDP shards fp32 masters already (the
+  memory those levels save is divided by the number of ranks), and ``O2`` gives the half compute: they are refused
+  when the plugin is built, naming ``O2`` as the alternative.
+
+The loss scaler is sharding-aware: each rank checks the gradients it holds, its shards, for inf/NaN (a rank whose
+shard of a parameter is empty checks nothing for it), and one all-reduce (max) of the inf flags per optimizer step
+makes every rank take the same decision, as torch's ``ShardedGradScaler`` does. Clipping by norm under the Trainer
+goes through the root module's ``FullyShardedDataParallel.clip_grad_norm_``, which reduces the norm over all shards
+(Fabric's strategy does the same itself).
+
+A plain :class:`~lightning_mp.MixedPrecision` under ``strategy="fsdp"`` is refused by Lightning itself, before any
+hook of the plugin runs: ``TypeError: The FSDP strategy can only work with the FSDPPrecision plugin``. Pass
+``FSDPMixedPrecision`` with the same arguments instead. The other way round, ``FSDPMixedPrecision`` under another
+strategy of the Trainer is refused at setup; Fabric does not tell a plugin its strategy, and there O2 would run as O1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator, Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDPPrecision
+from lightning.pytorch.plugins.precision import FSDPPrecision
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp.wrap import CustomPolicy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_mp.plugin import TORCH_SCALER_KEYS, MixedPrecision, attached_trainer
+from lightning_mp.policies import PrecisionPolicy
+from lightning_mp.policies.fsdp_o2 import FSDPO2Policy
+
+FSDP_OPT_LEVELS = ("O0", "O1", "O2")
+"""The opt levels FSDP runs; the others keep half weights without fp32 masters, which FSDP shards itself."""
+
+
+def _instance_of(types: tuple[type[nn.Module], ...]) -> Callable[[nn.Module], bool]:
+    """Whether a module is an instance of one of ``types`` (none: no module is)."""
+    return lambda module: bool(types) and isinstance(module, types)
+
+
+# Lightning's FSDPPrecision types ``scaler`` as torch's ShardedGradScaler and ``optimizer_step`` with a required model;
+# MixedPrecision's (a read-only LossScaler view, the model optional) come first and serve both.
+class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  # type: ignore[misc]
+    """:class:`~lightning_mp.MixedPrecision` for Lightning's ``FSDPStrategy``, under the Trainer and under Fabric.
+
+    Takes exactly the arguments of :class:`~lightning_mp.MixedPrecision`, with the same meaning and checks.
+
+    Raises:
+        ValueError: for an opt level FSDP cannot run (``O3``, ``lean``, ``lean-kahan``), naming the alternative.
+            Otherwise as :class:`~lightning_mp.MixedPrecision`.
+
+    Example::
+
+        trainer = Trainer(accelerator="gpu", devices=2, strategy="fsdp", plugins=[FSDPMixedPrecision("16-mixed")])
+
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.opt_level not in FSDP_OPT_LEVELS:
+            raise ValueError(
+                f"FSDPMixedPrecision(opt_level={self.opt_level!r}) is not allowed: {self.opt_level} keeps the model's"
+                " weights in half with no fp32 master, while FSDP keeps fp32 shards as the masters and gathers from"
+                " them. Use opt_level='O2', where FSDP gathers half copies of its fp32 shards (the same half compute),"
+                f" or 'O1'. Allowed: {list(FSDP_OPT_LEVELS)}."
+            )
+        self._model: nn.Module | None = None
+        """The module the strategy wraps (under the Trainer, the LightningModule, whose Trainer holds the root)."""
+        self._units_checked = False
+        """Whether the ``keep_fp32`` modules were checked to be fp32 FSDP units (O2), once per run."""
+
+    @property
+    @override
+    def mixed_precision_config(self) -> TorchMixedPrecision:
+        """FSDP's mixed-precision policy for this plugin's precision and opt level (module docstring).
+
+        Raises:
+            RuntimeError: for ``precision="auto"`` before setup, when the precision is not known yet.
+
+        """
+        if self.precision == "auto":
+            raise RuntimeError(
+                "FSDPMixedPrecision(precision='auto') resolves its precision when the strategy sets the model up;"
+                " mixed_precision_config is known from then on."
+            )
+        half_dtype = self.half_dtype
+        if self.opt_level == "O2" and half_dtype is not None:
+            # The inputs stay as given (the Trainer's batch holds the targets too): autocast casts each op's inputs.
+            return TorchMixedPrecision(
+                param_dtype=half_dtype,
+                reduce_dtype=half_dtype,
+                buffer_dtype=torch.float32,
+                cast_root_forward_inputs=False,
+            )
+        return TorchMixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+
+    def auto_wrap_policy(self, wrap: Iterable[type[nn.Module]] | Callable[[nn.Module], bool] = ()) -> CustomPolicy:
+        """The ``auto_wrap_policy`` for ``FSDPStrategy`` that makes each ``keep_fp32`` module an fp32 FSDP unit (O2).
+
+        Under O2 each outermost ``keep_fp32`` module becomes an FSDP unit of its own whose weights are gathered,
+        reduced and stored in fp32 (its inputs cast to fp32); under O1 every unit is fp32 already. The other units
+        are the modules ``wrap`` names: module types, or a function of the module. The modules are those the plugin
+        matched when the strategy set the model up, so pass the policy to the strategy of this plugin's run::
+
+            plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=[nn.LayerNorm])
+            strategy = FSDPStrategy(auto_wrap_policy=plugin.auto_wrap_policy({TransformerBlock}))
+
+        Args:
+            wrap: the module types that become FSDP units, or a function that says which modules do.
+
+        Returns:
+            torch's ``CustomPolicy``: per module, False, True, or the keyword arguments of an fp32 unit.
+
+        """
+        is_unit = wrap if callable(wrap) else _instance_of(tuple(wrap))
+        fp32_unit = {
+            "mixed_precision": TorchMixedPrecision(
+                param_dtype=torch.float32,
+                reduce_dtype=torch.float32,
+                buffer_dtype=torch.float32,
+                cast_forward_inputs=True,
+            )
+        }
+
+        def unit_of(module: nn.Module) -> bool | dict[str, Any]:
+            policy = self._policy
+            if isinstance(policy, FSDPO2Policy) and any(module is root for root in policy.fp32_roots):
+                return fp32_unit
+            return is_unit(module)
+
+        return CustomPolicy(unit_of)
+
+    def _check_fp32_units(self) -> None:
+        """Under O2, refuse a ``keep_fp32`` module that FSDP did not make a unit of its own (:meth:`auto_wrap_policy`).
+
+        Raises:
+            ValueError: naming the module and the ``auto_wrap_policy`` to pass.
+
+        """
+        self._units_checked = True
+        policy = self._policy
+        if not isinstance(policy, FSDPO2Policy) or not policy.fp32_roots or self._model is None:
+            return
+        # A later stage (validate after fit) matches the unit itself: the fit's wrapping put it in the module's place.
+        units = FullyShardedDataParallel.fsdp_modules(self._model)
+        wrapped = {id(unit) for unit in units} | {id(unit.module) for unit in units}
+        unwrapped = [root for root in policy.fp32_roots if id(root) not in wrapped]
+        if unwrapped:
+            names = {id(module): name for name, module in self._model.named_modules()}
+            listed = [names.get(id(module), type(module).__name__) for module in unwrapped]
+            raise ValueError(
+                f"FSDPMixedPrecision(opt_level='O2', keep_fp32={self.keep_fp32!r}): the modules {listed} are not FSDP"
+                " units of their own, so FSDP gathers their weights in the half dtype with the rest of their unit."
+                " Pass FSDPStrategy(auto_wrap_policy=plugin.auto_wrap_policy(...)), which makes each keep_fp32"
+                " module an fp32 unit, or use opt_level='O1'."
+            )
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        """As :meth:`MixedPrecision.connect`, once the Trainer's strategy has wrapped the model: check the units."""
+        self._check_fp32_units()
+        return super().connect(model, optimizers, lr_schedulers)
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """As :meth:`MixedPrecision.forward_context`; Fabric's first forward checks the ``keep_fp32`` units."""
+        if not self._units_checked and not torch.compiler.is_compiling():
+            self._check_fp32_units()
+        with super().forward_context():
+            yield
+
+    @override
+    def _build_policy(self, opt_level: str, sharded: bool = False) -> PrecisionPolicy:
+        if opt_level == "O2":
+            return FSDPO2Policy(self.half_dtype, keep_fp32=self.keep_fp32)
+        return super()._build_policy(opt_level, sharded)
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """As :meth:`MixedPrecision.convert_module`; remember the module the strategy is about to wrap.
+
+        Raises:
+            ValueError: under a Trainer whose strategy is not an ``FSDPStrategy`` (:class:`MixedPrecision` fits there).
+
+        """
+        trainer = attached_trainer(module)
+        if trainer is not None and not isinstance(trainer.strategy, FSDPStrategy):
+            raise ValueError(
+                f"FSDPMixedPrecision is the plugin's form for FSDPStrategy, but the Trainer's strategy is"
+                f" {type(trainer.strategy).__name__}: there O2 would make no half weights. Pass MixedPrecision with"
+                " the same arguments instead."
+            )
+        if trainer is not None and trainer.strategy.mixed_precision is not None:
+            rank_zero_warn(
+                f"lightning_mp: FSDPStrategy(mixed_precision={trainer.strategy.mixed_precision}) replaces the policy"
+                f" that {self!r} maps its opt level onto (plugin.mixed_precision_config). Leave the strategy's"
+                " mixed_precision None to run the opt level as documented."
+            )
+        self._model = module
+        self._units_checked = False
+        return super().convert_module(module)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        """Create tensors in fp32: FSDP's shards of them are the master weights."""
+        return contextlib.nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        """Create modules in fp32: FSDP's shards of their weights are the master weights."""
+        return contextlib.nullcontext()
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clip by the norm over every rank's shards, with the root module's ``clip_grad_norm_`` (Trainer).
+
+        Raises:
+            RuntimeError: when the Trainer's model is not wrapped in ``FullyShardedDataParallel`` at its root.
+
+        """
+        trainer = attached_trainer(self._model)
+        root = trainer.strategy.model if trainer is not None else None
+        if not isinstance(root, FullyShardedDataParallel):
+            raise RuntimeError(
+                "FSDPMixedPrecision clips by norm over all shards through the root FullyShardedDataParallel module,"
+                f" but the Trainer's model is {type(root).__name__}. Use gradient_clip_algorithm='value', or let"
+                " the FSDPStrategy wrap the model."
+            )
+        root.clip_grad_norm_(clip_val)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Also put torch's five GradScaler keys under ``FSDPPrecision``, the entry Lightning's own FSDP plugin reads.
+
+        Lightning's ``FSDPPrecision("16-mixed")`` then resumes from this checkpoint at the scale it reached, as
+        Lightning's ``MixedPrecision`` does from the plain plugin's (:meth:`MixedPrecision.state_dict`).
+        """
+        state = checkpoint.get(type(self).__qualname__)
+        if state:
+            checkpoint["FSDPPrecision"] = {key: state[key] for key in TORCH_SCALER_KEYS if key in state}
+
+    @override
+    def teardown(self) -> None:
+        """As :meth:`MixedPrecision.teardown`, and forget the module."""
+        self._model = None
+        super().teardown()
+
+
+__all__ = ["FSDP_OPT_LEVELS", "FSDPMixedPrecision"]

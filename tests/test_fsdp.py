@@ -1,0 +1,354 @@
+"""FSDPMixedPrecision under Lightning's FSDPStrategy (torch FSDP1), for the Trainer and Fabric, on the CPU (gloo).
+
+Lightning runs its FSDPStrategy on GPUs only; these tests run it on the CPU through the tests'
+:class:`~tests.helpers.CPUFSDPStrategy` and :class:`~tests.helpers.CPUFabricFSDPStrategy`, which change only where
+FSDP wraps the model. The 2-process runs (``ddp_scripts/fsdp_train.py``) compare each FSDP run with the same run
+under DDP. The same scenarios on a GPU, with full checkpoints too, are in ``tests/cuda/test_fsdp.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDPPrecision
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+from lightning.pytorch.plugins.precision import FSDPPrecision
+from lightning.pytorch.strategies import FSDPStrategy
+from torch import nn
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+
+from lightning_mp import FSDPMixedPrecision, MixedPrecision
+from lightning_mp.plugin import TORCH_SCALER_KEYS
+from tests.ddp_scripts.launch import reports, run
+from tests.helpers import (
+    CPUFabricFSDPStrategy,
+    CPUFSDPStrategy,
+    TinyRegressor,
+    loader,
+    make_trainer,
+    read_events,
+    scalars,
+    texts,
+)
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:lightning_mp:UserWarning",
+    "ignore:FSDP is switching to use `NO_SHARD`",
+    "ignore:Please use DTensor instead:FutureWarning",
+    "ignore:You're resuming from a checkpoint that ended before the epoch ended",
+    "ignore:A FSDP `auto_wrap_policy` is set, but the model is already wrapped",
+)
+
+FP32 = torch.float32
+FSDP_TRAIN_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fsdp_train.py"
+
+
+@pytest.fixture
+def single_process_group() -> Generator[None, None, None]:
+    """Destroy the one-process group that an FSDP run with one device leaves behind."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_both_fsdp_strategies_accept_the_plugin_and_it_stays_a_mixed_precision() -> None:
+    """The Trainer's and Fabric's FSDPStrategy take FSDPMixedPrecision, which is still the package's MixedPrecision."""
+    plugin = FSDPMixedPrecision("16-mixed", hysteresis=2)
+    assert FSDPStrategy(precision_plugin=plugin).precision_plugin is plugin
+    assert FabricFSDPStrategy(precision=plugin).precision is plugin
+    assert isinstance(plugin, MixedPrecision | FSDPPrecision | FabricFSDPPrecision)
+    assert plugin.settings.scaler.hysteresis == 2
+    trainer = make_trainer(plugin, strategy=CPUFSDPStrategy())
+    assert trainer.precision_plugin is plugin
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=CPUFabricFSDPStrategy(), plugins=[plugin])
+    assert fabric.strategy.precision is plugin
+
+
+def test_the_plain_plugin_is_refused_by_lightning_fsdp_strategy() -> None:
+    """A plain MixedPrecision under FSDPStrategy fails at once, with Lightning's TypeError (the README says why)."""
+    with pytest.raises(TypeError, match="FSDPPrecision"):
+        make_trainer(MixedPrecision("16-mixed"), strategy=CPUFSDPStrategy())
+    with pytest.raises(TypeError, match="FSDPPrecision"):
+        FabricFSDPStrategy(precision=MixedPrecision("16-mixed"))
+
+
+@pytest.mark.parametrize(
+    ("precision", "opt_level", "param_dtype", "reduce_dtype"),
+    [
+        ("32-true", "O1", FP32, FP32),
+        ("16-mixed", "O1", FP32, FP32),
+        ("bf16-mixed", "O1", FP32, FP32),
+        ("16-mixed", "O2", torch.float16, torch.float16),
+        ("bf16-mixed", "O2", torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_the_opt_level_maps_onto_fsdp_mixed_precision(
+    precision: str, opt_level: str, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> None:
+    """O1 gathers fp32 weights (autocast casts per op); O2 gathers half copies of the fp32 shards, reduces in half."""
+    config = FSDPMixedPrecision(precision, opt_level=opt_level).mixed_precision_config
+    assert (config.param_dtype, config.reduce_dtype, config.buffer_dtype) == (param_dtype, reduce_dtype, FP32)
+    # The Trainer's batch (targets too) goes through FSDP's root forward: it must not be rounded to half.
+    assert not config.cast_forward_inputs
+    assert not config.cast_root_forward_inputs or param_dtype == FP32
+
+
+def test_auto_precision_has_no_fsdp_policy_before_setup() -> None:
+    """precision='auto' is resolved when the strategy sets the model up; asking FSDP's policy earlier says so."""
+    with pytest.raises(RuntimeError, match="precision='auto'"):
+        _ = FSDPMixedPrecision("auto").mixed_precision_config
+
+
+@pytest.mark.parametrize("opt_level", ["O3", "lean", "lean-kahan"])
+def test_opt_levels_without_fp32_masters_are_refused_with_the_alternative(opt_level: str) -> None:
+    """O3, lean and lean-kahan keep half weights that FSDP cannot shard as masters: refused, naming O2."""
+    with pytest.raises(ValueError, match=rf"opt_level={opt_level!r}.*opt_level='O2'"):
+        FSDPMixedPrecision("bf16-mixed", opt_level=opt_level)
+
+
+def test_modules_are_created_in_fp32_for_fsdp_to_shard() -> None:
+    """The strategy's init contexts create fp32 weights: FSDP's shards of them are the master weights."""
+    plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2")
+    with plugin.module_init_context(), plugin.tensor_init_context():
+        assert nn.Linear(2, 2).weight.dtype == FP32
+
+
+def _record_weight_dtype(seen: set[torch.dtype], module: nn.Module, args: Any) -> None:
+    seen.add(module.weight.dtype)
+
+
+class DtypeRecordingRegressor(TinyRegressor):
+    """The tiny regressor, recording the dtype of the weight each layer computes with (inside FSDP's gather)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.weight_dtypes: dict[str, set[torch.dtype]] = {"first": set(), "second": set()}
+        for name, seen in self.weight_dtypes.items():
+            self.get_submodule(name).register_forward_pre_hook(functools.partial(_record_weight_dtype, seen))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("precision", "opt_level"), [("16-mixed", "O1"), ("bf16-mixed", "O2")])
+def test_trainer_fsdp_trains_skips_and_computes_in_the_mapped_dtype(
+    precision: str, opt_level: str, single_process_group: None
+) -> None:
+    """A real FSDP fit: the planted inf step is skipped, the weights stay finite, O2 computes on FSDP's half weights."""
+    plugin = FSDPMixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8)
+    model = DtypeRecordingRegressor(inject_at=(2,))
+    make_trainer(plugin, strategy=CPUFSDPStrategy(), gradient_clip_val=1.0).fit(model, loader())
+    stats = plugin.stats
+    assert (stats.optimizer_steps, stats.skipped_steps) == (8, 1)
+    param_dtype = plugin.mixed_precision_config.param_dtype
+    assert model.weight_dtypes == {"first": {param_dtype}, "second": {param_dtype}}
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+def test_keep_fp32_under_o1_runs_the_module_in_fp32(single_process_group: None) -> None:
+    """Under O1 FSDP gathers fp32 weights, and a keep_fp32 module computes in fp32 while the others autocast."""
+    plugin = FSDPMixedPrecision("bf16-mixed", keep_fp32=["second"])
+    model = TinyRegressor()
+    outputs: dict[str, set[torch.dtype]] = {"first": set(), "second": set()}
+    for name, seen in outputs.items():
+        model.get_submodule(name).register_forward_hook(lambda _m, _a, output, seen=seen: seen.add(output.dtype))
+    make_trainer(plugin, strategy=CPUFSDPStrategy(), max_steps=2).fit(model, loader())
+    assert outputs == {"first": {torch.bfloat16}, "second": {FP32}}
+
+
+def test_keep_fp32_under_o2_computes_on_fp32_weights_in_their_own_unit(single_process_group: None) -> None:
+    """Under O2 a keep_fp32 module becomes an fp32 FSDP unit (plugin.auto_wrap_policy); the rest gathers in half."""
+    plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["second"])
+    model = DtypeRecordingRegressor(inject_at=(2,))
+    strategy = CPUFSDPStrategy(auto_wrap_policy=plugin.auto_wrap_policy({nn.Linear}))
+    trainer = make_trainer(plugin, strategy=strategy)
+    trainer.fit(model, loader())
+    assert model.weight_dtypes == {"first": {torch.bfloat16}, "second": {FP32}}
+    assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps) == (8, 1)
+    # A later stage finds the fp32 unit the fit made in the module's place.
+    trainer.validate(model, loader(), verbose=False)
+
+
+def test_fabric_keep_fp32_under_o2_computes_on_fp32_weights_in_their_own_unit(single_process_group: None) -> None:
+    """Under Fabric too, plugin.auto_wrap_policy makes a keep_fp32 module an fp32 unit; without it, it is refused."""
+    for policy, refused in ((True, False), (False, True)):
+        plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["second"])
+        strategy = CPUFabricFSDPStrategy(auto_wrap_policy=plugin.auto_wrap_policy({nn.Linear}) if policy else None)
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin])
+        fabric.launch()
+        network = DtypeRecordingRegressor()
+        model = fabric.setup_module(network)
+        x, _ = next(iter(loader()))
+        if refused:
+            with pytest.raises(ValueError, match=r"\['second'\] are not FSDP units"):
+                model(x)
+        else:
+            model(x)
+            assert network.weight_dtypes == {"first": {torch.bfloat16}, "second": {FP32}}
+        plugin.teardown()
+
+
+def test_keep_fp32_under_o2_without_its_own_unit_is_refused(single_process_group: None) -> None:
+    """Under O2 a keep_fp32 module that FSDP would gather in half is refused, naming it and the policy to pass."""
+    plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["second"])
+    with pytest.raises(ValueError, match=r"\['second'\] are not FSDP units.*plugin.auto_wrap_policy"):
+        make_trainer(plugin, strategy=CPUFSDPStrategy()).fit(TinyRegressor(), loader())
+
+
+def test_a_mixed_precision_given_to_the_strategy_is_flagged(single_process_group: None) -> None:
+    """FSDPStrategy(mixed_precision=...) replaces the plugin's policy: the user is warned that it does."""
+    strategy = CPUFSDPStrategy(mixed_precision=TorchMixedPrecision(param_dtype=torch.bfloat16))
+    with pytest.warns(UserWarning, match=r"FSDPStrategy\(mixed_precision=.*replaces the policy"):
+        make_trainer(FSDPMixedPrecision("bf16-mixed"), strategy=strategy, max_steps=1).fit(TinyRegressor(), loader())
+
+
+def test_the_fsdp_plugin_under_another_strategy_is_refused() -> None:
+    """FSDPMixedPrecision under DDP or one device is refused at setup, pointing to MixedPrecision (O2 needs FSDP)."""
+    with pytest.raises(ValueError, match=r"strategy is SingleDeviceStrategy.*Pass MixedPrecision"):
+        make_trainer(FSDPMixedPrecision("bf16-mixed", opt_level="O2")).fit(TinyRegressor(), loader())
+
+
+class StateAtStart(L.Callback):
+    """The plugin's state when a (resumed) fit starts."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state = trainer.precision_plugin.state_dict()  # type: ignore[attr-defined]
+
+
+def test_trainer_resumes_the_plugin_state_from_a_sharded_fsdp_checkpoint(
+    tmp_path: Path, single_process_group: None
+) -> None:
+    """The scale, trackers and counters saved in FSDPStrategy's sharded checkpoint come back exactly on resume."""
+    plugin = FSDPMixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2, hysteresis=2)
+    first = make_trainer(plugin, strategy=CPUFSDPStrategy(state_dict_type="sharded"), max_steps=6)
+    first.fit(TinyRegressor(inject_at=(2, 3)), loader())
+    first.save_checkpoint(tmp_path / "sharded")
+    assert (tmp_path / "sharded").is_dir()
+    recorder = StateAtStart()
+    resumed = FSDPMixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2, hysteresis=2)
+    strategy = CPUFSDPStrategy(state_dict_type="sharded")
+    make_trainer(resumed, strategy=strategy, max_steps=7, callbacks=[recorder]).fit(
+        TinyRegressor(), loader(), ckpt_path=tmp_path / "sharded"
+    )
+    assert recorder.state["scaler"] == plugin.state_dict()["scaler"]
+    assert recorder.state["scaler"]["counters"]["skipped_steps"] == 2
+
+
+def test_a_run_moved_between_one_device_and_fsdp_resumes_its_scaler_state(
+    tmp_path: Path, single_process_group: None
+) -> None:
+    """MixedPrecision's checkpoint resumes under FSDPMixedPrecision and back, at the scale and counts it reached."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2)
+    first = make_trainer(plugin, max_steps=5)
+    first.fit(TinyRegressor(inject_at=(1,)), loader())
+    first.save_checkpoint(tmp_path / "single.ckpt")
+    recorder = StateAtStart()
+    fsdp_plugin = FSDPMixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2)
+    fsdp = make_trainer(fsdp_plugin, strategy=CPUFSDPStrategy(), max_steps=6, callbacks=[recorder])
+    fsdp.fit(TinyRegressor(), loader(), ckpt_path=tmp_path / "single.ckpt")
+    assert recorder.state["scaler"] == plugin.state_dict()["scaler"]
+    fsdp.save_checkpoint(tmp_path / "fsdp.ckpt")
+    checkpoint = torch.load(tmp_path / "fsdp.ckpt", weights_only=False)
+    # Lightning's own FSDPPrecision reads torch's five GradScaler keys under its own name.
+    assert checkpoint["FSDPPrecision"] == {key: checkpoint["FSDPMixedPrecision"][key] for key in TORCH_SCALER_KEYS}
+    back = StateAtStart()
+    make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2), max_steps=7, callbacks=[back]).fit(
+        TinyRegressor(), loader(), ckpt_path=tmp_path / "fsdp.ckpt"
+    )
+    assert back.state["scaler"] == fsdp_plugin.state_dict()["scaler"]
+
+
+# ------------------------------------------------------------------------------------------------ 2 processes
+
+
+def _fsdp_and_ddp(tmp_path: Path, front: str, precision: str, opt_level: str) -> tuple[list[dict], list[dict]]:
+    """The reports of the same 2-process run under FSDP (sharded checkpoint) and under DDP."""
+    runs = []
+    for strategy in ("fsdp", "ddp"):
+        out = tmp_path / strategy
+        out.mkdir()
+        arguments = ["--front", front, "--strategy", strategy, "--out", str(out), "--precision", precision]
+        arguments += ["--opt-level", opt_level, "--inject-rank", "1", "--inject-at", "2,5", "--clip", "norm"]
+        arguments += ["--state-dict-type", "sharded", *(["--telemetry"] if front == "trainer" else [])]
+        run(arguments, timeout=60, script=FSDP_TRAIN_SCRIPT)
+        runs.append(reports(out))
+    return runs[0], runs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("front", "precision", "opt_level"),
+    [
+        ("trainer", "16-mixed", "O1"),
+        ("trainer", "bf16-mixed", "O2"),
+        ("fabric", "bf16-mixed", "O1"),
+        ("fabric", "16-mixed", "O2"),
+    ],
+)
+def test_fsdp_on_two_processes_matches_ddp(tmp_path: Path, front: str, precision: str, opt_level: str) -> None:
+    """Under FSDP an inf on one rank's shard is skipped by both ranks, as under DDP: same skips, scales and losses."""
+    fsdp, ddp = _fsdp_and_ddp(tmp_path, front, precision, opt_level)
+    assert fsdp[0]["steps"] == fsdp[1]["steps"] == ddp[0]["steps"]
+    assert [index for index, (_, skipped) in enumerate(fsdp[0]["steps"]) if skipped] == [2, 5]
+    assert fsdp[0]["stats"] == fsdp[1]["stats"] == ddp[0]["stats"]
+    for fsdp_rank, ddp_rank in zip(fsdp, ddp, strict=True):
+        torch.testing.assert_close(fsdp_rank["losses"], ddp_rank["losses"], rtol=0.0, atol=1e-3)
+    # The plugin's state went through FSDPStrategy's sharded checkpoint and came back whole on every rank.
+    assert fsdp[0]["resumed_stats"] == fsdp[1]["resumed_stats"] == fsdp[0]["stats"]
+    if front == "trainer":
+        _assert_same_telemetry(tmp_path / "fsdp", tmp_path / "ddp", skipped=(2, 5), opt_level=opt_level)
+
+
+def _gradient_column(table: str) -> list[str]:
+    """The last column (gradients) of a layer dtype table's rows."""
+    return [row.rstrip(" |").rsplit("| ", 1)[-1] for row in table.splitlines()[2:]]
+
+
+def _without_gradient_column(table: str) -> list[str]:
+    """A layer dtype table's rows without their last column (gradients)."""
+    return [row.rstrip(" |").rsplit("| ", 1)[0] for row in table.splitlines()]
+
+
+def _assert_same_telemetry(fsdp_out: Path, ddp_out: Path, skipped: tuple[int, ...], opt_level: str) -> None:
+    """The monitors report the whole gradients under FSDP, as under DDP: scalars, histogram, culprits, layer dtypes."""
+    fsdp, ddp = read_events(fsdp_out / "tb" / "version_0"), read_events(ddp_out / "tb" / "version_0")
+    for tag in (
+        "precision/loss_scale",
+        "precision/skipped_steps_total",
+        "precision_sentinel/total_grad_underflow_share",
+    ):
+        assert scalars(fsdp, tag) == scalars(ddp, tag), tag
+    assert max(scalars(fsdp, "precision_sentinel/total_grad_underflow_share").values()) > 0
+    fsdp_tables, ddp_tables = texts(fsdp, "precision/layer_dtypes"), texts(ddp, "precision/layer_dtypes")
+    if opt_level == "O2":
+        # DDP's O2 reduces the half weights' gradients; FSDP's O2 hands its fp32 shards (the masters) fp32 gradients.
+        assert {step: _without_gradient_column(t) for step, t in fsdp_tables.items()} == {
+            step: _without_gradient_column(t) for step, t in ddp_tables.items()
+        }
+        assert {dtype for table in fsdp_tables.values() for dtype in _gradient_column(table)} == {"float32"}
+    else:
+        assert fsdp_tables == ddp_tables
+    for tag in ("precision/grad_norm", "precision/grad_zero_fraction", "precision/grad_headroom_log2"):
+        # Under DDP rank 1's planted inf never reaches rank 0, which logs its own finite gradients on those steps.
+        expected = {step: value for step, value in scalars(ddp, tag).items() if step not in skipped}
+        assert scalars(fsdp, tag).keys() == expected.keys(), tag
+        torch.testing.assert_close(scalars(fsdp, tag), expected, rtol=1e-5, atol=0.0)
+    histograms = [
+        {event.step: list(event.histogram_value.bucket) for event in events.Histograms("precision/grad_log2_magnitude")}
+        for events in (fsdp, ddp)
+    ]
+    assert histograms[0] == {step: buckets for step, buckets in histograms[1].items() if step not in skipped}
+    # The culprit is named as the model declares it, with its full shape, not its shard's.
+    for step in skipped:
+        assert "| `first.weight` | [16, 8] |" in texts(fsdp, "precision/overflow")[step]
