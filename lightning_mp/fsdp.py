@@ -19,8 +19,9 @@ the strategy hands to ``FullyShardedDataParallel(mixed_precision=...)``):
   backward passes (``param_dtype`` half); the gradients are reduce-scattered in half (``reduce_dtype``), as DDP
   all-reduces O2's half gradients (half the bytes of fp32 on the wire; in fp16 a sum over ranks that overflows is a
   skipped step, as under DDP), and the run matches DDP's; buffers stay fp32. That is O2's design (half weights for
-  compute, fp32 masters for the step) done by FSDP itself, so the package's own O2 copies are not made. The inputs are not cast to half (``cast_root_forward_inputs=False``): the
-  Trainer sends the whole batch, targets included, through the root's forward, and autocast casts each op's inputs.
+  compute, fp32 masters for the step) done by FSDP itself, so the package's own O2 copies are not made. The inputs
+  are not cast to half (``cast_root_forward_inputs=False``): the Trainer sends the whole batch, targets included,
+  through the root's forward, and autocast casts each op's inputs.
   Normalisation layers stay fp32 where FSDP wraps them in units of their own (with an ``auto_wrap_policy``, FSDP's
   default). FSDP gathers every weight of a unit in one dtype, so each ``keep_fp32`` module must be a unit of its
   own with an fp32 policy: :meth:`FSDPMixedPrecision.auto_wrap_policy` builds the strategy's ``auto_wrap_policy``
