@@ -16,6 +16,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from lightning_mp.scaling.sharded import local_shard
+
 
 def nonfinite_gradients(
     named_parameters: Iterable[tuple[str, torch.Tensor]], limit: int = 20
@@ -46,7 +48,7 @@ def nonfinite_gradients(
             grad = parameter.grad
             if grad is None:
                 continue
-            values = grad.coalesce().values() if grad.is_sparse else grad
+            values = grad.coalesce().values() if grad.is_sparse else local_shard(grad)
             if not bool(torch.isfinite(values).all()):
                 found.append((name, tuple(parameter.shape)))
                 if len(found) >= limit:
@@ -135,8 +137,10 @@ def largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
     A gradient holding an inf gives inf and one holding a NaN gives NaN, so a non-finite result names a gradient that
     is not finite. Keep the result on the device and read it (``torch.stack(...).tolist()``) only when needed. An empty
-    gradient (a zero-element parameter) gives 0: torch's inf-norm has no value for an empty tensor and refuses it.
+    gradient (a zero-element parameter) gives 0: torch's inf-norm has no value for an empty tensor and refuses it. A
+    sharded gradient (``DTensor``) gives the largest magnitude of this rank's shard.
     """
+    grads = [local_shard(grad) for grad in grads]
     with torch.no_grad():
         filled = [grad for grad in grads if grad.numel()]
         norms = iter(torch._foreach_norm(filled, float("inf")) if filled else ())

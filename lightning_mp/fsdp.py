@@ -16,11 +16,12 @@ the strategy hands to ``FullyShardedDataParallel(mixed_precision=...)``):
 * ``O1`` (and fp32, ``O0``): FSDP keeps, gathers, reduces and stores everything in fp32 (parameter, reduce and buffer
   dtypes fp32), and autocast casts per op, exactly as under DDP. ``keep_fp32`` modules run outside autocast.
 * ``O2``: FSDP's fp32 shards are the master weights, and it gathers half copies of them for the forward and
-  backward passes (``param_dtype`` half); the gradients are reduce-scattered in fp32 (``reduce_dtype``), as DDP
-  reduces O2's fp32 master gradients, so a sum over ranks cannot overflow fp16 and the run matches DDP's; buffers
-  stay fp32. That is O2's design (half weights for compute, fp32 masters for the step) done by FSDP itself, so the
-  package's own O2 copies are not made. The inputs are not cast to half (``cast_root_forward_inputs=False``): the
-  Trainer sends the whole batch, targets included, through the root's forward, and autocast casts each op's inputs.
+  backward passes (``param_dtype`` half); the gradients are reduce-scattered in half (``reduce_dtype``), as DDP
+  all-reduces O2's half gradients (half the bytes of fp32 on the wire; in fp16 a sum over ranks that overflows is a
+  skipped step, as under DDP), and the run matches DDP's; buffers stay fp32. That is O2's design (half weights for
+  compute, fp32 masters for the step) done by FSDP itself, so the package's own O2 copies are not made. The inputs
+  are not cast to half (``cast_root_forward_inputs=False``): the Trainer sends the whole batch, targets included,
+  through the root's forward, and autocast casts each op's inputs.
   Normalisation layers stay fp32 where FSDP wraps them in units of their own (with an ``auto_wrap_policy``, FSDP's
   default). FSDP gathers every weight of a unit in one dtype, so each ``keep_fp32`` module must be a unit of its
   own with an fp32 policy: :meth:`FSDPMixedPrecision.auto_wrap_policy` builds the strategy's ``auto_wrap_policy``
@@ -125,7 +126,7 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
             # The inputs stay as given (the Trainer's batch holds the targets too): autocast casts each op's inputs.
             return TorchMixedPrecision(
                 param_dtype=half_dtype,
-                reduce_dtype=torch.float32,
+                reduce_dtype=half_dtype,
                 buffer_dtype=torch.float32,
                 cast_root_forward_inputs=False,
             )
@@ -210,10 +211,10 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
             yield
 
     @override
-    def _build_policy(self, opt_level: str) -> PrecisionPolicy:
+    def _build_policy(self, opt_level: str, sharded: bool = False) -> PrecisionPolicy:
         if opt_level == "O2":
             return FSDPO2Policy(self.half_dtype, keep_fp32=self.keep_fp32)
-        return super()._build_policy(opt_level)
+        return super()._build_policy(opt_level, sharded)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

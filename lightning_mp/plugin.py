@@ -69,6 +69,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -77,8 +78,10 @@ from lightning_mp._hardware import choose_precision, device_has_native_bf16, emu
 from lightning_mp._knobs import with_knob_docs
 from lightning_mp._scale_rules import SCALER_DEFAULTS, ScalerSettings
 from lightning_mp.engine import FabricEngine, StepEngine, TrainerEngine
-from lightning_mp.policies import POLICIES, PrecisionPolicy
+from lightning_mp.policies import POLICIES, SHARDED_POLICIES, PrecisionPolicy
+from lightning_mp.policies.sharded import fsdp2_mixed_precision_policy, refuse_half_weights
 from lightning_mp.scaler import LossScaler, ScalingMode
+from lightning_mp.scaling.sharded import has_sharded_parameters
 from lightning_mp.settings import HALF_DTYPES, PRECISIONS, PluginSettings, PrecisionName
 from lightning_mp.stats import PrecisionStats, ScalerView
 
@@ -285,6 +288,34 @@ class MixedPrecision(LightningMixedPrecision):
         """
         return self._loss_scaler.local_overflows() if self._loss_scaler is not None else 0
 
+    def fsdp2_policy(self, keep_fp32: bool = False) -> MixedPrecisionPolicy:
+        """The ``MixedPrecisionPolicy`` to pass to FSDP2's ``fully_shard`` so that it carries out this opt level.
+
+        O2 gathers the weights in the half type and reduces gradients in fp32; O0 and O1 need no cast from FSDP2;
+        O3 and lean are refused on a sharded model (see :mod:`lightning_mp.policies.sharded` for the table and the
+        ``keep_fp32`` recipe)::
+
+            def configure_model(self):
+                for block in self.blocks:
+                    fully_shard(block, mp_policy=plugin.fsdp2_policy())
+                fully_shard(self.head, mp_policy=plugin.fsdp2_policy(keep_fp32=True))  # keep_fp32=["head"]
+                fully_shard(self, mp_policy=plugin.fsdp2_policy())
+
+        Args:
+            keep_fp32: the policy for a ``keep_fp32`` subtree's own ``fully_shard`` call (gathered in fp32).
+
+        Raises:
+            ValueError: when ``precision='auto'`` is not resolved yet (``configure_model`` runs before the plugin
+                learns the device); pass ``'16-mixed'`` or ``'bf16-mixed'`` explicitly.
+
+        """
+        if self.precision == "auto":
+            raise ValueError(
+                "MixedPrecision(precision='auto').fsdp2_policy() is not allowed: the precision is chosen at setup,"
+                " after configure_model. Pass precision='16-mixed' or 'bf16-mixed' to use fsdp2_policy()."
+            )
+        return fsdp2_mixed_precision_policy(self.opt_level, self.half_dtype, keep_fp32)
+
     # ------------------------------------------------------------------------------------------------ setup
 
     def setup_for_device(self, device_type: str) -> None:
@@ -302,8 +333,11 @@ class MixedPrecision(LightningMixedPrecision):
         if self._engine is None:
             self._engine = self._trainer_engine()
 
-    def _build_run(self, device_type: str) -> None:
-        """Resolve the precision and build the opt level's policy and the loss scaler (:meth:`setup_for_device`)."""
+    def _build_run(self, device_type: str, sharded: bool = False) -> None:
+        """Resolve the precision and build the opt level's policy and the loss scaler (:meth:`setup_for_device`).
+
+        A ``sharded`` model (FSDP2) gets the opt level's sharded form where it has one (:data:`SHARDED_POLICIES`).
+        """
         if self._policy is not None:
             return
         self.settings.check_device("MixedPrecision", device_type)
@@ -313,7 +347,10 @@ class MixedPrecision(LightningMixedPrecision):
             rank_zero_info(f"lightning_mp: precision='auto' chose {self.precision!r}: {self.precision_reason}.")
         self.settings.check_resolved("MixedPrecision", self.precision, self.precision_reason)
         self._warn_about_slow_half(device_type)
-        self._policy = self._build_policy("O0" if self.precision == "32-true" else self.opt_level)
+        opt_level = "O0" if self.precision == "32-true" else self.opt_level
+        if sharded:
+            refuse_half_weights(opt_level, self.precision)
+        self._policy = self._build_policy(opt_level, sharded)
         policy_class = type(self._policy)
         self._loss_scaler = self._build_loss_scaler(device_type, policy_class)
         if policy_class.half_weights:
@@ -324,9 +361,14 @@ class MixedPrecision(LightningMixedPrecision):
             pending, self._pending_state = self._pending_state, None
             self.load_state_dict(pending)
 
-    def _build_policy(self, opt_level: str) -> PrecisionPolicy:
-        """The opt level's policy for this run (the FSDP form maps O2 onto FSDP's own half weights)."""
-        return POLICIES[opt_level](self.half_dtype, keep_fp32=self.keep_fp32)
+    def _build_policy(self, opt_level: str, sharded: bool = False) -> PrecisionPolicy:
+        """The opt level's policy for this run.
+
+        A model that FSDP2 has sharded already gets the level's sharded form (:data:`SHARDED_POLICIES`: O2 onto
+        FSDP2's own policy); the FSDP form overrides this to map O2 onto FSDP's own half weights.
+        """
+        policy_class = SHARDED_POLICIES.get(opt_level, POLICIES[opt_level]) if sharded else POLICIES[opt_level]
+        return policy_class(self.half_dtype, keep_fp32=self.keep_fp32)
 
     def _build_loss_scaler(self, device_type: str, policy_class: type[PrecisionPolicy]) -> LossScaler:
         if self._given_loss_scaler is not None:
@@ -375,7 +417,7 @@ class MixedPrecision(LightningMixedPrecision):
         if trainer is not None:
             if trainer.state.fn == TrainerFn.FITTING and self._policy is not None:
                 self._start_new_run()
-            self._build_run(self._trainer_device_type(module))
+            self._build_run(self._trainer_device_type(module), sharded=has_sharded_parameters(module))
             if not isinstance(self._engine, TrainerEngine):
                 self._engine = self._trainer_engine()
             assert self._policy is not None
@@ -387,7 +429,7 @@ class MixedPrecision(LightningMixedPrecision):
         # Fabric converts before it moves the model, and tells a plugin nothing of its accelerator: a model still on
         # the CPU is assumed to go where Fabric's accelerator="auto" would put it, and the first forward confirms it.
         assumed = placed if placed != "cpu" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self._build_run(self.device or assumed)
+        self._build_run(self.device or assumed, sharded=has_sharded_parameters(module))
         assert self._policy is not None and self._loss_scaler is not None
         module = self._policy.convert_module(module)
         if not isinstance(self._engine, FabricEngine):

@@ -14,7 +14,9 @@ optimizers, torch's contract: ``update()`` once, after the last ``step``):
   that optimizer's preallocated inf flag (:mod:`~lightning_mp.scaling.inf_flags`); in bf16 and fp32 ("check" mode,
   nothing scaled) it takes the inf-norm of each gradient and checks the norms, so the gradients are read and never
   rewritten. Under DDP the flag is all-reduced (max) right there, on every path, so every rank takes the same
-  decision: one collective per step, always issued in the same order, no deadlock.
+  decision: one collective per step, always issued in the same order, no deadlock. Under FSDP2 each rank checks
+  its local shard of every gradient, empty shards left out, and the same all-reduce makes the decision unanimous
+  (:mod:`~lightning_mp.scaling.sharded`).
 * ``step`` of a fused optimizer (Adam, AdamW, SGD, Adagrad with ``fused=True``, or any optimizer that declares
   ``_step_supports_amp_scaling``) follows torch's ``GradScaler.step``: the optimizer gets the flag as ``found_inf``
   and, when nothing unscaled its gradients yet, the scale as ``grad_scale`` (times a ``grad_scale`` the user set),

@@ -19,10 +19,11 @@ overflow. Raising the loss scale shifts the whole histogram right by log2 of the
 ``precision/grad_norm`` is the global 2-norm of the gradients after unscaling, the true norm the optimizer sees,
 which is what gradient clipping thresholds are compared with.
 
-**Under FSDP** (Lightning's ``FSDPStrategy``, sharded) each rank holds only shards of the gradients, so on a logging
-step every rank summarises its shards and two all-reduces combine them
-(:func:`lightning_mp._gradients.summary_over_shards`): the scalars and the histogram are those of the whole gradients,
-as under DDP. Overflow reports give each parameter's shape as the model declared it, not its shard's.
+**Under FSDP** (Lightning's ``FSDPStrategy``, sharded) and **FSDP2** (``fully_shard``: ``DTensor`` gradients) each
+rank holds only shards of the gradients, so on a logging step every rank summarises its shards and two all-reduces
+combine them (:func:`lightning_mp._gradients.summary_over_shards`): the scalars and the histogram are those of the
+whole gradients, as under DDP. Overflow reports name each parameter by its full name, with the shape the model
+declared, not its shard's.
 
 **Overflow forensics.** On every skipped step a TensorBoard text entry under ``precision/overflow`` names the
 parameters whose gradients are not finite (at most 20, with their shapes) and the step, and a warning says the
@@ -84,6 +85,7 @@ from lightning_mp.callbacks._logging import (
 )
 from lightning_mp.callbacks._sharding import gradient_copies
 from lightning_mp.scaling.hand_off import supports_fused_protocol
+from lightning_mp.scaling.sharded import local_shard
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -222,6 +224,9 @@ class GradientHealthMonitor(Callback):
         loss_scale = plugin.stats.loss_scale if plugin.scaler is not None else 1.0
         # A fused optimizer unscales inside its own step, so its gradients still carry the scale here.
         scale_in_grads = loss_scale if supports_fused_protocol(optimizer) else 1.0
+        if copies is not None:
+            # This rank's part of each gradient (FSDP2's DTensors); a shard can be empty on this rank.
+            grads = [shard for shard in map(local_shard, grads) if shard.numel()]
         elements = sum(grad.numel() for grad in grads)
         in_fp16 = plugin.half_dtype == torch.float16
         step = logging_step(trainer)

@@ -95,6 +95,7 @@ from lightning_mp.callbacks._sentinel_rules import (
 )
 from lightning_mp.callbacks._sharding import gradient_copies
 from lightning_mp.plugin import MixedPrecision
+from lightning_mp.scaling.sharded import local_shard
 
 _HALF_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 HEADROOM_STYLE = HeatmapStyle("activation headroom (doublings to fp16 max)", "log2(65504 / max|a|)", "RdYlGn", 0, 16)
@@ -246,9 +247,11 @@ class PrecisionSentinel(Callback):
         if not parameters:
             return
         with torch.no_grad():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+            grads = [
+                local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p)) for p in parameters
+            ]
             grad_signs = list(torch._foreach_sign(grads))
-            weights_before = list(torch._foreach_mul(parameters, 1.0))
+            weights_before = list(torch._foreach_mul([local_shard(p) for p in parameters], 1.0))
         self._snapshots.append(_Snapshot(parameters, weights_before, grad_signs))
 
     @override
@@ -433,7 +436,7 @@ _ALL_LAYERS = "(all layers)"
 def _update_counts(snapshots: list[_Snapshot]) -> torch.Tensor:
     """Per stepped tensor: elements with a non-zero gradient, then those of them whose weight moved; one vector."""
     with torch.no_grad():
-        parameters = [p for snapshot in snapshots for p in snapshot.parameters]
+        parameters = [local_shard(p) for snapshot in snapshots for p in snapshot.parameters]
         before = [w for snapshot in snapshots for w in snapshot.weights_before]
         grad_signs = [s for snapshot in snapshots for s in snapshot.grad_signs]
         moved = torch._foreach_sub(parameters, before)

@@ -81,6 +81,7 @@ from typing_extensions import override
 from lightning_mp.engine.base import StepEngine, check_loss
 from lightning_mp.overrides import cast_low_precision
 from lightning_mp.policies import PrecisionPolicy
+from lightning_mp.policies.sharded import refuse_sharding_after_conversion
 from lightning_mp.scaler import LossScaler
 from lightning_mp.stats import PrecisionStats
 
@@ -136,6 +137,8 @@ class FabricEngine(StepEngine):
         """Fused optimizers stepped since the last update: they skip inside their kernel, unseen by the host."""
         self._skipped_on_device: list[Optimizer] = []
         """Fused optimizers whose skipped step the opt level has not heard of yet."""
+        self._sharding_checked = False
+        """Whether the first forward checked that the models were not sharded after their conversion."""
 
     @property
     def has_stepped(self) -> bool:
@@ -193,7 +196,14 @@ class FabricEngine(StepEngine):
         )
 
     def before_forward(self) -> None:
-        """Copy the running statistics not yet copied since their model's last step."""
+        """Copy the running statistics not yet copied since their model's last step.
+
+        At the first forward, refuse a model that Fabric's strategy sharded after the plugin converted it, where the
+        opt level has another form on a sharded model (:mod:`lightning_mp.policies.sharded`).
+        """
+        if not self._sharding_checked:
+            self._sharding_checked = True
+            refuse_sharding_after_conversion(self.policy, self.modules)
         self.running_stats.save()
 
     def convert_input(self, data: Any) -> Any:

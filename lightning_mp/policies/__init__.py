@@ -6,6 +6,7 @@ from lightning_mp.policies.o0 import O0Policy
 from lightning_mp.policies.o1 import O1Policy
 from lightning_mp.policies.o2 import O2Policy
 from lightning_mp.policies.o3 import O3Policy
+from lightning_mp.policies.sharded import ShardedO2Policy
 
 POLICIES: dict[str, type[PrecisionPolicy]] = {
     "O0": O0Policy,
@@ -15,9 +16,12 @@ POLICIES: dict[str, type[PrecisionPolicy]] = {
     "lean": LeanPolicy,
     "lean-kahan": LeanKahanPolicy,
 }
+SHARDED_POLICIES: dict[str, type[PrecisionPolicy]] = {"O2": ShardedO2Policy}
+"""The opt levels whose form on an FSDP2-sharded model differs (:mod:`lightning_mp.policies.sharded`)."""
 
 __all__ = [
     "POLICIES",
+    "SHARDED_POLICIES",
     "LeanKahanPolicy",
     "LeanPolicy",
     "O0Policy",
@@ -25,4 +29,5 @@ __all__ = [
     "O2Policy",
     "O3Policy",
     "PrecisionPolicy",
+    "ShardedO2Policy",
 ]

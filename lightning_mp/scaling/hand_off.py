@@ -20,7 +20,8 @@ adds 0 syncs and runs the update in 5 ops against foreach's 11; a device-side se
 and states would cost 253 ops and 2x the state's memory, and still read the CPU step count on the host.
 
 Fused SGD's first step with momentum cannot be skipped on the device (:func:`skips_safely_on_device`); it, and every
-optimizer without a fused form, is decided on the host.
+optimizer without a fused form, is decided on the host. So are SGD and Adagrad on sharded (FSDP2) parameters:
+``DTensor`` runs Adam's and AdamW's fused kernels, not theirs.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
@@ -34,10 +35,14 @@ from typing import Any
 import torch
 
 from lightning_mp._compat import FUSED_ADAGRAD_TAKES_FOUND_INF
+from lightning_mp.scaling.sharded import is_sharded
 
 _FUSED_FORMS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 """torch optimizers whose fused kernel applies the same update rule as their foreach and single-tensor forms."""
 _FUSED_DEVICE_TYPES = ("cpu", "cuda")
+_SHARDED_FUSED_FORMS = (torch.optim.Adam, torch.optim.AdamW)
+"""The optimizers whose fused kernel takes sharded parameters (``DTensor`` has a sharding rule for Adam's and AdamW's
+fused kernels, none for SGD's and Adagrad's)."""
 
 
 def supports_fused_protocol(optimizer: torch.optim.Optimizer) -> bool:
@@ -50,10 +55,12 @@ def has_fused_form(optimizer: torch.optim.Optimizer) -> bool:
 
     Only the exact torch classes (a subclass may override ``step``), not configured ``fused`` already, not
     ``differentiable``, with dense floating gradients of their parameter's dtype on a CPU or CUDA device: the cases
-    the fused kernels accept. Complex parameters and sparse gradients stay with the optimizer's own form.
+    the fused kernels accept. Complex parameters and sparse gradients stay with the optimizer's own form, and so do
+    sharded (FSDP2) parameters of SGD and Adagrad, whose fused kernels ``DTensor`` does not run.
     """
     if type(optimizer) not in _FUSED_FORMS:
         return False
+    sharded_allowed = type(optimizer) in _SHARDED_FUSED_FORMS
     # torch < 2.12 has Adagrad's fused kernel on the CPU only (lightning_mp._compat).
     cpu_only = type(optimizer) is torch.optim.Adagrad and not FUSED_ADAGRAD_TAKES_FOUND_INF
     device_types = ("cpu",) if cpu_only else _FUSED_DEVICE_TYPES
@@ -69,6 +76,7 @@ def has_fused_form(optimizer: torch.optim.Optimizer) -> bool:
                 or not parameter.is_floating_point()
                 or parameter.device.type not in device_types
                 or (grad.dtype, grad.device) != (parameter.dtype, parameter.device)
+                or (is_sharded(parameter) and not sharded_allowed)
             ):
                 return False
     return True

@@ -1,9 +1,13 @@
-"""Train a tiny model with Fabric's DDP strategy and MixedPrecision; write what each rank saw to a JSON file.
+"""Train a tiny model with Fabric's DDP (or FSDP2) strategy and MixedPrecision; write what each rank saw to JSON.
 
 Run as a user would run a Fabric script, so that ``strategy="ddp"`` can re-launch it::
 
     python fabric_train.py --out DIR [--inject-rank 1 --inject-at 2,5] [--steps 8] [--opt-level O2]
-        [--optimizer fused-adam] [--clip value] [--precision bf16-mixed]
+        [--optimizer fused-adam] [--clip value] [--precision bf16-mixed] [--strategy fsdp2]
+
+``--strategy fsdp2`` uses Fabric's ``ModelParallelStrategy``, whose ``parallelize_fn`` shards every layer with
+``fully_shard(mp_policy=plugin.fsdp2_policy())``; the inf is then planted in rank 1's shard. After training it also
+sets up an O2 plugin the same way, which the plugin refuses at the first forward, and reports the error.
 
 After ``fabric.backward`` DDP has averaged the gradients, so an inf planted then exists on one rank only; the loss
 scaler's all-reduced inf check must make every rank skip that step. Every rank writes ``DIR/rank<rank>.json``: the
@@ -17,23 +21,61 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from lightning_mp import MixedPrecision
+from lightning_mp.policies.sharded import ShardedPrecisionError
+from lightning_mp.scaling.sharded import local_shard
 
 
 def parameter_checksum(module: nn.Module) -> str:
     digest = hashlib.sha256()
     for name, parameter in sorted(module.state_dict().items()):
         digest.update(name.encode())
-        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+        digest.update(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def strategy_for(name: str, plugin: MixedPrecision) -> Any:
+    """``"ddp"``, or Fabric's ModelParallelStrategy sharding every layer with the plugin's FSDP2 policy."""
+    if name == "ddp":
+        return "ddp"
+
+    def shard(module: nn.Module, device_mesh: Any) -> nn.Module:
+        mesh = device_mesh["data_parallel"]
+        for layer in module:
+            if next(layer.parameters(), None) is not None:
+                fully_shard(layer, mesh=mesh, mp_policy=plugin.fsdp2_policy())
+        fully_shard(module, mesh=mesh, mp_policy=plugin.fsdp2_policy())
+        return module
+
+    return ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=2, tensor_parallel_size=1)
+
+
+def o2_refusal(args: argparse.Namespace) -> str:
+    """The error of an O2 plugin on a model that Fabric's ModelParallelStrategy shards after the conversion."""
+    os.environ.setdefault("LOCAL_RANK", "0")  # the processes exist: this Fabric must not launch others
+    plugin = MixedPrecision(args.precision, opt_level="O2")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy_for("fsdp2", plugin), plugins=[plugin])
+    fabric.launch()
+    model = fabric.setup(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    try:
+        model(torch.randn(4, 8))
+    except ShardedPrecisionError as error:
+        return str(error)
+    return ""
 
 
 def main(argv: list[str]) -> None:
@@ -46,19 +88,22 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--precision", default="16-mixed")
     parser.add_argument("--optimizer", choices=["sgd", "fused-adam"], default="sgd")
     parser.add_argument("--clip", choices=["norm", "value"], default="norm")
+    parser.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp")
     args = parser.parse_args(argv)
     inject_at = {int(step) for step in args.inject_at.split(",") if step}
 
     plugin = MixedPrecision(args.precision, opt_level=args.opt_level, init_scale=2.0**8, growth_interval=3)
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[plugin])
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy_for(args.strategy, plugin), plugins=[plugin])
     fabric.launch()
     fabric.seed_everything(7, verbose=False)
     module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    # A sharded model's optimizer steps the shards: the model is set up (sharded) first.
+    model = fabric.setup_module(module)
     if args.optimizer == "fused-adam":
         torch_optimizer: torch.optim.Optimizer = torch.optim.Adam(module.parameters(), lr=0.01, fused=True)
     else:
         torch_optimizer = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
-    model, optimizer = fabric.setup(module, torch_optimizer)
+    optimizer = fabric.setup_optimizers(torch_optimizer)
 
     generator = torch.Generator().manual_seed(fabric.global_rank)
     steps: list[tuple[int, float, bool]] = []
@@ -67,7 +112,7 @@ def main(argv: list[str]) -> None:
         loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
         fabric.backward(loss)
         if fabric.global_rank == args.inject_rank and step in inject_at:
-            module[0].weight.grad[0, 0] = float("inf")
+            local_shard(module[0].weight.grad)[0, 0] = float("inf")
         if args.clip == "value":
             fabric.clip_gradients(model, optimizer, clip_val=1.0)
         else:
@@ -79,11 +124,19 @@ def main(argv: list[str]) -> None:
 
     checksums: list[str | None] = [None] * fabric.world_size
     dist.all_gather_object(checksums, parameter_checksum(module))
+    refusal = o2_refusal(args) if args.strategy == "fsdp2" else None
     checkpoint = args.out / "fabric.ckpt"
     fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "precision": plugin})
     resumed = MixedPrecision(args.precision, opt_level=args.opt_level, init_scale=2.0**8, growth_interval=3)
     resumed.setup_for_device("cpu")
-    fabric.load(checkpoint, {"precision": resumed}, strict=False)
+    if args.strategy == "fsdp2":
+        # A distributed checkpoint is read through the sharded model (loaded again: the same weights). Fabric's
+        # ModelParallelStrategy puts the plugin's saved state in the dict in its place instead of loading it.
+        state = {"precision": resumed, "model": model}
+        fabric.load(checkpoint, state, strict=False)
+        resumed.load_state_dict(state["precision"])
+    else:
+        fabric.load(checkpoint, {"precision": resumed}, strict=False)
     report = {
         "global_rank": fabric.global_rank,
         "world_size": fabric.world_size,
@@ -92,6 +145,7 @@ def main(argv: list[str]) -> None:
         "local_overflows": plugin.local_overflows(),
         "checksums": checksums,
         "resumed_stats": resumed.stats.as_dict(),
+        "o2_refusal": refusal,
     }
     (args.out / f"rank{fabric.global_rank}.json").write_text(json.dumps(report))
     if dist.is_available() and dist.is_initialized():

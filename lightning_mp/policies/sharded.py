@@ -1,0 +1,173 @@
+"""The opt levels on a sharded model (FSDP2's ``fully_shard``), and the ``MixedPrecisionPolicy`` each maps to.
+
+Under FSDP2 each parameter is a ``DTensor``: every rank stores a shard in fp32, and FSDP2 all-gathers the whole
+parameter just before a module's forward (and backward), reduce-scatters its gradient after, and frees the whole
+copy again. FSDP2's ``MixedPrecisionPolicy`` casts at exactly that point: ``param_dtype`` is the dtype of the
+gathered copy (cast once per gather), ``reduce_dtype`` the dtype of the gradient reduction. That **is** O2 (fp32
+master weights, half compute copies that exist only for the pass), built into the sharding. So the plugin does not
+make copies of its own on a sharded model; each level maps onto FSDP2 as follows (:func:`fsdp2_mixed_precision_policy`
+builds the policy, ``MixedPrecision.fsdp2_policy()`` calls it):
+
+==========  ==========================================  =====================================================
+opt level   the plugin                                  ``fully_shard(mp_policy=...)``
+==========  ==========================================  =====================================================
+O0          nothing (fp32)                              ``MixedPrecisionPolicy()``: no cast
+O1          autocast, loss scaler                       ``MixedPrecisionPolicy()``: fp32 gathered, autocast
+                                                        casts per op
+O2          autocast, loss scaler; checks the weights   ``param_dtype=half, reduce_dtype=half``
+            compute in half (:class:`ShardedO2Policy`)
+O3, lean    refused (:func:`refuse_half_weights`)       --
+==========  ==========================================  =====================================================
+
+O3 and lean keep the weights themselves in half, with no fp32 copy. FSDP2 owns the sharded weights: casting the
+model after ``fully_shard`` leaves its fp32 shards as they are, so such a run would silently train fp32 weights.
+They are refused at setup, naming O2 (FSDP2 keeps fp32 shards, 1/N of the weights per rank, and gathers half
+copies) as the alternative.
+
+``keep_fp32`` under O2: give each kept subtree its own ``fully_shard`` call with
+``mp_policy=plugin.fsdp2_policy(keep_fp32=True)`` (``param_dtype=float32``), before the call on its parent: FSDP2
+then gathers that subtree in fp32, and the plugin's fp32 region runs it outside autocast.
+
+:class:`ShardedO2Policy` cannot see the policy a ``fully_shard`` call was given (FSDP2 offers no public getter), so
+it checks what the policy does: a one-shot forward pre-hook on every module that owns parameters reads their dtype
+at the module's first forward, after FSDP2 gathered them. A module computing in the wrong dtype stops the run there
+(:class:`ShardedPrecisionError`), naming the module, the dtype found and the ``fully_shard`` call that fixes it.
+Nothing is read on the host but dtypes, and the hooks are gone after the first forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from typing_extensions import override
+
+from lightning_mp.overrides import Fp32Overrides
+from lightning_mp.policies.base import PrecisionPolicy
+from lightning_mp.policies.o1 import O1Policy
+from lightning_mp.scaling.sharded import has_sharded_parameters
+
+FSDP2_FIX = (
+    "pass mp_policy=plugin.fsdp2_policy() to every fully_shard call in configure_model (and"
+    " mp_policy=plugin.fsdp2_policy(keep_fp32=True) to a separate fully_shard call on each keep_fp32 module)"
+)
+"""The recipe an error about a sharded model's dtypes points to."""
+
+
+class ShardedPrecisionError(ValueError):
+    """A sharded model's parameters compute in a dtype its opt level does not allow; names the module and the fix."""
+
+
+HALF_WEIGHT_LEVELS = ("O3", "lean", "lean-kahan")
+"""The opt levels that keep half weights without fp32 masters: refused on a sharded model."""
+
+
+def refuse_half_weights(opt_level: str, precision: str) -> None:
+    """Refuse an opt level that keeps half weights (:data:`HALF_WEIGHT_LEVELS`) on an FSDP2-sharded model.
+
+    Raises:
+        ShardedPrecisionError: naming the combination and the alternatives.
+
+    """
+    if opt_level in HALF_WEIGHT_LEVELS:
+        raise ShardedPrecisionError(
+            f"MixedPrecision(precision={precision!r}, opt_level={opt_level!r}) is not allowed on a sharded model"
+            f" (FSDP2's fully_shard): {opt_level} casts the weights themselves to half, but FSDP2 owns the sharded"
+            " weights and keeps them as they were sharded. Use opt_level='O2' with"
+            " fully_shard(..., mp_policy=plugin.fsdp2_policy()) (fp32 shards, half compute), or opt_level='O1'."
+        )
+
+
+def fsdp2_mixed_precision_policy(
+    opt_level: str, half_dtype: torch.dtype | None, keep_fp32: bool = False
+) -> MixedPrecisionPolicy:
+    """The FSDP2 ``MixedPrecisionPolicy`` that carries out ``opt_level`` in ``half_dtype`` (table in the module docs).
+
+    Args:
+        opt_level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"lean"`` or ``"lean-kahan"``.
+        half_dtype: the plugin's half type; None for fp32 training.
+        keep_fp32: the policy for a ``keep_fp32`` subtree's own ``fully_shard`` call: gathered and reduced in fp32.
+
+    Example:
+        >>> fsdp2_mixed_precision_policy("O2", torch.bfloat16).param_dtype
+        torch.bfloat16
+
+    """
+    if keep_fp32:
+        return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    if opt_level == "O2" and half_dtype is not None:
+        return MixedPrecisionPolicy(param_dtype=half_dtype, reduce_dtype=half_dtype)
+    return MixedPrecisionPolicy()
+
+
+class ShardedO2Policy(O1Policy):
+    """O2 on an FSDP2-sharded model: FSDP2 gathers the half weights, autocast runs the rest; the dtypes are checked.
+
+    Args:
+        half_dtype: ``torch.float16`` or ``torch.bfloat16``.
+        keep_fp32: module types, qualified names or ``re:`` patterns whose modules stay in fp32.
+
+    """
+
+    opt_level = "O2"
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Put the ``keep_fp32`` modules in fp32 regions and check every module's dtype at its first forward."""
+        super().convert_module(module)
+        kept = Fp32Overrides(self.keep_fp32).kept_modules(module)
+        names = {child: name for name, child in module.named_modules()}
+        for child in module.modules():
+            if next(child.parameters(recurse=False), None) is None:
+                continue
+            expected = torch.float32 if child in kept else self.half_dtype
+            check = _FirstForwardDtypeCheck(names[child] or "<root>", expected, child in kept)
+            check.handle = child.register_forward_pre_hook(check)
+            self.hook_handles.append(check.handle)
+        return module
+
+
+class _FirstForwardDtypeCheck:
+    """A forward pre-hook that checks a module's gathered parameters once, then removes itself."""
+
+    def __init__(self, name: str, expected: torch.dtype | None, kept: bool) -> None:
+        self.name = name
+        self.expected = expected
+        self.kept = kept
+        self.handle: Any = None
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.handle.remove()
+        found = {parameter.dtype for parameter in module.parameters(recurse=False) if parameter.is_floating_point()}
+        if found <= {self.expected}:
+            return
+        role = "a keep_fp32 module" if self.kept else "a module outside keep_fp32"
+        raise ShardedPrecisionError(
+            f"MixedPrecision(opt_level='O2') on a sharded model: {role}, {self.name!r} ({type(module).__name__}),"
+            f" computes with {sorted(map(str, found))} parameters where O2 needs {self.expected}. Under FSDP2, O2's"
+            f" half weights are FSDP2's own: {FSDP2_FIX}. Or use opt_level='O1', which needs no policy."
+        )
+
+
+def refuse_sharding_after_conversion(policy: PrecisionPolicy, modules: list[nn.Module]) -> None:
+    """Refuse a model sharded after an opt level with a sharded form converted it for an unsharded run.
+
+    Fabric's ``ModelParallelStrategy`` applies its ``parallelize_fn`` after ``fabric.setup`` let the plugin convert
+    the model, so the plugin saw it unsharded. O2's unsharded form does not combine with FSDP2's sharding.
+
+    Raises:
+        ShardedPrecisionError: naming the combination and the alternatives.
+
+    """
+    if policy.opt_level != "O2" or isinstance(policy, ShardedO2Policy):
+        return
+    if any(has_sharded_parameters(module) for module in modules):
+        raise ShardedPrecisionError(
+            "MixedPrecision(opt_level='O2') on a model sharded after fabric.setup converted it (Fabric's"
+            " ModelParallelStrategy applies parallelize_fn after the plugin): O2's unsharded half weights do not"
+            " combine with FSDP2. Shard the model before fabric.setup instead (fully_shard(...,"
+            " mp_policy=plugin.fsdp2_policy()) after fabric.launch(), with"
+            " ModelParallelStrategy(parallelize_fn=lambda model, mesh: model)), or use opt_level='O1'."
+        )
