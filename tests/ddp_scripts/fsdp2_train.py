@@ -264,6 +264,9 @@ def main(argv: list[str]) -> None:
         report["keep_fp32"] = keep_fp32_recipe(args)
     report["global_rank"] = dist.get_rank()
     (args.out / f"fsdp2_rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    # Both ranks are past their last collective before gloo is torn down: a rank that destroys its group while
+    # the other still talks to the store (hosted by rank 0) can abort a successful run.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -74,6 +74,9 @@ def _rank(rank: int, out: Path, port: int) -> None:
         result["nan_on_rank_0"] = _flag_after(model, agree=True)
         report["dtypes"][str(dtype).removeprefix("torch.")] = result
     (out / f"sharded_rank{rank}.json").write_text(json.dumps(report))
+    # Both ranks are past their last collective before gloo is torn down: a rank that destroys its group while
+    # the other still talks to the store (hosted by rank 0) can abort a successful run.
+    dist.barrier()
     dist.destroy_process_group()
 
 
