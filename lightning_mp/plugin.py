@@ -291,7 +291,7 @@ class MixedPrecision(LightningMixedPrecision):
     def fsdp2_policy(self, keep_fp32: bool = False) -> MixedPrecisionPolicy:
         """The ``MixedPrecisionPolicy`` to pass to FSDP2's ``fully_shard`` so that it carries out this opt level.
 
-        O2 gathers the weights in the half type and reduces gradients in fp32; O0 and O1 need no cast from FSDP2;
+        O2 gathers the weights in the half type and reduces gradients in half; O0 and O1 need no cast from FSDP2;
         O3 and lean are refused on a sharded model (see :mod:`lightning_mp.policies.sharded` for the table and the
         ``keep_fp32`` recipe)::
 
