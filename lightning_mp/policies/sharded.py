@@ -24,6 +24,12 @@ model after ``fully_shard`` leaves its fp32 shards as they are, so such a run wo
 They are refused at setup, naming O2 (FSDP2 keeps fp32 shards, 1/N of the weights per rank, and gathers half
 copies) as the alternative.
 
+Fabric's ``ModelParallelStrategy`` runs its ``parallelize_fn`` after ``fabric.setup`` let the plugin convert the
+model, so the order is the other way round there (:func:`refuse_sharding_after_conversion`, at the first forward):
+O3's half weights are what FSDP2 shards, and it trains them as O3 promises (half shards, half gradients reduced in
+half, the step on the shards). lean's stochastic-rounding step works on whole tensors, not FSDP2's shards, and O2
+made its unsharded copies before the sharding: both are refused there, with the alternatives.
+
 ``keep_fp32`` under O2: give each kept subtree its own ``fully_shard`` call with
 ``mp_policy=plugin.fsdp2_policy(keep_fp32=True)`` (``param_dtype=float32``), before the call on its parent: FSDP2
 then gathers that subtree in fp32, and the plugin's fp32 region runs it outside autocast.
@@ -152,18 +158,22 @@ class _FirstForwardDtypeCheck:
 
 
 def refuse_sharding_after_conversion(policy: PrecisionPolicy, modules: list[nn.Module]) -> None:
-    """Refuse a model sharded after an opt level with a sharded form converted it for an unsharded run.
+    """Refuse a model sharded after an opt level that does not combine with sharding converted it for an unsharded run.
 
     Fabric's ``ModelParallelStrategy`` applies its ``parallelize_fn`` after ``fabric.setup`` let the plugin convert
-    the model, so the plugin saw it unsharded. O2's unsharded form does not combine with FSDP2's sharding.
+    the model, so the plugin saw it unsharded. O2's unsharded half copies do not combine with FSDP2's sharding, and
+    lean's stochastic-rounding step cannot step FSDP2's shards; O3's half weights are sharded as they are.
 
     Raises:
         ShardedPrecisionError: naming the combination and the alternatives.
 
     """
-    if policy.opt_level != "O2" or isinstance(policy, ShardedO2Policy):
+    refused_levels = ("O2", *(level for level in HALF_WEIGHT_LEVELS if level != "O3"))
+    if policy.opt_level not in refused_levels or isinstance(policy, ShardedO2Policy):
         return
-    if any(has_sharded_parameters(module) for module in modules):
+    if not any(has_sharded_parameters(module) for module in modules):
+        return
+    if policy.opt_level == "O2":
         raise ShardedPrecisionError(
             "MixedPrecision(opt_level='O2') on a model sharded after fabric.setup converted it (Fabric's"
             " ModelParallelStrategy applies parallelize_fn after the plugin): O2's unsharded half weights do not"
@@ -171,3 +181,11 @@ def refuse_sharding_after_conversion(policy: PrecisionPolicy, modules: list[nn.M
             " mp_policy=plugin.fsdp2_policy()) after fabric.launch(), with"
             " ModelParallelStrategy(parallelize_fn=lambda model, mesh: model)), or use opt_level='O1'."
         )
+    raise ShardedPrecisionError(
+        f"MixedPrecision(opt_level={policy.opt_level!r}) on a model sharded after fabric.setup converted it (Fabric's"
+        f" ModelParallelStrategy applies parallelize_fn after the plugin): {policy.opt_level}'s stochastic-rounding"
+        " step updates whole bf16 weights and cannot step FSDP2's shards. Use opt_level='O3' for bf16 weights"
+        " sharded by FSDP2, or opt_level='O2' with the model sharded before fabric.setup (fully_shard(...,"
+        " mp_policy=plugin.fsdp2_policy()) after fabric.launch(), with"
+        " ModelParallelStrategy(parallelize_fn=lambda model, mesh: model))."
+    )
