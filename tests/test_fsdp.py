@@ -216,6 +216,20 @@ def test_the_fsdp_plugin_under_another_strategy_is_refused() -> None:
         make_trainer(FSDPMixedPrecision("bf16-mixed", opt_level="O2")).fit(TinyRegressor(), loader())
 
 
+@pytest.mark.parametrize(("strategy", "opt_level"), [("auto", "O2"), ("auto", "O1"), ("ddp", "O2")])
+def test_fabric_refuses_the_fsdp_plugin_under_another_strategy_at_the_first_forward(
+    single_process_group: None, strategy: str, opt_level: str
+) -> None:
+    """Under Fabric, FSDPMixedPrecision with a strategy that is not FSDP's is refused before O2 could run as O1."""
+    plugin = FSDPMixedPrecision("bf16-mixed", opt_level=opt_level)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    model = fabric.setup_module(TinyRegressor())
+    x, _ = next(iter(loader()))
+    with pytest.raises(ValueError, match=r"did not wrap the model \(TinyRegressor\) in FullyShardedDataParallel.*Pass"):
+        model(x)
+
+
 class StateAtStart(L.Callback):
     """The plugin's state when a (resumed) fit starts."""
 
