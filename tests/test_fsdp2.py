@@ -219,3 +219,37 @@ def test_fabric_lean_sharded_after_setup_is_refused_at_the_first_forward(single_
     model = fabric.setup_module(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
     with pytest.raises(ShardedPrecisionError, match=rf"opt_level='{opt_level}'.*Use opt_level='O3'"):
         model(torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("norm_has_its_own_group", [True, False])
+def test_fabric_o3_sharded_after_setup_needs_its_fp32_norms_in_groups_of_their_own(
+    single_process_group, norm_has_its_own_group
+):
+    """O3 sharded in parallelize_fn trains with its norm fp32 in its own group; a group mixing dtypes is refused."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="O3")
+
+    def shard(module: nn.Module, device_mesh: Any) -> nn.Module:
+        if norm_has_its_own_group:
+            fully_shard(module[1], mesh=device_mesh["data_parallel"], mp_policy=plugin.fsdp2_policy(keep_fp32=True))
+        return fully_shard(module, mesh=device_mesh["data_parallel"], mp_policy=plugin.fsdp2_policy())
+
+    strategy = ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=1, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    network = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    model = fabric.setup_module(network)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(network.parameters(), lr=0.05))
+    x = torch.randn(4, 8)
+    if not norm_has_its_own_group:
+        with pytest.raises(
+            ShardedPrecisionError, match=r"group '<root>' holds half weights and the fp32 weights of \['1'\]"
+        ):
+            model(x)
+        return
+    weights = [layer.weight for layer in network]  # the bias before the norm gets no gradient: the norm removes it
+    initial = [weight.full_tensor().clone() for weight in weights]
+    fabric.backward(model(x).float().square().mean())
+    optimizer.step()
+    assert [parameter.dtype for parameter in network[1].parameters()] == [torch.float32, torch.float32]
+    assert {parameter.dtype for parameter in (*network[0].parameters(), *network[2].parameters())} == {torch.bfloat16}
+    assert all(not torch.equal(before, after.full_tensor()) for before, after in zip(initial, weights, strict=True))
