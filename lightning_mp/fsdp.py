@@ -51,6 +51,7 @@ module (torch's public ``register_module_forward_pre_hook``) sees the order duri
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -238,7 +239,12 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
 
         handle = register_module_forward_pre_hook(check)
         try:
-            yield
+            with warnings.catch_warnings():
+                # A compiled model's wrapper warns that global hooks fire once more for it; this one ignores it.
+                warnings.filterwarnings(
+                    "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
+                )
+                yield
         finally:
             handle.remove()
 
