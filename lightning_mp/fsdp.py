@@ -41,12 +41,17 @@ goes through the root module's ``FullyShardedDataParallel.clip_grad_norm_``, whi
 A plain :class:`~lightning_mp.MixedPrecision` under ``strategy="fsdp"`` is refused by Lightning itself, before any
 hook of the plugin runs: ``TypeError: The FSDP strategy can only work with the FSDPPrecision plugin``. Pass
 ``FSDPMixedPrecision`` with the same arguments instead. The other way round, ``FSDPMixedPrecision`` under another
-strategy of the Trainer is refused at setup; Fabric does not tell a plugin its strategy, and there O2 would run as O1.
+strategy of the Trainer is refused at setup. Fabric does not tell a plugin its strategy, so its first forward finds
+out: Fabric's ``FSDPStrategy`` wraps the model in ``FullyShardedDataParallel`` (or finds units inside it), whose
+forward runs before the model's; where the model's own forward comes first (another strategy, where O2 would run as
+O1), the plugin is refused there, pointing to :class:`~lightning_mp.MixedPrecision`. A forward pre-hook for every
+module (torch's public ``register_module_forward_pre_hook``) sees the order during that first forward only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -60,6 +65,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from torch.distributed.fsdp.wrap import CustomPolicy
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -201,13 +207,60 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
         self._check_fp32_units()
         return super().connect(model, optimizers, lr_schedulers)
 
+    @contextlib.contextmanager
+    def _refusing_a_model_outside_fsdp(self) -> Generator[None, None, None]:
+        """Around Fabric's first forward: refuse a model that no ``FullyShardedDataParallel`` wraps.
+
+        Fabric does not tell a plugin its strategy, so its first forward shows it: Fabric's ``FSDPStrategy`` wraps
+        the model at its root (or finds units inside it), and the root wrapper's forward runs before the model's.
+
+        Raises:
+            ValueError: when the model's forward runs first, pointing to :class:`~lightning_mp.MixedPrecision`.
+
+        """
+        model = self._model
+        if model is None or attached_trainer(model) is not None or FullyShardedDataParallel.fsdp_modules(model):
+            yield
+            return
+        wrapped = False
+
+        def check(module: nn.Module, args: Any) -> None:
+            nonlocal wrapped
+            if isinstance(module, FullyShardedDataParallel) and module.module is model:
+                wrapped = True
+            elif module is model:
+                handle.remove()
+                if not wrapped:
+                    raise ValueError(
+                        "FSDPMixedPrecision is the plugin's form for FSDPStrategy, but Fabric's strategy did not wrap"
+                        f" the model ({type(model).__name__}) in FullyShardedDataParallel: there O2 would make no half"
+                        " weights. Pass MixedPrecision with the same arguments instead."
+                    )
+
+        handle = register_module_forward_pre_hook(check)
+        try:
+            with warnings.catch_warnings():
+                # A compiled model's wrapper warns that global hooks fire once more for it; this one ignores it.
+                warnings.filterwarnings(
+                    "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
+                )
+                yield
+        finally:
+            handle.remove()
+
     @override
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """As :meth:`MixedPrecision.forward_context`; Fabric's first forward checks the ``keep_fp32`` units."""
-        if not self._units_checked and not torch.compiler.is_compiling():
+        """As :meth:`MixedPrecision.forward_context`; Fabric's first forward checks FSDP's wrapping and the units.
+
+        Raises:
+            ValueError: under Fabric, when no ``FullyShardedDataParallel`` wraps the model (another strategy).
+
+        """
+        first = not self._units_checked and not torch.compiler.is_compiling()
+        if first:
             self._check_fp32_units()
-        with super().forward_context():
+        with self._refusing_a_model_outside_fsdp() if first else contextlib.nullcontext(), super().forward_context():
             yield
 
     @override

@@ -9,6 +9,7 @@ under DDP. The same scenarios on a GPU, with full checkpoints too, are in ``test
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from lightning_mp import FSDPMixedPrecision, MixedPrecision
 from lightning_mp.plugin import TORCH_SCALER_KEYS
 from tests.ddp_scripts.launch import reports, run
 from tests.helpers import (
+    FEATURES,
     CPUFabricFSDPStrategy,
     CPUFSDPStrategy,
     TinyRegressor,
@@ -214,6 +216,33 @@ def test_the_fsdp_plugin_under_another_strategy_is_refused() -> None:
     """FSDPMixedPrecision under DDP or one device is refused at setup, pointing to MixedPrecision (O2 needs FSDP)."""
     with pytest.raises(ValueError, match=r"strategy is SingleDeviceStrategy.*Pass MixedPrecision"):
         make_trainer(FSDPMixedPrecision("bf16-mixed", opt_level="O2")).fit(TinyRegressor(), loader())
+
+
+@pytest.mark.parametrize(("strategy", "opt_level"), [("auto", "O2"), ("auto", "O1"), ("ddp", "O2")])
+def test_fabric_refuses_the_fsdp_plugin_under_another_strategy_at_the_first_forward(
+    single_process_group: None, strategy: str, opt_level: str
+) -> None:
+    """Under Fabric, FSDPMixedPrecision with a strategy that is not FSDP's is refused before O2 could run as O1."""
+    plugin = FSDPMixedPrecision("bf16-mixed", opt_level=opt_level)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    model = fabric.setup_module(TinyRegressor())
+    x, _ = next(iter(loader()))
+    with pytest.raises(ValueError, match=r"did not wrap the model \(TinyRegressor\) in FullyShardedDataParallel.*Pass"):
+        model(x)
+
+
+def test_fabric_fsdp_accepts_the_plugin_on_a_compiled_model_without_a_hook_warning(single_process_group: None) -> None:
+    """Under Fabric's FSDPStrategy a compiled model passes the first forward's check, and torch warns of no hooks."""
+    plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2")
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=CPUFabricFSDPStrategy(), plugins=[plugin])
+    fabric.launch()
+    model = fabric.setup_module(torch.compile(nn.Sequential(nn.Linear(FEATURES, 1)), backend="eager"))
+    x, _ = next(iter(loader()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x)
+    assert not [warning for warning in caught if "global hooks" in str(warning.message)]
 
 
 class StateAtStart(L.Callback):

@@ -6,14 +6,20 @@ in the same two processes, with an inf planted on rank 1 at steps 2 and 5, and c
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_mp import MixedPrecision
+from lightning_mp.policies.sharded import ShardedPrecisionError
 from tests.ddp_scripts.launch import reports, run
 from tests.helpers import read_events, scalars
 
@@ -187,10 +193,11 @@ def test_fsdp2_policy_needs_a_resolved_precision():
 
 
 @pytest.mark.slow
-def test_fabric_fsdp2_skips_an_inf_on_one_rank_and_refuses_o2_sharded_after_setup(tmp_path):
+def test_fabric_fsdp2_skips_an_inf_on_one_rank_refuses_o2_and_trains_o3_sharded_after_setup(tmp_path):
     """Fabric's ModelParallelStrategy (fp16 O1, layers sharded with plugin.fsdp2_policy()): an inf in rank 1's shard
     is skipped by both ranks, the weights stay identical, the plugin's state resumes from the sharded checkpoint; O2
-    on a model sharded after fabric.setup is refused at the first forward with the recipe."""
+    on a model sharded after fabric.setup is refused at the first forward with the recipe; O3 trains its fp16 weights
+    as FSDP2's shards, identical on both ranks."""
     arguments = ["--out", str(tmp_path), "--strategy", "fsdp2", "--inject-rank", "1", "--inject-at", "2,5"]
     run(arguments, timeout=90, script=FABRIC_SCRIPT)
     ranks = reports(tmp_path)
@@ -201,3 +208,65 @@ def test_fabric_fsdp2_skips_an_inf_on_one_rank_and_refuses_o2_sharded_after_setu
     assert [rank["local_overflows"] for rank in ranks] == [0, 2]
     assert all(rank["resumed_stats"] == rank["stats"] for rank in ranks)
     assert all("shard the model before fabric.setup" in rank["o2_refusal"].lower() for rank in ranks)
+    o3_runs = [rank["o3_sharded_after_setup"] for rank in ranks]
+    assert all(o3["sharded"] and o3["shard_dtypes"] == ["torch.float16"] for o3 in o3_runs)
+    assert all(o3["trained"] and o3["optimizer_steps"] == 3 for o3 in o3_runs)
+    assert len({checksum for o3 in o3_runs for checksum in o3["checksums"]}) == 1, "the O3 ranks diverged"
+
+
+@pytest.fixture
+def single_process_group() -> Generator[None, None, None]:
+    """Destroy the one-process group that a ModelParallelStrategy run with one device leaves behind."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("opt_level", ["lean", "lean-kahan"])
+def test_fabric_lean_sharded_after_setup_is_refused_at_the_first_forward(single_process_group, opt_level):
+    """lean on a model that Fabric's parallelize_fn shards after fabric.setup is refused before any step, naming O3."""
+    plugin = MixedPrecision("bf16-mixed", opt_level=opt_level)
+
+    def shard(module: nn.Module, device_mesh: Any) -> nn.Module:
+        return fully_shard(module, mesh=device_mesh["data_parallel"], mp_policy=plugin.fsdp2_policy())
+
+    strategy = ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=1, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    model = fabric.setup_module(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    with pytest.raises(ShardedPrecisionError, match=rf"opt_level='{opt_level}'.*Use opt_level='O3'"):
+        model(torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("norm_has_its_own_group", [True, False])
+def test_fabric_o3_sharded_after_setup_needs_its_fp32_norms_in_groups_of_their_own(
+    single_process_group, norm_has_its_own_group
+):
+    """O3 sharded in parallelize_fn trains with its norm fp32 in its own group; a group mixing dtypes is refused."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="O3")
+
+    def shard(module: nn.Module, device_mesh: Any) -> nn.Module:
+        if norm_has_its_own_group:
+            fully_shard(module[1], mesh=device_mesh["data_parallel"], mp_policy=plugin.fsdp2_policy(keep_fp32=True))
+        return fully_shard(module, mesh=device_mesh["data_parallel"], mp_policy=plugin.fsdp2_policy())
+
+    strategy = ModelParallelStrategy(parallelize_fn=shard, data_parallel_size=1, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    network = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    model = fabric.setup_module(network)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(network.parameters(), lr=0.05))
+    x = torch.randn(4, 8)
+    if not norm_has_its_own_group:
+        with pytest.raises(
+            ShardedPrecisionError, match=r"group '<root>' holds half weights and the fp32 weights of \['1'\]"
+        ):
+            model(x)
+        return
+    weights = [layer.weight for layer in network]  # the bias before the norm gets no gradient: the norm removes it
+    initial = [weight.full_tensor().clone() for weight in weights]
+    fabric.backward(model(x).float().square().mean())
+    optimizer.step()
+    assert [parameter.dtype for parameter in network[1].parameters()] == [torch.float32, torch.float32]
+    assert {parameter.dtype for parameter in (*network[0].parameters(), *network[2].parameters())} == {torch.bfloat16}
+    assert all(not torch.equal(before, after.full_tensor()) for before, after in zip(initial, weights, strict=True))

@@ -199,7 +199,7 @@ class FabricEngine(StepEngine):
         """Copy the running statistics not yet copied since their model's last step.
 
         At the first forward, refuse a model that Fabric's strategy sharded after the plugin converted it, where the
-        opt level has another form on a sharded model (:mod:`lightning_mp.policies.sharded`).
+        opt level does not combine with the sharding (O2, lean: :mod:`lightning_mp.policies.sharded`).
         """
         if not self._sharding_checked:
             self._sharding_checked = True

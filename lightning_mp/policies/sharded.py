@@ -24,6 +24,14 @@ model after ``fully_shard`` leaves its fp32 shards as they are, so such a run wo
 They are refused at setup, naming O2 (FSDP2 keeps fp32 shards, 1/N of the weights per rank, and gathers half
 copies) as the alternative.
 
+Fabric's ``ModelParallelStrategy`` runs its ``parallelize_fn`` after ``fabric.setup`` let the plugin convert the
+model, so the order is the other way round there (:func:`refuse_sharding_after_conversion`, at the first forward):
+O3's half weights are what FSDP2 shards, and it trains them as O3 promises (half shards, half gradients reduced in
+half, the step on the shards). FSDP2 gathers each ``fully_shard`` group in one dtype, so a group holding both O3's
+half weights and the fp32 ones it keeps (norms, ``keep_fp32``) is refused by name: each fp32 module needs its own
+call. lean's stochastic-rounding step works on whole tensors, not FSDP2's shards, and O2 made its unsharded copies
+before the sharding: both are refused there, with the alternatives.
+
 ``keep_fp32`` under O2: give each kept subtree its own ``fully_shard`` call with
 ``mp_policy=plugin.fsdp2_policy(keep_fp32=True)`` (``param_dtype=float32``), before the call on its parent: FSDP2
 then gathers that subtree in fp32, and the plugin's fp32 region runs it outside autocast.
@@ -41,7 +49,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides
@@ -152,18 +160,27 @@ class _FirstForwardDtypeCheck:
 
 
 def refuse_sharding_after_conversion(policy: PrecisionPolicy, modules: list[nn.Module]) -> None:
-    """Refuse a model sharded after an opt level with a sharded form converted it for an unsharded run.
+    """Refuse a model sharded after an opt level that does not combine with sharding converted it for an unsharded run.
 
     Fabric's ``ModelParallelStrategy`` applies its ``parallelize_fn`` after ``fabric.setup`` let the plugin convert
-    the model, so the plugin saw it unsharded. O2's unsharded form does not combine with FSDP2's sharding.
+    the model, so the plugin saw it unsharded. O2's unsharded half copies do not combine with FSDP2's sharding, and
+    lean's stochastic-rounding step cannot step FSDP2's shards; O3's half weights are sharded as they are, as long as
+    its fp32 modules have ``fully_shard`` groups of their own.
 
     Raises:
         ShardedPrecisionError: naming the combination and the alternatives.
 
     """
-    if policy.opt_level != "O2" or isinstance(policy, ShardedO2Policy):
+    refused_levels = ("O2", *(level for level in HALF_WEIGHT_LEVELS if level != "O3"))
+    if policy.opt_level not in (*refused_levels, "O3") or isinstance(policy, ShardedO2Policy):
         return
-    if any(has_sharded_parameters(module) for module in modules):
+    if not any(has_sharded_parameters(module) for module in modules):
+        return
+    if policy.opt_level == "O3":
+        for module in modules:
+            _refuse_mixed_dtype_groups(module)
+        return
+    if policy.opt_level == "O2":
         raise ShardedPrecisionError(
             "MixedPrecision(opt_level='O2') on a model sharded after fabric.setup converted it (Fabric's"
             " ModelParallelStrategy applies parallelize_fn after the plugin): O2's unsharded half weights do not"
@@ -171,3 +188,48 @@ def refuse_sharding_after_conversion(policy: PrecisionPolicy, modules: list[nn.M
             " mp_policy=plugin.fsdp2_policy()) after fabric.launch(), with"
             " ModelParallelStrategy(parallelize_fn=lambda model, mesh: model)), or use opt_level='O1'."
         )
+    raise ShardedPrecisionError(
+        f"MixedPrecision(opt_level={policy.opt_level!r}) on a model sharded after fabric.setup converted it (Fabric's"
+        f" ModelParallelStrategy applies parallelize_fn after the plugin): {policy.opt_level}'s stochastic-rounding"
+        " step updates whole bf16 weights and cannot step FSDP2's shards. Use opt_level='O3' for bf16 weights"
+        " sharded by FSDP2, or opt_level='O2' with the model sharded before fabric.setup (fully_shard(...,"
+        " mp_policy=plugin.fsdp2_policy()) after fabric.launch(), with"
+        " ModelParallelStrategy(parallelize_fn=lambda model, mesh: model))."
+    )
+
+
+def _refuse_mixed_dtype_groups(model: nn.Module) -> None:
+    """Refuse an O3 model one of whose ``fully_shard`` groups holds both half and fp32 weights (FSDP2 cannot gather it).
+
+    O3 keeps normalisation layers and ``keep_fp32`` modules in fp32; FSDP2 gathers each group in one dtype, so each
+    of them needs a ``fully_shard`` call of its own. Torch would stop at the group's first gather with an assertion
+    that names neither the group nor the fix.
+
+    Raises:
+        ShardedPrecisionError: naming the group, its fp32 modules and the fix.
+
+    """
+    names = {module: name for name, module in model.named_modules()}
+    for group in (module for module in model.modules() if isinstance(module, FSDPModule)):
+        owners = {
+            module: {weight.dtype for weight in module.parameters(recurse=False)} for module in _group_modules(group)
+        }
+        if len(set().union(*owners.values())) < 2:
+            continue
+        fp32 = [names[module] or "<root>" for module, dtypes in owners.items() if torch.float32 in dtypes]
+        raise ShardedPrecisionError(
+            f"MixedPrecision(opt_level='O3') on a model sharded after fabric.setup converted it: the fully_shard group"
+            f" {names[group] or '<root>'!r} holds half weights and the fp32 weights of {fp32} (O3 keeps normalisation"
+            " layers and keep_fp32 modules in fp32), and FSDP2 gathers a group in one dtype. In parallelize_fn, give"
+            " each of them its own fully_shard(module, mp_policy=plugin.fsdp2_policy(keep_fp32=True)) before the"
+            " call on its parent, or use opt_level='O2' with the model sharded before fabric.setup."
+        )
+
+
+def _group_modules(group: nn.Module) -> list[nn.Module]:
+    """The modules whose own parameters a ``fully_shard`` group manages: its subtree, less nested groups."""
+    members = [group]
+    for child in group.children():
+        if not isinstance(child, FSDPModule):
+            members.extend(_group_modules(child))
+    return members

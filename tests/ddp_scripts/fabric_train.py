@@ -7,7 +7,8 @@ Run as a user would run a Fabric script, so that ``strategy="ddp"`` can re-launc
 
 ``--strategy fsdp2`` uses Fabric's ``ModelParallelStrategy``, whose ``parallelize_fn`` shards every layer with
 ``fully_shard(mp_policy=plugin.fsdp2_policy())``; the inf is then planted in rank 1's shard. After training it also
-sets up an O2 plugin the same way, which the plugin refuses at the first forward, and reports the error.
+sets up an O2 plugin the same way, which the plugin refuses at the first forward, and reports the error; and an O3
+plugin, whose half weights ``parallelize_fn`` shards as they are: it trains three steps and reports what it trained.
 
 After ``fabric.backward`` DDP has averaged the gradients, so an inf planted then exists on one rank only; the loss
 scaler's all-reduced inf check must make every rank skip that step. Every rank writes ``DIR/rank<rank>.json``: the
@@ -78,6 +79,33 @@ def o2_refusal(args: argparse.Namespace) -> str:
     return ""
 
 
+def o3_sharded_after_setup(args: argparse.Namespace) -> dict[str, Any]:
+    """Three steps of an O3 plugin on a model that ModelParallelStrategy shards after the conversion."""
+    plugin = MixedPrecision(args.precision, opt_level="O3")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy_for("fsdp2", plugin), plugins=[plugin])
+    fabric.launch()
+    fabric.seed_everything(7, verbose=False)
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model = fabric.setup_module(module)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(module.parameters(), lr=0.05))
+    initial = parameter_checksum(module)
+    generator = torch.Generator().manual_seed(fabric.global_rank)
+    for _ in range(3):
+        x = torch.randn(8, 8, generator=generator)
+        fabric.backward(nn.functional.mse_loss(model(x).float(), x.sum(dim=1, keepdim=True)))
+        optimizer.step()
+        optimizer.zero_grad()
+    checksums: list[str | None] = [None] * fabric.world_size
+    dist.all_gather_object(checksums, parameter_checksum(module))
+    return {
+        "shard_dtypes": sorted({str(local_shard(parameter).dtype) for parameter in module.parameters()}),
+        "sharded": all(isinstance(parameter, DTensor) for parameter in module.parameters()),
+        "trained": checksums[fabric.global_rank] != initial,
+        "checksums": checksums,
+        "optimizer_steps": plugin.stats.optimizer_steps,
+    }
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -125,6 +153,7 @@ def main(argv: list[str]) -> None:
     checksums: list[str | None] = [None] * fabric.world_size
     dist.all_gather_object(checksums, parameter_checksum(module))
     refusal = o2_refusal(args) if args.strategy == "fsdp2" else None
+    o3_run = o3_sharded_after_setup(args) if args.strategy == "fsdp2" else None
     checkpoint = args.out / "fabric.ckpt"
     fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "precision": plugin})
     resumed = MixedPrecision(args.precision, opt_level=args.opt_level, init_scale=2.0**8, growth_interval=3)
@@ -146,6 +175,7 @@ def main(argv: list[str]) -> None:
         "checksums": checksums,
         "resumed_stats": resumed.stats.as_dict(),
         "o2_refusal": refusal,
+        "o3_sharded_after_setup": o3_run,
     }
     (args.out / f"rank{fabric.global_rank}.json").write_text(json.dumps(report))
     if dist.is_available() and dist.is_initialized():
