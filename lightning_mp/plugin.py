@@ -292,8 +292,9 @@ class MixedPrecision(LightningMixedPrecision):
         """The ``MixedPrecisionPolicy`` to pass to FSDP2's ``fully_shard`` so that it carries out this opt level.
 
         O2 gathers the weights in the half type and reduces gradients in half; O0 and O1 need no cast from FSDP2;
-        O3 and lean are refused on a sharded model (see :mod:`lightning_mp.policies.sharded` for the table and the
-        ``keep_fp32`` recipe)::
+        O3 and lean are refused on a model sharded before the plugin sees it (under Fabric's ``parallelize_fn``, which
+        shards after the conversion, O3 trains and lean is refused at the first forward; see
+        :mod:`lightning_mp.policies.sharded` for the table and the ``keep_fp32`` recipe)::
 
             def configure_model(self):
                 for block in self.blocks:
