@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_mp
-from lightning_mp.bench.workloads import SIZES, markov_task
+from lightning_mp.bench.workloads import QUIET_TRAINER, SIZES, markov_task
 from lightning_mp.plugin import MixedPrecision
 
 WARMUP_STEPS = 2
@@ -130,12 +130,7 @@ def train_and_count(opt_level: str, precision: str) -> AllReducedBytes:
         plugins=[MixedPrecision(precision, opt_level=opt_level)],
         max_steps=steps,
         callbacks=[ledger],
-        logger=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
     )
     trainer.fit(model, data)
     trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)

@@ -34,7 +34,7 @@ import torch
 from typing_extensions import override
 
 from lightning_mp.bench.configurations import CONFIGURATIONS, FP32
-from lightning_mp.bench.workloads import SIZES, ModelSize, markov_task
+from lightning_mp.bench.workloads import QUIET_TRAINER, SIZES, ModelSize, markov_task
 from lightning_mp.counting import PythonCalls, StepCounts, count_python_calls, count_syncs_and_ops
 
 MEMORY_CONFIGURATIONS = (FP32, "lightning-bf16", "O1-bf16", "O2-bf16", "lean-bf16", "O1-fp16", "O2-fp16")
@@ -230,12 +230,7 @@ def measure_memory(name: str, size: ModelSize, seed: int = 0, warmup: int = 1) -
         accelerator="cpu",
         devices=1,
         max_steps=warmup + 3,
-        logger=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         **{**arguments, "callbacks": [recorder, host_work, *arguments.get("callbacks", [])]},
     )
     with warnings.catch_warnings():

@@ -51,7 +51,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_mp.bench.allreduced_bytes import AllReducedBytes, measure_allreduced_bytes
-from lightning_mp.bench.workloads import SIZES, markov_task
+from lightning_mp.bench.workloads import QUIET_TRAINER, SIZES, markov_task
 from lightning_mp.counting import StepCounts, WeightCastCounter, count_python_calls, count_syncs_and_ops
 from lightning_mp.plugin import MixedPrecision
 
@@ -259,12 +259,7 @@ def trainer_for_counting(opt_level: str, precision: str, max_steps: int, **optio
         "accelerator": "cpu",
         "devices": 1,
         "max_steps": max_steps,
-        "logger": False,
-        "limit_val_batches": 0,
-        "num_sanity_val_steps": 0,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
+        **QUIET_TRAINER,
         **precision_arguments,
     }
     return L.Trainer(**{**arguments, **options})

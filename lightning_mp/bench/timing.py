@@ -53,6 +53,7 @@ from lightning_mp.bench.configurations import CONFIGURATIONS, FP32, MONITOR_EVER
 from lightning_mp.bench.machine import current_rss_mib, peak_rss_mib, scheduler_seconds
 from lightning_mp.bench.workloads import (
     MARKOV,
+    QUIET_TRAINER,
     SIZES,
     WORKLOADS,
     OptimizerKind,
@@ -381,13 +382,8 @@ def _train_and_measure(name: str, spec: RunSpec, profile: bool, repeat: int) -> 
             accelerator=spec.accelerator,
             devices=1,
             max_steps=total_steps,
-            logger=TensorBoardLogger(log_dir, name="bench"),
             log_every_n_steps=5 if spec.workload == MARKOV else MONITOR_EVERY_N_STEPS,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            **{**QUIET_TRAINER, "logger": TensorBoardLogger(log_dir, name="bench")},
             **{**arguments, "callbacks": [*extra_callbacks, *arguments.get("callbacks", [])]},
         )
         if on_cuda:

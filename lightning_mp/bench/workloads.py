@@ -39,6 +39,15 @@ OptimizerKind = Literal["fused", "foreach", "single-tensor"]
 OPTIMIZER_KINDS: tuple[OptimizerKind, ...] = ("fused", "foreach", "single-tensor")
 MARKOV = "markov"
 GPU_WORKLOADS = ("lm-200m", "resnet50", "lm-small")
+QUIET_TRAINER: dict[str, Any] = {
+    "logger": False,
+    "limit_val_batches": 0,
+    "num_sanity_val_steps": 0,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+"""The Trainer arguments of every benchmark run: train only, and log, validate, save and print nothing."""
 
 
 @dataclass(frozen=True)
