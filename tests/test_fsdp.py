@@ -339,6 +339,18 @@ def test_fsdp_on_two_processes_matches_ddp(tmp_path: Path, front: str, precision
         _assert_same_telemetry(tmp_path / "fsdp", tmp_path / "ddp", skipped=(2, 5), opt_level=opt_level)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("precision", "opt_level"), [("16-mixed", "O1"), ("bf16-mixed", "O2")])
+def test_fsdp_peak_memory_per_rank_is_at_most_0_6_of_ddps(tmp_path: Path, precision: str, opt_level: str) -> None:
+    """Each rank's peak tensor bytes in a training step under FSDP are at most 0.6x those of the same run under DDP
+    (a wider model with Adam, each linear layer an FSDP unit; ``tests.helpers.peak_step_bytes``)."""
+    arguments = ["--memory", "--out", str(tmp_path), "--precision", precision, "--opt-level", opt_level]
+    run(arguments, timeout=60, script=FSDP_TRAIN_SCRIPT)
+    for rank in reports(tmp_path):
+        memory = rank["memory"]
+        assert memory["fsdp"] <= 0.6 * memory["ddp"], memory
+
+
 def _gradient_column(table: str) -> list[str]:
     """The last column (gradients) of a layer dtype table's rows."""
     return [row.rstrip(" |").rsplit("| ", 1)[-1] for row in table.splitlines()[2:]]
