@@ -138,6 +138,34 @@ class TinyRegressor(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class ManualRegressor(TinyRegressor):
+    """The tiny regressor with manual optimization: manual_backward, clipping by norm, opt.step(); the loss, scale and
+    skip flag of every batch recorded (the inf planted after backward at ``inject_at``, by ``on_after_backward``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.losses: list[float] = []
+        self.steps: list[tuple[float, bool]] = []
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        optimizer.step()
+        self.losses.append(loss.item())
+        return loss
+
+    @override
+    def on_train_batch_end(self, *args: Any) -> None:
+        stats = self.trainer.precision_plugin.stats  # type: ignore[attr-defined]
+        self.steps.append((stats.loss_scale, stats.last_step_skipped))
+
+
 class TinyLanguageModel(L.LightningModule):
     """Embedding, two small Transformer layers and a head: about 30 parameter tensors, like a real LM's layout."""
 

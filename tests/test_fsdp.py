@@ -33,6 +33,7 @@ from tests.helpers import (
     FEATURES,
     CPUFabricFSDPStrategy,
     CPUFSDPStrategy,
+    ManualRegressor,
     TinyRegressor,
     loader,
     make_trainer,
@@ -245,6 +246,32 @@ def test_fabric_fsdp_accepts_the_plugin_on_a_compiled_model_without_a_hook_warni
     assert not [warning for warning in caught if "global hooks" in str(warning.message)]
 
 
+@pytest.mark.parametrize(
+    ("precision", "opt_level"), [("16-mixed", "O1"), ("bf16-mixed", "O1"), ("16-mixed", "O2"), ("bf16-mixed", "O2")]
+)
+def test_trainer_fsdp_manual_optimization_trains_like_the_plain_plugin(
+    precision: str, opt_level: str, single_process_group: None
+) -> None:
+    """Manual optimization under FSDP (manual_backward, clip_gradients, opt.step()) skips the planted inf step and
+    follows the same run under the plain plugin without FSDP: same scales and skips, losses within 1e-3."""
+    runs = []
+    for plugin, strategy in (
+        (FSDPMixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8), CPUFSDPStrategy()),
+        (MixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8), "auto"),
+    ):
+        L.seed_everything(0, verbose=False)
+        model = ManualRegressor(inject_at=(2,))
+        # The same batches in the same order: no DistributedSampler under FSDP.
+        make_trainer(plugin, strategy=strategy, use_distributed_sampler=False).fit(model, loader())
+        assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps) == (8, 1)
+        assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+        runs.append(model)
+    fsdp, plain = runs
+    assert [skipped for _, skipped in fsdp.steps].index(True) == 2
+    assert fsdp.steps == plain.steps
+    torch.testing.assert_close(fsdp.losses, plain.losses, rtol=0.0, atol=1e-3)
+
+
 class StateAtStart(L.Callback):
     """The plugin's state when a (resumed) fit starts."""
 
@@ -301,7 +328,9 @@ def test_a_run_moved_between_one_device_and_fsdp_resumes_its_scaler_state(
 # ------------------------------------------------------------------------------------------------ 2 processes
 
 
-def _fsdp_and_ddp(tmp_path: Path, front: str, precision: str, opt_level: str) -> tuple[list[dict], list[dict]]:
+def _fsdp_and_ddp(
+    tmp_path: Path, front: str, precision: str, opt_level: str, *options: str
+) -> tuple[list[dict], list[dict]]:
     """The reports of the same 2-process run under FSDP (sharded checkpoint) and under DDP."""
     runs = []
     for strategy in ("fsdp", "ddp"):
@@ -309,7 +338,7 @@ def _fsdp_and_ddp(tmp_path: Path, front: str, precision: str, opt_level: str) ->
         out.mkdir()
         arguments = ["--front", front, "--strategy", strategy, "--out", str(out), "--precision", precision]
         arguments += ["--opt-level", opt_level, "--inject-rank", "1", "--inject-at", "2,5", "--clip", "norm"]
-        arguments += ["--state-dict-type", "sharded", *(["--telemetry"] if front == "trainer" else [])]
+        arguments += ["--state-dict-type", "sharded", *options]
         run(arguments, timeout=60, script=FSDP_TRAIN_SCRIPT)
         runs.append(reports(out))
     return runs[0], runs[1]
@@ -327,7 +356,7 @@ def _fsdp_and_ddp(tmp_path: Path, front: str, precision: str, opt_level: str) ->
 )
 def test_fsdp_on_two_processes_matches_ddp(tmp_path: Path, front: str, precision: str, opt_level: str) -> None:
     """Under FSDP an inf on one rank's shard is skipped by both ranks, as under DDP: same skips, scales and losses."""
-    fsdp, ddp = _fsdp_and_ddp(tmp_path, front, precision, opt_level)
+    fsdp, ddp = _fsdp_and_ddp(tmp_path, front, precision, opt_level, *(["--telemetry"] if front == "trainer" else []))
     assert fsdp[0]["steps"] == fsdp[1]["steps"] == ddp[0]["steps"]
     assert [index for index, (_, skipped) in enumerate(fsdp[0]["steps"]) if skipped] == [2, 5]
     assert fsdp[0]["stats"] == fsdp[1]["stats"] == ddp[0]["stats"]
@@ -349,6 +378,20 @@ def test_fsdp_peak_memory_per_rank_is_at_most_0_6_of_ddps(tmp_path: Path, precis
     for rank in reports(tmp_path):
         memory = rank["memory"]
         assert memory["fsdp"] <= 0.6 * memory["ddp"], memory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("precision", "opt_level"), [("16-mixed", "O1"), ("bf16-mixed", "O2")])
+def test_fsdp_manual_optimization_on_two_processes_matches_ddp(tmp_path: Path, precision: str, opt_level: str) -> None:
+    """Manual optimization under FSDP (manual_backward, clip_gradients by norm, opt.step()) skips an inf on one rank's
+    shard on both ranks, as under DDP: same skips and scales, losses within 1e-3, the state resumed."""
+    fsdp, ddp = _fsdp_and_ddp(tmp_path, "trainer", precision, opt_level, "--manual")
+    assert fsdp[0]["steps"] == fsdp[1]["steps"] == ddp[0]["steps"]
+    assert [index for index, (_, skipped) in enumerate(fsdp[0]["steps"]) if skipped] == [2, 5]
+    assert fsdp[0]["stats"] == fsdp[1]["stats"] == ddp[0]["stats"]
+    for fsdp_rank, ddp_rank in zip(fsdp, ddp, strict=True):
+        torch.testing.assert_close(fsdp_rank["losses"], ddp_rank["losses"], rtol=0.0, atol=1e-3)
+    assert fsdp[0]["resumed_stats"] == fsdp[1]["resumed_stats"] == fsdp[0]["stats"]
 
 
 def _gradient_column(table: str) -> list[str]:

@@ -4,14 +4,15 @@ Run as a user would run a script, so that the strategy can re-launch it::
 
     python fsdp_train.py --front trainer|fabric --strategy fsdp|ddp --out DIR [--precision 16-mixed] [--opt-level O1]
         [--inject-rank 1 --inject-at 2,5] [--steps 8] [--clip norm|value|none] [--state-dict-type full|sharded]
-        [--telemetry]
+        [--telemetry] [--manual]
     python fsdp_train.py --memory --out DIR [--precision 16-mixed] [--opt-level O1]
 
 Lightning runs its FSDPStrategy on GPUs only; ``--strategy fsdp`` runs it on the CPU through the tests'
 :class:`~tests.helpers.CPUFSDPStrategy` and :class:`~tests.helpers.CPUFabricFSDPStrategy`, which change only where
 FSDP wraps the model. torch FSDP1's full state dict crashes with 2 processes on the CPU, so checkpoints there are
-sharded. ``--telemetry`` adds a TensorBoard logger and the four monitors to the Trainer's first fit; the Trainer's
-model zeroes one input feature, so that the gradients hold exact zeros for the monitors to count.
+sharded. ``--manual`` gives the Trainer's model manual optimization (``manual_backward``, ``self.clip_gradients``,
+``opt.step()``). ``--telemetry`` adds a TensorBoard logger and the four monitors to the Trainer's first fit; the
+Trainer's model zeroes one input feature, so that the gradients hold exact zeros for the monitors to count.
 
 An inf is planted after backward on one rank, in the first gradient that rank holds (under FSDP its shard); every
 rank must skip that step. Every rank writes ``DIR/<tag>rank<rank>.json``: the per-step loss, scale and skip flag,
@@ -89,6 +90,27 @@ class RankInjectingRegressor(TinyRegressor):
             plant_inf(self)
 
 
+class ManualRankInjectingRegressor(RankInjectingRegressor):
+    """:class:`RankInjectingRegressor` with manual optimization: ``manual_backward``, ``self.clip_gradients`` as
+    ``--clip`` says, ``opt.step()``."""
+
+    def __init__(self, inject_rank: int, inject_at: tuple[int, ...], clip: str) -> None:
+        super().__init__(inject_rank, inject_at)
+        self.automatic_optimization = False
+        self.clip = clip
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        if self.clip != "none":
+            self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm=self.clip)
+        optimizer.step()
+        return loss
+
+
 class StepRecorder(L.Callback):
     """Record each batch's loss scale and skip flag, and the plugin's counters when a (resumed) fit starts."""
 
@@ -111,12 +133,20 @@ def build_plugin(args: argparse.Namespace, strategy: str | None = None) -> Mixed
     return plugin_class(args.precision, opt_level=args.opt_level, init_scale=2.0**8, growth_interval=3)
 
 
+def build_model(args: argparse.Namespace, inject_at: tuple[int, ...]) -> RankInjectingRegressor:
+    if args.manual:
+        return ManualRankInjectingRegressor(args.inject_rank, inject_at, args.clip)
+    return RankInjectingRegressor(args.inject_rank, inject_at)
+
+
 def run_trainer(args: argparse.Namespace, inject_at: tuple[int, ...]) -> dict[str, Any]:
     """Fit, save a checkpoint, then resume from it with a fresh plugin for one more step."""
 
     def trainer(plugin: MixedPrecision, recorder: StepRecorder, max_steps: int) -> L.Trainer:
         strategy: Any = CPUFSDPStrategy(state_dict_type=args.state_dict_type) if args.strategy == "fsdp" else "ddp"
-        clip = {"gradient_clip_val": 1.0, "gradient_clip_algorithm": args.clip} if args.clip != "none" else {}
+        # Under manual optimization the model clips, through self.clip_gradients.
+        automatic_clip = args.clip != "none" and not args.manual
+        clip = {"gradient_clip_val": 1.0, "gradient_clip_algorithm": args.clip} if automatic_clip else {}
         if args.telemetry and max_steps == args.steps:
             telemetry = {"logger": TensorBoardLogger(args.out / "tb", name=""), "log_every_n_steps": 1}
             monitors = [GradientHealthMonitor(), LossScaleMonitor(), LayerDtypeMonitor(every_n_steps=1)]
@@ -136,14 +166,14 @@ def run_trainer(args: argparse.Namespace, inject_at: tuple[int, ...]) -> dict[st
 
     plugin, recorder = build_plugin(args), StepRecorder()
     L.seed_everything(7, verbose=False)
-    model = RankInjectingRegressor(args.inject_rank, inject_at)
+    model = build_model(args, inject_at)
     first = trainer(plugin, recorder, args.steps)
     first.fit(model, loader(n=8 * args.steps, seed=first.global_rank))
     checkpoint = args.out / f"{args.tag}trainer.ckpt"
     first.save_checkpoint(checkpoint)
     resumed_plugin, resumed_recorder = build_plugin(args), StepRecorder()
     resumed = trainer(resumed_plugin, resumed_recorder, args.steps + 1)
-    resumed.fit(RankInjectingRegressor(args.inject_rank, ()), loader(seed=resumed.global_rank), ckpt_path=checkpoint)
+    resumed.fit(build_model(args, ()), loader(seed=resumed.global_rank), ckpt_path=checkpoint)
     return {
         "global_rank": first.global_rank,
         "losses": model.losses,
@@ -249,6 +279,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--state-dict-type", choices=["full", "sharded"], default="full")
     parser.add_argument("--telemetry", action="store_true", help="Trainer: TensorBoard and the four monitors")
     parser.add_argument("--memory", action="store_true", help="Trainer: peak tensor bytes under DDP and FSDP")
+    parser.add_argument("--manual", action="store_true", help="Trainer: manual optimization")
     args = parser.parse_args(argv)
     if not args.memory and (args.front is None or args.strategy is None):
         parser.error("--front and --strategy are required, unless --memory is given")
