@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDPPrecision
 from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+from lightning.fabric.strategies import SingleDeviceStrategy
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
@@ -228,6 +229,24 @@ def test_fabric_refuses_the_fsdp_plugin_under_another_strategy_at_the_first_forw
     fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin])
     fabric.launch()
     model = fabric.setup_module(TinyRegressor())
+    x, _ = next(iter(loader()))
+    with pytest.raises(ValueError, match=r"did not wrap the model \(TinyRegressor\) in FullyShardedDataParallel.*Pass"):
+        model(x)
+
+
+@pytest.mark.parametrize("compiled", ["before setup", "after setup"])
+def test_fabric_refuses_the_fsdp_plugin_on_a_compiled_model_under_another_strategy(
+    single_process_group: None, compiled: str
+) -> None:
+    """A torch.compile'd LightningModule under a strategy that is not FSDP's is refused at its first forward by name,
+    as the plain module is, whether it was compiled before or after fabric.setup."""
+    plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2")
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=SingleDeviceStrategy(torch.device("cpu")), plugins=[plugin])
+    fabric.launch()
+    if compiled == "before setup":
+        model = fabric.setup_module(torch.compile(TinyRegressor(), backend="eager"))
+    else:
+        model = torch.compile(fabric.setup_module(TinyRegressor()), backend="eager")
     x, _ = next(iter(loader()))
     with pytest.raises(ValueError, match=r"did not wrap the model \(TinyRegressor\) in FullyShardedDataParallel.*Pass"):
         model(x)
