@@ -32,6 +32,7 @@ from lightning_mp.plugin import TORCH_SCALER_KEYS
 from tests.ddp_scripts.launch import reports, run
 from tests.helpers import (
     FEATURES,
+    BatchCostRecorder,
     CPUFabricFSDPStrategy,
     CPUFSDPStrategy,
     ManualRegressor,
@@ -289,6 +290,36 @@ def test_trainer_fsdp_manual_optimization_trains_like_the_plain_plugin(
     assert [skipped for _, skipped in fsdp.steps].index(True) == 2
     assert fsdp.steps == plain.steps
     torch.testing.assert_close(fsdp.losses, plain.losses, rtol=0.0, atol=1e-3)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available",
+    "ignore:CUDA is not available or torch_xla is imported. Disabling autocast",
+)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_host_syncs_per_step_are_no_more_than_lightnings_fsdp_precision(
+    precision: str, optimizer: str, single_process_group: None
+) -> None:
+    """A steady FSDP step syncs the host no more often than under Lightning's own FSDPPrecision at the same precision.
+
+    On the CPU Lightning's ``16-mixed`` builds torch's ShardedGradScaler disabled (it scales on CUDA only), so it
+    reads no skip flag; an enabled one reads it once per step, as the plugin does: fp16 is allowed that one sync.
+    (Lightning's plugin also leaves autocast out on the CPU, which syncs nothing either way.)
+    """
+    syncs: dict[str, list[int]] = {}
+    for name, plugin in (("ours", FSDPMixedPrecision(precision)), ("lightning", FSDPPrecision(precision))):
+        recorder = BatchCostRecorder()
+        callbacks = [recorder.opener(), recorder.closer()]
+        make_trainer(plugin, strategy=CPUFSDPStrategy(), callbacks=callbacks).fit(
+            TinyRegressor(optimizer=optimizer), loader()
+        )
+        # The first steps create the optimizer states (SGD's momentum decides its first step on the host).
+        syncs[name] = [counts.syncs for counts in recorder.per_batch[3:]]
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    allowed = 1 if precision == "16-mixed" else 0
+    assert max(syncs["ours"]) <= min(syncs["lightning"]) + allowed, syncs
 
 
 class StateAtStart(L.Callback):
