@@ -98,7 +98,7 @@ def _instance_of(types: tuple[type[nn.Module], ...]) -> Callable[[nn.Module], bo
     return lambda module: bool(types) and isinstance(module, types)
 
 
-class ManualStepOutsideTheRoot:
+class _ManualStepOutsideTheRoot:
     """The Trainer strategy's forward redirection for a module with manual optimization (module docstring).
 
     Its ``training_step`` runs outside the root ``FullyShardedDataParallel``'s forward, and each call of the module's
@@ -269,8 +269,8 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
         trainer = attached_trainer(self._model)
         if trainer is not None and not trainer.lightning_module.automatic_optimization:
             strategy = trainer.strategy
-            if not isinstance(strategy._forward_redirection, ManualStepOutsideTheRoot):
-                strategy._forward_redirection = ManualStepOutsideTheRoot(strategy._forward_redirection)
+            if not isinstance(strategy._forward_redirection, _ManualStepOutsideTheRoot):
+                strategy._forward_redirection = _ManualStepOutsideTheRoot(strategy._forward_redirection)
             self._redirected_strategy = strategy
         return super().connect(model, optimizers, lr_schedulers)
 
@@ -404,7 +404,7 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
     def teardown(self) -> None:
         """As :meth:`MixedPrecision.teardown`, forget the module, and give the strategy its own forward redirection."""
         strategy, self._redirected_strategy = self._redirected_strategy, None
-        if strategy is not None and isinstance(strategy._forward_redirection, ManualStepOutsideTheRoot):
+        if strategy is not None and isinstance(strategy._forward_redirection, _ManualStepOutsideTheRoot):
             strategy._forward_redirection = strategy._forward_redirection.lightning_redirection
         self._model = None
         super().teardown()
