@@ -46,6 +46,21 @@ out: Fabric's ``FSDPStrategy`` wraps the model in ``FullyShardedDataParallel`` (
 forward runs before the model's; where the model's own forward comes first (another strategy, where O2 would run as
 O1), the plugin is refused there, pointing to :class:`~lightning_mp.MixedPrecision`. A forward pre-hook for every
 module (torch's public ``register_module_forward_pre_hook``) sees the order during that first forward only.
+
+Manual optimization under the Trainer (``automatic_optimization = False``): Lightning runs every ``training_step``
+inside the root ``FullyShardedDataParallel``'s forward (its strategy reroutes the call through the wrapper), so a
+``manual_backward`` there runs backward in the middle of FSDP's forward, which FSDP1 refuses (``Expects BACKWARD_PRE
+or BACKWARD_POST state but got HandleTrainingState.FORWARD``), with Lightning's own ``FSDPPrecision`` too. With this
+plugin the training step of such a module runs outside the root's forward instead, and each call of the module
+itself (``self(x)``, its ``forward``) inside it goes through the root, as Fabric's model calls do: every forward is
+FSDP's whole forward, every ``manual_backward`` FSDP's whole backward, and ``self.clip_gradients`` and
+``opt.step()`` act on finished gradient shards. The model must compute through its ``forward`` there (a submodule
+called directly would miss the root's gather). The plugin puts this in the place of the strategy's forward
+redirection (the Trainer's private ``Strategy._forward_redirection``, where Lightning's DDP strategy puts its own)
+when it connects to such a module, and puts Lightning's back at teardown; the automatic training step, validation,
+test and predict steps keep Lightning's.
+
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
@@ -58,6 +73,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDPPrecision
+from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -80,6 +96,45 @@ FSDP_OPT_LEVELS = ("O0", "O1", "O2")
 def _instance_of(types: tuple[type[nn.Module], ...]) -> Callable[[nn.Module], bool]:
     """Whether a module is an instance of one of ``types`` (none: no module is)."""
     return lambda module: bool(types) and isinstance(module, types)
+
+
+class _ManualStepOutsideTheRoot:
+    """The Trainer strategy's forward redirection for a module with manual optimization (module docstring).
+
+    Its ``training_step`` runs outside the root ``FullyShardedDataParallel``'s forward, and each call of the module's
+    ``forward`` inside it goes through the root; every other call is Lightning's redirection's.
+
+    Args:
+        lightning_redirection: the strategy's own redirection, for every other call and to put back at teardown.
+
+    """
+
+    def __init__(self, lightning_redirection: Callable[..., Any]) -> None:
+        self.lightning_redirection = lightning_redirection
+
+    def __call__(self, wrapper: nn.Module, module: LightningModule, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``module.<method_name>(*args, **kwargs)``; a manual training step beside the root ``wrapper``."""
+        if method_name != "training_step" or module.automatic_optimization:
+            return self.lightning_redirection(wrapper, module, method_name, *args, **kwargs)
+        had_forward_of_its_own = "forward" in vars(module)
+        module_forward = module.forward
+
+        def forward_through_the_root(*forward_args: Any, **forward_kwargs: Any) -> Any:
+            # The root calls the module back: that call must reach the module's own forward.
+            module.forward = module_forward  # type: ignore[method-assign]
+            try:
+                return wrapper(*forward_args, **forward_kwargs)
+            finally:
+                module.forward = forward_through_the_root  # type: ignore[method-assign]
+
+        module.forward = forward_through_the_root  # type: ignore[method-assign]
+        try:
+            return module.training_step(*args, **kwargs)
+        finally:
+            if had_forward_of_its_own:
+                module.forward = module_forward  # type: ignore[method-assign]
+            else:
+                del module.forward
 
 
 # Lightning's FSDPPrecision types ``scaler`` as torch's ShardedGradScaler and ``optimizer_step`` with a required model;
@@ -112,6 +167,8 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
         """The module the strategy wraps (under the Trainer, the LightningModule, whose Trainer holds the root)."""
         self._units_checked = False
         """Whether the ``keep_fp32`` modules were checked to be fp32 FSDP units (O2), once per run."""
+        self._redirected_strategy: FSDPStrategy | None = None
+        """The Trainer's strategy whose forward redirection runs manual training steps beside the root."""
 
     @property
     @override
@@ -203,8 +260,18 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        """As :meth:`MixedPrecision.connect`, once the Trainer's strategy has wrapped the model: check the units."""
+        """As :meth:`MixedPrecision.connect`, once the Trainer's strategy has wrapped the model.
+
+        Checks the ``keep_fp32`` units, and under manual optimization runs the training step outside the root's
+        forward (module docstring).
+        """
         self._check_fp32_units()
+        trainer = attached_trainer(self._model)
+        if trainer is not None and not trainer.lightning_module.automatic_optimization:
+            strategy = trainer.strategy
+            if not isinstance(strategy._forward_redirection, _ManualStepOutsideTheRoot):
+                strategy._forward_redirection = _ManualStepOutsideTheRoot(strategy._forward_redirection)
+            self._redirected_strategy = strategy
         return super().connect(model, optimizers, lr_schedulers)
 
     @contextlib.contextmanager
@@ -335,7 +402,10 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
 
     @override
     def teardown(self) -> None:
-        """As :meth:`MixedPrecision.teardown`, and forget the module."""
+        """As :meth:`MixedPrecision.teardown`, forget the module, and give the strategy its own forward redirection."""
+        strategy, self._redirected_strategy = self._redirected_strategy, None
+        if strategy is not None and isinstance(strategy._forward_redirection, _ManualStepOutsideTheRoot):
+            strategy._forward_redirection = strategy._forward_redirection.lightning_redirection
         self._model = None
         super().teardown()
 

@@ -4,12 +4,18 @@ Import them with ``from tests.helpers import ...`` (pytest's configuration puts 
 under every import mode; ``tests/ddp_scripts/launch.py`` puts it on the subprocesses' ``PYTHONPATH``).
 
 The models are tiny on purpose: half precision is slow on CPUs without AVX512, and the whole suite runs on 2 cores.
+The peak-memory measure of the sharded runs (:func:`peak_step_bytes`, :class:`ProfiledSteps`) is the exception: it
+trains a wider model, so that weights, gradients and optimizer states outweigh the activations.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
+import gc
+import itertools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +27,10 @@ from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 from lightning_mp.counting import StepCounts, count_syncs_and_ops
+from lightning_mp.scaling.sharded import local_shard
 
 FEATURES = 8
 """Input features of :class:`TinyRegressor` and of :func:`regression_data`."""
@@ -128,6 +136,34 @@ class TinyRegressor(L.LightningModule):
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class ManualRegressor(TinyRegressor):
+    """The tiny regressor with manual optimization: manual_backward, clipping by norm, opt.step(); the loss, scale and
+    skip flag of every batch recorded (the inf planted after backward at ``inject_at``, by ``on_after_backward``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.losses: list[float] = []
+        self.steps: list[tuple[float, bool]] = []
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        optimizer.step()
+        self.losses.append(loss.item())
+        return loss
+
+    @override
+    def on_train_batch_end(self, *args: Any) -> None:
+        stats = self.trainer.precision_plugin.stats  # type: ignore[attr-defined]
+        self.steps.append((stats.loss_scale, stats.last_step_skipped))
 
 
 class TinyLanguageModel(L.LightningModule):
@@ -253,3 +289,91 @@ def texts(events: event_accumulator.EventAccumulator, tag: str) -> dict[int, str
     if text_tag not in events.Tags()["tensors"]:
         return {}
     return {event.step: event.tensor_proto.string_val[0].decode() for event in events.Tensors(text_tag)}
+
+
+MEASURED_STEP = "lightning_mp.measured_step"
+"""The profiler's label of a training batch in the peak-memory runs (:class:`ProfiledSteps`)."""
+
+
+def held_tensor_bytes(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+    """The bytes of this rank's parameters, gradients and optimizer states (their local shards under FSDP and FSDP2)."""
+    tensors = [*pl_module.parameters()]
+    tensors += [parameter.grad for parameter in pl_module.parameters() if parameter.grad is not None]
+    tensors += [
+        value
+        for optimizer in trainer.optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return sum(local_shard(tensor).numel() * tensor.element_size() for tensor in tensors)
+
+
+class ProfiledSteps(L.Callback):
+    """Marks each training batch (forward, backward, optimizer step) in the profiler's trace as ``MEASURED_STEP``
+    and counts the bytes held when it starts."""
+
+    def __init__(self) -> None:
+        self.open_step: torch.profiler.record_function | None = None
+        self.held_at_start: list[int] = []
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.held_at_start.append(held_tensor_bytes(trainer, pl_module))
+        self.open_step = torch.profiler.record_function(MEASURED_STEP)
+        self.open_step.__enter__()
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        assert self.open_step is not None
+        self.open_step.__exit__(None, None, None)
+        self.open_step = None
+
+
+def peak_step_bytes(events: list[Any], held_at_start: list[int] | None = None) -> int:
+    """The most tensor bytes alive on this rank at any moment of a training step, from the profiler's raw events.
+
+    Each ``[memory]`` event is one allocation (positive ``nbytes``) or free (negative) of the CPU allocator, the
+    ``untyped_storage().resize_(0)`` by which FSDP and FSDP2 free their gathered parameters among them; frees of blocks
+    allocated before the profiler started are not reported. With the profiler started before the model is built, the
+    running sum in time order is the bytes alive of everything the fit made: the model, DDP's buckets, gradients,
+    Adam's states, activations. A step's peak is the sum where the step starts plus the most it rises inside the step
+    (gathered parameters, unsharded gradients, communication buffers, activations, the optimizer's temporaries). The
+    steps after the first (which creates Adam's states) are the same; the smallest of their peaks is reported.
+
+    The profiler records only the threads it was started in and those torch starts from them (autograd's); gloo
+    releases some buffers of the sharded collectives in its own worker threads, so under FSDP and FSDP2 those frees
+    are missing and the sum drifts up by a gathered layer now and then, most often during the setup. A missed free
+    only raises the sum, so the rise inside a step is still an upper bound, but the level it starts from is not the
+    sharded run's: pass ``held_at_start`` (the parameter, gradient and optimizer-state bytes counted from the tensors
+    at each step's start, :class:`ProfiledSteps`) to start from those instead. DDP's sum does not drift, so it needs
+    none.
+    """
+    windows = [(event.start_ns(), event.end_ns()) for event in events if event.name() == MEASURED_STEP]
+    changes = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in events
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
+    )
+    alive = list(itertools.accumulate(change for _, change in changes))
+    times = [time for time, _ in changes]
+    peaks = []
+    for index, (start, end) in enumerate(windows[1:], start=1):
+        first, last = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+        level = alive[first - 1] if first else 0
+        rise = max([level, *alive[first:last]]) - level
+        peaks.append((level if held_at_start is None else held_at_start[index]) + rise)
+    return min(peaks)
+
+
+def profiled_peak_bytes(fit: Callable[[ProfiledSteps], None], sharded: bool) -> int:
+    """The peak tensor bytes of this rank in a training step of ``fit(steps)``, which must pass ``steps`` to its
+    Trainer's callbacks; ``sharded`` (FSDP, FSDP2) starts each step from the bytes its tensors hold."""
+    steps = ProfiledSteps()
+    gc.collect()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=False
+    ) as profiler:
+        fit(steps)
+    events = profiler.profiler.kineto_results.events()
+    return peak_step_bytes(events, steps.held_at_start if sharded else None)

@@ -108,7 +108,7 @@ def test_fsdp2_resumes_exactly_from_sharded_and_full_checkpoints(resumed, layout
 def test_fsdp2_peak_memory_per_rank_is_at_most_0_6_of_ddps(resumed):
     """Each rank's peak tensor bytes in a training step under FSDP2 are at most 0.6x those of the same run under DDP.
 
-    The peak is read from the profiler's allocator events (``peak_step_bytes`` in the script): DDP's exactly; FSDP2's
+    The peak is read from the profiler's allocator events (``tests.helpers.peak_step_bytes``): DDP's exactly; FSDP2's
     as the bytes held at the step's start plus the profiler's rise inside the step, since gloo frees some of FSDP2's
     buffers in threads the profiler does not record.
     """

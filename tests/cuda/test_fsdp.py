@@ -20,9 +20,9 @@ from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
-from lightning_mp import FSDPMixedPrecision
+from lightning_mp import FSDPMixedPrecision, MixedPrecision
 from tests.cuda.matrix import CUDA
-from tests.helpers import FEATURES, BatchCostRecorder, TinyRegressor, loader, make_trainer
+from tests.helpers import FEATURES, BatchCostRecorder, ManualRegressor, TinyRegressor, loader, make_trainer
 
 pytestmark = [
     pytest.mark.cuda,
@@ -67,6 +67,27 @@ def test_trainer_strategy_fsdp_trains_and_skips(precision: str, opt_level: str) 
     trainer.fit(model, loader())
     assert counters(plugin) == (8, 1)
     assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+@pytest.mark.parametrize(("precision", "opt_level"), PRECISION_LEVELS)
+def test_trainer_strategy_fsdp_manual_optimization_trains_like_the_plain_plugin(precision: str, opt_level: str) -> None:
+    """Manual optimization under strategy='fsdp' (manual_backward, clip_gradients, opt.step()) skips the planted inf
+    step and follows the same run under the plain plugin on one GPU: same scales and skips, losses within 1e-3."""
+    runs = []
+    for plugin, strategy in (
+        (FSDPMixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8), "fsdp"),
+        (MixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8), "auto"),
+    ):
+        L.seed_everything(0, verbose=False)
+        model = ManualRegressor(inject_at=(INF_STEP,))
+        trainer = make_trainer(plugin, accelerator="gpu", devices=1, strategy=strategy, use_distributed_sampler=False)
+        trainer.fit(model, loader())
+        assert counters(plugin) == (8, 1)
+        assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+        runs.append(model)
+    fsdp, plain = runs
+    assert fsdp.steps == plain.steps
+    torch.testing.assert_close(fsdp.losses, plain.losses, rtol=0.0, atol=1e-3)
 
 
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])

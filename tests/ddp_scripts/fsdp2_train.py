@@ -26,10 +26,7 @@ stats and the full parameters at the end (gathered from the shards under FSDP2).
 from __future__ import annotations
 
 import argparse
-import bisect
 import dataclasses
-import gc
-import itertools
 import json
 import os
 import sys
@@ -51,7 +48,7 @@ from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LossScaleMonitor, PrecisionSentinel
 from lightning_mp.policies.sharded import ShardedPrecisionError
 from lightning_mp.scaling.sharded import is_sharded, local_shard
-from tests.helpers import BatchCostRecorder, TinyRegressor, loader, make_trainer
+from tests.helpers import BatchCostRecorder, ProfiledSteps, TinyRegressor, loader, make_trainer, profiled_peak_bytes
 
 INJECT_ROW = 8
 """The row of ``first.weight`` (16 rows) that gets the inf: the first row of rank 1's shard under FSDP2."""
@@ -183,92 +180,17 @@ def fit(
     }
 
 
-MEASURED_STEP = "lightning_mp.measured_step"
-"""The profiler's label of a training batch in the ``--memory`` runs."""
 MEMORY_RUN: dict[str, Any] = {"width": (256, 6), "optimizer": "adam", "inject_at": (), "quiet": True}
 """The ``--memory`` runs: a wider model with Adam, so that weights, gradients and Adam's states outweigh activations."""
 
 
-def held_tensor_bytes(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
-    """The bytes of this rank's parameters, gradients and optimizer states (their local shards under FSDP2)."""
-    tensors = [*pl_module.parameters()]
-    tensors += [parameter.grad for parameter in pl_module.parameters() if parameter.grad is not None]
-    tensors += [
-        value
-        for optimizer in trainer.optimizers
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    ]
-    return sum(local_shard(tensor).numel() * tensor.element_size() for tensor in tensors)
-
-
-class ProfiledSteps(L.Callback):
-    """Marks each training batch (forward, backward, optimizer step) in the profiler's trace as ``MEASURED_STEP``
-    and counts the bytes held when it starts."""
-
-    def __init__(self) -> None:
-        self.open_step: torch.profiler.record_function | None = None
-        self.held_at_start: list[int] = []
-
-    @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self.held_at_start.append(held_tensor_bytes(trainer, pl_module))
-        self.open_step = torch.profiler.record_function(MEASURED_STEP)
-        self.open_step.__enter__()
-
-    @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        assert self.open_step is not None
-        self.open_step.__exit__(None, None, None)
-        self.open_step = None
-
-
-def peak_step_bytes(events: list[Any], held_at_start: list[int] | None = None) -> int:
-    """The most tensor bytes alive on this rank at any moment of a training step, from the profiler's raw events.
-
-    Each ``[memory]`` event is one allocation (positive ``nbytes``) or free (negative) of the CPU allocator, FSDP2's
-    ``untyped_storage().resize_(0)`` of its gathered parameters among them; frees of blocks allocated before the
-    profiler started are not reported. With the profiler started before the model is built, the running sum in time
-    order is the bytes alive of everything the fit made: the model, DDP's buckets, gradients, Adam's states,
-    activations. A step's peak is the sum where the step starts plus the most it rises inside the step (gathered
-    parameters, unsharded gradients, communication buffers, activations, the optimizer's temporaries). The steps after
-    the first (which creates Adam's states) are the same; the smallest of their peaks is reported.
-
-    The profiler records only the threads it was started in and those torch starts from them (autograd's); gloo
-    releases some buffers of FSDP2's collectives in its own worker threads, so under FSDP2 those frees are missing
-    and the sum drifts up by a gathered layer now and then, most often during the setup. A missed free only raises
-    the sum, so the rise inside a step is still an upper bound, but the level it starts from is not FSDP2's: pass
-    ``held_at_start`` (the parameter, gradient and optimizer-state bytes counted from the tensors at each step's
-    start) to start from those instead. DDP's sum does not drift, so it needs none.
-    """
-    windows = [(event.start_ns(), event.end_ns()) for event in events if event.name() == MEASURED_STEP]
-    changes = sorted(
-        (event.start_ns(), event.nbytes())
-        for event in events
-        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
-    )
-    alive = list(itertools.accumulate(change for _, change in changes))
-    times = [time for time, _ in changes]
-    peaks = []
-    for index, (start, end) in enumerate(windows[1:], start=1):
-        first, last = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
-        level = alive[first - 1] if first else 0
-        rise = max([level, *alive[first:last]]) - level
-        peaks.append((level if held_at_start is None else held_at_start[index]) + rise)
-    return min(peaks)
-
-
 def peak_bytes(args: argparse.Namespace, case: str, strategy: str) -> int:
     """The peak tensor bytes of this rank during a training step when a wider model trains with Adam."""
-    steps = ProfiledSteps()
-    gc.collect()
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=False
-    ) as profiler:
+
+    def measured_fit(steps: ProfiledSteps) -> None:
         fit(args, case, strategy, f"memory-{strategy}", callbacks=[steps], **MEMORY_RUN)
-    events = profiler.profiler.kineto_results.events()
-    return peak_step_bytes(events, steps.held_at_start if strategy == "fsdp2" else None)
+
+    return profiled_peak_bytes(measured_fit, sharded=strategy == "fsdp2")
 
 
 def syncs_per_step(args: argparse.Namespace, case: str, strategy: str, **extra: Any) -> list[int]:
