@@ -31,8 +31,6 @@ handles of the hooks it attached to each module (:func:`remember_hooks`), and a 
 attached (:func:`has_hooks`): one removed at teardown or by the user reads as gone, and the next conversion attaches
 it again. A deep copy or an unpickled copy of a hooked module carries the hooks but not that memory.
 
-Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
-
 Example:
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))

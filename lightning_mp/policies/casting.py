@@ -14,8 +14,6 @@ Each opt level imports only :mod:`lightning_mp.policies.base` and this module, s
    (:class:`FloatOutputs`), so that the loss is computed in fp32. The caller gets the hooks' handles, to remove them
    at teardown. The hooks run at every forward of every module, so they look at plain arguments without a Python
    call each (:func:`~lightning_mp.overrides.cast_arguments`).
-
-Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

@@ -48,8 +48,6 @@ of the difference each step, far below half a bf16 gap, so a bf16 copy would bar
 (``avg_fn``, Lightning's ``EMAWeightAveraging``) promotes bf16 to fp32 and works. torch's foreach averaging
 (``multi_avg_fn``, or no function on a device with foreach kernels) needs one dtype across both models and fails in
 the middle of training, so ``convert_module`` refuses it at setup with a :class:`ValueError` naming ``avg_fn``.
-
-Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations

@@ -153,9 +153,8 @@ def _has_legacy_norm_hook(module: nn.Module) -> bool:
     for name, value in vars(module).items():
         if not isinstance(value, Tensor) or isinstance(value, nn.Parameter):
             continue
-        weight_norm = {f"{name}_g", f"{name}_v"} <= parameters
-        spectral_norm = f"{name}_orig" in parameters and {f"{name}_u", f"{name}_v"} <= buffers
-        if weight_norm or spectral_norm:
+        g, v, orig, u = (f"{name}_{suffix}" for suffix in ("g", "v", "orig", "u"))
+        if {g, v} <= parameters or (orig in parameters and {u, v} <= buffers):
             return True
     return False
 
