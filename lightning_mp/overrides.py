@@ -29,7 +29,8 @@ and deep-copied; the plugin attaches them in ``convert_module``, in the worker, 
 Applying twice attaches nothing new: nn.Module has no public way to list its hooks, so the package remembers the
 handles of the hooks it attached to each module (:func:`remember_hooks`), and a handle tells whether its hook is still
 attached (:func:`has_hooks`): one removed at teardown or by the user reads as gone, and the next conversion attaches
-it again. A deep copy or an unpickled copy of a hooked module carries the hooks but not that memory.
+it again. :func:`deepcopy_with_hooks` copies a module with that memory (``to_inference`` copies so); a plain deep
+copy or an unpickled copy of a hooked module carries the hooks but not the memory.
 
 Example:
     >>> from torch import nn
@@ -44,6 +45,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import re
@@ -251,6 +253,21 @@ def has_hooks(module: nn.Module, kind: type) -> bool:
         return False
     handles[:] = [handle for handle in handles if _is_attached(handle)]
     return bool(handles)
+
+
+def deepcopy_with_hooks(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose hooks from this package read as attached, as the original's do.
+
+    The remembered handles are deep-copied in the same pass as the module, so each copy refers to the copied
+    module's hooks dict (``RemovableHandle`` pickles and copies the dict it refers to).
+    """
+    remembered = {id(child): _ATTACHED_HOOKS[child] for child in module.modules() if child in _ATTACHED_HOOKS}
+    copies: dict[int, Any] = {}
+    copied = copy.deepcopy(module, copies)
+    for original, by_kind in remembered.items():
+        for kind, handles in by_kind.items():
+            remember_hooks(copies[original], kind, copy.deepcopy(handles, copies))
+    return copied
 
 
 def _is_attached(handle: RemovableHandle) -> bool:
