@@ -58,14 +58,9 @@ class PrivateName:
 _FOREACH_OPS = (
     "torch._foreach_norm",
     "torch._foreach_mul_",
-    "torch._foreach_mul",
-    "torch._foreach_sign",
-    "torch._foreach_sign_",
     "torch._foreach_sub",
+    "torch._foreach_sign_",
     "torch._foreach_copy_",
-    "torch._foreach_zero_",
-    "torch._foreach_neg_",
-    "torch._foreach_add_",
 )
 """The ``torch._foreach_*`` ops the package uses."""
 _CORE_ATEN_OPS = ("aten._local_scalar_dense", "aten._to_copy")
@@ -102,7 +97,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ),
         'a family: documented in torch\'s reference as "Foreach operations" (beta), spelled with an underscore.'
         " One dispatched op for a whole list of tensors, as torch.optim's foreach implementations use them; the"
-        " public alternative is one op per tensor (the weight cast counter recognises aten._foreach_copy_)."
+        " public alternative is one op per tensor (the weight cast counter recognises aten._foreach_copy_; the"
+        " precision sentinel copies a list as x - 0.0 in one op, where allocating each copy costs one op per tensor)."
         " The ops used: " + ", ".join(_FOREACH_OPS),
         members=_FOREACH_OPS,
     ),
@@ -141,12 +137,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ("_compat.py", "scaling/hand_off.py"),
         "the protocol by which torch's fused optimizers skip a step on the device (found_inf, grad_scale)",
     ),
-    PrivateName(
-        "Optimizer._need_device_dtype_check_for_fused",
-        "torch",
-        ("scaling/hand_off.py",),
-        "written by SGD and Adagrad during a step handed to their fused kernel; removed again afterwards",
-    ),
     # torch: tensors and modules
     PrivateName(
         "Tensor._version",
@@ -162,19 +152,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "O2 swaps each slot between the fp32 master and its half twin at every forward; setattr would run two"
         " Python calls per slot (Module.__setattr__, register_parameter) and keep the parameter order the same",
     ),
-    PrivateName(
-        "nn.Module._forward_pre_hooks",
-        "torch",
-        ("overrides.py", "policies/casting.py", "policies/o2.py"),
-        "read only: nn.Module has no public way to list hooks, needed to attach ours once and to find the legacy"
-        " spectral and weight norm hooks",
-    ),
-    PrivateName(
-        "nn.Module._forward_hooks",
-        "torch",
-        ("policies/casting.py",),
-        "read only: nn.Module has no public way to list hooks, needed to attach ours once",
-    ),
     # torch: device, compile and dispatch
     PrivateName(
         "torch._functorch.config.backward_pass_autocast",
@@ -188,12 +165,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "torch",
         ("counting.py",),
         "the only way to see every dispatched op (torch's FlopCounterMode uses it), for the op and sync counters",
-    ),
-    PrivateName(
-        "torch.utils._foreach_utils._get_foreach_kernels_supported_devices",
-        "torch",
-        ("policies/lean.py",),
-        "the devices where AveragedModel picks its foreach update, so lean's refusal matches torch's own choice",
     ),
     PrivateName(
         "torch.ops.aten._*",
@@ -211,12 +182,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         ("engine/trainer.py",),
         "the hook that runs Lightning's on_before_optimizer_step and its gradient clipping, which must come after the"
         " gradients are unscaled",
-    ),
-    PrivateName(
-        "WeightAveraging._average_model",
-        "lightning",
-        ("policies/lean.py",),
-        "Lightning keeps the averaged copy only there; lean checks how it will be averaged",
     ),
 )
 """The registry, grouped by owner and kind."""

@@ -63,7 +63,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -75,7 +74,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_mp._validation import check_number
-from lightning_mp.overrides import Fp32Overrides, KeepFp32Pattern, cast_low_precision
+from lightning_mp.overrides import Fp32Overrides, KeepFp32Pattern, cast_low_precision, deepcopy_with_hooks
 from lightning_mp.policies.casting import HALF_DTYPES, convert_to_half
 
 
@@ -189,7 +188,7 @@ def to_inference(
 def _convert(
     model: nn.Module, dtype: torch.dtype, keep_fp32: Sequence[KeepFp32Pattern], keep_normalization_fp32: bool
 ) -> nn.Module:
-    converted = copy.deepcopy(model)
+    converted = deepcopy_with_hooks(model)
     converted.eval()
     converted.requires_grad_(False)
     overrides = Fp32Overrides(keep_fp32)

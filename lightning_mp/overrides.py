@@ -26,9 +26,11 @@ on fp32 inputs. Under O2 and O3 the weights of every module in a matched subtree
 
 The hooks are instances of small module-level classes, so a converted model can still be pickled (``ddp_spawn``)
 and deep-copied; the plugin attaches them in ``convert_module``, in the worker, and removes them at teardown.
-Applying twice attaches nothing new.
-
-Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
+Applying twice attaches nothing new: nn.Module has no public way to list its hooks, so the package remembers the
+handles of the hooks it attached to each module (:func:`remember_hooks`), and a handle tells whether its hook is still
+attached (:func:`has_hooks`): one removed at teardown or by the user reads as gone, and the next conversion attaches
+it again. :func:`deepcopy_with_hooks` copies a module with that memory (``to_inference`` copies so); a plain deep
+copy or an unpickled copy of a hooked module carries the hooks but not the memory.
 
 Example:
     >>> from torch import nn
@@ -43,9 +45,11 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import re
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -194,10 +198,11 @@ class Fp32Region:
 
     def attach(self, module: nn.Module) -> list[RemovableHandle]:
         """Register the pre-hook and the always-called forward hook on ``module``; return their handles."""
-        return [
+        handles = [
             module.register_forward_pre_hook(self.enter, with_kwargs=True),
             module.register_forward_hook(self.exit, with_kwargs=True, always_call=True),
         ]
+        return remember_hooks(module, Fp32Region, handles)
 
     def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
         """Switch autocast off and cast the inputs; the forward hook undoes the first."""
@@ -224,7 +229,50 @@ class Fp32Region:
 
 def has_fp32_region(module: nn.Module) -> bool:
     """Whether :class:`Fp32Region` hooks are already attached to ``module``."""
-    return any(isinstance(getattr(hook, "__self__", None), Fp32Region) for hook in module._forward_pre_hooks.values())
+    return has_hooks(module, Fp32Region)
+
+
+_ATTACHED_HOOKS: weakref.WeakKeyDictionary[nn.Module, dict[type, list[RemovableHandle]]] = weakref.WeakKeyDictionary()
+"""The handles of the package's hooks on each module, by kind of hook; a module's entry goes with the module."""
+
+
+def remember_hooks(module: nn.Module, kind: type, handles: list[RemovableHandle]) -> list[RemovableHandle]:
+    """Note that ``handles`` attach hooks of ``kind`` to ``module``, for :func:`has_hooks`; return ``handles``."""
+    _ATTACHED_HOOKS.setdefault(module, {}).setdefault(kind, []).extend(handles)
+    return handles
+
+
+def has_hooks(module: nn.Module, kind: type) -> bool:
+    """Whether a hook of ``kind`` that :func:`remember_hooks` noted is still attached to ``module``.
+
+    A handle's hook is attached while its id is in the hooks dict the handle refers to: the test torch's
+    ``RemovableHandle.remove`` makes, on the handle's public attributes.
+    """
+    handles = _ATTACHED_HOOKS.get(module, {}).get(kind)
+    if not handles:
+        return False
+    handles[:] = [handle for handle in handles if _is_attached(handle)]
+    return bool(handles)
+
+
+def deepcopy_with_hooks(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose hooks from this package read as attached, as the original's do.
+
+    The remembered handles are deep-copied in the same pass as the module, so each copy refers to the copied
+    module's hooks dict (``RemovableHandle`` pickles and copies the dict it refers to).
+    """
+    remembered = {id(child): _ATTACHED_HOOKS[child] for child in module.modules() if child in _ATTACHED_HOOKS}
+    copies: dict[int, Any] = {}
+    copied = copy.deepcopy(module, copies)
+    for original, by_kind in remembered.items():
+        for kind, handles in by_kind.items():
+            remember_hooks(copies[original], kind, copy.deepcopy(handles, copies))
+    return copied
+
+
+def _is_attached(handle: RemovableHandle) -> bool:
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
 
 
 def outermost(names: Iterable[str]) -> list[str]:

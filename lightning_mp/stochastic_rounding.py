@@ -368,14 +368,17 @@ class StochasticRoundingStep:
         parameters of the chunk are past theirs.
         """
         buffers, grads, weights = [buffers[i] for i in fresh], [grads[i] for i in fresh], [weights[i] for i in fresh]
+        # Once per parameter (its first step): one op per tensor costs nothing that matters here.
         if group["dampening"] == 0:
-            torch._foreach_zero_(buffers)
+            for buffer in buffers:
+                buffer.zero_()
             return
         torch._foreach_copy_(buffers, grads)
         if group["maximize"]:
-            torch._foreach_neg_(buffers)
+            torch._foreach_mul_(buffers, -1.0)  # negation, exact
         if group["weight_decay"] != 0:
-            torch._foreach_add_(buffers, weights, alpha=group["weight_decay"])
+            for buffer, weight in zip(buffers, weights, strict=True):
+                buffer.add_(weight, alpha=group["weight_decay"])
         torch._foreach_mul_(buffers, group["dampening"] / group["momentum"])
 
     # ------------------------------------------------------------------------------------------------ state dict

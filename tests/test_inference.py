@@ -63,6 +63,16 @@ def test_to_inference_returns_a_converted_copy_and_leaves_the_original_untouched
     assert model(features(4)).dtype == torch.float32  # no hook leaked onto the original
 
 
+def test_converting_an_inference_model_again_stacks_no_hooks() -> None:
+    """to_inference of a model to_inference returned gives the same outputs with as many hooks, not twice as many."""
+    fast = to_inference(Classifier(), keep_fp32=["net.3"])
+    again = to_inference(fast, keep_fp32=["net.3"])
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in fast.modules()]
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in again.modules()] == hooks
+    assert sum(map(sum, hooks)) > 0
+    torch.testing.assert_close(again(features(4)), fast(features(4)), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_converted_forward_takes_fp32_or_half_inputs(dtype: torch.dtype) -> None:
     """The converted model accepts fp32 and half inputs alike and returns the same half outputs for both."""

@@ -164,6 +164,23 @@ def test_applying_twice_attaches_hooks_once() -> None:
     assert len(model.head._forward_pre_hooks) == 1
 
 
+def test_hooks_removed_by_their_handles_are_attached_again_once() -> None:
+    """After teardown (or the user) removes the fp32 region's hooks, applying again attaches them again, once."""
+    model = Classifier()
+    own_forward_hooks = len(model.head._forward_hooks)
+    overrides = Fp32Overrides(["head"])
+    handles: list = []
+    overrides.apply(model, handles)
+    for handle in handles:
+        handle.remove()
+    assert not model.head._forward_pre_hooks and len(model.head._forward_hooks) == own_forward_hooks
+    overrides.apply(model)
+    overrides.apply(model)
+    assert len(model.head._forward_pre_hooks) == len(model.head._forward_hooks) - own_forward_hooks == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.head(torch.randn(2, model.head.in_features)).dtype == torch.float32
+
+
 def test_hooked_model_and_plugin_pickle_and_deepcopy() -> None:
     """A model with fp32 regions, and a plugin with keep_fp32, survive pickle (ddp_spawn) and deepcopy."""
     plugin = pickle.loads(pickle.dumps(MixedPrecision("bf16-mixed", keep_fp32=[nn.LayerNorm, "head", "re:.*"])))

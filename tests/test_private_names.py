@@ -159,3 +159,10 @@ def test_no_module_keeps_its_own_list_of_private_names():
     """Module docstrings point to the registry instead of keeping lists that drift."""
     listing = re.compile(r"^Private (torch |Lightning )?names? used", re.MULTILINE)
     assert [module for module, source in SOURCES.items() if listing.search(source)] == []
+
+
+def test_the_readme_counts_the_names_and_they_stay_within_twenty():
+    """The README states how many names the records cover with their members, and there are at most 20 of them."""
+    covered = sum(len(record.members) or 1 for record in PRIVATE_NAMES)
+    assert f"With their members the {len(PRIVATE_NAMES)} records cover {covered} names." in README_TEXT
+    assert covered <= 20

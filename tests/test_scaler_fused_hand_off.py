@@ -8,6 +8,7 @@ optimizer object, param_groups and state layout unchanged, and the trajectory wi
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -85,6 +86,37 @@ def test_the_hand_off_keeps_the_users_optimizer_configuration_and_state_layout(n
     optimizer.step()  # the user's own form, without the scaler, continues from the handed-off state
     resumed.step()
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", HANDED_OFF)
+def test_a_handed_off_optimizer_pickles_and_steps_on_as_its_copy_does(name):
+    """After steps through the fused kernel, a pickled copy of model and optimizer (ddp_spawn, torch.save) has the
+    same state_dict, and both take the same steps on, their own form's and handed-off ones alike."""
+    model = _model()
+    optimizer = OPTIMIZER_FORMS[name](model.parameters(), lr=0.1)
+    scaler = LossScaler("cpu", mode="check")
+    for step in range(2):
+        _backward(model, step)
+        scaler.step(optimizer)
+        scaler.update()
+    copied_model, copied_optimizer = pickle.loads(pickle.dumps((model, optimizer)))
+    state, copied_state = _state(optimizer), _state(copied_optimizer)
+    assert state["param_groups"] == copied_state["param_groups"]
+    for index, saved in state["state"].items():
+        assert saved.keys() == copied_state["state"][index].keys()
+        assert all(torch.equal(value, copied_state["state"][index][key]) for key, value in saved.items())
+    copied_scaler = LossScaler("cpu", mode="check")
+    for step, through_scaler in ((2, False), (3, True)):
+        for each in ((model, optimizer, scaler), (copied_model, copied_optimizer, copied_scaler)):
+            each_model, each_optimizer, each_scaler = each
+            _backward(each_model, step)
+            if through_scaler:
+                each_scaler.step(each_optimizer)
+                each_scaler.update()
+            else:
+                each_optimizer.step()
+    for a, b in zip(model.parameters(), copied_model.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -161,6 +161,33 @@ def test_bf16_steps_follow_torchs_fp32_rule_within_one_bf16_gap(name: str, chunk
             reference_parameter.data = lean_parameter.detach().float()
 
 
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize(("dampening", "weight_decay"), [(0.0, 0.0), (0.5, 0.0), (0.5, 0.5), (0.0, 0.5)])
+def test_first_sgd_momentum_steps_equal_torchs_exactly(dampening: float, weight_decay: float, maximize: bool) -> None:
+    """On values bf16 holds exactly, momentum SGD's first steps (one parameter starting while another is past its
+    first) give torch's fp32 weights and momentum buffers bit for bit."""
+    options = {"lr": 0.5, "momentum": 0.5, "dampening": dampening, "weight_decay": weight_decay, "maximize": maximize}
+    values = torch.tensor([[1.0, -2.0, 0.5, 0.0], [-0.5, 1.5, 2.0, -1.0]])
+    gradients = [torch.tensor([[0.5, -0.25, 1.0, 0.0], [0.0, 0.25, -0.5, 1.0]]), torch.tensor([[-1.0, 0.5, 0.0, 0.25]])]
+    reference = [nn.Parameter(values[:1].clone()), nn.Parameter(values[1:].clone())]
+    lean = [nn.Parameter(values[:1].bfloat16()), nn.Parameter(values[1:].bfloat16())]
+    reference_optimizer = torch.optim.SGD(reference, **options)
+    lean_optimizer = torch.optim.SGD(lean, **options)
+    StochasticRoundingStep(lean_optimizer, seed=0)
+    for step, started in enumerate(([0], [0, 1])):
+        for index in (0, 1):
+            grad = gradients[index][step - index].reshape(1, 4) if index in started else None
+            reference[index].grad = None if grad is None else grad.clone()
+            lean[index].grad = None if grad is None else grad.bfloat16()
+        reference_optimizer.step()
+        lean_optimizer.step()
+        for exact, stored in zip(reference, lean, strict=True):
+            assert torch.equal(stored.float(), exact.detach())
+            if exact in reference_optimizer.state:
+                momentum = reference_optimizer.state[exact]["momentum_buffer"]
+                assert torch.equal(lean_optimizer.state[stored]["momentum_buffer"].float(), momentum)
+
+
 def _sum_of_tiny_sgd_steps(kahan: bool) -> tuple[torch.Tensor, torch.optim.Optimizer, nn.Parameter]:
     weight = nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
     optimizer = torch.optim.SGD([weight], lr=1e-4)

@@ -250,8 +250,11 @@ class PrecisionSentinel(Callback):
             grads = [
                 local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p)) for p in parameters
             ]
-            grad_signs = list(torch._foreach_sign(grads))
-            weights_before = list(torch._foreach_mul([local_shard(p) for p in parameters], 1.0))
+            # x - 0.0 is x (-0.0 included): a copy of a whole list in one op, where allocating each destination for
+            # a copy would cost one op per tensor.
+            grad_signs = list(torch._foreach_sub(grads, 0.0))
+            torch._foreach_sign_(grad_signs)
+            weights_before = list(torch._foreach_sub([local_shard(p) for p in parameters], 0.0))
         self._snapshots.append(_Snapshot(parameters, weights_before, grad_signs))
 
     @override
@@ -440,6 +443,8 @@ def _update_counts(snapshots: list[_Snapshot]) -> torch.Tensor:
         before = [w for snapshot in snapshots for w in snapshot.weights_before]
         grad_signs = [s for snapshot in snapshots for s in snapshot.grad_signs]
         moved = torch._foreach_sub(parameters, before)
+        # The update's sign, not the update, is multiplied: an update that overflowed to inf, times a zero gradient
+        # sign, must count 0, where inf * 0 would be NaN and count 1.
         torch._foreach_sign_(moved)
         torch._foreach_mul_(moved, grad_signs)
         with_gradient = torch._foreach_norm(grad_signs, 0)

@@ -14,8 +14,6 @@ Each opt level imports only :mod:`lightning_mp.policies.base` and this module, s
    (:class:`FloatOutputs`), so that the loss is computed in fp32. The caller gets the hooks' handles, to remove them
    at teardown. The hooks run at every forward of every module, so they look at plain arguments without a Python
    call each (:func:`~lightning_mp.overrides.cast_arguments`).
-
-Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
@@ -35,6 +33,8 @@ from lightning_mp.overrides import (
     cast_arguments,
     cast_low_precision,
     has_fp32_region,
+    has_hooks,
+    remember_hooks,
 )
 
 __all__ = [
@@ -112,10 +112,6 @@ class FloatOutputs:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         return cast_low_precision(output, torch.float32)
-
-
-def _has_hook(hooks: dict[int, Any], kind: type) -> bool:
-    return any(isinstance(hook, kind) for hook in hooks.values())
 
 
 def _castable(tensor: Tensor | None, dtype: torch.dtype) -> bool:
@@ -205,7 +201,8 @@ def convert_to_half(
         # An embedding's input is indices: it has nothing to cast, and the hook would cost calls at every forward.
         if weight_name is None or type(child) is nn.Embedding:
             continue
-        if not _has_hook(child._forward_pre_hooks, MatchParameterDtype):
-            attached.append(child.register_forward_pre_hook(MatchParameterDtype(weight_name), with_kwargs=True))
-    if float_outputs and not _has_hook(module._forward_hooks, FloatOutputs):
-        attached.append(module.register_forward_hook(FloatOutputs()))
+        if not has_hooks(child, MatchParameterDtype):
+            handle = child.register_forward_pre_hook(MatchParameterDtype(weight_name), with_kwargs=True)
+            attached += remember_hooks(child, MatchParameterDtype, [handle])
+    if float_outputs and not has_hooks(module, FloatOutputs):
+        attached += remember_hooks(module, FloatOutputs, [module.register_forward_hook(FloatOutputs())])

@@ -48,8 +48,6 @@ of the difference each step, far below half a bf16 gap, so a bf16 copy would bar
 (``avg_fn``, Lightning's ``EMAWeightAveraging``) promotes bf16 to fp32 and works. torch's foreach averaging
 (``multi_avg_fn``, or no function on a device with foreach kernels) needs one dtype across both models and fails in
 the middle of training, so ``convert_module`` refuses it at setup with a :class:`ValueError` naming ``avg_fn``.
-
-Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
@@ -65,7 +63,6 @@ from lightning.pytorch.callbacks import WeightAveraging
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.swa_utils import AveragedModel
-from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides
@@ -142,7 +139,7 @@ class LeanPolicy(PrecisionPolicy):
             handles=self.hook_handles,
         )
         for callback in _weight_averaging_callbacks(module):
-            averaged = callback._average_model
+            averaged = _averaged_model(callback)
             if averaged is not None and uses_foreach_update(averaged) and _dtypes(averaged.module) != _dtypes(module):
                 raise ValueError(
                     f"{type(callback).__name__}(multi_avg_fn={_name(averaged.multi_avg_fn)},"
@@ -227,11 +224,28 @@ def _warn_rounding_restarts(optimizer: Optimizer) -> None:
     )
 
 
+_FOREACH_AVERAGING_DEVICE_TYPES = ("cuda", "xpu", "mtia")
+"""Device types on which ``AveragedModel`` without ``avg_fn`` averages with a foreach update
+(``torch.utils._foreach_utils``'s list, kept here), besides a PrivateUse1 backend's."""
+
+
 def uses_foreach_update(averaged: AveragedModel) -> bool:
     """Whether ``averaged.update_parameters`` averages with a foreach function, which needs one dtype per pair."""
     if averaged.multi_avg_fn is not None:
         return True
-    return averaged.avg_fn is None and averaged.n_averaged.device.type in _get_foreach_kernels_supported_devices()
+    device_type = averaged.n_averaged.device.type
+    # torch.device("privateuseone") is named as the PrivateUse1 backend is currently named.
+    foreach_device = device_type in _FOREACH_AVERAGING_DEVICE_TYPES or device_type == torch.device("privateuseone").type
+    return averaged.avg_fn is None and foreach_device
+
+
+def _averaged_model(callback: WeightAveraging) -> AveragedModel | None:
+    """The callback's averaged copy of the model, created in its ``setup``; None before.
+
+    Found by type among the callback's attributes, not by the attribute's name: this relies on Lightning keeping the
+    ``AveragedModel`` on the callback (it offers no public way to it), and holds if the attribute is renamed.
+    """
+    return next((value for value in vars(callback).values() if isinstance(value, AveragedModel)), None)
 
 
 def _weight_averaging_callbacks(module: nn.Module) -> list[WeightAveraging]:

@@ -94,16 +94,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.spectral_norm import SpectralNorm
-from torch.nn.utils.weight_norm import WeightNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides, Fp32Region, has_fp32_region, outermost
 from lightning_mp.policies.base import PrecisionPolicy
 from lightning_mp.policies.casting import check_half_dtype, is_normalization
-
-_LEGACY_REPARAMETRIZATIONS = (SpectralNorm, WeightNorm)
 
 
 class HalfOverflowError(RuntimeError):
@@ -138,11 +134,29 @@ def computes_weights_in_fp32(module: nn.Module) -> set[nn.Module]:
         parametrizations = getattr(child, "parametrizations", None) if parametrize.is_parametrized(child) else None
         if isinstance(parametrizations, nn.Module):
             found.update(parametrizations.modules())
-        legacy_hook = any(isinstance(hook, _LEGACY_REPARAMETRIZATIONS) for hook in child._forward_pre_hooks.values())
         sparse_embedding = isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse
-        if legacy_hook or sparse_embedding:
+        if _has_legacy_norm_hook(child) or sparse_embedding:
             found.add(child)
     return found
+
+
+def _has_legacy_norm_hook(module: nn.Module) -> bool:
+    """Whether ``module`` has an older ``nn.utils.weight_norm`` or ``nn.utils.spectral_norm`` hook.
+
+    Told by what the two leave on the module, in public view (nn.Module has no public way to list its hooks): the
+    weight ``name`` turns into a plain tensor attribute, neither parameter nor buffer, which the hook recomputes at
+    each forward from the parameters ``{name}_g`` and ``{name}_v`` (weight norm), or from the parameter
+    ``{name}_orig`` and the buffers ``{name}_u`` and ``{name}_v`` (spectral norm).
+    """
+    parameters = {name for name, _ in module.named_parameters(recurse=False)}
+    buffers = {name for name, _ in module.named_buffers(recurse=False)}
+    for name, value in vars(module).items():
+        if not isinstance(value, Tensor) or isinstance(value, nn.Parameter):
+            continue
+        g, v, orig, u = (f"{name}_{suffix}" for suffix in ("g", "v", "orig", "u"))
+        if {g, v} <= parameters or (orig in parameters and {u, v} <= buffers):
+            return True
+    return False
 
 
 def overflowing_weights(named: Sequence[tuple[str, Tensor]], dtype: torch.dtype) -> tuple[list[str], list[float]]:

@@ -120,11 +120,15 @@ def place_steps_for_fused(optimizer: torch.optim.Optimizer) -> None:
 
 @contextlib.contextmanager
 def configured_fused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Run ``optimizer`` as its fused form for the duration of the block; its param_groups then read as before."""
+    """Run ``optimizer`` as its fused form for the duration of the block; its param_groups then read as before.
+
+    SGD and Adagrad note on the optimizer, at their first fused step, that they checked a parameter for the fused
+    kernel (a floating tensor on a supported device), and skip that check at their later fused steps. The note is
+    left: :func:`has_fused_form` checks the same of every parameter before each hand-off, and an optimizer's
+    ``state_dict``, pickle and deep copy leave it out (they keep ``defaults``, ``state`` and ``param_groups``).
+    """
     groups = optimizer.param_groups
     configured = [(group.get("foreach"), group.get("fused")) for group in groups]
-    # SGD and Adagrad remember on the optimizer that they checked their parameters for the fused kernel.
-    remembered = "_need_device_dtype_check_for_fused" in vars(optimizer)
     for group in groups:
         group["foreach"], group["fused"] = False, True
     try:
@@ -132,8 +136,6 @@ def configured_fused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     finally:
         for group, (foreach, fused) in zip(groups, configured, strict=True):
             group["foreach"], group["fused"] = foreach, fused
-        if not remembered:
-            vars(optimizer).pop("_need_device_dtype_check_for_fused", None)
 
 
 def step_with_protocol(

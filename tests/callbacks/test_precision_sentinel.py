@@ -79,12 +79,20 @@ class Regressor(pl.LightningModule):
 
 
 def sentinel_warnings(
-    tmp_path, model: pl.LightningModule, plugin: Any = None, max_steps: int = 4, **trainer_options: Any
+    tmp_path,
+    model: pl.LightningModule,
+    plugin: Any = None,
+    max_steps: int = 4,
+    callbacks: tuple[pl.Callback, ...] = (),
+    **trainer_options: Any,
 ) -> tuple[dict[str, str], PrecisionSentinel, TensorBoardLogger]:
-    """Fit with a sentinel sampling every step; return its warnings by kind, the sentinel and the logger."""
+    """Fit with a sentinel sampling every step (before ``callbacks``); return its warnings by kind, the sentinel and
+    the logger."""
     sentinel = PrecisionSentinel(every_n_steps=1, heatmap_every_n_samples=2)
     logger = TensorBoardLogger(tmp_path)
-    trainer = make_trainer(plugin, max_steps=max_steps, logger=logger, callbacks=[sentinel], **trainer_options)
+    trainer = make_trainer(
+        plugin, max_steps=max_steps, logger=logger, callbacks=[sentinel, *callbacks], **trainer_options
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model)
@@ -111,6 +119,45 @@ def test_bf16_weights_with_a_small_learning_rate_warn_of_stale_updates(tmp_path)
     assert set(found) == {"stale_updates"}
     assert "first (" in found["stale_updates"] and "fp32 master weights" in found["stale_updates"]
     assert all(sample.stale["first"] > 0.5 for sample in sentinel.samples)
+
+
+class PerTensorShares(pl.Callback):
+    """The sentinel's per-layer shares computed the plain way, one tensor and one element comparison at a time."""
+
+    def __init__(self) -> None:
+        self.underflow: list[dict[str, float]] = []
+        self.stale: list[dict[str, float]] = []
+        self._before: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._before = [
+            (name.rsplit(".", 1)[0], parameter.grad != 0, parameter.detach().clone())
+            for name, parameter in pl_module.named_parameters()
+        ]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        totals: dict[str, list[int]] = {}
+        for (layer, with_gradient, before), after in zip(self._before, pl_module.parameters(), strict=True):
+            total = totals.setdefault(layer, [0, 0, 0])
+            total[0] += with_gradient.numel()
+            total[1] += int(with_gradient.sum())
+            total[2] += int((with_gradient & (after != before)).sum())
+        self.underflow.append({layer: 1.0 - active / size for layer, (size, active, _) in totals.items()})
+        self.stale.append({layer: (active - moved) / active for layer, (_, active, moved) in totals.items()})
+
+
+def test_stale_and_underflow_shares_match_a_per_tensor_count(tmp_path):
+    """Each sample's per-layer shares are exactly those counted element by element on the same steps."""
+    reference = PerTensorShares()
+    _, sentinel, _ = sentinel_warnings(
+        tmp_path, Regressor(lr=1e-3), MixedPrecision("bf16-mixed", opt_level="O3"), callbacks=(reference,)
+    )
+    assert len(sentinel.samples) == len(reference.stale) == 4
+    for sample, stale, underflow in zip(sentinel.samples, reference.stale, reference.underflow, strict=True):
+        assert {layer: sample.underflow[layer] for layer in underflow} == underflow
+        assert sample.stale == stale
+    assert any(0 < share < 1 for sample in sentinel.samples for share in sample.stale.values())
+    assert any(share > 0 for sample in sentinel.samples for share in sample.underflow.values())
 
 
 def test_fp32_master_weights_keep_the_same_updates(tmp_path):

@@ -68,3 +68,18 @@ def test_an_embedding_takes_its_indices_untouched() -> None:
     convert_to_half(model, torch.bfloat16, Fp32Overrides(), float_outputs=False)
     assert not model[0]._forward_pre_hooks and model[1]._forward_pre_hooks
     assert model(torch.tensor([[1, 2, 3]])).dtype == torch.bfloat16
+
+
+def test_converting_again_attaches_each_hook_once_and_again_after_removal() -> None:
+    """Converting a converted model adds no hook; once teardown removed the hooks, converting attaches them again."""
+    model = Recorder()
+    handles: list = []
+    convert_to_half(model, torch.bfloat16, Fp32Overrides(), handles=handles)
+    convert_to_half(model, torch.bfloat16, Fp32Overrides(), handles=handles)
+    assert len(handles) == 2 and len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    for handle in handles:
+        handle.remove()
+    convert_to_half(model, torch.bfloat16, Fp32Overrides())
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    output = model(torch.randn(3, 2), {"y": torch.randn(3)})
+    assert model.seen == [torch.bfloat16, torch.bfloat16] and output.dtype == torch.float32

@@ -24,12 +24,14 @@ from lightning.pytorch.utilities.model_summary import summarize
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.optim.swa_utils import get_ema_multi_avg_fn
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_mp import MixedPrecision
 from lightning_mp.bench.opt_level_counts import Task, count_opt_level, markov_counting_task
 from lightning_mp.bench.workloads import OPTIMIZER_KINDS, make_optimizer
+from lightning_mp.policies.lean import _FOREACH_AVERAGING_DEVICE_TYPES
 from lightning_mp.stochastic_rounding import COMPENSATION_KEY, STATE_KEY
 from lightning_mp.tasks import TinyTransformerLM
 from tests.helpers import TinyRegressor, loader, make_trainer
@@ -624,6 +626,12 @@ def test_foreach_weight_averaging_is_refused_at_setup_naming_the_per_tensor_alte
     with pytest.raises(ValueError, match=r"multi_avg_fn=get_ema_multi_avg_fn.*get_ema_avg_fn\(decay\).*'O2'"):
         trainer.fit(model, classification_loader())
     assert model.losses == []
+
+
+def test_foreach_averaging_is_refused_on_the_devices_where_torch_averages_with_foreach() -> None:
+    """Lean's list of the devices where AveragedModel picks its foreach update is this torch's."""
+    expected = set(_get_foreach_kernels_supported_devices())
+    assert {*_FOREACH_AVERAGING_DEVICE_TYPES, torch.device("privateuseone").type} == expected
 
 
 def test_stochastic_weight_averaging_copies_its_average_into_the_bf16_model() -> None:

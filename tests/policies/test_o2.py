@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import MixedPrecision
 from lightning_mp.counting import count_python_calls, count_syncs_and_ops
 from lightning_mp.inference import compare, to_inference
-from lightning_mp.policies.o2 import HalfOverflowError, O2Policy
+from lightning_mp.policies.o2 import HalfOverflowError, O2Policy, computes_weights_in_fp32
 from tests.ddp_scripts.launch import reports, run
 from tests.helpers import make_trainer
 from tests.test_parity import train_and_validate
@@ -844,6 +844,7 @@ class WithLayer(L.LightningModule):
 
 _LAYERS: dict[str, Any] = {
     "spectral_norm": lambda: nn.utils.spectral_norm(nn.Linear(8, 8)),
+    "weight_norm": lambda: nn.utils.weight_norm(nn.Linear(8, 8)),
     "parametrizations.spectral_norm": lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)),
     "parametrizations.weight_norm": lambda: nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)),
     "sparse_embedding": lambda: nn.Embedding(10, 8, sparse=True),
@@ -861,7 +862,9 @@ def fit_layer(layer: str, precision: str, opt_level: str) -> WithLayer:
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("layer", ["spectral_norm", "parametrizations.spectral_norm", "parametrizations.weight_norm"])
+@pytest.mark.parametrize(
+    "layer", ["spectral_norm", "weight_norm", "parametrizations.spectral_norm", "parametrizations.weight_norm"]
+)
 def test_o2_trains_reparametrized_weights_in_fp32_like_o1(layer: str, precision: str) -> None:
     """A spectral- or weight-normalised layer (GAN discriminators) trains under O2 as under O1; the rest is half."""
     o1, o2_model = fit_layer(layer, precision, "O1"), fit_layer(layer, precision, "O2")
@@ -870,6 +873,26 @@ def test_o2_trains_reparametrized_weights_in_fp32_like_o1(layer: str, precision:
         assert tensor.dtype == torch.float32, name
         torch.testing.assert_close(tensor, o1.state_dict()[name], rtol=2e-2, atol=2e-3)
     assert not torch.equal(o2_model.head.weight, WithLayer(layer).head.weight)
+
+
+class Scaled(nn.Linear):
+    """A linear layer with a plain constant tensor attribute and parameters whose names end like weight norm's."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+        self.scale = torch.full((8,), 0.5)
+        self.weight_v = nn.Parameter(torch.ones(8))
+        self.bias_g = nn.Parameter(torch.ones(8))
+
+
+def test_o2_tells_the_older_norm_hooks_from_plain_tensor_attributes() -> None:
+    """The older weight and spectral norm hooks keep their layer's weights fp32 under O2; once removed, the layer
+    gets half twins again; a layer with a constant tensor attribute of its own is not taken for one."""
+    weight_norm = nn.utils.weight_norm(nn.Linear(8, 8))
+    spectral_norm = nn.utils.spectral_norm(nn.Linear(8, 8))
+    removed = nn.utils.remove_spectral_norm(nn.utils.spectral_norm(nn.Linear(8, 8)))
+    model = nn.Sequential(weight_norm, spectral_norm, removed, Scaled())
+    assert computes_weights_in_fp32(model) == {weight_norm, spectral_norm}
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
