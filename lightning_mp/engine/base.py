@@ -6,6 +6,8 @@ or not) and hands every hook to it. An engine turns the hooks of its front end i
     forward      before_forward, convert_input, convert_output     autocast is the plugin's; the engine copies the
                                                                    running statistics and checks the inputs
     backward     pre_backward, backward, post_backward             the loss is multiplied by the loss scale (fp16)
+    prepare      prepare_step                                      once per optimizer step, before unscale, clip and
+                                                                   step (O2: the gradients move to the fp32 masters)
     unscale      unscale_gradients                                 once per optimizer step, with the inf/NaN check
     clip         clip_gradients, main_params                       on true gradients, re-checked after clipping
     step         optimizer_step                                    skipped when a gradient is inf or NaN

@@ -218,6 +218,7 @@ class TrainerEngine(StepEngine):
         closure_result = closure()
         self.prepare_step(optimizer)
         # In automatic optimization a training_step that returned None ran no backward: there is nothing to step.
+        # Its forward left O2's half weights in the model; prepare_step showed the masters again, as after a step.
         if closure_result is None and model.automatic_optimization:
             self.lightning._after_closure(model, optimizer)
             self._prepared.discard(id(optimizer))
