@@ -149,7 +149,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "nn.Module._parameters",
         "torch",
         ("policies/o2.py",),
-        "O2 swaps each slot between the fp32 master and its half twin at every forward; setattr would run two"
+        "O2 swaps each slot between the fp32 master and its half twin at every forward and step; setattr would run two"
         " Python calls per slot (Module.__setattr__, register_parameter) and keep the parameter order the same",
     ),
     # torch: device, compile and dispatch

@@ -12,11 +12,13 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
+from typing_extensions import override
 
 from lightning_mp import LossScaler, MixedPrecision
 from lightning_mp.engine import FabricEngine, RunningStats, TrainerEngine
@@ -219,3 +221,80 @@ def test_a_lightning_module_set_up_with_fabric_gets_the_fabric_engine() -> None:
     trainer_plugin = MixedPrecision("bf16-mixed")
     make_trainer(trainer_plugin, max_steps=1).fit(TinyRegressor(), loader(n=8))
     assert isinstance(trainer_plugin._engine, TrainerEngine) and trainer_plugin.stats.optimizer_steps == 1
+
+
+# ------------------------------------------------------------------------------------------------ once per step
+
+
+def record_step_stages(policy: Any, stages: list[str]) -> None:
+    """Make ``policy`` append the name of each step hook it runs (and still run it) to ``stages``."""
+    for stage in ("prepare_step", "after_optimizer_step"):
+        hook = getattr(policy, stage)
+
+        def recorded(*args: Any, _hook: Callable[..., None] = hook, _stage: str = stage, **kwargs: Any) -> None:
+            stages.append(_stage)
+            _hook(*args, **kwargs)
+
+        setattr(policy, stage, recorded)
+
+
+class RecordsStepStages(L.Callback):
+    """Records, in order, the opt level's step hooks of a fit."""
+
+    def __init__(self) -> None:
+        self.stages: list[str] = []
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        record_step_stages(trainer.precision_plugin.policy, self.stages)
+
+
+class ClipsByHand(TinyRegressor):
+    """Manual optimization: backward, ``self.clip_gradients``, step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+STEP_LEVELS = [("O1", "16-mixed"), ("O2", "bf16-mixed"), ("O2", "16-mixed")]
+
+
+@pytest.mark.parametrize(("opt_level", "precision"), STEP_LEVELS)
+@pytest.mark.parametrize("loop", ["automatic", "automatic, clipped", "manual, clipped"])
+def test_the_trainer_prepares_each_steps_gradients_once(opt_level: str, precision: str, loop: str) -> None:
+    """The opt level prepares each optimizer step's gradients (O2: moves them to the fp32 masters) once, also where
+    the gradients are clipped before the step."""
+    recorder = RecordsStepStages()
+    plugin = MixedPrecision(precision, opt_level=opt_level)  # type: ignore[arg-type]
+    clipping = {"gradient_clip_val": 1.0} if loop == "automatic, clipped" else {}
+    trainer = make_trainer(plugin, max_steps=3, callbacks=[recorder], **clipping)
+    trainer.fit(ClipsByHand() if loop == "manual, clipped" else TinyRegressor(), loader(n=24))
+    assert plugin.stats.optimizer_steps == 3
+    assert recorder.stages == ["prepare_step", "after_optimizer_step"] * 3
+
+
+@pytest.mark.parametrize(("opt_level", "precision"), STEP_LEVELS)
+def test_fabric_prepares_each_steps_gradients_once_when_it_clips(opt_level: str, precision: str) -> None:
+    """Under Fabric, fabric.clip_gradients before optimizer.step prepares the step's gradients once, not twice."""
+    plugin = MixedPrecision(precision, opt_level=opt_level)  # type: ignore[arg-type]
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    module = TinyRegressor()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.01))
+    stages: list[str] = []
+    record_step_stages(plugin.policy, stages)
+    for features, target in loader(n=24):
+        fabric.backward(nn.functional.mse_loss(model(features).float(), target))
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert plugin.stats.optimizer_steps == 3
+    assert stages == ["prepare_step", "after_optimizer_step"] * 3

@@ -6,6 +6,8 @@ or not) and hands every hook to it. An engine turns the hooks of its front end i
     forward      before_forward, convert_input, convert_output     autocast is the plugin's; the engine copies the
                                                                    running statistics and checks the inputs
     backward     pre_backward, backward, post_backward             the loss is multiplied by the loss scale (fp16)
+    prepare      prepare_step                                      once per optimizer step, before unscale, clip and
+                                                                   step (O2: the gradients move to the fp32 masters)
     unscale      unscale_gradients                                 once per optimizer step, with the inf/NaN check
     clip         clip_gradients, main_params                       on true gradients, re-checked after clipping
     step         optimizer_step                                    skipped when a gradient is inf or NaN
@@ -162,6 +164,9 @@ class StepEngine(ABC):
         self.running_stats = RunningStats()
         self._skipped_by_optimizer: dict[int, bool | Tensor] = {}
         """Per optimizer, its last step's verdict: a bool, or the device flag of a step skipped on the device."""
+        self._prepared: set[int] = set()
+        """The optimizers (by ``id``) whose gradients the opt level prepared since their last step and the last
+        backward: :meth:`prepare_step` asks it once per step, whichever of unscale, clip and step comes first."""
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the most recent step of ``optimizer`` was skipped; False before one.
@@ -248,6 +253,17 @@ class StepEngine(ABC):
 
     # ------------------------------------------------------------------------------------------------ shared
 
+    def prepare_step(self, optimizer: Optimizer) -> None:
+        """Let the opt level prepare ``optimizer``'s gradients for its step (O2 moves them to the masters), once.
+
+        Unscaling, clipping and stepping each ask, and the first prepares. A backward makes new gradients, which the
+        next ask prepares; so does the end of the step (the engines discard ``optimizer`` from ``_prepared`` where
+        they tell the opt level ``after_optimizer_step``), also when no backward ran in between.
+        """
+        if id(optimizer) not in self._prepared:
+            self._prepared.add(id(optimizer))
+            self.policy.prepare_step(optimizer)
+
     @abstractmethod
     def closure_refusal(self) -> Exception:
         """The error for an optimizer that evaluates its closure itself (LBFGS) with a scaled loss."""
@@ -283,7 +299,8 @@ class StepEngine(ABC):
         def checked_closure() -> Any:
             nonlocal finite
             loss = closure()
-            self.policy.prepare_step(optimizer)
+            self._prepared.discard(id(optimizer))  # every evaluation made new gradients, however it ran backward
+            self.prepare_step(optimizer)
             finite = all_finite(loss, parameters) and finite
             return loss
 
@@ -297,5 +314,6 @@ class StepEngine(ABC):
         self.running_stats.settle(skipped, models)
         self._skipped_by_optimizer[id(optimizer)] = skipped
         self.loss_scaler.record_unchecked_step(skipped)
+        self._prepared.discard(id(optimizer))
         self.policy.after_optimizer_step(optimizer, skipped)
         return output

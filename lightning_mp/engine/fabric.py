@@ -238,6 +238,7 @@ class FabricEngine(StepEngine):
         self.settle()
         while self._skipped_on_device:
             self.policy.after_optimizer_step(self._skipped_on_device.pop(), True)
+        self._prepared.clear()
         with self.policy.backward_context():
             self.loss_scaler.scale(tensor).backward(*args, **kwargs)
 
@@ -327,6 +328,7 @@ class FabricEngine(StepEngine):
             )
         self._finite_before_clipping.discard(id(optimizer))
         self._skipped_by_optimizer[id(optimizer)] = skipped
+        self._prepared.discard(id(optimizer))
         self.policy.after_optimizer_step(optimizer, skipped)
         return output
 
@@ -357,7 +359,7 @@ class FabricEngine(StepEngine):
 
     def _unscale(self, optimizer: Optimizer) -> None:
         self._connect(optimizer)
-        self.policy.prepare_step(optimizer)
+        self.prepare_step(optimizer)
         if id(optimizer) in self._unscaled:
             return
         if id(optimizer) in self._stepped_since_update:

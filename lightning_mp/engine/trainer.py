@@ -174,6 +174,7 @@ class TrainerEngine(StepEngine):
 
     def backward(self, tensor: Tensor, module: LightningModule, *args: Any, **kwargs: Any) -> None:
         """Lightning's backward: ``module.backward`` of the loss ``pre_backward`` scaled, in the level's context."""
+        self._prepared.clear()
         with self.policy.backward_context():
             Precision.backward(self.lightning, tensor, module, *args, **kwargs)
 
@@ -183,7 +184,7 @@ class TrainerEngine(StepEngine):
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Make the gradients true gradients, at most once per optimizer step."""
-        self.policy.prepare_step(optimizer)
+        self.prepare_step(optimizer)
         self._prepare_gradients(optimizer, unscale=True)
 
     def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:
@@ -195,10 +196,10 @@ class TrainerEngine(StepEngine):
         wrapper, optimizer = optimizer, raw_optimizer(optimizer)
         if isinstance(wrapper, LightningOptimizer):
             adopt_wrapper_unscale(self.loss_scaler, [wrapper], optimizer)
-        self.policy.prepare_step(optimizer)
         if clip_val > 0:
             # Checked before clipping in every precision (bf16 and fp32 only read them): clipping by value would turn
             # an inf into a finite gradient, and a fused optimizer, checked at its step, would take the step.
+            self.prepare_step(optimizer)
             self._prepare_gradients(optimizer, unscale=True)
         Precision.clip_gradients(
             self.lightning, optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=algorithm
@@ -215,21 +216,24 @@ class TrainerEngine(StepEngine):
             return self._closure_step(optimizer, model, closure, **kwargs)
         loss_scaler = self.loss_scaler
         closure_result = closure()
+        self.prepare_step(optimizer)
         # In automatic optimization a training_step that returned None ran no backward: there is nothing to step.
+        # Its forward left O2's half weights in the model; prepare_step showed the masters again, as after a step.
         if closure_result is None and model.automatic_optimization:
             self.lightning._after_closure(model, optimizer)
+            self._prepared.discard(id(optimizer))
             return closure_result
         if not model.automatic_optimization:
             wrappers = model.optimizers(use_pl_optimizer=True)
             wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
             adopt_wrapper_unscale(loss_scaler, wrappers, optimizer)
-        self.policy.prepare_step(optimizer)
         self._prepare_gradients(optimizer, unscale=not supports_fused_protocol(optimizer))
         self.lightning._after_closure(model, optimizer)
         if not _has_gradients(optimizer):
             # Nothing to check or unscale (torch's GradScaler would refuse such a step): step as Lightning would.
             self._skipped_by_optimizer[id(optimizer)] = False
             step_output = optimizer.step(**kwargs)
+            self._prepared.discard(id(optimizer))
             self.policy.after_optimizer_step(optimizer, False)
             return step_output
         step_output = loss_scaler.step(optimizer, **kwargs)
@@ -249,6 +253,7 @@ class TrainerEngine(StepEngine):
         else:
             # The scale moves when the training step returns; this optimizer's own verdict is needed now.
             skipped = self._skipped_by_optimizer[id(optimizer)] = loss_scaler.found_inf(optimizer)
+        self._prepared.discard(id(optimizer))
         self.policy.after_optimizer_step(optimizer, skipped)
         return step_output
 

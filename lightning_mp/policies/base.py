@@ -106,9 +106,10 @@ class PrecisionPolicy:
         return contextlib.nullcontext()
 
     def prepare_step(self, optimizer: Optimizer) -> None:
-        """Called before the gradients of ``optimizer`` are unscaled, clipped or stepped (at least once per step).
+        """Called once per step, before the gradients of ``optimizer`` are unscaled, clipped or stepped.
 
-        Also once after each closure evaluation of an optimizer that evaluates its closure itself (LBFGS).
+        Again only where a backward ran since (the engine's :meth:`~lightning_mp.engine.base.StepEngine.prepare_step`);
+        also once after each closure evaluation of an optimizer that evaluates its closure itself (LBFGS).
         """
 
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:

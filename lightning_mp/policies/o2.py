@@ -29,39 +29,47 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
    already. A group added later with twins (``BackboneFinetuning``'s ``add_param_group``) is pointed at the masters
    at its first step.
 3. Forward (``forward_context``, every training, validation, test and predict step and Fabric's forward): the
-   outermost entry puts the twins into the slots and the exit puts the masters back (a dict write per slot: no
-   cast, no op, no Python call). Autocast stays on around it, as a safety net for what is not a chosen weight: fp32
-   inputs of matrix products, losses and softmax-like reductions in fp32, normalisation layers in fp32 (their fp32
-   weights with half inputs). Since embeddings are half, the residual stream and the activations saved for backward
-   are half too. Backward (``backward_context``) flows into the twins, whose ``.grad`` is half, where autograd and
-   DDP accumulate it (``no_sync`` gradient accumulation included); it puts the twins back into the slots, so that
-   from backward to the step the model shows them with their gradients (``on_after_backward``, ``clip_grad_norm_``
-   of ``self.parameters()`` after ``manual_backward``, Fabric code between ``fabric.backward`` and the step).
-4. Step (the engines call :meth:`O2Policy.prepare_step` before unscaling, clipping or stepping an optimizer): the
-   masters come back into the slots, and the twins' gradients move into their masters' ``.grad`` in fp32 (added
-   where a master already holds one); the twins' are freed. So the loss scaler unscales and checks fp32 master
-   gradients (foreach, fused and the fused hand-off work unchanged), and ``on_before_optimizer_step`` hooks,
-   ``grad_norm`` and gradient clipping see true fp32 gradients on ``model.parameters()``. Gradients move at the
-   step, not after each backward: DDP reduces the accumulated ``.grad`` once, at the last micro-batch, so an earlier
-   move would keep earlier micro-batches out of the reduction. The cost is that micro-batches accumulate in half (in
-   fp16 the scaled gradients, whose range fits); a step without accumulation loses nothing. After the optimizer step
-   (:meth:`O2Policy.after_optimizer_step`) one foreach copy writes the stepped masters into their twins, the one
-   cast per weight per optimizer step, and the masters' fp32 gradients are freed. The stepped masters are named,
-   not found by their version counters, which fused optimizer kernels do not move. A step the host saw skipped
-   changed no master and writes nothing; one skipped on the device (fused kernels) writes the same values again.
+   outermost entry puts the twins into the slots (a dict write per slot: no cast, no op, no Python call). A forward
+   without gradients (validation, test, predict) puts the masters back at its exit; a forward with gradients leaves
+   the twins there for its backward, and the step shows the masters (point 4), so a training step swaps the weights
+   twice (entry and step), not four times. Its exit shows them too where the forward failed, or where an optimizer
+   stepped inside it (manual optimization's ``training_step``). Autocast stays on around it, as a safety net for
+   what is not a chosen weight: fp32 inputs of matrix products, losses and softmax-like reductions in fp32,
+   normalisation layers in fp32 (their fp32 weights with half inputs). Since embeddings are half, the residual
+   stream and the activations saved for backward are half too. Backward (``backward_context``) flows into the
+   twins, whose ``.grad`` is half, where autograd and DDP accumulate it (``no_sync`` gradient accumulation
+   included); it puts the twins into the slots where they are not, so that from the training forward to the step
+   the model shows them, with their gradients after backward (``on_before_backward``, ``on_after_backward``,
+   ``clip_grad_norm_`` of ``self.parameters()`` after ``manual_backward``, Fabric code between the forward and the
+   step).
+4. Step (the engines call :meth:`O2Policy.prepare_step` once per optimizer step, before unscaling, clipping or
+   stepping it): in one pass the masters come back into the slots, and the twins' gradients move into their masters'
+   ``.grad`` in fp32 (added where a master already holds one); the twins' are freed. A training step that returned
+   None (no backward) is prepared too, so the masters are back after it as after any step. So the loss scaler
+   unscales and checks fp32 master gradients (foreach, fused and the fused hand-off work unchanged), and
+   ``on_before_optimizer_step`` hooks, ``grad_norm`` and gradient clipping see true fp32 gradients on
+   ``model.parameters()``. Gradients move at the step, not after each backward: DDP reduces the accumulated ``.grad``
+   once, at the last micro-batch, so an earlier move would keep earlier micro-batches out of the reduction. The cost
+   is that micro-batches accumulate in half (in fp16 the scaled gradients, whose range fits); a step without
+   accumulation loses nothing. After the optimizer step (:meth:`O2Policy.after_optimizer_step`) one foreach copy
+   writes the stepped masters into their twins, the one cast per weight per optimizer step, and the masters' fp32
+   gradients are freed. The stepped masters are named, not found by their version counters, which fused optimizer
+   kernels do not move. A step the host saw skipped changed no master and writes nothing; one skipped on the device
+   (fused kernels) writes the same values again.
 5. Edits are never lost. A master whose version counter moved since its twin was written (``load_state_dict``,
    StochasticWeightAveraging or an EMA callback writing fp32 weights between steps) is written into its twin at the
    next forward. A twin edited in place while it is in the slots (a weight changed inside ``training_step``) is
-   copied into its master when the masters come back, element by element: where the twin still equals the master
-   rounded to half, the master keeps its extra bits, so swapping weights out and back in loses nothing.
+   copied into its master when the masters come back, or at the next forward's entry where that comes first, element
+   by element: where the twin still equals the master rounded to half, the master keeps its extra bits, so swapping
+   weights out and back in loses nothing.
    ``state_dict()`` gives the masters' fp32 values also while the twins are in the slots, and ``load_state_dict``
    writes fp32 values into the masters exactly. Writes through ``.data`` move no version counter; Lightning's
    ``WeightAveraging`` swaps the average in and out that way around validation, so the first forward without
    gradients (validation, test, predict) after one with them, and the reverse, write every master into its twin.
-   ``requires_grad`` set on either side since the last forward
-   (``BackboneFinetuning`` freezes and unfreezes whichever the model shows) is mirrored at the outermost forward's
-   entry and exit; inside a step, where ``toggle_optimizer`` sets it on the masters the optimizer holds, the
-   backward context keeps gradients from the twins whose masters do not require them.
+   ``requires_grad`` set on either side since the last forward (``BackboneFinetuning`` freezes and unfreezes
+   whichever the model shows) is mirrored at the outermost forward's entry and at an exit that puts the masters
+   back; inside a step, where ``toggle_optimizer`` sets it on the masters the optimizer holds, the backward context
+   keeps gradients from the twins whose masters do not require them.
 6. The Trainer and Fabric move the model to its device after ``convert_module``, while it holds the twins: the
    masters follow at ``connect`` and at the first forward (same parameter objects, new storage). ``teardown``
    (after fit, and after a failed fit) puts the masters back for good, removes every hook and forgets the model: the
@@ -70,8 +78,8 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
 
 Memory with AdamW, per parameter: between steps 2 bytes of half weight, 4 of master and 8 of moments (fp32 and O1
 keep 16, with their gradients); during backward 2 more of half gradient, at the step 4 of fp32 gradient. The host
-work is a few Python calls per step, whatever the size of the model (the forward and backward contexts are built
-once; each swap is one pass over the parameters).
+work is a few Python calls per step, whatever the size of the model, and no more than O1's: the forward and
+backward contexts are built once, and the step's pass over the pairs is written out in ``prepare_step``.
 
 Under ``torch.compile`` of a whole model after ``fabric.setup`` the forward context is traced, and the slots cannot
 change inside a graph: that model computes with its masters under autocast, as in O1.
@@ -195,7 +203,8 @@ class MasterWeights:
         """Per pair, its qualified names in the converted model (a tied parameter has several)."""
         self.twins_in_slots = False
         self._no_grad = torch.no_grad()
-        self._twin_versions: list[int] = []
+        self.twin_versions: list[int] = []
+        """The twins' versions when they were last written: a twin whose version moved was edited in the slots."""
         self._master_versions: list[int] = []
         """The masters' versions when their twins were last written: a master whose version moved has changed."""
         self._requires_grad: list[bool] = []
@@ -215,7 +224,7 @@ class MasterWeights:
         self.twins.append(twin)
         self.slots.append(slots)
         self.keys.append(keys)
-        self._twin_versions.append(twin._version)
+        self.twin_versions.append(twin._version)
         self._master_versions.append(master._version)
         self._requires_grad.append(master.requires_grad)
         self._aliases.append(twin.detach())
@@ -246,23 +255,29 @@ class MasterWeights:
         """The pair index of each of ``parameters`` that has one."""
         return [index for p in parameters if (index := self._index_of.get(id(p))) is not None]
 
-    def show_masters(self, mirror: bool = True, show: bool = True) -> None:
-        """Put the masters back into the slots, after copying what was edited on the twins into them.
+    def take_edit(self, i: int) -> None:
+        """Copy what was written into twin ``i`` since it was last written into its master, element by element.
 
-        ``show=False`` only copies the edits (and mirrors ``requires_grad`` if asked).
-
-        Where an edited twin still equals its master rounded to half, the master keeps its value: writing back
-        what was there (an EMA swap, a ``load_state_dict`` of the same values) loses no precision. One method, not
-        three, because it runs at every forward (module docstring, point 3).
+        Where the twin still equals its master rounded to half, the master keeps its value: writing back what was
+        there (an EMA swap, a ``load_state_dict`` of the same values) loses no precision.
         """
-        versions = self._twin_versions
+        master, twin = self.masters[i], self.twins[i]
+        with self._no_grad:
+            master.copy_(torch.where(twin == master.to(self.dtype), master, twin.to(master.dtype)))
+        self.twin_versions[i] = twin._version
+        self._master_versions[i] = master._version
+
+    def show_masters(self, mirror: bool = True, show: bool = True) -> None:
+        """Put the masters back into the slots, after taking the edits of the twins into them (:meth:`take_edit`).
+
+        ``show=False`` only takes the edits (and mirrors ``requires_grad`` if asked). One method, not three, because
+        it runs at the end of every evaluation forward (module docstring, point 3).
+        """
+        versions = self.twin_versions
         recorded = self._requires_grad
         for i, (master, twin) in enumerate(zip(self.masters, self.twins, strict=True)):
             if twin._version != versions[i]:
-                with self._no_grad:
-                    master.copy_(torch.where(twin == master.to(self.dtype), master, twin.to(master.dtype)))
-                versions[i] = twin._version
-                self._master_versions[i] = master._version
+                self.take_edit(i)
             if mirror:
                 if twin.requires_grad != recorded[i]:
                     master.requires_grad_(twin.requires_grad)
@@ -310,7 +325,7 @@ class MasterWeights:
         if targets:
             torch._foreach_copy_(targets, sources)
             for i in written:
-                self._twin_versions[i] = self.twins[i]._version
+                self.twin_versions[i] = self.twins[i]._version
         if show:
             self.twins_in_slots = True
 
@@ -335,7 +350,12 @@ class MasterWeights:
 
 
 class _TwinsInSlots(AbstractContextManager):
-    """The forward context: twins in the slots from the outermost entry to its exit (module docstring, point 3)."""
+    """The forward context: the twins into the slots at the outermost entry (module docstring, point 3).
+
+    The outermost exit of a forward with gradients leaves them there for the backward, and the step shows the
+    masters; an evaluation, a failed forward, and a training step that took its optimizer steps inside (manual
+    optimization) show them at the exit.
+    """
 
     def __init__(self, policy: O2Policy) -> None:
         self.policy = policy
@@ -351,6 +371,10 @@ class _TwinsInSlots(AbstractContextManager):
                 policy.adopt_materialized_lazy()
             if weights.masters and weights.masters[0].device != weights.twins[0].device:
                 weights.follow_devices()
+            if weights.twins_in_slots:
+                # Left there by a forward with gradients that no step followed yet (gradient accumulation, a loss
+                # dropped): what was written into them since is taken before any master is written over it.
+                weights.show_masters(mirror=False, show=False)
             # Edits through ``.data`` move no version counter (Lightning's WeightAveraging swaps the average in and
             # out that way around validation): where evaluation starts or ends, every master is written.
             evaluating = not torch.is_grad_enabled()
@@ -358,12 +382,15 @@ class _TwinsInSlots(AbstractContextManager):
             policy.evaluating = evaluating
             weights.push(everything, show=True, mirror=True)
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         policy = self.policy
         if policy.forward_depth == 0:
             return
         policy.forward_depth -= 1
-        if policy.forward_depth == 0 and policy.weights is not None:
+        if policy.forward_depth or policy.weights is None:
+            return
+        if policy.evaluating or policy.stepped_in_forward or exc_type is not None:
+            policy.stepped_in_forward = False
             policy.weights.show_masters()
 
 
@@ -458,6 +485,8 @@ class O2Policy(PrecisionPolicy):
         self.forward_depth = 0
         self.evaluating = False
         """Whether the last outermost forward ran without gradients (validation, test, predict)."""
+        self.stepped_in_forward = False
+        """Whether an optimizer stepped inside the current forward context (manual optimization's training step)."""
         # Built once: a forward and a backward then cost two Python calls each (the host overhead O2 must not add).
         self._twins_in_slots = _TwinsInSlots(self)
         self._held_gradients: _HeldGradients | None = None
@@ -545,32 +574,41 @@ class O2Policy(PrecisionPolicy):
 
     @override
     def prepare_step(self, optimizer: Optimizer) -> None:
-        """Show the masters in the model and move the twins' gradients into them, in fp32, before the scaler."""
+        """Show the masters in the model and move the twins' gradients into them, in fp32, before the scaler.
+
+        One pass over the pairs takes the twins' edits, shows the masters and moves the gradients. It is written here
+        rather than through :meth:`MasterWeights.show_masters` because it runs at every step, where each method
+        call is a Python call more than O1's step makes (issue 22's host budget); unlike that method it mirrors no
+        ``requires_grad``, which ``toggle_optimizer`` may have set on the masters for this step only.
+        """
         weights = self.weights
         if weights is None:
             return
         if self._adopted.get(id(optimizer)) != len(optimizer.param_groups):
             self._adopt(optimizer)
-        if weights.twins_in_slots:
-            weights.show_masters(mirror=False)
         stepped = self._stepped.get(id(optimizer))
         if stepped is None:
             stepped = self._stepped[id(optimizer)] = set(
                 weights.indices([p for group in optimizer.param_groups for p in group["params"]])
             )
-        # The twins' half gradients move into their masters' .grad in fp32, added to one already there.
-        masters, twins = weights.masters, weights.twins
-        for i in stepped:
-            twin = twins[i]
+        show = weights.twins_in_slots
+        versions = weights.twin_versions
+        for i, (master, twin, slots) in enumerate(zip(weights.masters, weights.twins, weights.slots, strict=True)):
+            if twin._version != versions[i]:
+                weights.take_edit(i)
+            if show:
+                for module, name in slots:
+                    module._parameters[name] = master
             gradient = twin.grad
-            if gradient is None:
+            if gradient is None or i not in stepped:
                 continue
-            master = masters[i]
+            # The twin's half gradient moves into its master's .grad in fp32, added to one already there.
             if master.grad is None:
                 master.grad = gradient.to(master.dtype)
             else:
                 master.grad.add_(gradient)
             twin.grad = None
+        weights.twins_in_slots = False
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
@@ -579,7 +617,8 @@ class O2Policy(PrecisionPolicy):
         The fp32 gradients live from :meth:`prepare_step` to here: between steps O2 keeps 2 bytes of half weight,
         4 of master and the optimizer's states per parameter, and no gradient. After a skip, weights beyond fp16's
         range are named. Inside a forward context (manual optimization's ``training_step``) the twins go back into
-        the slots, so that a later forward in the same step computes in half with the new weights.
+        the slots, so that a later forward in the same step computes in half with the new weights, and the masters
+        come back at that context's exit.
 
         Raises:
             HalfOverflowError: if the step was skipped because a weight's fp16 twin was inf.
@@ -590,7 +629,9 @@ class O2Policy(PrecisionPolicy):
             return
         # A step the host saw skipped changed no master; one skipped on the device is written again, unchanged.
         stepped = () if skipped is True else self._stepped.get(id(optimizer), ())
-        weights.push(stepped, show=self.forward_depth > 0)
+        inside_forward = self.forward_depth > 0
+        weights.push(stepped, show=inside_forward)
+        self.stepped_in_forward |= inside_forward
         for i in stepped:
             weights.masters[i].grad = None
         if skipped:
@@ -609,6 +650,7 @@ class O2Policy(PrecisionPolicy):
         self._stepped = {}
         self.forward_depth = 0
         self.evaluating = False
+        self.stepped_in_forward = False
 
     def _adopt(self, optimizer: Optimizer) -> None:
         """Point ``optimizer``'s groups at the masters of the twins they hold; move the twins' state to them."""
