@@ -55,10 +55,10 @@ plugin the training step of such a module runs outside the root's forward instea
 itself (``self(x)``, its ``forward``) inside it goes through the root, as Fabric's model calls do: every forward is
 FSDP's whole forward, every ``manual_backward`` FSDP's whole backward, and ``self.clip_gradients`` and
 ``opt.step()`` act on finished gradient shards. The model must compute through its ``forward`` there (a submodule
-called directly would miss the root's gather). The plugin puts this in the place of the strategy's forward
-redirection (the Trainer's private ``Strategy._forward_redirection``, where Lightning's DDP strategy puts its own)
-when it connects to such a module, and puts Lightning's back at teardown; the automatic training step, validation,
-test and predict steps keep Lightning's.
+called directly would miss the root's gather). The plugin puts this in the place of the strategy's public
+``training_step`` (an attribute of that strategy object, which the Trainer calls) when it connects to such a module,
+and removes it at teardown; the automatic training step, validation, test and predict steps keep Lightning's. A
+strategy subclass's own ``training_step`` is bypassed for manual steps: Lightning's runs the step inside the root.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
@@ -73,7 +73,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDPPrecision
-from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -98,43 +97,48 @@ def _instance_of(types: tuple[type[nn.Module], ...]) -> Callable[[nn.Module], bo
     return lambda module: bool(types) and isinstance(module, types)
 
 
-class _ManualStepOutsideTheRoot:
-    """The Trainer strategy's forward redirection for a module with manual optimization (module docstring).
+class _ManualTrainingStepBesideTheRoot:
+    """The Trainer strategy's ``training_step`` for a module with manual optimization (module docstring).
 
-    Its ``training_step`` runs outside the root ``FullyShardedDataParallel``'s forward, and each call of the module's
-    ``forward`` inside it goes through the root; every other call is Lightning's redirection's.
+    The module's ``training_step`` runs outside the root ``FullyShardedDataParallel``'s forward, in the precision
+    plugin's ``train_step_context`` as Lightning's step runs it, and each call of the module's ``forward`` inside it
+    goes through the root.
 
     Args:
-        lightning_redirection: the strategy's own redirection, for every other call and to put back at teardown.
+        strategy: the Trainer's strategy, whose ``model`` is the root and ``lightning_module`` the module.
 
     """
 
-    def __init__(self, lightning_redirection: Callable[..., Any]) -> None:
-        self.lightning_redirection = lightning_redirection
+    def __init__(self, strategy: FSDPStrategy) -> None:
+        self.strategy = strategy
 
-    def __call__(self, wrapper: nn.Module, module: LightningModule, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``module.<method_name>(*args, **kwargs)``; a manual training step beside the root ``wrapper``."""
-        if method_name != "training_step" or module.automatic_optimization:
-            return self.lightning_redirection(wrapper, module, method_name, *args, **kwargs)
-        had_forward_of_its_own = "forward" in vars(module)
-        module_forward = module.forward
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module's ``training_step(*args, **kwargs)`` beside the root."""
+        strategy = self.strategy
+        root, module = strategy.model, strategy.lightning_module
+        assert root is not None and module is not None
+        with strategy.precision_plugin.train_step_context():
+            if root is module:
+                return module.training_step(*args, **kwargs)
+            had_forward_of_its_own = "forward" in vars(module)
+            module_forward = module.forward
 
-        def forward_through_the_root(*forward_args: Any, **forward_kwargs: Any) -> Any:
-            # The root calls the module back: that call must reach the module's own forward.
-            module.forward = module_forward  # type: ignore[method-assign]
-            try:
-                return wrapper(*forward_args, **forward_kwargs)
-            finally:
-                module.forward = forward_through_the_root  # type: ignore[method-assign]
-
-        module.forward = forward_through_the_root  # type: ignore[method-assign]
-        try:
-            return module.training_step(*args, **kwargs)
-        finally:
-            if had_forward_of_its_own:
+            def forward_through_the_root(*forward_args: Any, **forward_kwargs: Any) -> Any:
+                # The root calls the module back: that call must reach the module's own forward.
                 module.forward = module_forward  # type: ignore[method-assign]
-            else:
-                del module.forward
+                try:
+                    return root(*forward_args, **forward_kwargs)
+                finally:
+                    module.forward = forward_through_the_root  # type: ignore[method-assign]
+
+            module.forward = forward_through_the_root  # type: ignore[method-assign]
+            try:
+                return module.training_step(*args, **kwargs)
+            finally:
+                if had_forward_of_its_own:
+                    module.forward = module_forward  # type: ignore[method-assign]
+                else:
+                    del module.forward
 
 
 # Lightning's FSDPPrecision types ``scaler`` as torch's ShardedGradScaler and ``optimizer_step`` with a required model;
@@ -167,8 +171,8 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
         """The module the strategy wraps (under the Trainer, the LightningModule, whose Trainer holds the root)."""
         self._units_checked = False
         """Whether the ``keep_fp32`` modules were checked to be fp32 FSDP units (O2), once per run."""
-        self._redirected_strategy: FSDPStrategy | None = None
-        """The Trainer's strategy whose forward redirection runs manual training steps beside the root."""
+        self._strategy_stepping_manually: FSDPStrategy | None = None
+        """The Trainer's strategy whose ``training_step`` runs manual training steps beside the root."""
 
     @property
     @override
@@ -269,9 +273,9 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
         trainer = attached_trainer(self._model)
         if trainer is not None and not trainer.lightning_module.automatic_optimization:
             strategy = trainer.strategy
-            if not isinstance(strategy._forward_redirection, _ManualStepOutsideTheRoot):
-                strategy._forward_redirection = _ManualStepOutsideTheRoot(strategy._forward_redirection)
-            self._redirected_strategy = strategy
+            if not isinstance(vars(strategy).get("training_step"), _ManualTrainingStepBesideTheRoot):
+                strategy.training_step = _ManualTrainingStepBesideTheRoot(strategy)
+            self._strategy_stepping_manually = strategy
         return super().connect(model, optimizers, lr_schedulers)
 
     @contextlib.contextmanager
@@ -402,10 +406,10 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
 
     @override
     def teardown(self) -> None:
-        """As :meth:`MixedPrecision.teardown`, forget the module, and give the strategy its own forward redirection."""
-        strategy, self._redirected_strategy = self._redirected_strategy, None
-        if strategy is not None and isinstance(strategy._forward_redirection, _ManualStepOutsideTheRoot):
-            strategy._forward_redirection = strategy._forward_redirection.lightning_redirection
+        """As :meth:`MixedPrecision.teardown`, forget the module, and give the strategy its own ``training_step``."""
+        strategy, self._strategy_stepping_manually = self._strategy_stepping_manually, None
+        if strategy is not None and isinstance(vars(strategy).get("training_step"), _ManualTrainingStepBesideTheRoot):
+            del strategy.training_step
         self._model = None
         super().teardown()
 

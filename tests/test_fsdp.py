@@ -282,9 +282,11 @@ def test_trainer_fsdp_manual_optimization_trains_like_the_plain_plugin(
         L.seed_everything(0, verbose=False)
         model = ManualRegressor(inject_at=(2,))
         # The same batches in the same order: no DistributedSampler under FSDP.
-        make_trainer(plugin, strategy=strategy, use_distributed_sampler=False).fit(model, loader())
+        trainer = make_trainer(plugin, strategy=strategy, use_distributed_sampler=False)
+        trainer.fit(model, loader())
         assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps) == (8, 1)
         assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+        assert "training_step" not in vars(trainer.strategy)  # the strategy's own step is back after the fit
         runs.append(model)
     fsdp, plain = runs
     assert [skipped for _, skipped in fsdp.steps].index(True) == 2
