@@ -124,18 +124,21 @@ class _ManualTrainingStepBesideTheRoot:
             module_forward = module.forward
 
             def forward_through_the_root(*forward_args: Any, **forward_kwargs: Any) -> Any:
-                # The root calls the module back: that call must reach the module's own forward.
+                # The root calls the module back: that call must reach the module's own forward. (The instance
+                # attribute shadows the method, which mypy does not allow to be assigned.)
                 module.forward = module_forward  # type: ignore[method-assign]
                 try:
                     return root(*forward_args, **forward_kwargs)
                 finally:
-                    module.forward = forward_through_the_root  # type: ignore[method-assign]
+                    module.forward = forward_through_the_root  # type: ignore[method-assign]  # shadows the method
 
+            # For the step, the module's forward is an instance attribute that goes through the root.
             module.forward = forward_through_the_root  # type: ignore[method-assign]
             try:
                 return module.training_step(*args, **kwargs)
             finally:
                 if had_forward_of_its_own:
+                    # The instance attribute it had before the step.
                     module.forward = module_forward  # type: ignore[method-assign]
                 else:
                     del module.forward
