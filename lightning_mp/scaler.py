@@ -16,7 +16,9 @@ optimizers, torch's contract: ``update()`` once, after the last ``step``):
   rewritten. Under DDP the flag is all-reduced (max) right there, on every path, so every rank takes the same
   decision: one collective per step, always issued in the same order, no deadlock. Under FSDP2 each rank checks
   its local shard of every gradient, empty shards left out, and the same all-reduce makes the decision unanimous
-  (:mod:`~lightning_mp.scaling.sharded`).
+  (:mod:`~lightning_mp.scaling.sharded`). Under :class:`~lightning_mp.MixedPrecision` an explicit ``unscale_`` first
+  has the opt level put the step's gradients in place (O2 moves them to its fp32 masters), so that it unscales and
+  checks what the step applies (:meth:`LossScaler.prepare_before_unscale`).
 * ``step`` of a fused optimizer (Adam, AdamW, SGD, Adagrad with ``fused=True``, or any optimizer that declares
   ``_step_supports_amp_scaling``) follows torch's ``GradScaler.step``: the optimizer gets the flag as ``found_inf``
   and, when nothing unscaled its gradients yet, the scale as ``grad_scale`` (times a ``grad_scale`` the user set),
@@ -64,7 +66,7 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -249,6 +251,9 @@ class LossScaler(torch.amp.GradScaler):
         self._pending: IterationRecord | None = None
         """On an accelerator, the last iteration, replayed on the host at the next ``update``."""
         self._mirror = HostMirror()
+        self._before_unscale: Callable[[torch.optim.Optimizer], None] | None = None
+        self._prepared: Container[int] = ()
+        """The ``id`` of each optimizer whose gradients are in place: :meth:`unscale_` calls no preparation for it."""
 
     # ------------------------------------------------------------------------------------------------ knobs
 
@@ -411,17 +416,41 @@ class LossScaler(torch.amp.GradScaler):
             return bool(record.verdict_from_norms(index))
         return record.device_flags.get(index)
 
+    def prepare_before_unscale(
+        self, prepare: Callable[[torch.optim.Optimizer], None] | None, prepared: Container[int] = ()
+    ) -> None:
+        """Have :meth:`unscale_` call ``prepare(optimizer)`` first, unless ``id(optimizer)`` is in ``prepared``.
+
+        For the step engine of an opt level whose gradients reach the optimizer's parameters only at the step (O2
+        moves them from the half weights to the fp32 masters): a user's ``scaler.unscale_(optimizer)`` before the
+        step ("unscale, clip, step") then unscales and checks the gradients the step will apply. The engine lists
+        each optimizer it has prepared in ``prepared`` (a set it keeps updating), so that its own unscale, which
+        prepares first, pays no call here. ``None`` removes the preparation (at the end of a run).
+
+        Args:
+            prepare: called with the optimizer (or the wrapper) given to :meth:`unscale_`.
+            prepared: the ``id`` of each optimizer whose gradients are in place.
+
+        """
+        self._before_unscale = prepare
+        self._prepared = prepared if prepare is not None else ()
+
     @override
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place (fp16) and check them for inf/NaN.
 
         In check mode (bf16, fp32) the gradients are only read. Runs at most once per optimizer and iteration, like
-        torch's (use :meth:`is_unscaled` to ask first). Under DDP the flag is all-reduced with ``max``.
+        torch's (use :meth:`is_unscaled` to ask first). Under DDP the flag is all-reduced with ``max``. Under
+        :class:`~lightning_mp.MixedPrecision` the opt level first puts the step's gradients in place
+        (:meth:`prepare_before_unscale`).
 
         Raises:
             RuntimeError: when called twice for ``optimizer`` in one iteration, or after its ``step``.
 
         """
+        prepare = self._before_unscale
+        if prepare is not None and id(optimizer) not in self._prepared:
+            prepare(optimizer)
         self._unscale(optimizer, unscales=True)
 
     def _unscale(self, optimizer: torch.optim.Optimizer, unscales: bool) -> dict[Any, Any]:
@@ -868,7 +897,8 @@ class LossScaler(torch.amp.GradScaler):
                 "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after"
                 " scaler.update()."
             )
-        return self.__dict__.copy()
+        # The preparation belongs to the running engine: a copy keeps no tie to its model and optimizers.
+        return {**self.__dict__, "_before_unscale": None, "_prepared": ()}
 
     @override
     def state_dict(self) -> dict[str, Any]:

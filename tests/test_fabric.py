@@ -118,6 +118,55 @@ def test_clip_gradients_sees_true_gradients() -> None:
     assert plugin.stats.skipped_steps == 0
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("given", ["fabric_optimizer", "torch_optimizer"])
+def test_a_users_unscale_then_torch_clipping_then_step_equals_fabric_clip_gradients(opt_level: str, given: str) -> None:
+    """plugin.scaler.unscale_(optimizer), torch's clip_grad_norm_ of the model's parameters, then optimizer.step():
+    the gradients are unscaled once, clipped true, and the weights end as with fabric.clip_gradients."""
+
+    def run(users_unscale: bool) -> list[torch.Tensor]:
+        plugin = MixedPrecision("16-mixed", init_scale=2.0**8, opt_level=opt_level)  # type: ignore[arg-type]
+        fabric, model, optimizer = setup(plugin)
+        for seed in range(3):
+            x, y = batch(seed)
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            if users_unscale:
+                plugin.scaler.unscale_(optimizer if given == "fabric_optimizer" else optimizer.optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+            else:
+                fabric.clip_gradients(model, optimizer, max_norm=0.1)
+            optimizer.step()
+            optimizer.zero_grad()
+        assert plugin.stats.skipped_steps == 0
+        return [p.detach().clone() for p in model.parameters()]
+
+    for actual, expected in zip(run(users_unscale=True), run(users_unscale=False), strict=True):
+        assert actual.dtype == torch.float32 and torch.isfinite(actual).all()
+        torch.testing.assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("given", ["fabric_optimizer", "torch_optimizer"])
+def test_an_inf_found_by_a_users_unscale_skips_the_step(opt_level: str, given: str) -> None:
+    """An inf gradient, then plugin.scaler.unscale_(optimizer) and optimizer.step(): skipped and counted, the weights
+    and Adam's moments as they were."""
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**10, opt_level=opt_level)  # type: ignore[arg-type]
+    fabric, model, optimizer = setup(plugin, optimizer="adam")
+    train_step(fabric, model, optimizer, seed=0)
+    weights = [value.clone() for value in model.state_dict().values()]
+    moments = copy.deepcopy(optimizer.state_dict()["state"])
+    x, y = batch(1)
+    fabric.backward(nn.functional.mse_loss(model(x), y))
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    plugin.scaler.unscale_(optimizer if given == "fabric_optimizer" else optimizer.optimizer)
+    optimizer.step()
+    for before, after in zip(weights, model.state_dict().values(), strict=True):
+        assert torch.equal(before, after)
+    for index, state in optimizer.state_dict()["state"].items():
+        assert torch.equal(state["exp_avg"], moments[index]["exp_avg"])
+    assert (plugin.stats.skipped_steps, plugin.stats.optimizer_steps) == (1, 2)
+
+
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
 @pytest.mark.parametrize("clip", [{"max_norm": 0.1}, {"clip_val": 0.01}])
 def test_clipping_a_fused_optimizer_matches_the_foreach_one(precision: str, clip: dict[str, float]) -> None:

@@ -15,16 +15,36 @@ from tests.helpers import loader, make_trainer
 CLIP = 1e-3
 
 
-class ManualRegressor(L.LightningModule):
-    """One linear layer, plain SGD with lr=1: a step moves the weights by exactly the (clipped) gradient."""
+OPTIMIZERS = {
+    "sgd": lambda parameters: torch.optim.SGD(parameters, lr=1.0),
+    "adamw_foreach": lambda parameters: torch.optim.AdamW(parameters, lr=1e-2, foreach=True),
+    "adamw_fused": lambda parameters: torch.optim.AdamW(parameters, lr=1e-2, fused=True),
+}
 
-    def __init__(self, clip: str = "none", accumulate: int = 1, use_closure: bool = False) -> None:
+
+class ManualRegressor(L.LightningModule):
+    """One linear layer, plain SGD with lr=1 (unless ``optimizer`` names another of :data:`OPTIMIZERS`): a step
+    moves the weights by exactly the gradient, clipped to ``clip_value``; an inf is planted in a gradient at the
+    ``inject_at`` batches, after backward."""
+
+    def __init__(
+        self,
+        clip: str = "none",
+        accumulate: int = 1,
+        use_closure: bool = False,
+        optimizer: str = "sgd",
+        inject_at: tuple[int, ...] = (),
+        clip_value: float = CLIP,
+    ) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.layer = nn.Linear(8, 1)
         self.clip = clip
         self.accumulate = accumulate
         self.use_closure = use_closure
+        self.optimizer_name = optimizer
+        self.inject_at = inject_at
+        self.clip_value = clip_value
         self.update_norms: list[float] = []
         self.scales_at_backward: list[float] = []
 
@@ -51,12 +71,16 @@ class ManualRegressor(L.LightningModule):
         self.manual_backward(self._loss(batch))
         if (batch_idx + 1) % self.accumulate:
             return
+        if batch_idx in self.inject_at:
+            self.layer.weight.grad[0, 0] = float("inf")
         if self.clip == "explicit_unscale":
             plugin.scaler.unscale_(opt.optimizer)
-        elif self.clip in ("explicit_unscale_of_the_wrapper", "explicit_unscale_without_clipping"):
+        elif self.clip.startswith(("explicit_unscale_of_the_wrapper", "explicit_unscale_without_clipping")):
             plugin.scaler.unscale_(opt)
-        if self.clip not in ("none", "explicit_unscale_without_clipping"):
-            self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        if self.clip == "explicit_unscale_of_the_wrapper_then_torch_clipping":
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_value)
+        elif self.clip not in ("none", "explicit_unscale_without_clipping"):
+            self.clip_gradients(opt, gradient_clip_val=self.clip_value, gradient_clip_algorithm="norm")
         before = [p.detach().clone() for p in self.parameters()]
         opt.step()
         opt.zero_grad()
@@ -64,7 +88,7 @@ class ManualRegressor(L.LightningModule):
         self.update_norms.append(float(update.norm()))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1.0)
+        return OPTIMIZERS[self.optimizer_name](self.parameters())
 
 
 @pytest.mark.parametrize("clip", ["clip_gradients", "explicit_unscale", "explicit_unscale_of_the_wrapper"])
@@ -84,6 +108,61 @@ def test_an_explicit_unscale_of_self_optimizers_is_not_repeated_by_the_step():
     make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=2).fit(model, loader())
     make_trainer(MixedPrecision("32-true"), max_steps=2).fit(reference, loader())
     assert model.update_norms == pytest.approx(reference.update_norms, rel=2e-2)
+
+
+@pytest.mark.parametrize(
+    "clip",
+    [
+        "explicit_unscale_without_clipping",
+        "explicit_unscale",
+        "explicit_unscale_of_the_wrapper",
+        "explicit_unscale_of_the_wrapper_then_torch_clipping",
+    ],
+)
+def test_o2_unscale_clip_step_recipe_trains_as_o1(clip):
+    """scaler.unscale_(opt), then clipping (or none), then opt.step() under O2 in fp16: the weights stay finite and
+    move as O1's do (O2 unscales the gradients its fp32 masters will be stepped with)."""
+    moved: dict[str, torch.Tensor] = {}
+    for opt_level in ("O1", "O2"):
+        torch.manual_seed(0)
+        # A threshold the true gradients (norms 9 to 16) reach only on some steps, the scaled ones on every step.
+        model = ManualRegressor(clip=clip, clip_value=10.0)
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        plugin = MixedPrecision("16-mixed", init_scale=2.0**8, opt_level=opt_level)
+        make_trainer(plugin, max_steps=3).fit(model, loader())
+        after = torch.cat([p.detach().flatten() for p in model.parameters()])
+        assert plugin.stats.skipped_steps == 0 and torch.isfinite(after).all()
+        moved[opt_level] = after - before
+    # A scaled step would move the weights 256 times too far, one unscaled twice 256 times too little.
+    assert float((moved["O2"] - moved["O1"]).norm()) <= 2e-2 * float(moved["O1"].norm())
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize(
+    ("precision", "clip", "optimizer"),
+    [
+        ("16-mixed", "explicit_unscale_without_clipping", "sgd"),
+        ("16-mixed", "explicit_unscale_without_clipping", "adamw_foreach"),
+        ("16-mixed", "explicit_unscale_of_the_wrapper", "adamw_fused"),
+        ("bf16-mixed", "none", "sgd"),
+        ("bf16-mixed", "clip_gradients", "adamw_fused"),
+    ],
+)
+def test_an_inf_in_a_gradient_skips_a_manual_step_and_counts_it(opt_level, precision, clip, optimizer):
+    """An inf planted after manual_backward, before scaler.unscale_ (fp16) or before the step (bf16): the step is
+    skipped and counted, and the weights stay as they were and finite."""
+    weights: list[torch.Tensor] = []
+
+    class RecordsWeights(ManualRegressor):
+        def on_train_batch_end(self, *args: Any) -> None:
+            weights.append(self.layer.weight.detach().clone())
+
+    model = RecordsWeights(clip=clip, optimizer=optimizer, inject_at=(1,))
+    plugin = MixedPrecision(precision, init_scale=2.0**8, opt_level=opt_level)
+    make_trainer(plugin, max_steps=3).fit(model, loader())
+    assert plugin.stats.skipped_steps == 1
+    assert all(torch.isfinite(w).all() for w in weights)
+    assert torch.equal(weights[1], weights[0]) and not torch.equal(weights[2], weights[1])
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])

@@ -7,7 +7,8 @@ or not) and hands every hook to it. An engine turns the hooks of its front end i
                                                                    running statistics and checks the inputs
     backward     pre_backward, backward, post_backward             the loss is multiplied by the loss scale (fp16)
     prepare      prepare_step                                      once per optimizer step, before unscale, clip and
-                                                                   step (O2: the gradients move to the fp32 masters)
+                                                                   step (O2: the gradients move to the fp32 masters),
+                                                                   also before a user's own scaler.unscale_
     unscale      unscale_gradients                                 once per optimizer step, with the inf/NaN check
     clip         clip_gradients, main_params                       on true gradients, re-checked after clipping
     step         optimizer_step                                    skipped when a gradient is inf or NaN
@@ -127,6 +128,16 @@ class RunningStats:
         self._saved.clear()
 
 
+def unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer behind a wrapper that shares its ``param_groups`` (Lightning's and Fabric's), else itself.
+
+    Both wrappers give the optimizer they wrap as their public ``optimizer`` property.
+    """
+    inner = getattr(optimizer, "optimizer", None)
+    shares_groups = isinstance(inner, Optimizer) and inner.param_groups is getattr(optimizer, "param_groups", None)
+    return inner if shares_groups else optimizer
+
+
 def check_loss(call: str, tensor: Any) -> None:
     """Raise unless ``tensor`` is a tensor that backward can differentiate.
 
@@ -167,6 +178,7 @@ class StepEngine(ABC):
         self._prepared: set[int] = set()
         """The optimizers (by ``id``) whose gradients the opt level prepared since their last step and the last
         backward: :meth:`prepare_step` asks it once per step, whichever of unscale, clip and step comes first."""
+        loss_scaler.prepare_before_unscale(self.before_user_unscale, self._prepared)
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the most recent step of ``optimizer`` was skipped; False before one.
@@ -250,6 +262,7 @@ class StepEngine(ABC):
         """The run ended: apply a pending update and release the models."""
         self.settle()
         self.running_stats.clear()
+        self.loss_scaler.prepare_before_unscale(None)
 
     # ------------------------------------------------------------------------------------------------ shared
 
@@ -263,6 +276,16 @@ class StepEngine(ABC):
         if id(optimizer) not in self._prepared:
             self._prepared.add(id(optimizer))
             self.policy.prepare_step(optimizer)
+
+    def before_user_unscale(self, optimizer: Optimizer) -> None:
+        """A user's ``scaler.unscale_(optimizer)`` is about to run: prepare the gradients it unscales, once per step.
+
+        The scaler calls this (:meth:`LossScaler.prepare_before_unscale`) for an optimizer, or the
+        LightningOptimizer or Fabric wrapper around it, that :meth:`prepare_step` has not prepared yet: without it
+        O2's fp32 masters would hold no gradient yet, the scaler would record the optimizer as unscaled having
+        unscaled and checked nothing, and the step would apply the scaled half gradients.
+        """
+        self.prepare_step(unwrapped(optimizer))
 
     @abstractmethod
     def closure_refusal(self) -> Exception:

@@ -27,7 +27,10 @@ Fabric saves only what the user puts in the state, so the plugin goes there besi
    synchronisation, whether ``optimizer.step()`` really ran.
 3. ``unscale_gradients`` (Fabric calls it before clipping) and ``optimizer_step`` unscale the gradients once per
    step, with the fused inf/NaN check; clipping therefore sees true gradients. Fused optimizers too: their step is
-   then handed the inf flag and no ``grad_scale``, so it does not unscale a second time. On a step that will be
+   then handed the inf flag and no ``grad_scale``, so it does not unscale a second time. A user's own
+   ``plugin.scaler.unscale_(optimizer)`` (of the Fabric optimizer or the one it wraps, torch's "unscale, clip,
+   step" recipe) is respected, not repeated: the engine readies the optimizer first
+   (:meth:`FabricEngine.before_user_unscale`). On a step that will be
    skipped there is nothing to clip: ``main_params`` then gives a stand-in with a zero gradient instead of the
    parameters, so ``fabric.clip_gradients`` returns a zero norm (instead of raising on the non-finite one) and
    clipping by value has something to clip. Fabric does not show the plugin its clipping arguments, so the step
@@ -78,7 +81,7 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_mp.engine.base import StepEngine, check_loss
+from lightning_mp.engine.base import StepEngine, check_loss, unwrapped
 from lightning_mp.overrides import cast_low_precision
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.policies.sharded import refuse_sharding_after_conversion
@@ -131,6 +134,8 @@ class FabricEngine(StepEngine):
         self._stepped_since_update: set[int] = set()
         self._ran: set[int] = set()
         self._stand_ins: dict[str, Tensor] = {}
+        self._user_wrappers: dict[int, Any] = {}
+        """Per optimizer (by ``id``), the Fabric wrapper a user's ``scaler.unscale_`` was given in this step."""
         self._finite_before_clipping: set[int] = set()
         """Optimizers whose gradients ``main_params`` found finite before ``fabric.clip_gradients`` clipped them."""
         self._stepped_on_device: list[Optimizer] = []
@@ -357,16 +362,37 @@ class FabricEngine(StepEngine):
         owners = self._modules_of(optimizer)
         return owners[0] if owners else self.modules[-1]
 
+    @override
+    def before_user_unscale(self, optimizer: Optimizer) -> None:
+        """A user's ``scaler.unscale_(optimizer)`` (of the Fabric optimizer or the one it wraps) is about to run.
+
+        The optimizer is readied as for the plugin's own unscale (connected, its gradients prepared, a scale update
+        its gradients were not made under applied), and a wrapper is remembered, so that the step finds the
+        gradients unscaled and does not unscale them again.
+        """
+        inner = unwrapped(optimizer)
+        self._ready_for_unscale(inner)
+        if inner is not optimizer:
+            self._user_wrappers[id(inner)] = optimizer
+
     def _unscale(self, optimizer: Optimizer) -> None:
-        self._connect(optimizer)
-        self.prepare_step(optimizer)
+        self._ready_for_unscale(optimizer)
         if id(optimizer) in self._unscaled:
             return
-        if id(optimizer) in self._stepped_since_update:
+        wrapper = self._user_wrappers.pop(id(optimizer), None)
+        if wrapper is not None:
+            self.loss_scaler.adopt_unscale(wrapper, optimizer)
+        if not self.loss_scaler.is_unscaled(optimizer):  # else the user's scaler.unscale_ did it, on true gradients
+            self.loss_scaler.unscale_(optimizer)
+        self._unscaled.add(id(optimizer))
+
+    def _ready_for_unscale(self, optimizer: Optimizer) -> None:
+        """Connect ``optimizer``, prepare its gradients, and apply a scale update they were not made under."""
+        self._connect(optimizer)
+        self.prepare_step(optimizer)
+        if id(optimizer) in self._stepped_since_update and not self.loss_scaler.is_unscaled(optimizer):
             # A second step of this optimizer with no backward in between: its gradients were made after the update.
             self.settle()
-        self.loss_scaler.unscale_(optimizer)
-        self._unscaled.add(id(optimizer))
 
     def _connect(self, optimizer: Optimizer) -> None:
         if any(reference() is optimizer for reference in self._connected):

@@ -42,20 +42,21 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
    the model shows them, with their gradients after backward (``on_before_backward``, ``on_after_backward``,
    ``clip_grad_norm_`` of ``self.parameters()`` after ``manual_backward``, Fabric code between the forward and the
    step).
-4. Step (the engines call :meth:`O2Policy.prepare_step` once per optimizer step, before unscaling, clipping or
-   stepping it): in one pass the masters come back into the slots, and the twins' gradients move into their masters'
-   ``.grad`` in fp32 (added where a master already holds one); the twins' are freed. A training step that returned
-   None (no backward) is prepared too, so the masters are back after it as after any step. So the loss scaler
-   unscales and checks fp32 master gradients (foreach, fused and the fused hand-off work unchanged), and
-   ``on_before_optimizer_step`` hooks, ``grad_norm`` and gradient clipping see true fp32 gradients on
-   ``model.parameters()``. Gradients move at the step, not after each backward: DDP reduces the accumulated ``.grad``
-   once, at the last micro-batch, so an earlier move would keep earlier micro-batches out of the reduction. The cost
-   is that micro-batches accumulate in half (in fp16 the scaled gradients, whose range fits); a step without
-   accumulation loses nothing. After the optimizer step (:meth:`O2Policy.after_optimizer_step`) one foreach copy
-   writes the stepped masters into their twins, the one cast per weight per optimizer step, and the masters' fp32
-   gradients are freed. The stepped masters are named, not found by their version counters, which fused optimizer
-   kernels do not move. A step the host saw skipped changed no master and writes nothing; one skipped on the device
-   (fused kernels) writes the same values again.
+4. Step (the engines call :meth:`O2Policy.prepare_step` once per optimizer step, before unscaling, clipping or stepping
+   it, and before a user's own ``scaler.unscale_`` of it:
+   :meth:`~lightning_mp.scaler.LossScaler.prepare_before_unscale`): in one pass the masters come back into the slots,
+   and the twins' gradients move into their masters' ``.grad`` in fp32 (added where a master already holds one); the
+   twins' are freed. A training step that returned None (no backward) is prepared too, so the masters are back after it
+   as after any step. So the loss scaler unscales and checks fp32 master gradients (foreach, fused and the fused
+   hand-off work unchanged), and ``on_before_optimizer_step`` hooks, ``grad_norm`` and gradient clipping see true fp32
+   gradients on ``model.parameters()``. Gradients move at the step, not after each backward: DDP reduces the accumulated
+   ``.grad`` once, at the last micro-batch, so an earlier move would keep earlier micro-batches out of the reduction.
+   The cost is that micro-batches accumulate in half (in fp16 the scaled gradients, whose range fits); a step without
+   accumulation loses nothing. After the optimizer step (:meth:`O2Policy.after_optimizer_step`) one foreach copy writes
+   the stepped masters into their twins, the one cast per weight per optimizer step, and the masters' fp32 gradients are
+   freed. The stepped masters are named, not found by their version counters, which fused optimizer kernels do not move.
+   A step the host saw skipped changed no master and writes nothing; one skipped on the device (fused kernels) writes
+   the same values again.
 5. Edits are never lost. A master whose version counter moved since its twin was written (``load_state_dict``,
    StochasticWeightAveraging or an EMA callback writing fp32 weights between steps) is written into its twin at the
    next forward. A twin edited in place while it is in the slots (a weight changed inside ``training_step``) is
@@ -65,7 +66,10 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
    ``state_dict()`` gives the masters' fp32 values also while the twins are in the slots, and ``load_state_dict``
    writes fp32 values into the masters exactly. Writes through ``.data`` move no version counter; Lightning's
    ``WeightAveraging`` swaps the average in and out that way around validation, so the first forward without
-   gradients (validation, test, predict) after one with them, and the reverse, write every master into its twin.
+   gradients (validation, test, predict) after one with them, and the reverse, write every master into its twin;
+   except from a forward with gradients to the start of its backward, where that graph saved the twins (a write
+   would fail the backward) and no master can have changed (nothing stepped them): a forward without gradients
+   there (a metric or pseudo-label pass) computes with the twins as they are and writes only masters edited since.
    ``requires_grad`` set on either side since the last forward (``BackboneFinetuning`` freezes and unfreezes
    whichever the model shows) is mirrored at the outermost forward's entry and at an exit that puts the masters
    back; inside a step, where ``toggle_optimizer`` sets it on the masters the optimizer holds, the backward context
@@ -376,10 +380,15 @@ class _TwinsInSlots(AbstractContextManager):
                 # dropped): what was written into them since is taken before any master is written over it.
                 weights.show_masters(mirror=False, show=False)
             # Edits through ``.data`` move no version counter (Lightning's WeightAveraging swaps the average in and
-            # out that way around validation): where evaluation starts or ends, every master is written.
+            # out that way around validation): where evaluation starts or ends, every master is written. Not while
+            # a training forward's graph waits for its backward: that graph saved the twins, a write would make its
+            # backward fail, and no master can have changed since (nothing stepped them).
             evaluating = not torch.is_grad_enabled()
-            everything = range(len(weights.masters)) if evaluating != policy.evaluating else ()
+            boundary = evaluating != policy.evaluating and not policy.awaiting_backward
+            everything = range(len(weights.masters)) if boundary else ()
             policy.evaluating = evaluating
+            if not evaluating:
+                policy.awaiting_backward = True
             weights.push(everything, show=True, mirror=True)
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
@@ -397,12 +406,14 @@ class _TwinsInSlots(AbstractContextManager):
 class _HeldGradients(AbstractContextManager):
     """The backward context: the twins in the slots; those whose masters need no gradient get none."""
 
-    def __init__(self, weights: MasterWeights) -> None:
+    def __init__(self, policy: O2Policy, weights: MasterWeights) -> None:
+        self.policy = policy
         self.weights = weights
         self.held: list[nn.Parameter] = []
 
     def __enter__(self) -> None:
         weights = self.weights
+        self.policy.awaiting_backward = False
         # The gradients land on the twins: the model shows them, with their gradients, until the step. Nothing is
         # written into them here: backward computes with what the forward saved.
         show = not weights.twins_in_slots
@@ -487,6 +498,9 @@ class O2Policy(PrecisionPolicy):
         """Whether the last outermost forward ran without gradients (validation, test, predict)."""
         self.stepped_in_forward = False
         """Whether an optimizer stepped inside the current forward context (manual optimization's training step)."""
+        self.awaiting_backward = False
+        """Whether a forward with gradients ran since the last backward began and the last step: its graph may hold
+        the twins, saved for that backward."""
         # Built once: a forward and a backward then cost two Python calls each (the host overhead O2 must not add).
         self._twins_in_slots = _TwinsInSlots(self)
         self._held_gradients: _HeldGradients | None = None
@@ -519,7 +533,7 @@ class O2Policy(PrecisionPolicy):
         # model's state-dict hooks know its own pairs, whose names may repeat in another model.
         if self.weights is None:
             self.weights = MasterWeights(self.half_dtype)
-            self._held_gradients = _HeldGradients(self.weights)
+            self._held_gradients = _HeldGradients(self, self.weights)
         weights = self.weights
         indices = [weights.add(master, slots, keys) for master, slots, keys in materialized]
         weights.push(show=True, mirror=True)
@@ -609,6 +623,7 @@ class O2Policy(PrecisionPolicy):
                 master.grad.add_(gradient)
             twin.grad = None
         weights.twins_in_slots = False
+        self.awaiting_backward = False
 
     @override
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
@@ -651,6 +666,7 @@ class O2Policy(PrecisionPolicy):
         self.forward_depth = 0
         self.evaluating = False
         self.stepped_in_forward = False
+        self.awaiting_backward = False
 
     def _adopt(self, optimizer: Optimizer) -> None:
         """Point ``optimizer``'s groups at the masters of the twins they hold; move the twins' state to them."""

@@ -4,8 +4,10 @@ checkpoints, a second stage) sees the fp32 masters."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1315,3 +1317,121 @@ def test_o2_validation_computes_with_the_average_lightnings_weight_averaging_swa
     assert len(seen) >= 2  # the sanity check, then one validation per epoch
     for master, weight in seen:
         assert weight.dtype == torch.bfloat16 and torch.equal(master.bfloat16(), weight)
+
+
+# ------------------------------------------------------------------------------------ forwards without gradients
+
+
+PROBES = ["no_grad", "eval_no_grad", "inference_mode"]
+
+
+@contextlib.contextmanager
+def without_gradients(model: nn.Module, how: str) -> Iterator[None]:
+    """Gradients off for a metric or pseudo-label pass: ``torch.no_grad()``, also in eval mode, or inference mode."""
+    if how == "inference_mode":
+        with torch.inference_mode():
+            yield
+        return
+    training = model.training
+    model.train(how != "eval_no_grad")
+    with torch.no_grad():
+        yield
+    model.train(training)
+
+
+class ProbesBeforeBackward(L.Callback):
+    """Runs the model without gradients in ``on_before_backward``, in the plugin's forward context (autocast)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: Any, loss: Tensor) -> None:
+        with without_gradients(pl_module, self.how), trainer.precision_plugin.forward_context():
+            pl_module(torch.randn(8, 8))
+
+
+class ProbesInTrainingStep(Net):
+    """Computes the loss, then runs the model without gradients before returning it."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        with without_gradients(self, self.how):
+            self(batch[0])
+        return loss
+
+
+@pytest.mark.parametrize("where", ["on_before_backward", "training_step"])
+@pytest.mark.parametrize("how", PROBES)
+def test_o2_a_forward_without_gradients_before_backward_trains_as_without_it(where: str, how: str) -> None:
+    """A forward without gradients between the training forward and its backward (in training_step, or in a hook
+    under the plugin's forward context) leaves the backward working and the weights as a run without it gives."""
+    reference = Net()
+    fit(reference, o2("16-mixed"))
+    if where == "training_step":
+        model = ProbesInTrainingStep(how)
+        fit(model, o2("16-mixed"))
+    else:
+        model = Net()
+        fit(model, o2("16-mixed"), callbacks=[ProbesBeforeBackward(how)])
+    for name, value in snapshot(reference).items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def fabric_o2_run(step: Any, steps: int = STEPS, opt_level: str = "O2") -> tuple[nn.Module, list[Tensor], list[Tensor]]:
+    """A Fabric run of ``steps`` Adam steps of ``step(model, features, target) -> loss`` (called before backward);
+    returns the model, its outputs with gradients and ``step``'s outputs."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    plugin = MixedPrecision("16-mixed", opt_level=opt_level, init_scale=2.0**10)  # type: ignore[arg-type]
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+    outputs, probes = [], []
+    for features, target in loader(steps):
+        logits = model(features)
+        outputs.append(logits.detach())
+        probes.append(step(model, features))
+        fabric.backward(F.cross_entropy(logits, target))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert plugin.stats.skipped_steps == 0
+    plugin.teardown()
+    return net, outputs, probes
+
+
+@pytest.mark.parametrize("how", PROBES)
+def test_o2_fabric_forward_without_gradients_before_backward_trains_as_without_it(how: str) -> None:
+    """Under Fabric, model(x) without gradients between the training forward and fabric.backward computes what the
+    training forward did, and the run ends with the weights of a run without it."""
+    reference, reference_outputs, _ = fabric_o2_run(lambda model, features: None)
+
+    def probe(model: nn.Module, features: Tensor) -> Tensor:
+        with without_gradients(model, how):
+            return model(features)
+
+    net, outputs, probes = fabric_o2_run(probe)
+    assert all(torch.equal(probe, output) for probe, output in zip(probes, outputs, strict=True))
+    assert all(torch.equal(output, expected) for output, expected in zip(outputs, reference_outputs, strict=True))
+    for name, value in snapshot(reference).items():
+        assert torch.equal(net.state_dict()[name], value), name
+
+
+def test_o2_fabric_edits_on_both_sides_of_a_forward_without_gradients_reach_the_step() -> None:
+    """A weight set after the training forward, then changed after a forward without gradients in the same step,
+    ends the run as in O1: neither edit is lost, whichever weights the model shows at the time."""
+
+    def edit_probe_edit(model: nn.Module, features: Tensor) -> None:
+        head = model.module[3]
+        with torch.no_grad():
+            head.bias.fill_(0.5)
+            model(features)
+            head.bias.add_(0.25)
+
+    heads = [fabric_o2_run(edit_probe_edit, opt_level=level)[0][3].bias.detach() for level in ("O1", "O2")]
+    assert heads[1].dtype == torch.float32
+    torch.testing.assert_close(heads[1], heads[0], rtol=0, atol=1e-3)
+    # Both edits, then one Adam step of about lr = 1e-2: losing either edit would be 0.25 or more away.
+    torch.testing.assert_close(heads[1], torch.full_like(heads[1], 0.75), rtol=0, atol=0.03)
