@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.ddp_scripts.launch import reports, run
-from tests.helpers import read_events, scalars
+from tests.helpers import read_events, scalars, texts
 
 TENSOR_PARALLEL_SCRIPT = Path(__file__).parent / "ddp_scripts" / "tensor_parallel_train.py"
 INJECT_AT = (2, 5)
@@ -57,8 +57,9 @@ def test_tensor_parallel_telemetry_counts_replicated_tensors_once(trained):
 @pytest.mark.slow
 def test_tensor_parallel_fp16_skips_an_inf_on_one_rank_with_both_ranks_as_ddp_does(trained):
     """fp16 under tensor parallelism: an inf in rank 1's part of a column-parallel weight is skipped by both ranks at
-    the steps DDP skips, with DDP's scales; each step's loss is that of DDP's two ranks together, and the monitors
-    report DDP's gradients on the steps that were not skipped."""
+    the steps DDP skips, with DDP's scales; each step's loss is that of DDP's two ranks together, the monitors
+    report DDP's gradients on the steps that were not skipped, and the overflow reports name the parameter as DDP's
+    do, with its whole shape."""
     out, ranks = trained
     for rank in ranks:
         ddp, tensor_parallel = rank["16-mixed:O1"]["ddp"], rank["16-mixed:O1"]["tp"]
@@ -69,7 +70,8 @@ def test_tensor_parallel_fp16_skips_an_inf_on_one_rank_with_both_ranks_as_ddp_do
     whole_batch_losses = [(first + second) / 2 for first, second in zip(*ddp_losses, strict=True)]
     assert ranks[0]["16-mixed:O1"]["tp"]["losses"] == pytest.approx(whole_batch_losses, rel=1e-3)
     events = _events(out, "16-mixed:O1")
-    for tag in (*GRADIENT_TAGS, *SENTINEL_TAGS):
+    assert texts(events["tp"], "precision/overflow") == texts(events["ddp"], "precision/overflow")
+    for tag in (*GRADIENT_TAGS, "precision/grad_headroom_log2", *SENTINEL_TAGS):
         tensor_parallel = {step: value for step, value in scalars(events["tp"], tag).items() if step not in INJECT_AT}
         ddp = scalars(events["ddp"], tag)
         # fp16 rounds the row-parallel layer's partial sums before adding them: the norms agree to fp16's precision.
