@@ -3,15 +3,17 @@
 :func:`nonfinite_gradients` reads each gradient (one sync per tensor) and is meant for rare paths such as an error
 message. The telemetry uses the batched functions: :func:`gradient_summary` turns all gradients into one device vector
 with a fixed number of ops, and :func:`largest_magnitudes` takes ``max |g|`` of every gradient in one op. Where each
-rank holds only shards of the gradients (FSDP), :func:`summary_over_shards` combines the ranks' summaries into the
-summary of the whole gradients, the one the same run under DDP gives.
+rank holds only parts of the gradients (FSDP, FSDP2, tensor parallelism), :func:`summary_over_shards` combines the
+ranks' summaries into the summary of the whole gradients, the one the same run under DDP gives, counting a tensor that
+several ranks hold whole only once.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,36 +102,53 @@ def gradient_summary(grads: list[torch.Tensor], log2_shift: float = 0.0) -> torc
         return torch.cat([head, counts])
 
 
-def empty_gradient_summary(device: torch.device) -> torch.Tensor:
-    """The :func:`gradient_summary` of no gradient (all zeros): what a rank without gradient shards contributes."""
-    low, high = LOG2_HISTOGRAM_RANGE
-    return torch.zeros(len(SUMMARY_FIELDS) + high - low, device=device)
+def summary_over_shards(
+    shards: Sequence[torch.Tensor], copies: Sequence[int], device: torch.device, log2_shift: float = 0.0
+) -> torch.Tensor:
+    """The :func:`gradient_summary` of the whole gradients, from the parts of them that this rank holds.
 
+    Squared norms, non-zero counts, histogram counts and element counts add up over the ranks, but a tensor whose
+    local part ``c`` ranks hold (its ``copies``) would count ``c`` times. So each rank weights its sums of such shards
+    by ``L / c``, ``L`` being the least common multiple of all the copies, and one division by ``L`` after the
+    all-reduce counts every element once; the counts stay whole numbers until then, exact in float32. The shards are
+    summarised in one group per number of copies: one group under FSDP, two under tensor parallelism with replicated
+    parameters. The largest magnitude is the ranks' maximum. Two all-reduces on the device, no host sync.
 
-def summary_over_shards(summary: torch.Tensor, elements: int, copies: int) -> torch.Tensor:
-    """The :func:`gradient_summary` of the whole gradients, from each rank's summary of the shards it holds.
-
-    Squared norms, non-zero counts, histogram counts and element counts add up over the ranks; each element is held
-    by ``copies`` ranks, so the sums are divided by it. The largest magnitude is the ranks' maximum. Two all-reduces
-    on the device, no host sync; every rank must call it in the same order, one without gradients with
-    :func:`empty_gradient_summary` and ``elements=0``.
+    Every rank must call it, in the same order, with the same tensors (by position) and so the same ``copies``,
+    whatever its shards hold: an empty shard, or none at all, contributes zeros.
 
     Args:
-        summary: this rank's :func:`gradient_summary` of its gradient shards.
-        elements: the number of elements in those shards.
-        copies: how many ranks hold each element (1 under FSDP's full sharding).
+        shards: this rank's local part of each gradient (``local_shard``), possibly empty.
+        copies: for each shard, how many ranks hold the same part (1 under FSDP's full sharding).
+        device: where the summary is built when this rank holds no element at all.
+        log2_shift: as in :func:`gradient_summary`.
 
     Returns:
         The summary of the whole gradients, with their number of elements appended as one more float.
 
     """
     head = len(SUMMARY_FIELDS)
-    summed = torch.cat([summary[:1].square(), summary[1:2], summary[head:], summary.new_tensor([elements])])
-    largest = summary[2:3].clone()
+    common = math.lcm(*copies)
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for shard, held_by in zip(shards, copies, strict=True):
+        if shard.numel():
+            by_copies.setdefault(held_by, []).append(shard)
+    # One row per group (squared norm, non-zero count, histogram counts, elements) and its largest magnitude, after
+    # a row of zeros: what a rank holding no element at all contributes.
+    sums = [torch.zeros(head + LOG2_HISTOGRAM_RANGE[1] - LOG2_HISTOGRAM_RANGE[0], device=device)]
+    largest = [torch.zeros(1, device=device)]
+    for held_by, group in by_copies.items():
+        summary = gradient_summary(group, log2_shift)
+        elements = torch.full((1,), float(sum(shard.numel() for shard in group)), device=summary.device)
+        group_sums = torch.cat([summary[:1].square(), summary[1:2], summary[head:], elements])
+        sums.append(group_sums if held_by == common else group_sums * (common // held_by))
+        largest.append(summary[2:3])
+    summed = torch.stack(sums).sum(dim=0)
+    peak = torch.stack(largest).amax(dim=0)
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    summed = summed / copies
-    return torch.cat([summed[:1].sqrt(), summed[1:2], largest, summed[2:]])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    summed = summed / common
+    return torch.cat([summed[:1].sqrt(), summed[1:2], peak, summed[2:]])
 
 
 def largest_magnitudes(grads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -19,11 +19,12 @@ overflow. Raising the loss scale shifts the whole histogram right by log2 of the
 ``precision/grad_norm`` is the global 2-norm of the gradients after unscaling, the true norm the optimizer sees,
 which is what gradient clipping thresholds are compared with.
 
-**Under FSDP** (Lightning's ``FSDPStrategy``, sharded) and **FSDP2** (``fully_shard``: ``DTensor`` gradients) each
-rank holds only shards of the gradients, so on a logging step every rank summarises its shards and two all-reduces
-combine them (:func:`lightning_mp._gradients.summary_over_shards`): the scalars and the histogram are those of the
-whole gradients, as under DDP. Overflow reports name each parameter by its full name, with the shape the model
-declared, not its shard's.
+**Under FSDP** (Lightning's ``FSDPStrategy``, sharded), **FSDP2** (``fully_shard``: ``DTensor`` gradients) and
+**tensor parallelism** (``parallelize_module``) each rank holds only parts of the gradients, so on a logging step
+every rank summarises its parts and two all-reduces combine them (:func:`lightning_mp._gradients.summary_over_shards`):
+the scalars and the histogram are those of the whole gradients, as under DDP. A tensor that several ranks hold whole
+(a ``Replicate()`` DTensor, a plain norm beside tensor-parallel layers) counts once, not once per rank. Overflow
+reports name each parameter by its full name, with the shape the model declared, not its shard's.
 
 **Overflow forensics.** On every skipped step a TensorBoard text entry under ``precision/overflow`` names the
 parameters whose gradients are not finite (at most 20, with their shapes) and the step, and a warning says the
@@ -66,7 +67,6 @@ from typing_extensions import override
 from lightning_mp._gradients import (
     LOG2_HISTOGRAM_RANGE,
     SUMMARY_FIELDS,
-    empty_gradient_summary,
     gradient_summary,
     largest_magnitudes,
     summary_over_shards,
@@ -180,16 +180,17 @@ class GradientHealthMonitor(Callback):
             p for group in optimizer.param_groups for p in group["params"] if p.grad is not None and p.grad.numel() > 0
         ]
         dense = [p for p in parameters if not p.grad.is_sparse]
-        copies = gradient_copies(trainer)
+        copies_of = gradient_copies(trainer)
         if parameters:
             self._capture = _Capture(dense, largest_magnitudes([p.grad for p in dense]), plugin.stats.optimizer_steps)
         # Under FSDP every rank summarises its shards, those without any too: the ranks combine their summaries.
         if (
             should_log(trainer)
-            and (parameters or copies is not None)
-            and (trainer.is_global_zero or copies is not None)
+            and (parameters or copies_of is not None)
+            and (trainer.is_global_zero or copies_of is not None)
         ):
             grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad for p in parameters]
+            copies = None if copies_of is None else [copies_of(p) for p in parameters]
             summary = self._summarise(trainer, grads, optimizer, copies)
             if trainer.is_global_zero:
                 self._summary = summary
@@ -213,20 +214,17 @@ class GradientHealthMonitor(Callback):
         self._summary = self._capture = None
 
     def _summarise(
-        self, trainer: pl.Trainer, grads: list[torch.Tensor], optimizer: Optimizer, copies: int | None
+        self, trainer: pl.Trainer, grads: list[torch.Tensor], optimizer: Optimizer, copies: list[int] | None
     ) -> tuple[torch.Tensor, Consumer]:
         """The gradient summary on the device, and the function that logs it once it has been read.
 
-        With ``copies`` (FSDP: how many ranks hold each gradient element) the ranks' summaries of their shards are
-        combined, a collective that every rank joins.
+        With ``copies`` (FSDP, tensor parallelism: how many ranks hold each gradient's local part, per gradient) the
+        ranks' summaries of their shards are combined, a collective that every rank joins.
         """
         plugin = require_mixed_precision(trainer, type(self).__name__)
         loss_scale = plugin.stats.loss_scale if plugin.scaler is not None else 1.0
         # A fused optimizer unscales inside its own step, so its gradients still carry the scale here.
         scale_in_grads = loss_scale if supports_fused_protocol(optimizer) else 1.0
-        if copies is not None:
-            # This rank's part of each gradient (FSDP2's DTensors); a shard can be empty on this rank.
-            grads = [shard for shard in map(local_shard, grads) if shard.numel()]
         elements = sum(grad.numel() for grad in grads)
         in_fp16 = plugin.half_dtype == torch.float16
         step = logging_step(trainer)
@@ -235,10 +233,9 @@ class GradientHealthMonitor(Callback):
         if copies is None:
             summary = gradient_summary(grads, log2_shift=log2_shift)
         else:
-            local = (
-                gradient_summary(grads, log2_shift) if grads else empty_gradient_summary(trainer.strategy.root_device)
-            )
-            summary = summary_over_shards(local, elements, copies)
+            # This rank's part of each gradient (DTensors' local parts); a part can be empty on this rank.
+            shards = [local_shard(grad) for grad in grads]
+            summary = summary_over_shards(shards, copies, trainer.strategy.root_device, log2_shift)
 
         def log(values: list[float]) -> None:
             total = elements

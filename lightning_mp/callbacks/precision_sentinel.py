@@ -93,7 +93,7 @@ from lightning_mp.callbacks._sentinel_rules import (
     stale_update_finding,
     underflow_finding,
 )
-from lightning_mp.callbacks._sharding import gradient_copies
+from lightning_mp.callbacks._sharding import CopiesOf, gradient_copies
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.scaling.sharded import local_shard
 
@@ -187,8 +187,9 @@ class PrecisionSentinel(Callback):
         self._activation_maxima: list[tuple[str, torch.Tensor]] = []
         self._snapshots: list[_Snapshot] = []
         self._skipped_before: int | None = None
-        self._copies: int | None = None
-        """Under FSDP, how many ranks hold each gradient element (:mod:`lightning_mp.callbacks._sharding`)."""
+        self._copies: CopiesOf | None = None
+        """Under FSDP and tensor parallelism, how many ranks hold each parameter's local part
+        (:mod:`lightning_mp.callbacks._sharding`)."""
         self._declared_sizes: dict[int, int] = {}
         """``id(parameter) -> numel`` before the strategy set the model up: FSDP leaves each rank a shard."""
 
@@ -282,11 +283,13 @@ class PrecisionSentinel(Callback):
         if snapshots:
             device_values.append(_update_counts(snapshots))
         sizes = [p.numel() for p in parameters]
+        copies = [1] * len(parameters)
         if self._copies is not None and snapshots:
-            # Each rank counted its shards: the sums over the ranks count the whole tensors, declared before FSDP.
-            counts = device_values.pop()
+            # Each rank counted its parts: the sums over the ranks count each whole tensor once per rank holding the
+            # same part (divided on the host, once read), and the sizes are the whole tensors', declared before FSDP.
+            counts = device_values[-1]
             torch.distributed.all_reduce(counts)
-            device_values.append(counts / self._copies)
+            copies = [self._copies(p) for p in parameters]
             sizes = [self._declared_sizes.get(id(p), p.numel()) for p in parameters]
             if not trainer.is_global_zero:
                 host_reads(trainer).submit(trainer, self)
@@ -311,7 +314,8 @@ class PrecisionSentinel(Callback):
             sample = _Sample(step)
             for layer, value in zip(layers, values, strict=False):
                 sample.headroom[layer] = min(sample.headroom.get(layer, math.inf), headroom_log2(value))
-            counts = values[len(layers) :]
+            # The counts are [with a gradient, per tensor..., moved, per tensor...].
+            counts = [count / held_by for count, held_by in zip(values[len(layers) :], copies + copies, strict=True)]
             if counts:
                 _per_layer_shares(sample, parameter_layers, sizes, counts, skipped)
             self._record(trainer, pl_module, sample, parameter_half)
