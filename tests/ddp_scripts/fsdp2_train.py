@@ -48,6 +48,7 @@ from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LossScaleMonitor, PrecisionSentinel
 from lightning_mp.policies.sharded import ShardedPrecisionError
 from lightning_mp.scaling.sharded import is_sharded, local_shard
+from tests.ddp_scripts.launch import leave_process_group
 from tests.helpers import BatchCostRecorder, ProfiledSteps, TinyRegressor, loader, make_trainer, profiled_peak_bytes
 
 INJECT_ROW = 8
@@ -246,10 +247,7 @@ def main(argv: list[str]) -> None:
         report["keep_fp32"] = keep_fp32_recipe(args)
     report["global_rank"] = dist.get_rank()
     (args.out / f"fsdp2_rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    # Both ranks are past their last collective before gloo is torn down: a rank that destroys its group while
-    # the other still talks to the store (hosted by rank 0) can abort a successful run.
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def resumed_runs(args: argparse.Namespace, case: str, name: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 TRAIN_SCRIPT = Path(__file__).with_name("train.py")
 REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
@@ -78,3 +78,19 @@ def run(
 def reports(out: Path, world_size: int = 2, tag: str = "") -> list[dict[str, Any]]:
     """The JSON report of every rank, by global rank."""
     return [json.loads((out / f"{tag}rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def leave_process_group() -> NoReturn:
+    """End a rank that wrote its report: wait for every rank, then exit without tearing the gloo group down.
+
+    gloo's teardown, in ``destroy_process_group`` or at interpreter exit, now and then aborts a finished run ("terminate
+    called without an active exception", SIGABRT) when one rank's threads stop while the other still talks to the
+    store. Past this barrier every rank has written its report and made its last collective: nothing is left to clean
+    up, so the process ends at once with status 0.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

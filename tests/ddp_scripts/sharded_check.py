@@ -30,6 +30,7 @@ from lightning_mp.scaling.sharded import (
     local_gradients,
     local_shard,
 )
+from tests.ddp_scripts.launch import leave_process_group
 
 
 def _flag_after(model: nn.Module, agree: bool, inv_scale: torch.Tensor | None = None) -> float:
@@ -74,10 +75,7 @@ def _rank(rank: int, out: Path, port: int) -> None:
         result["nan_on_rank_0"] = _flag_after(model, agree=True)
         report["dtypes"][str(dtype).removeprefix("torch.")] = result
     (out / f"sharded_rank{rank}.json").write_text(json.dumps(report))
-    # Both ranks are past their last collective before gloo is torn down: a rank that destroys its group while
-    # the other still talks to the store (hosted by rank 0) can abort a successful run.
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def main(argv: list[str]) -> None:

@@ -44,6 +44,7 @@ from typing_extensions import override
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, PrecisionSentinel
 from lightning_mp.scaling.sharded import is_sharded, local_shard
+from tests.ddp_scripts.launch import leave_process_group
 from tests.helpers import FEATURES, loader, make_trainer
 
 INJECT_ROW = 8
@@ -152,9 +153,7 @@ def main(argv: list[str]) -> None:
     cases = args.cases.split(",")
     report = {case: {strategy: fit(args, case, strategy) for strategy in ("ddp", "tp")} for case in cases}
     (args.out / f"tp_rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    # Both ranks are past their last collective before gloo is torn down (see fsdp2_train.py).
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":
