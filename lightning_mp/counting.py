@@ -46,6 +46,7 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 from collections import Counter
 from collections.abc import Callable, Generator, Iterable
@@ -178,7 +179,9 @@ class count_python_calls:  # a class, so that its own frames can be left out; us
     """Count Python function calls in the ``with`` block, through ``sys.setprofile``; restores the previous hook.
 
     The counter's own ``__exit__`` is not counted, nor calls of the functions in ``excluding`` (the hooks of a tool
-    that starts and stops the counter, say).
+    that starts and stops the counter, say). The garbage collector is off in the block, after one collection on
+    entering it: the callbacks a collection runs (weak-reference callbacks, finalizers) come whenever garbage has
+    piled up, so counting them would make the count depend on what ran before.
 
     Args:
         excluding: code objects (``function.__code__``) whose calls are not counted.
@@ -189,18 +192,24 @@ class count_python_calls:  # a class, so that its own frames can be left out; us
         self.calls = PythonCalls()
         self._excluded = {_EXIT_CODE, *excluding}
         self._previous: Any = None
+        self._collector_was_on = False
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code not in self._excluded:
             self.calls.python_calls += 1
 
     def __enter__(self) -> PythonCalls:
+        gc.collect()
+        self._collector_was_on = gc.isenabled()
+        gc.disable()
         self._previous = sys.getprofile()
         sys.setprofile(self._profile)
         return self.calls
 
     def __exit__(self, *exc_info: object) -> None:
         sys.setprofile(self._previous)
+        if self._collector_was_on:
+            gc.enable()
 
 
 _EXIT_CODE = count_python_calls.__exit__.__code__

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 from torch import nn
 
@@ -91,6 +94,27 @@ def test_python_calls_leave_out_the_excluded_functions() -> None:
     with count_python_calls(excluding=[tool_hook.__code__]) as calls:
         tool_hook()
     assert calls.python_calls == 1
+
+
+def test_python_calls_leave_out_what_the_garbage_collector_runs() -> None:
+    """Garbage piled up before the block does not add its weak-reference callbacks to the count, and the collector is
+    back on after it."""
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self  # a cycle: only the garbage collector frees it
+
+    def noted(reference: weakref.ref) -> None:
+        pass
+
+    gc.collect()
+    keep = [weakref.ref(node, noted) for node in [Node() for _ in range(100)]]  # young garbage, not collected yet
+    with count_python_calls() as calls:
+        for _ in range(2000):  # enough allocations to trigger a collection, were the collector on
+            Node()
+    assert calls.python_calls == 2000  # the __init__ calls, no callback
+    assert gc.isenabled() and all(reference() is None for reference in keep)
+    gc.collect()
 
 
 def _linear_with_its_weights() -> tuple[nn.Module, list[torch.Tensor]]:
