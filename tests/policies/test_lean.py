@@ -629,9 +629,11 @@ def test_foreach_weight_averaging_is_refused_at_setup_naming_the_per_tensor_alte
 
 
 def test_foreach_averaging_is_refused_on_the_devices_where_torch_averages_with_foreach() -> None:
-    """Lean's list of the devices where AveragedModel picks its foreach update is this torch's."""
+    """Lean's list of the devices where AveragedModel picks its foreach update is this torch's (older releases list
+    no MTIA, where lean then refuses one case more)."""
     expected = set(_get_foreach_kernels_supported_devices())
-    assert {*_FOREACH_AVERAGING_DEVICE_TYPES, torch.device("privateuseone").type} == expected
+    ours = {*_FOREACH_AVERAGING_DEVICE_TYPES, torch.device("privateuseone").type}
+    assert ours == expected or (ours - expected == {"mtia"} and "mtia" not in expected)
 
 
 def test_stochastic_weight_averaging_copies_its_average_into_the_bf16_model() -> None:
