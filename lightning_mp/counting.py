@@ -179,9 +179,9 @@ class count_python_calls:  # a class, so that its own frames can be left out; us
     """Count Python function calls in the ``with`` block, through ``sys.setprofile``; restores the previous hook.
 
     The counter's own ``__exit__`` is not counted, nor calls of the functions in ``excluding`` (the hooks of a tool
-    that starts and stops the counter, say). The garbage collector is off in the block, after one collection on
-    entering it: the callbacks a collection runs (weak-reference callbacks, finalizers) come whenever garbage has
-    piled up, so counting them would make the count depend on what ran before.
+    that starts and stops the counter, say). The garbage collector is off in the block: the callbacks a collection
+    runs (weak-reference callbacks, finalizers) come whenever garbage has piled up, so counting them would make the
+    count depend on what ran before.
 
     Args:
         excluding: code objects (``function.__code__``) whose calls are not counted.
@@ -199,7 +199,6 @@ class count_python_calls:  # a class, so that its own frames can be left out; us
             self.calls.python_calls += 1
 
     def __enter__(self) -> PythonCalls:
-        gc.collect()
         self._collector_was_on = gc.isenabled()
         gc.disable()
         self._previous = sys.getprofile()

@@ -97,8 +97,8 @@ def test_python_calls_leave_out_the_excluded_functions() -> None:
 
 
 def test_python_calls_leave_out_what_the_garbage_collector_runs() -> None:
-    """Garbage piled up before the block does not add its weak-reference callbacks to the count, and the collector is
-    back on after it."""
+    """No garbage collection runs in the block, so garbage piled up before it adds no weak-reference callback to the
+    count; the collector is back on after it."""
 
     class Node:
         def __init__(self) -> None:
@@ -113,8 +113,9 @@ def test_python_calls_leave_out_what_the_garbage_collector_runs() -> None:
         for _ in range(2000):  # enough allocations to trigger a collection, were the collector on
             Node()
     assert calls.python_calls == 2000  # the __init__ calls, no callback
-    assert gc.isenabled() and all(reference() is None for reference in keep)
+    assert gc.isenabled()
     gc.collect()
+    assert all(reference() is None for reference in keep)
 
 
 def _linear_with_its_weights() -> tuple[nn.Module, list[torch.Tensor]]:
