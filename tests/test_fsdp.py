@@ -415,13 +415,7 @@ def _fsdp_and_ddp(
 def test_fsdp_on_two_processes_matches_ddp(tmp_path: Path, front: str, precision: str, opt_level: str) -> None:
     """Under FSDP an inf on one rank's shard is skipped by both ranks, as under DDP: same skips, scales and losses."""
     fsdp, ddp = _fsdp_and_ddp(tmp_path, front, precision, opt_level, *(["--telemetry"] if front == "trainer" else []))
-    assert fsdp[0]["steps"] == fsdp[1]["steps"] == ddp[0]["steps"]
-    assert [index for index, (_, skipped) in enumerate(fsdp[0]["steps"]) if skipped] == [2, 5]
-    assert fsdp[0]["stats"] == fsdp[1]["stats"] == ddp[0]["stats"]
-    for fsdp_rank, ddp_rank in zip(fsdp, ddp, strict=True):
-        torch.testing.assert_close(fsdp_rank["losses"], ddp_rank["losses"], rtol=0.0, atol=1e-3)
-    # The plugin's state went through FSDPStrategy's sharded checkpoint and came back whole on every rank.
-    assert fsdp[0]["resumed_stats"] == fsdp[1]["resumed_stats"] == fsdp[0]["stats"]
+    _assert_skips_like_ddp_and_resumes(fsdp, ddp)
     if front == "trainer":
         _assert_same_telemetry(tmp_path / "fsdp", tmp_path / "ddp", skipped=(2, 5), opt_level=opt_level)
 
@@ -444,6 +438,12 @@ def test_fsdp_manual_optimization_on_two_processes_matches_ddp(tmp_path: Path, p
     """Manual optimization under FSDP (manual_backward, clip_gradients by norm, opt.step()) skips an inf on one rank's
     shard on both ranks, as under DDP: same skips and scales, losses within 1e-3, the state resumed."""
     fsdp, ddp = _fsdp_and_ddp(tmp_path, "trainer", precision, opt_level, "--manual")
+    _assert_skips_like_ddp_and_resumes(fsdp, ddp)
+
+
+def _assert_skips_like_ddp_and_resumes(fsdp: list[dict[str, Any]], ddp: list[dict[str, Any]]) -> None:
+    """Both FSDP ranks skip DDP's steps (the planted infs at 2 and 5) with its scales and counters, their losses are
+    within 1e-3 of DDP's, and the plugin's state came back whole on every rank from the sharded checkpoint."""
     assert fsdp[0]["steps"] == fsdp[1]["steps"] == ddp[0]["steps"]
     assert [index for index, (_, skipped) in enumerate(fsdp[0]["steps"]) if skipped] == [2, 5]
     assert fsdp[0]["stats"] == fsdp[1]["stats"] == ddp[0]["stats"]
