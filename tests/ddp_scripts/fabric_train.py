@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from lightning_mp import MixedPrecision
 from lightning_mp.policies.sharded import ShardedPrecisionError
 from lightning_mp.scaling.sharded import local_shard
+from tests.ddp_scripts.launch import leave_process_group
 
 
 def parameter_checksum(module: nn.Module) -> str:
@@ -179,8 +180,7 @@ def main(argv: list[str]) -> None:
     }
     (args.out / f"rank{fabric.global_rank}.json").write_text(json.dumps(report))
     if dist.is_available() and dist.is_initialized():
-        # Tear gloo down before the interpreter exits: doing it at exit can abort a successful run.
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

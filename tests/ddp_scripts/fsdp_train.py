@@ -48,6 +48,7 @@ from lightning_mp import (
     MixedPrecision,
     PrecisionSentinel,
 )
+from tests.ddp_scripts.launch import leave_process_group
 from tests.helpers import (
     FEATURES,
     CPUFabricFSDPStrategy,
@@ -290,8 +291,7 @@ def main(argv: list[str]) -> None:
         report = run_trainer(args, inject_at) if args.front == "trainer" else run_fabric(args, inject_at)
     (args.out / f"{args.tag}rank{report['global_rank']}.json").write_text(json.dumps(report))
     if dist.is_available() and dist.is_initialized():
-        # Tear gloo down before the interpreter exits: doing it at exit can abort a successful run.
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":
