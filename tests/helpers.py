@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_mp.counting import StepCounts, count_syncs_and_ops
-from lightning_mp.scaling.sharded import local_shard
+from lightning_mp.scaling.sharded import is_sharded, local_shard
 
 FEATURES = 8
 """Input features of :class:`TinyRegressor` and of :func:`regression_data`."""
@@ -377,3 +377,17 @@ def profiled_peak_bytes(fit: Callable[[ProfiledSteps], None], sharded: bool) -> 
         fit(steps)
     events = profiler.profiler.kineto_results.events()
     return peak_step_bytes(events, steps.held_at_start if sharded else None)
+
+
+RANK_ONE_FIRST_ROW = 8
+"""The first row of rank 1's part of a 16-row weight split by rows over 2 ranks (FSDP2's shards, a column-parallel
+layer): the 2-process scripts plant their inf there."""
+
+
+def plant_inf_in_rank_ones_part(grad: torch.Tensor) -> None:
+    """Put an inf at the start of rank 1's part of a 16-row gradient: its local shard's first element where it is
+    split over the ranks, else row :data:`RANK_ONE_FIRST_ROW` of the whole gradient (DDP, called on rank 1 only)."""
+    if is_sharded(grad):
+        local_shard(grad)[0, 0] = float("inf")
+    else:
+        grad[RANK_ONE_FIRST_ROW, 0] = float("inf")

@@ -47,12 +47,16 @@ from typing_extensions import override
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LossScaleMonitor, PrecisionSentinel
 from lightning_mp.policies.sharded import ShardedPrecisionError
-from lightning_mp.scaling.sharded import is_sharded, local_shard
 from tests.ddp_scripts.launch import leave_process_group
-from tests.helpers import BatchCostRecorder, ProfiledSteps, TinyRegressor, loader, make_trainer, profiled_peak_bytes
-
-INJECT_ROW = 8
-"""The row of ``first.weight`` (16 rows) that gets the inf: the first row of rank 1's shard under FSDP2."""
+from tests.helpers import (
+    BatchCostRecorder,
+    ProfiledSteps,
+    TinyRegressor,
+    loader,
+    make_trainer,
+    plant_inf_in_rank_ones_part,
+    profiled_peak_bytes,
+)
 
 
 class ShardableRegressor(TinyRegressor):
@@ -95,11 +99,7 @@ class ShardableRegressor(TinyRegressor):
     def on_after_backward(self) -> None:
         if self.global_rank != 1 or self.global_step not in self.inject_at:
             return
-        grad = self.first.weight.grad
-        if is_sharded(grad):
-            local_shard(grad)[0, 0] = float("inf")
-        else:
-            grad[INJECT_ROW, 0] = float("inf")
+        plant_inf_in_rank_ones_part(self.first.weight.grad)
 
 
 def full_parameters(module: nn.Module) -> dict[str, list[float]]:

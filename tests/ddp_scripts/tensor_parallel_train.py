@@ -43,12 +43,9 @@ from typing_extensions import override
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, PrecisionSentinel
-from lightning_mp.scaling.sharded import is_sharded, local_shard
 from tests.ddp_scripts.launch import leave_process_group
-from tests.helpers import FEATURES, loader, make_trainer
+from tests.helpers import FEATURES, loader, make_trainer, plant_inf_in_rank_ones_part
 
-INJECT_ROW = 8
-"""The row of ``up.weight`` (16 rows) that gets the inf: the first row of rank 1's part under tensor parallelism."""
 DDP_BATCH = 8
 
 
@@ -88,11 +85,7 @@ class TensorParallelRegressor(L.LightningModule):
     def on_after_backward(self) -> None:
         if self.global_rank != 1 or self.global_step not in self.inject_at:
             return
-        grad = self.up.weight.grad
-        if is_sharded(grad):
-            local_shard(grad)[0, 0] = float("inf")
-        else:
-            grad[INJECT_ROW, 0] = float("inf")
+        plant_inf_in_rank_ones_part(self.up.weight.grad)
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
