@@ -493,7 +493,8 @@ def test_a_fabric_resume_without_the_plugin_in_the_state_warns_that_rounding_res
         _fabric_lean_run(range(3, 5), plugin_in_state=False, resume=path)
     _, straight = _fabric_lean_run(range(5))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
+        # Only the restart warning is an error here: the slow-bf16 advice depends on the CPU the test runs on.
+        warnings.filterwarnings("error", message=".*stochastic rounding restarts", category=UserWarning)
         _, resumed = _fabric_lean_run(range(3, 5), resume=path)
     for expected, actual in zip(straight.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(expected, actual)
