@@ -79,7 +79,7 @@ def test_both_fsdp_strategies_accept_the_plugin_and_it_stays_a_mixed_precision()
 
 
 def test_the_plain_plugin_is_refused_by_lightning_fsdp_strategy() -> None:
-    """A plain MixedPrecision under FSDPStrategy fails at once, with Lightning's TypeError (the README says why)."""
+    """A plain MixedPrecision under FSDPStrategy fails at once, with Lightning's TypeError (the docs say why)."""
     with pytest.raises(TypeError, match="FSDPPrecision"):
         make_trainer(MixedPrecision("16-mixed"), strategy=CPUFSDPStrategy())
     with pytest.raises(TypeError, match="FSDPPrecision"):

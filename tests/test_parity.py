@@ -3,7 +3,7 @@
 The task is :mod:`lightning_mp.tasks` (a tiny transformer learning a seeded Markov chain: next-token classification),
 scaled down so that half precision, slow on CPUs without AVX512-BF16, stays quick. Validation loss and top-1 accuracy
 are computed with torchmetrics. The test is a short run with a loose bound; run this file as a script for the longer
-run whose numbers the README reports::
+run whose numbers docs/performance.md reports::
 
     python tests/test_parity.py --steps 600
 """
@@ -93,7 +93,7 @@ def test_o1_and_o2_reach_the_o0_validation_loss(
 
 
 def main() -> None:
-    """Print the parity table for a longer run (the README's numbers)."""
+    """Print the parity table for a longer run (the numbers docs/performance.md reports)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--d-model", type=int, default=32)

@@ -1,4 +1,4 @@
-"""The registry of private torch and Lightning names is complete, current, and what the README lists."""
+"""The registry of private torch and Lightning names is complete, current, and what the contributing page lists."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 from lightning_mp._private_names import PRIVATE_NAMES, PrivateName
-from tests.test_readme import readme_table
+from tests.test_docs import markdown_table
 
 PACKAGE = Path(__file__).parents[1] / "lightning_mp"
-README_TEXT = " ".join((PACKAGE.parent / "README.md").read_text().split())
+CONTRIBUTING = PACKAGE.parent / "docs" / "contributing.md"
+CONTRIBUTING_TEXT = " ".join(CONTRIBUTING.read_text().split())
 SOURCES = {path.relative_to(PACKAGE).as_posix(): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
 UPSTREAM = ("torch", "lightning")
 
@@ -139,20 +140,20 @@ def test_records_are_unique_and_complete():
     assert all("torch" in record.checked_on and "Lightning" in record.checked_on for record in PRIVATE_NAMES)
 
 
-def test_the_readme_lists_the_registry():
-    """The README's private-name table is the registry: one row per record, the same modules and reason."""
-    rows = readme_table("| private name | owner | used in | why |")
+def test_the_contributing_page_lists_the_registry():
+    """The contributing page's private-name table is the registry: one row per record, the same modules and reason."""
+    rows = markdown_table(CONTRIBUTING, "| private name | owner | used in | why |")
     assert rows == [
         [f"`{record.name}`", record.owner, ", ".join(f"`{m}`" for m in record.used_in), record.reason]
         for record in PRIVATE_NAMES
     ]
 
 
-def test_the_readme_counts_the_records():
-    """The README states how many records the registry has, by owner."""
+def test_the_contributing_page_counts_the_records():
+    """The contributing page states how many records the registry has, by owner."""
     owners = [record.owner for record in PRIVATE_NAMES]
     stated = f"({len(owners)} records: {owners.count('torch')} torch, {owners.count('lightning')} Lightning"
-    assert stated in README_TEXT
+    assert stated in CONTRIBUTING_TEXT
 
 
 def test_no_module_keeps_its_own_list_of_private_names():
@@ -161,8 +162,8 @@ def test_no_module_keeps_its_own_list_of_private_names():
     assert [module for module, source in SOURCES.items() if listing.search(source)] == []
 
 
-def test_the_readme_counts_the_names_and_they_stay_within_twenty():
-    """The README states how many names the records cover with their members, and there are at most 20 of them."""
+def test_the_contributing_page_counts_the_names_and_they_stay_within_twenty():
+    """The contributing page states how many names the records cover with their members, at most 20."""
     covered = sum(len(record.members) or 1 for record in PRIVATE_NAMES)
-    assert f"With their members the {len(PRIVATE_NAMES)} records cover {covered} names." in README_TEXT
+    assert f"With their members the {len(PRIVATE_NAMES)} records cover {covered} names." in CONTRIBUTING_TEXT
     assert covered <= 20

@@ -28,7 +28,7 @@ BF16_GAP_AT_ONE = 2.0**-7
 def kept_update_share(before: torch.Tensor, after: torch.Tensor, intended: torch.Tensor) -> float:
     """How much of an update the stored values received: 1.0 when it is kept in expectation, 0.0 when all is lost.
 
-    ``sum((after - before) * sign(intended)) / sum(|intended|)``, in float64; the README's table of what rounding
+    ``sum((after - before) * sign(intended)) / sum(|intended|)``, in float64; the lean guide's table of what rounding
     loses is measured with it.
     """
     magnitude = float(intended.double().abs().sum())

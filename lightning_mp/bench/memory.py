@@ -266,7 +266,7 @@ def memory_table(results: Sequence[MemoryBreakdown]) -> str:
 
 
 def memory_target_lines(results: Sequence[MemoryBreakdown]) -> list[str]:
-    """The issue's memory targets with their measured values, for the configurations that ran."""
+    """The memory budgets with their measured values, for the configurations that ran."""
     by_name = {result.configuration: result for result in results}
     lines = []
 

@@ -374,7 +374,7 @@ def opt_level_target_lines(counts: Sequence[OptLevelCounts], allreduced: Sequenc
 
 
 def opt_level_report(quick: bool) -> str:
-    """The opt levels' part of the ``--counts`` report: the table and issue 22's targets.
+    """The opt levels' part of the ``--counts`` report: the table and the budgets it checks.
 
     ``quick`` counts O0, O1 and O2 in fp16 only, and leaves out DDP (two processes, about 20 seconds) and the
     baseline row of Lightning's ``bf16-true``.

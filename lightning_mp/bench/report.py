@@ -153,7 +153,7 @@ def markdown_table(
 
 
 def target_lines(summaries: dict[str, Summary], accelerator: str, budgets: TimeBudgets = DEFAULT_BUDGETS) -> list[str]:
-    """Each of the issues' targets with its measured value, for the configurations that ran without crashing.
+    """Each target with its measured value, for the configurations that ran without crashing.
 
     ``budgets`` says what the monitors and O1 may add to a step (more on the launch-bound LM).
     """

@@ -592,7 +592,7 @@ class O2Policy(PrecisionPolicy):
 
         One pass over the pairs takes the twins' edits, shows the masters and moves the gradients. It is written here
         rather than through :meth:`MasterWeights.show_masters` because it runs at every step, where each method
-        call is a Python call more than O1's step makes (issue 22's host budget); unlike that method it mirrors no
+        call is a Python call more than O1's step makes (O2's budget is O1's); unlike that method it mirrors no
         ``requires_grad``, which ``toggle_optimizer`` may have set on the masters for this step only.
         """
         weights = self.weights

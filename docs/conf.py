@@ -1,0 +1,84 @@
+"""Sphinx configuration: MyST Markdown pages, the API reference from the package's docstrings, the furo theme.
+
+Build with ``sphinx-build -W --keep-going -b html docs docs/_build/html`` (CI does, warnings as errors).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import lightning_mp  # noqa: E402
+
+project = "lightning_mp"
+author = "the lightning_mp developers"
+release = lightning_mp.__version__
+version = release
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.intersphinx",
+    "sphinx.ext.viewcode",
+]
+
+source_suffix = {".md": "markdown"}
+root_doc = "index"
+# The GPU reports are pulled into gpu-results.md (below), not built as pages of their own.
+exclude_patterns = ["_build", "gpu-results/**"]
+
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_typehints_format = "short"
+autodoc_default_options = {"members": True, "show-inheritance": True}
+# The docstrings are Google style (Args:, Returns:, Raises:, Example:).
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+
+# The offline build resolves no external inventory; cross-references to torch and Lightning render as plain text.
+intersphinx_mapping: dict[str, tuple[str, str | None]] = {}
+nitpicky = False
+
+html_theme = "furo"
+html_title = f"lightning_mp {release}"
+html_static_path = ["_static"]
+
+GPU_RESULTS = Path(__file__).resolve().parent / "gpu-results"
+GPU_REPORTS_MARKER = "<!-- gpu-reports -->"
+
+
+def gpu_reports_markdown() -> str:
+    """MyST that includes every committed GPU report (``docs/gpu-results/*.md``), newest name first, or says none is."""
+    reports = sorted(GPU_RESULTS.glob("*.md"), reverse=True) if GPU_RESULTS.is_dir() else []
+    if not reports:
+        return "**No GPU report committed yet.** The command above writes the first one."
+    blocks = []
+    for report in reports:
+        relative = report.relative_to(GPU_RESULTS.parent).as_posix()
+        blocks.append(f"```{{include}} {relative}\n:heading-offset: 1\n:relative-images:\n:relative-docs: ..\n```")
+    return "\n\n".join(blocks)
+
+
+def include_gpu_reports(app: object, docname: str, source: list[str]) -> None:
+    """Replace the marker in gpu-results.md with the committed reports, so that no GPU figure is typed by hand."""
+    if docname == "gpu-results":
+        source[0] = source[0].replace(GPU_REPORTS_MARKER, gpu_reports_markdown())
+
+
+def reread_gpu_results(app: object, env: object, added: set[str], changed: set[str], removed: set[str]) -> list[str]:
+    """Read gpu-results.md on every build: a report added under docs/gpu-results/ changes it without touching it."""
+    return ["gpu-results"]
+
+
+def setup(app: object) -> None:
+    """Register the hooks that fill the GPU results page."""
+    app.connect("source-read", include_gpu_reports)  # type: ignore[attr-defined]
+    app.connect("env-get-outdated", reread_gpu_results)  # type: ignore[attr-defined]

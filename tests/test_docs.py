@@ -1,0 +1,316 @@
+"""The README and the documentation say what the code does.
+
+Every Python block parses, the quickstarts of the README and Get started train, every link between pages resolves,
+the API reference covers ``lightning_mp.__all__``, no page tells history (that is CHANGELOG.md's job), and the tables
+of TensorBoard tags, notebooks and loss-scaler knobs are checked against the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+
+import lightning_mp
+from lightning_mp import LossScaler, MixedPrecision
+from lightning_mp.callbacks import (
+    AdvisorCallback,
+    GradientHealthMonitor,
+    LayerDtypeMonitor,
+    LossScaleMonitor,
+    PrecisionSentinel,
+)
+from tests.helpers import TinyRegressor, loader, make_trainer, read_events
+
+ROOT = Path(__file__).parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+# The GPU reports under docs/gpu-results/ are written by the benchmark, not by hand; the build output is not a page.
+PAGES = [README, *sorted(path for path in DOCS.rglob("*.md") if not {"_build", "gpu-results"} & set(path.parts))]
+NOT_CHECKED = "<!-- not-checked -->"
+
+
+def page_name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def markdown_table(page: Path, header: str) -> list[list[str]]:
+    """The cells of the Markdown table on ``page`` under the header row that starts with ``header``."""
+    lines = page.read_text().splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]])
+    return rows
+
+
+def python_blocks(page: Path) -> list[tuple[int, str]]:
+    """Each fenced Python block of ``page`` with its first line number, except those marked not checked."""
+    lines = page.read_text().splitlines()
+    blocks = []
+    index = 0
+    while index < len(lines):
+        fence = re.match(r"^(\s*)(`{3,})\s*([^`\s]*)", lines[index])
+        if not fence:
+            index += 1
+            continue
+        indent, ticks, language = fence.groups()
+        end = next(i for i in range(index + 1, len(lines)) if lines[i].strip() == ticks)
+        exempt = index > 0 and lines[index - 1].strip() == NOT_CHECKED
+        if language in ("python", "py") and not exempt:
+            body = "\n".join(line.removeprefix(indent) for line in lines[index + 1 : end])
+            blocks.append((index + 2, body))
+        index = end + 1
+    return blocks
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub and MyST give the headings of ``page`` (lower case, punctuation dropped, spaces to -)."""
+    anchors = set()
+    for line in page.read_text().splitlines():
+        heading = re.match(r"^#{1,6}\s+(.*)$", line)
+        if heading:
+            text = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower())
+            anchors.add(text.replace(" ", "-"))
+    return anchors
+
+
+def labels() -> set[str]:
+    """Every MyST target, ``(name)=``, declared on a docs page."""
+    return {label for page in PAGES for label in re.findall(r"^\((\S+)\)=$", page.read_text(), re.MULTILINE)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_name)
+def test_every_python_block_on_the_page_parses(page: Path) -> None:
+    """A reader who copies a Python block from the README or the docs gets code that at least parses."""
+    for line, body in python_blocks(page):
+        try:
+            ast.parse(body)
+        except SyntaxError as error:
+            pytest.fail(f"{page_name(page)}:{line + (error.lineno or 1) - 1}: {error.msg}")
+
+
+QUICKSTARTS = [README, DOCS / "get-started.md"]
+
+
+@pytest.mark.parametrize("page", QUICKSTARTS, ids=page_name)
+def test_the_quickstarts_train(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each quickstart block runs as written, given a model, its data, an optimizer and a loss: a reader's first run
+    works."""
+    monkeypatch.chdir(tmp_path)  # the blocks write logs and checkpoints into the working directory
+    blocks = python_blocks(page)
+    assert len(blocks) == 2, "one Trainer and one Fabric quickstart"
+    for line, body in blocks:
+        model = TinyRegressor()
+        namespace = {
+            "model": model,
+            "train_loader": loader(),
+            "loader": loader(),
+            "optimizer": torch.optim.SGD(model.parameters(), lr=0.05),
+            "loss_fn": torch.nn.functional.mse_loss,
+        }
+        exec(compile(body, f"{page_name(page)}:{line}", "exec"), namespace)
+        assert namespace["plugin"].stats.optimizer_steps > 0, f"{page_name(page)}:{line} trained no step"
+
+
+def test_the_pages_have_python_blocks_and_few_are_exempt() -> None:
+    """The check above has something to check, and the not-checked marker stays the exception."""
+    assert sum(len(python_blocks(page)) for page in PAGES) >= 15
+    assert sum(page.read_text().count(NOT_CHECKED) for page in PAGES) <= 3
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_name)
+def test_every_link_between_pages_resolves(page: Path) -> None:
+    """Each relative Markdown link names a file that exists (and a heading on it), each {doc} a page, each {ref} a
+    target."""
+    text = page.read_text()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+://", target) or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        anchored = not anchor or linked.suffix != ".md" or anchor in heading_anchors(linked) | labels()
+        if not (linked.exists() and anchored):
+            broken.append(target)
+    for target in re.findall(r"\{doc\}`(?:[^`<]*<)?([^`>]+)>?`", text):
+        base = DOCS if target.startswith("/") else page.parent
+        if not (base / f"{target.lstrip('/')}.md").resolve().exists():
+            broken.append(f"{{doc}}`{target}`")
+    for target in re.findall(r"\{ref\}`(?:[^`<]*<)?([^`>]+)>?`", text):
+        if target not in labels():
+            broken.append(f"{{ref}}`{target}`")
+    assert broken == [], page_name(page)
+
+
+def test_every_docs_page_is_in_the_table_of_contents() -> None:
+    """A page under docs/ that no toctree lists would be built but unreachable; every one is listed."""
+    listed = set(re.findall(r"^([\w/\-]+)$", (DOCS / "index.md").read_text(), re.MULTILINE))
+    pages = {page.relative_to(DOCS).with_suffix("").as_posix() for page in PAGES if page != README}
+    assert pages - {"index"} <= listed
+
+
+def test_the_api_reference_documents_every_public_name() -> None:
+    """Every name in lightning_mp.__all__ has its entry in docs/api.md, so a knob is two clicks from the README."""
+    api = (DOCS / "api.md").read_text()
+    documented = set(re.findall(r"^\.\. (?:auto\w+|py:\w+):: lightning_mp\.(\w+)\s*$", api, re.MULTILINE))
+    assert set(lightning_mp.__all__) <= documented
+
+
+def test_the_knob_texts_replace_every_placeholder_in_the_docstrings() -> None:
+    """The API reference renders each knob's own text: no ``<knob>`` placeholder is left in a docstring."""
+    for documented in (MixedPrecision, LossScaler):
+        assert documented.__doc__ and "<knob>" not in documented.__doc__, documented.__name__
+        for name in ("init_scale", "hysteresis", "on_min_scale"):
+            assert re.search(rf"^\s+{name}: \S", documented.__doc__, re.MULTILINE), (documented.__name__, name)
+
+
+HISTORY = re.compile(
+    r"\bissue \d+|\bprevious (?:O2|version|release)|\bwhat changed\b|\bsince (?:v?\d+\.\d+|issue)"
+    r"|\bused to\b|\bthe first release\b|\b(?:target|targets)\b[^.\n]*\b(?:met|missed)\b",
+    re.IGNORECASE,
+)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_name)
+def test_no_page_tells_history(page: Path) -> None:
+    """History lives in CHANGELOG.md: no page speaks of issues, earlier versions, or targets met or missed."""
+    assert HISTORY.findall(page.read_text()) == []
+
+
+def documented_tags() -> dict[str, set[str]]:
+    """The TensorBoard tags the telemetry page lists, by the kind of event TensorBoard files them under."""
+    tags: dict[str, set[str]] = {"scalars": set(), "tensors": set(), "histograms": set(), "images": set()}
+    for _, tag_cell, _ in markdown_table(DOCS / "guide" / "telemetry.md", "| callback | tag |"):
+        kind = "tensors" if "(text)" in tag_cell else "histograms" if "(histogram)" in tag_cell else "scalars"
+        kind = "images" if "(image)" in tag_cell else kind
+        tags[kind].update(re.findall(r"`([^`]+)`", tag_cell))
+    return tags
+
+
+def test_every_tensorboard_tag_the_docs_list_is_what_a_real_run_writes(tmp_path: Path) -> None:
+    """A user who looks for a documented tag in TensorBoard finds it under that name, and every written tag is
+    listed."""
+    logger = TensorBoardLogger(tmp_path)
+    callbacks = [
+        AdvisorCallback(batches=1),
+        LossScaleMonitor(),
+        GradientHealthMonitor(),
+        LayerDtypeMonitor(),
+        PrecisionSentinel(every_n_steps=1),
+    ]
+    trainer = make_trainer(
+        MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1),
+        callbacks=callbacks,
+        logger=logger,
+        log_every_n_steps=1,
+        max_steps=3,
+    )
+    # An overflow at step 1 writes the overflow text; growth_interval=1 grows the scale on the clean steps.
+    with pytest.warns(RuntimeWarning, match="first.weight"):
+        trainer.fit(TinyRegressor(inject_at=(1,)), loader(batch_size=4))
+    written = read_events(logger.log_dir).Tags()
+    listed = documented_tags()
+    dtype_tag = "precision/layers/<dtype>"
+    assert dtype_tag in listed["scalars"]
+    per_dtype = {tag for tag in written["scalars"] if re.fullmatch(r"precision/layers/\w+", tag)}
+    assert per_dtype, "no precision/layers/<dtype> scalar was written"
+    # Lightning's own scalars (epoch) are not the package's.
+    ours = {tag for tag in written["scalars"] if tag.startswith("precision")} - per_dtype
+    assert ours == listed["scalars"] - {dtype_tag}
+    for kind in ("tensors", "histograms", "images"):
+        assert set(written[kind]) == listed[kind], kind
+
+
+def test_the_docs_list_every_notebook_and_the_set_up_lines_count_them() -> None:
+    """The notebook table names each notebook in notebooks/, and the README and Get started say how many CI runs."""
+    get_started = DOCS / "get-started.md"
+    on_disk = sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "notebooks").glob("*.ipynb"))
+    table = markdown_table(get_started, "| notebook |")
+    listed = sorted(re.findall(r"`([^`]+\.ipynb)`", " ".join(row[0] for row in table)))
+    assert listed == on_disk
+    counts = {3: "three", 4: "four", 5: "five", 6: "six"}
+    for page in (README, get_started):
+        assert f"executes the {counts[len(on_disk)]} notebooks" in " ".join(page.read_text().split()), page.name
+
+
+LOSS_SCALER = DOCS / "guide" / "loss-scaler.md"
+KNOB_TABLE = "| argument | default | allowed | meaning |"
+
+
+def test_the_knob_table_gives_the_defaults_the_plugin_uses() -> None:
+    """Each default in the loss-scaler page's table of scaler knobs is what MixedPrecision("16-mixed") really uses."""
+    plugin = MixedPrecision("16-mixed")
+    plugin.setup_for_device("cpu")
+    scaler = plugin.scaler
+    assert scaler is not None
+    effective = {
+        "init_scale": scaler.get_scale(),
+        "growth_factor": scaler.get_growth_factor(),
+        "backoff_factor": scaler.get_backoff_factor(),
+        "growth_interval": scaler.get_growth_interval(),
+    }
+    signature = inspect.signature(MixedPrecision.__init__).parameters
+    rows = markdown_table(LOSS_SCALER, KNOB_TABLE)
+    assert len(rows) == 13
+    for argument_cell, default_cell, _, _ in rows:
+        argument = argument_cell.strip("`")
+        documented = ast.literal_eval(default_cell.strip("`").replace("2**16", "65536").replace("2**24", "16777216"))
+        actual = effective.get(argument, signature[argument].default)
+        assert documented == actual, argument
+
+
+def table_number(text: str) -> float:
+    """A bound as the knob table writes it: ``2**-24``, ``2147483647``, ``3.4028234663852886e+38``, or the default
+    of another knob that bounds this one (``min_scale`` is the floor ``2**-24``, ``max_scale`` its default)."""
+    defaults = {"min_scale": 2.0**-24, "max_scale": 2.0**24}
+    if text in defaults:
+        return defaults[text]
+    power = re.fullmatch(r"2\*\*(-?\d+)", text)
+    return 2.0 ** int(power.group(1)) if power else ast.literal_eval(text)
+
+
+def plugin_with(argument: str, value: float) -> MixedPrecision:
+    """``MixedPrecision("16-mixed", argument=value)``, with the first scale moved inside a probed ``min_scale`` or
+    ``max_scale`` (it must lie in ``[min_scale, max_scale]``)."""
+    room = {
+        "min_scale": {"init_scale": min(max(value, 2.0**16), 2.0**24)},
+        "max_scale": {"init_scale": min(value, 2.0**16)},
+    }
+    return MixedPrecision("16-mixed", **{argument: value, **room.get(argument, {})})
+
+
+def test_the_knob_table_gives_the_bounds_the_plugin_enforces() -> None:
+    """Each bound in the "allowed" column is exact: the bound is accepted (or refused, if strict) and the next number
+    past it is refused with a ValueError that prints the bound as the table does."""
+    probes = 0
+    for argument_cell, _, allowed_cell, _ in markdown_table(LOSS_SCALER, KNOB_TABLE):
+        argument = argument_cell.strip("`")
+        integer = "an integer" in allowed_cell
+        for low, low_op, high_op, high in re.findall(r"`(\S+) (<=?) x (<=?) (\S+)`", allowed_cell):
+            bounds = [(low, low_op, -1), (high, high_op, +1)]
+            for text, op, outward in bounds:
+                bound = table_number(text)
+                past = bound + outward if integer else math.nextafter(bound, outward * math.inf)
+                inside = bound - outward if integer else math.nextafter(bound, -outward * math.inf)
+                accepted, refused = (bound, past) if op == "<=" else (inside, bound)
+                plugin_with(argument, int(accepted) if integer else accepted)
+                message = rf"{argument}=.* not allowed: .*{re.escape(text) if text[0].isdigit() else ''}"
+                with pytest.raises(ValueError, match=message):
+                    plugin_with(argument, int(refused) if integer else refused)
+                probes += 1
+        for op, text in re.findall(r"`x (>) (\S+)`", allowed_cell):
+            bound = table_number(text)
+            MixedPrecision("16-mixed", **{argument: math.nextafter(bound, math.inf)})
+            with pytest.raises(ValueError, match=rf"{argument}=.* must be a finite number {op} {re.escape(text)}"):
+                MixedPrecision("16-mixed", **{argument: bound})
+            probes += 1
+    assert probes == 17
