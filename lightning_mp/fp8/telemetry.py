@@ -11,7 +11,7 @@ a gradient hook on the layer's output takes the output gradient. Both are attach
 step's batch and removed at its end.
 
 **What it logs.** Per layer and operand, the scalars ``fp8_monitor/<layer>/<operand>/<stat>``; per sample the
-summaries ``fp8_monitor/max_underflow_share`` and ``fp8_monitor/min_sqnr_db``; the worst layers as a Markdown table
+summaries ``fp8_monitor/max_underflow`` and ``fp8_monitor/min_sqnr_db``; the worst layers as a Markdown table
 (TensorBoard text ``fp8_monitor/worst_layers``, and :attr:`FP8Monitor.worst_layers`); and every
 ``heatmap_every_n_samples`` samples, and at the end of training, two heatmaps like the precision sentinel's (one row
 per layer and operand, logging steps across): ``fp8_monitor/heatmap/underflow_share`` and
@@ -23,7 +23,7 @@ tensor's SQNR hides an outlier: one feature a thousand times larger than the res
 scale, so the tensor's SQNR stays near 30 dB while the small values, scaled down with it, flush to zero.
 
 **Fallback** (opt-in, ``fallback=FallbackRule(...)``). A layer whose underflow share exceeds
-``max_underflow_share``, or whose SQNR falls below ``min_sqnr_db``, on any operand, for ``consecutive`` logging steps
+``max_underflow``, or whose SQNR falls below ``min_sqnr_db``, on any operand, for ``patience`` logging steps
 in a row, is handed to ``fallback_fn(model, layer_name, reason)``, which returns it to bf16 for the rest of the run.
 The rule is the pure function :func:`fallback_decisions`. Under DDP or FSDP every rank samples and rank zero's
 statistics are broadcast before the read (one collective), so every rank decides the same. The layers fallen back
@@ -83,41 +83,49 @@ class FallbackFunction(Protocol):
 
 @dataclass(frozen=True)
 class FallbackRule:
-    """When a layer goes back to bf16: a threshold crossed on any operand for ``consecutive`` logging steps in a row.
+    """When a layer goes back to bf16: a limit crossed on any operand for ``patience`` logging steps in a row.
+
+    The fields are those of the FP8 settings' ``fallback_*`` fields (:meth:`from_settings` reads them).
 
     Args:
-        max_underflow_share: the largest share of non-zero values an FP8 cast may flush to zero, in (0, 1]; None
-            for no limit.
-        min_sqnr_db: the lowest SQNR an FP8 cast may have, in dB; None for no limit.
-        consecutive: how many logging steps in a row the limit must be crossed, at least 1.
+        max_underflow: the largest share of non-zero values an FP8 cast may flush to zero, in [0, 1]; None for no
+            limit.
+        min_sqnr_db: the lowest SQNR an FP8 cast may have, in dB (e4m3 keeps about 30 dB, e5m2 about 25 dB on
+            well-scaled data); None for no limit.
+        patience: how many logging steps in a row a limit must be crossed, at least 1.
 
     Raises:
         ValueError: naming the argument, the value and what is allowed.
 
     """
 
-    max_underflow_share: float | None = 0.01
-    min_sqnr_db: float | None = None
-    consecutive: int = 3
+    max_underflow: float | None = 0.1
+    min_sqnr_db: float | None = 20.0
+    patience: int = 3
 
     def __post_init__(self) -> None:
-        if self.max_underflow_share is not None:
-            check_number("FallbackRule", "max_underflow_share", self.max_underflow_share, above=0, at_most=1)
+        if self.max_underflow is not None:
+            check_number("FallbackRule", "max_underflow", self.max_underflow, at_least=0, at_most=1)
         if self.min_sqnr_db is not None:
             check_number("FallbackRule", "min_sqnr_db", self.min_sqnr_db)
-        if self.max_underflow_share is None and self.min_sqnr_db is None:
+        if self.max_underflow is None and self.min_sqnr_db is None:
             raise ValueError(
-                "FallbackRule(max_underflow_share=None, min_sqnr_db=None) is not allowed: set at least one limit."
+                "FallbackRule(max_underflow=None, min_sqnr_db=None) is not allowed: set at least one limit."
             )
-        check_number("FallbackRule", "consecutive", self.consecutive, at_least=1, integer=True)
+        check_number("FallbackRule", "patience", self.patience, at_least=1, integer=True)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> FallbackRule:
+        """The rule of FP8 settings with ``fallback_max_underflow``, ``fallback_min_sqnr_db`` and ``fallback_patience``."""
+        return cls(settings.fallback_max_underflow, settings.fallback_min_sqnr_db, settings.fallback_patience)
 
     def violation(self, operands: Mapping[str, Mapping[str, float]]) -> str | None:
         """Why this step's statistics of one layer cross the limits, or None when they do not."""
         reasons = []
         for operand, stats in operands.items():
             underflow, sqnr = stats.get("underflow_share", math.nan), stats.get("sqnr_db", math.nan)
-            if self.max_underflow_share is not None and underflow > self.max_underflow_share:
-                reasons.append(f"{operand} underflow share {underflow:.2%} > {self.max_underflow_share:.2%}")
+            if self.max_underflow is not None and underflow > self.max_underflow:
+                reasons.append(f"{operand} underflow share {underflow:.2%} > {self.max_underflow:.2%}")
             if self.min_sqnr_db is not None and sqnr < self.min_sqnr_db:
                 reasons.append(f"{operand} SQNR {sqnr:.1f} dB < {self.min_sqnr_db:g} dB")
         return "; ".join(reasons) or None
@@ -137,10 +145,10 @@ def fallback_decisions(
 
     Returns:
         ``(streaks, decisions)``: the new streaks (layers that fall back are dropped), and ``(layer, reason)`` for
-        each layer whose streak reached ``rule.consecutive``, in the sample's order.
+        each layer whose streak reached ``rule.patience``, in the sample's order.
 
     Example:
-        >>> rule = FallbackRule(max_underflow_share=0.1, consecutive=2)
+        >>> rule = FallbackRule(max_underflow=0.1, patience=2)
         >>> bad = {"fc": {"input": {"underflow_share": 0.5, "sqnr_db": 30.0}}}
         >>> streaks, decided = fallback_decisions({}, bad, rule)
         >>> streaks, decided
@@ -156,7 +164,7 @@ def fallback_decisions(
         if reason is None:
             continue
         streak = streaks.get(layer, 0) + 1
-        if streak >= rule.consecutive:
+        if streak >= rule.patience:
             decisions.append((layer, f"{reason} for {streak} logging step{'s' if streak != 1 else ''} in a row"))
         else:
             updated[layer] = streak
@@ -222,7 +230,7 @@ class FP8Monitor(Callback):
 
         trainer = Trainer(
             plugins=[MixedPrecision("bf16-mixed", fp8="tensorwise")],
-            callbacks=[FP8Monitor(every_n_steps=50, fallback=FallbackRule(max_underflow_share=0.01))],
+            callbacks=[FP8Monitor(every_n_steps=50, fallback=FallbackRule(max_underflow=0.01))],
         )
 
     """
@@ -392,7 +400,11 @@ class FP8Monitor(Callback):
                     self._recorded[layer, "input"] = cast_stats(inputs, casts.input)
                 if (layer, "weight") not in self._recorded:
                     self._recorded[layer, "weight"] = cast_stats(module.weight, casts.weight)
-            if isinstance(output, torch.Tensor) and output.requires_grad and (layer, "grad_output") not in self._recorded:
+            if (
+                isinstance(output, torch.Tensor)
+                and output.requires_grad
+                and (layer, "grad_output") not in self._recorded
+            ):
 
                 def record_gradient(gradient: torch.Tensor) -> None:
                     if (layer, "grad_output") not in self._recorded:
@@ -437,7 +449,7 @@ def _scalars(sample: _Sample) -> dict[str, float]:
         for stat, value in stats.items()
     }
     every = [stats for operands in sample.stats.values() for stats in operands.values()]
-    scalars["fp8_monitor/max_underflow_share"] = max(s["underflow_share"] for s in every)
+    scalars["fp8_monitor/max_underflow"] = max(s["underflow_share"] for s in every)
     scalars["fp8_monitor/min_sqnr_db"] = min(s["sqnr_db"] for s in every)
     return scalars
 

@@ -17,9 +17,7 @@ OUTLIER = 1e4
 
 def mlp() -> nn.Sequential:
     return nn.Sequential(
-        OrderedDict(
-            fc1=nn.Linear(16, 32), act1=nn.ReLU(), fc2=nn.Linear(32, 32), act2=nn.Tanh(), fc3=nn.Linear(32, 16)
-        )
+        OrderedDict(fc1=nn.Linear(16, 32), act1=nn.ReLU(), fc2=nn.Linear(32, 32), act2=nn.Tanh(), fc3=nn.Linear(32, 16))
     )
 
 

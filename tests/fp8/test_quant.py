@@ -56,7 +56,9 @@ def test_tensorwise_recipe_casts_gradients_to_e5m2_and_rowwise_to_e4m3():
     """tensorwise gives the output gradient e5m2's range; the rowwise recipes keep e4m3 with power-of-two scales."""
     assert RECIPES["tensorwise"].grad_output.dtype == torch.float8_e5m2
     assert RECIPES["tensorwise"].input.dtype == torch.float8_e4m3fn
-    assert all(cast.dtype == torch.float8_e4m3fn and cast.power_of_two_scale for cast in vars(RECIPES["rowwise"]).values())
+    assert all(
+        cast.dtype == torch.float8_e4m3fn and cast.power_of_two_scale for cast in vars(RECIPES["rowwise"]).values()
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])

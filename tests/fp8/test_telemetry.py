@@ -135,8 +135,11 @@ def test_fallback_returns_the_outlier_layer_and_only_it_to_bf16(tmp_path):
         calls.append((name, reason))
         back_to_linear(module, name, reason)
 
-    monitor = FP8Monitor(every_n_steps=EVERY, fallback=FallbackRule(max_underflow_share=0.01, consecutive=2),
-                         fallback_fn=fall_back)
+    monitor = FP8Monitor(
+        every_n_steps=EVERY,
+        fallback=FallbackRule(max_underflow=0.01, min_sqnr_db=None, patience=2),
+        fallback_fn=fall_back,
+    )
     fit(tmp_path, model, [monitor], max_steps=3 * EVERY)
     assert [name for name, _ in calls] == ["net.fc2"]
     assert "input underflow share" in calls[0][1] and "2 logging steps in a row" in calls[0][1]
@@ -149,7 +152,7 @@ def test_fallback_returns_the_outlier_layer_and_only_it_to_bf16(tmp_path):
 
 def test_fallback_rule_counts_consecutive_steps_and_resets():
     """A layer must cross a limit on consecutive logging steps; a step within the limits starts it over."""
-    rule = FallbackRule(max_underflow_share=0.1, min_sqnr_db=20.0, consecutive=2)
+    rule = FallbackRule(max_underflow=0.1, min_sqnr_db=20.0, patience=2)
     bad = {"a": {"grad_output": {"underflow_share": 0.0, "sqnr_db": 12.0}}}
     good = {"a": {"grad_output": {"underflow_share": 0.0, "sqnr_db": 30.0}}}
     streaks, decided = fallback_decisions({}, bad, rule)
@@ -178,9 +181,9 @@ def test_bad_arguments_are_refused_by_name():
         FP8Monitor(fallback=0.1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="fallback_fn"):
         FP8Monitor(fallback_fn="fc2")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="consecutive"):
-        FallbackRule(consecutive=0)
-    with pytest.raises(ValueError, match="max_underflow_share"):
-        FallbackRule(max_underflow_share=2.0)
+    with pytest.raises(ValueError, match="patience"):
+        FallbackRule(patience=0)
+    with pytest.raises(ValueError, match="max_underflow"):
+        FallbackRule(max_underflow=2.0)
     with pytest.raises(ValueError, match="at least one limit"):
-        FallbackRule(max_underflow_share=None)
+        FallbackRule(max_underflow=None, min_sqnr_db=None)
