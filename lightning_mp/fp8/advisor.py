@@ -1,5 +1,4 @@
-"""The FP8 advisor: before a run, estimate what each recipe's FP8 casts would cost every linear layer, and say which
-layers to keep in bf16.
+"""The FP8 advisor: before a run, estimate each recipe's FP8 error per linear layer and say which to keep in bf16.
 
 FP8 matmuls scale each operand by its own amax at every step (:mod:`lightning_mp.fp8.quant`), so a whole tensor
 scaled up or down costs nothing; what costs is *spread* within what one scale covers. e4m3 spans about 2**18 from its
@@ -52,7 +51,7 @@ from torch import Tensor, nn
 
 from lightning_mp._validation import check_choice, check_flag, check_number
 from lightning_mp.advisor import LossFunction, _attach_manual_optimization, _loader_generators, _training_loss
-from lightning_mp.fp8.quant import OPERANDS, RECIPES, STAT_NAMES, cast_stats, recipe_casts
+from lightning_mp.fp8.quant import RECIPES, STAT_NAMES, Operand, cast_stats, recipe_casts
 from lightning_mp.fp8.telemetry import FallbackRule
 
 MAX_UNDERFLOW = 0.01
@@ -91,6 +90,7 @@ class LayerEstimate:
 
     @property
     def parameters(self) -> int:
+        """The layer's weight elements, which the recommendation counts."""
         return self.in_features * self.out_features
 
 
@@ -280,10 +280,10 @@ def advise_fp8(
     worst: dict[tuple[str, str, str], Tensor] = {}
     worst_is_largest = torch.tensor(_WORST_IS_LARGEST, device=device)
 
-    def record(layer: str, operand: str, tensor: Tensor) -> None:
+    def record(layer: str, operand: Operand, tensor: Tensor) -> None:
         with torch.no_grad():
             for recipe in recipes:
-                stats = cast_stats(tensor, recipe_casts(recipe).of(operand))  # type: ignore[arg-type]
+                stats = cast_stats(tensor, recipe_casts(recipe).of(operand))
                 key = (layer, recipe, operand)
                 if key in worst:
                     previous = worst[key]
@@ -293,7 +293,7 @@ def advise_fp8(
                 worst[key] = stats
 
     def recorder(layer: str) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        def hook(module: nn.Linear, args: tuple[Any, ...], output: Any) -> None:
             if not args or not isinstance(args[0], Tensor):
                 return
             # The matmul under bf16 autocast reads the input in bf16; the weight is scaled from its fp32 master.

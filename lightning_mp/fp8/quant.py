@@ -108,8 +108,10 @@ def recipe_casts(recipe: str) -> RecipeCasts:
 
 
 def casts_of_config(config: Any) -> RecipeCasts:
-    """The casts a torchao ``Float8LinearConfig`` (a ``Float8Linear`` module's ``config``) applies in its forward
-    and grad-input matmuls; a disabled cast is described as tensorwise (it does not occur in those matmuls)."""
+    """The casts a torchao ``Float8LinearConfig`` (a ``Float8Linear`` module's ``config``) applies.
+
+    Those of its forward and grad-input matmuls; a disabled cast is described as tensorwise (those matmuls have none).
+    """
 
     def cast(cast_config: Any) -> OperandCast:
         granularity: Granularity = (

@@ -1,5 +1,6 @@
-"""Per-layer FP8 telemetry for torchao's float8 training: what each FP8 cast loses, layer by layer, at no cost between
-logging steps, and an opt-in fallback to bf16 for the layers that cannot take FP8.
+"""Per-layer FP8 telemetry for torchao's float8 training, free between logging steps, with an opt-in bf16 fallback.
+
+What each FP8 cast loses, layer by layer, and a way back to bf16 for the layers that cannot take FP8.
 
 **What it measures.** On a logging step (every ``every_n_steps`` steps, at the steps Lightning's
 ``log_every_n_steps=every_n_steps`` logs), for every torchao ``Float8Linear`` in the model and each of its three
@@ -11,7 +12,7 @@ a gradient hook on the layer's output takes the output gradient. Both are attach
 step's batch and removed at its end.
 
 **What it logs.** Per layer and operand, the scalars ``fp8_monitor/<layer>/<operand>/<stat>``; per sample the
-summaries ``fp8_monitor/max_underflow`` and ``fp8_monitor/min_sqnr_db``; the worst layers as a Markdown table
+summaries ``fp8_monitor/max_underflow_share`` and ``fp8_monitor/min_sqnr_db``; the worst layers as a Markdown table
 (TensorBoard text ``fp8_monitor/worst_layers``, and :attr:`FP8Monitor.worst_layers`); and every
 ``heatmap_every_n_samples`` samples, and at the end of training, two heatmaps like the precision sentinel's (one row
 per layer and operand, logging steps across): ``fp8_monitor/heatmap/underflow_share`` and
@@ -36,6 +37,7 @@ ops per operand, on the device, and its values join the one device-to-host trans
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +64,7 @@ from lightning_mp.callbacks._logging import (
     validate_bool,
     validate_positive_int,
 )
-from lightning_mp.fp8.quant import OPERANDS, STAT_NAMES, Operand, casts_of_config, cast_stats
+from lightning_mp.fp8.quant import OPERANDS, STAT_NAMES, Operand, cast_stats, casts_of_config
 
 LayerStats = Mapping[str, Mapping[str, Mapping[str, float]]]
 """``layer -> operand -> stat name -> value``, as one logging step measured it."""
@@ -78,7 +80,8 @@ HEATMAPS = {
 class FallbackFunction(Protocol):
     """Returns one FP8 layer of ``model`` to bf16: ``lightning_mp.fp8.convert.fallback_layer`` has this signature."""
 
-    def __call__(self, model: nn.Module, name: str, reason: str) -> Any: ...
+    def __call__(self, model: nn.Module, name: str, reason: str) -> Any:
+        """Return the layer ``name`` of ``model`` to bf16, logging ``reason``."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class FallbackRule:
 
     @classmethod
     def from_settings(cls, settings: Any) -> FallbackRule:
-        """The rule of FP8 settings with ``fallback_max_underflow``, ``fallback_min_sqnr_db`` and ``fallback_patience``."""
+        """The rule of FP8 settings, from their ``fallback_max_underflow``, ``_min_sqnr_db`` and ``_patience``."""
         return cls(settings.fallback_max_underflow, settings.fallback_min_sqnr_db, settings.fallback_patience)
 
     def violation(self, operands: Mapping[str, Mapping[str, float]]) -> str | None:
@@ -186,10 +189,10 @@ def rank_layers(sample: LayerStats) -> list[str]:
 def is_float8_linear(module: nn.Module) -> bool:
     """Whether ``module`` is torchao's ``Float8Linear`` (False when torchao is not installed)."""
     try:
-        from torchao.float8.float8_linear import Float8Linear
+        float8_linear = importlib.import_module("torchao.float8.float8_linear")
     except ImportError:
         return False
-    return isinstance(module, Float8Linear)
+    return isinstance(module, float8_linear.Float8Linear)
 
 
 @dataclass
@@ -389,7 +392,7 @@ class FP8Monitor(Callback):
         return self.fallback is not None and trainer.world_size > 1 and torch.distributed.is_initialized()
 
     def _recorder(self, layer: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        def hook(module: nn.Linear, args: tuple[Any, ...], output: Any) -> None:
             casts = casts_of_config(module.config)
             with torch.no_grad():
                 if (layer, "input") not in self._recorded and args and isinstance(args[0], torch.Tensor):
@@ -449,7 +452,7 @@ def _scalars(sample: _Sample) -> dict[str, float]:
         for stat, value in stats.items()
     }
     every = [stats for operands in sample.stats.values() for stats in operands.values()]
-    scalars["fp8_monitor/max_underflow"] = max(s["underflow_share"] for s in every)
+    scalars["fp8_monitor/max_underflow_share"] = max(s["underflow_share"] for s in every)
     scalars["fp8_monitor/min_sqnr_db"] = min(s["sqnr_db"] for s in every)
     return scalars
 
@@ -481,15 +484,17 @@ def _has_submodule(model: nn.Module, name: str) -> bool:
 
 
 def _package_fallback() -> FallbackFunction:
-    """This package's ``fallback_layer``; a clear error where this version has none."""
+    """This package's ``fallback_layer``; a clear error where this installation has none."""
     try:
-        from lightning_mp.fp8.convert import fallback_layer  # type: ignore[attr-defined,import-not-found,unused-ignore]
-    except ImportError as error:
+        convert = importlib.import_module("lightning_mp.fp8.convert")
+    except ImportError:
+        convert = None
+    function: FallbackFunction | None = getattr(convert, "fallback_layer", None)
+    if function is None:
         raise ModuleNotFoundError(
             "FP8Monitor(fallback=...) needs lightning_mp.fp8.convert.fallback_layer, which this installation lacks;"
             " pass fallback_fn=your_function(model, name, reason)."
-        ) from error
-    function: FallbackFunction = fallback_layer
+        )
     return function
 
 

@@ -9,11 +9,11 @@ import torch
 
 pytest.importorskip("torchao")
 
-from torchao.float8.config import Float8LinearConfig  # noqa: E402
-from torchao.float8.float8_utils import compute_error  # noqa: E402
+from torchao.float8.config import Float8LinearConfig
+from torchao.float8.float8_utils import compute_error
 
-from lightning_mp.counting import count_syncs_and_ops  # noqa: E402
-from lightning_mp.fp8.quant import (  # noqa: E402
+from lightning_mp.counting import count_syncs_and_ops
+from lightning_mp.fp8.quant import (
     MAX_SQNR_DB,
     RECIPES,
     STAT_NAMES,

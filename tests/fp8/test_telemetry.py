@@ -14,9 +14,9 @@ from torch import nn
 
 pytest.importorskip("torchao")
 
-from lightning_mp.fp8.telemetry import FallbackRule, FP8Monitor, fallback_decisions, rank_layers  # noqa: E402
-from tests.fp8.fp8_models import TinyFp8Net, back_to_linear  # noqa: E402
-from tests.helpers import BatchCostRecorder, make_trainer, read_events, scalars, texts  # noqa: E402
+from lightning_mp.fp8.telemetry import FallbackRule, FP8Monitor, fallback_decisions, rank_layers
+from tests.fp8.fp8_models import TinyFp8Net, back_to_linear
+from tests.helpers import BatchCostRecorder, make_trainer, read_events, scalars, texts
 
 EVERY = 2
 
@@ -177,7 +177,7 @@ def test_bad_arguments_are_refused_by_name():
     """Each bad argument is refused with its name, the value and what is allowed."""
     with pytest.raises(ValueError, match="every_n_steps"):
         FP8Monitor(every_n_steps=0)
-    with pytest.raises(TypeError, match="fallback=0.1"):
+    with pytest.raises(TypeError, match=r"fallback=0\.1"):
         FP8Monitor(fallback=0.1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="fallback_fn"):
         FP8Monitor(fallback_fn="fc2")  # type: ignore[arg-type]
