@@ -3,7 +3,11 @@ TensorBoard events, and the opt-in fallback."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -15,6 +19,7 @@ from torch import nn
 pytest.importorskip("torchao")
 
 from lightning_mp.fp8.telemetry import FallbackRule, FP8Monitor, fallback_decisions, rank_layers
+from tests.ddp_scripts.launch import clean_environment, finish
 from tests.fp8.fp8_models import TinyFp8Net, back_to_linear
 from tests.helpers import BatchCostRecorder, make_trainer, read_events, scalars, texts
 
@@ -137,7 +142,7 @@ def test_fallback_returns_the_outlier_layer_and_only_it_to_bf16(tmp_path):
 
     monitor = FP8Monitor(
         every_n_steps=EVERY,
-        fallback=FallbackRule(max_underflow=0.01, min_sqnr_db=None, patience=2),
+        fallback=FallbackRule(max_underflow=0.001, min_sqnr_db=None, patience=2),
         fallback_fn=fall_back,
     )
     fit(tmp_path, model, [monitor], max_steps=3 * EVERY)
@@ -187,3 +192,23 @@ def test_bad_arguments_are_refused_by_name():
         FallbackRule(max_underflow=2.0)
     with pytest.raises(ValueError, match="at least one limit"):
         FallbackRule(max_underflow=None, min_sqnr_db=None)
+
+
+@pytest.mark.slow
+def test_under_ddp_every_rank_falls_back_the_same_layer(tmp_path):
+    """Under DDP on 2 processes, with the outlier planted on rank 0 only, both ranks return the same layer (and only
+    it) to bf16, decided on the same statistics, and their weights stay equal."""
+    process = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("ddp_fp8_fallback.py")), "--out", str(tmp_path)],
+        env=clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    finish(process, timeout=120)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["samples"] == ranks[1]["samples"]
+    assert [rank["fell_back"] for rank in ranks] == [["net.fc2"], ["net.fc2"]]
+    assert [rank["fc2_type"] for rank in ranks] == ["Linear", "Linear"]
+    assert ranks[0]["fc2_weight_sum"] == ranks[1]["fc2_weight_sum"]
