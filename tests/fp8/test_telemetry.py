@@ -155,6 +155,22 @@ def test_fallback_returns_the_outlier_layer_and_only_it_to_bf16(tmp_path):
     assert "net.fc2" in texts(read_events(tmp_path / "fp8" / "version_0"), "fp8_monitor/fallback")[2 * EVERY - 1]
 
 
+def test_a_layer_fallen_back_stays_in_bf16_after_a_resume(tmp_path):
+    """The layers that fell back are in the checkpoint: a run resumed from it returns them to bf16 before its first
+    step, and measures only the layers still in FP8."""
+    rule = FallbackRule(max_underflow=0.001, min_sqnr_db=None, patience=1)
+    trainer = fit(tmp_path, TinyFp8Net(outlier=True), [FP8Monitor(EVERY, fallback=rule, fallback_fn=back_to_linear)])
+    trainer.save_checkpoint(tmp_path / "fell_back.ckpt")
+    resumed_model, monitor = TinyFp8Net(), FP8Monitor(EVERY, fallback=rule, fallback_fn=back_to_linear)
+    trainer = make_trainer(
+        max_steps=2 * EVERY, log_every_n_steps=EVERY, logger=TensorBoardLogger(tmp_path), callbacks=[monitor]
+    )
+    trainer.fit(resumed_model, ckpt_path=tmp_path / "fell_back.ckpt")
+    assert list(monitor.fell_back) == ["net.fc2"]
+    assert type(resumed_model.net.fc2) is nn.Linear
+    assert [set(sample.stats) for sample in monitor.samples] == [{"net.fc1", "net.fc3"}]
+
+
 def test_fallback_rule_counts_consecutive_steps_and_resets():
     """A layer must cross a limit on consecutive logging steps; a step within the limits starts it over."""
     rule = FallbackRule(max_underflow=0.1, min_sqnr_db=20.0, patience=2)
