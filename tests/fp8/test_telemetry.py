@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -182,6 +183,12 @@ def test_fallback_rule_counts_consecutive_steps_and_resets():
     streaks, _ = fallback_decisions(streaks, bad, rule)
     _, decided = fallback_decisions(streaks, bad, rule)
     assert decided == [("a", "grad_output SQNR 12.0 dB < 20 dB for 2 logging steps in a row")]
+
+
+def test_fallback_rule_reads_the_fp8_settings_thresholds():
+    """The rule takes the FP8 settings' fallback_* fields, so the thresholds are declared once."""
+    settings = SimpleNamespace(fallback_max_underflow=0.2, fallback_min_sqnr_db=18.0, fallback_patience=4)
+    assert FallbackRule.from_settings(settings) == FallbackRule(max_underflow=0.2, min_sqnr_db=18.0, patience=4)
 
 
 def test_rank_puts_lost_values_before_sqnr():
