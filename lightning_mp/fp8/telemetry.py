@@ -1,0 +1,501 @@
+"""Per-layer FP8 telemetry for torchao's float8 training, free between logging steps, with an opt-in bf16 fallback.
+
+What each FP8 cast loses, layer by layer, and a way back to bf16 for the layers that cannot take FP8.
+
+**What it measures.** On a logging step (every ``every_n_steps`` steps, at the steps Lightning's
+``log_every_n_steps=every_n_steps`` logs), for every torchao ``Float8Linear`` in the model and each of its three
+matmul operands (the input, the weight and the gradient of the output), it replays the cast torchao makes (the
+recipe's granularity, FP8 dtype and scale rounding, read from the layer's own ``config``) with
+:func:`lightning_mp.fp8.quant.cast_stats`: the amax, the scale, the share of non-zero elements that underflow to
+zero in FP8, the share that saturate, and the SQNR in dB. A forward hook per layer takes the input and the weight;
+a gradient hook on the layer's output takes the output gradient. Both are attached at the start of the logging
+step's batch and removed at its end.
+
+**What it logs.** Per layer and operand, the scalars ``fp8_monitor/<layer>/<operand>/<stat>``; per sample the
+summaries ``fp8_monitor/max_underflow_share`` and ``fp8_monitor/min_sqnr_db``; the worst layers as a Markdown table
+(TensorBoard text ``fp8_monitor/worst_layers``, and :attr:`FP8Monitor.worst_layers`); and every
+``heatmap_every_n_samples`` samples, and at the end of training, two heatmaps like the precision sentinel's (one row
+per layer and operand, logging steps across): ``fp8_monitor/heatmap/underflow_share`` and
+``fp8_monitor/heatmap/sqnr_db``.
+
+**Which layer is worst.** :func:`rank_layers`: the layer losing the largest share of its values (underflow plus
+saturation, over its three operands) first, ties broken by the lowest SQNR. The share comes first because a whole
+tensor's SQNR hides an outlier: one feature a thousand times larger than the rest dominates both the signal and the
+scale, so the tensor's SQNR stays near 30 dB while the small values, scaled down with it, flush to zero.
+
+**Fallback** (opt-in, ``fallback=FallbackRule(...)``). A layer whose underflow share exceeds
+``max_underflow``, or whose SQNR falls below ``min_sqnr_db``, on any operand, for ``patience`` logging steps
+in a row, is handed to ``fallback_fn(model, layer_name, reason)``, which returns it to bf16 for the rest of the run.
+The rule is the pure function :func:`fallback_decisions`. Under DDP or FSDP every rank samples and rank zero's
+statistics are broadcast before the read (one collective), so every rank decides the same. The layers fallen back
+are kept in the callback's state and applied again after a resume.
+
+**Cost.** A step that does not log attaches no hook, runs no op and reads nothing. A logging step runs about twenty
+ops per operand, on the device, and its values join the one device-to-host transfer the monitors share per batch
+(:mod:`lightning_mp.callbacks._host_reads`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks.callback import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_mp._validation import check_number
+from lightning_mp.callbacks._heatmaps import HeatmapStyle, render_heatmap, require_matplotlib
+from lightning_mp.callbacks._host_reads import host_reads
+from lightning_mp.callbacks._logging import (
+    log_scalars,
+    log_text,
+    logging_step,
+    require_logger,
+    tensorboard_writers,
+    validate_bool,
+    validate_positive_int,
+)
+from lightning_mp.fp8.quant import OPERANDS, STAT_NAMES, Operand, cast_stats, casts_of_config
+
+LayerStats = Mapping[str, Mapping[str, Mapping[str, float]]]
+"""``layer -> operand -> stat name -> value``, as one logging step measured it."""
+
+UNDERFLOW_STYLE = HeatmapStyle("FP8 underflow share (non-zero values cast to 0)", "share of elements", "viridis", 0, 1)
+SQNR_STYLE = HeatmapStyle("FP8 quantisation SQNR", "dB", "RdYlGn", 0, 40)
+HEATMAPS = {
+    "fp8_monitor/heatmap/underflow_share": ("underflow_share", UNDERFLOW_STYLE),
+    "fp8_monitor/heatmap/sqnr_db": ("sqnr_db", SQNR_STYLE),
+}
+
+
+class FallbackFunction(Protocol):
+    """Returns one FP8 layer of ``model`` to bf16: ``lightning_mp.fp8.convert.fallback_layer`` has this signature."""
+
+    def __call__(self, model: nn.Module, name: str, reason: str) -> Any:
+        """Return the layer ``name`` of ``model`` to bf16, logging ``reason``."""
+
+
+@dataclass(frozen=True)
+class FallbackRule:
+    """When a layer goes back to bf16: a limit crossed on any operand for ``patience`` logging steps in a row.
+
+    The fields are those of the FP8 settings' ``fallback_*`` fields (:meth:`from_settings` reads them).
+
+    Args:
+        max_underflow: the largest share of non-zero values an FP8 cast may flush to zero, in [0, 1]; None for no
+            limit.
+        min_sqnr_db: the lowest SQNR an FP8 cast may have, in dB (e4m3 keeps about 30 dB, e5m2 about 25 dB on
+            well-scaled data); None for no limit.
+        patience: how many logging steps in a row a limit must be crossed, at least 1.
+
+    Raises:
+        ValueError: naming the argument, the value and what is allowed.
+
+    """
+
+    max_underflow: float | None = 0.1
+    min_sqnr_db: float | None = 20.0
+    patience: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_underflow is not None:
+            check_number("FallbackRule", "max_underflow", self.max_underflow, at_least=0, at_most=1)
+        if self.min_sqnr_db is not None:
+            check_number("FallbackRule", "min_sqnr_db", self.min_sqnr_db)
+        if self.max_underflow is None and self.min_sqnr_db is None:
+            raise ValueError(
+                "FallbackRule(max_underflow=None, min_sqnr_db=None) is not allowed: set at least one limit."
+            )
+        check_number("FallbackRule", "patience", self.patience, at_least=1, integer=True)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> FallbackRule:
+        """The rule of FP8 settings, from their ``fallback_max_underflow``, ``_min_sqnr_db`` and ``_patience``."""
+        return cls(settings.fallback_max_underflow, settings.fallback_min_sqnr_db, settings.fallback_patience)
+
+    def violation(self, operands: Mapping[str, Mapping[str, float]]) -> str | None:
+        """Why this step's statistics of one layer cross the limits, or None when they do not."""
+        reasons = []
+        for operand, stats in operands.items():
+            underflow, sqnr = stats.get("underflow_share", math.nan), stats.get("sqnr_db", math.nan)
+            if self.max_underflow is not None and underflow > self.max_underflow:
+                reasons.append(f"{operand} underflow share {underflow:.2%} > {self.max_underflow:.2%}")
+            if self.min_sqnr_db is not None and sqnr < self.min_sqnr_db:
+                reasons.append(f"{operand} SQNR {sqnr:.1f} dB < {self.min_sqnr_db:g} dB")
+        return "; ".join(reasons) or None
+
+
+def fallback_decisions(
+    streaks: Mapping[str, int], sample: LayerStats, rule: FallbackRule
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Update the per-layer streaks of limit-crossing logging steps with one sample, and say which layers fall back.
+
+    A pure function: the same streaks and sample give the same decisions on every rank.
+
+    Args:
+        streaks: ``layer -> logging steps in a row`` it crossed the limits, before this sample.
+        sample: this logging step's statistics, per layer and operand.
+        rule: the limits and how many steps in a row.
+
+    Returns:
+        ``(streaks, decisions)``: the new streaks (layers that fall back are dropped), and ``(layer, reason)`` for
+        each layer whose streak reached ``rule.patience``, in the sample's order.
+
+    Example:
+        >>> rule = FallbackRule(max_underflow=0.1, patience=2)
+        >>> bad = {"fc": {"input": {"underflow_share": 0.5, "sqnr_db": 30.0}}}
+        >>> streaks, decided = fallback_decisions({}, bad, rule)
+        >>> streaks, decided
+        ({'fc': 1}, [])
+        >>> fallback_decisions(streaks, bad, rule)[1]
+        [('fc', 'input underflow share 50.00% > 10.00% for 2 logging steps in a row')]
+
+    """
+    updated: dict[str, int] = {}
+    decisions = []
+    for layer, operands in sample.items():
+        reason = rule.violation(operands)
+        if reason is None:
+            continue
+        streak = streaks.get(layer, 0) + 1
+        if streak >= rule.patience:
+            decisions.append((layer, f"{reason} for {streak} logging step{'s' if streak != 1 else ''} in a row"))
+        else:
+            updated[layer] = streak
+    return updated, decisions
+
+
+def rank_layers(sample: LayerStats) -> list[str]:
+    """Layers from worst to best: the largest share of values lost (underflow plus saturation), then the lowest SQNR."""
+
+    def badness(layer: str) -> tuple[float, float]:
+        operands = sample[layer].values()
+        lost = max((s.get("underflow_share", 0.0) + s.get("saturated_share", 0.0) for s in operands), default=0.0)
+        sqnr = min((s.get("sqnr_db", math.inf) for s in operands), default=math.inf)
+        return (-_finite_or(lost, 0.0), _finite_or(sqnr, math.inf))
+
+    return sorted(sample, key=badness)
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is torchao's ``Float8Linear`` (False when torchao is not installed)."""
+    try:
+        float8_linear = importlib.import_module("torchao.float8.float8_linear")
+    except ImportError:
+        return False
+    return isinstance(module, float8_linear.Float8Linear)
+
+
+@dataclass
+class _Sample:
+    step: int
+    stats: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+
+
+class FP8Monitor(Callback):
+    r"""Log, per FP8 layer and operand, what torchao's FP8 casts lose; name the worst layers; optionally fall back.
+
+    Needs a logger; the heatmaps need a :class:`~lightning.pytorch.loggers.TensorBoardLogger` and matplotlib. Works
+    with any precision plugin whose model holds torchao ``Float8Linear`` layers (this package's FP8 mode, or
+    ``torchao.float8.convert_to_float8_training`` called by hand).
+
+    .. warning:: A logging step synchronises the host once, in the transfer the monitors share. Other steps never do.
+        Under ``torch.compile``, the hooks of a logging step make the compiled model run with hooks that step.
+
+    Args:
+        every_n_steps: measure at the steps ``log_every_n_steps=every_n_steps`` logs at.
+        worst_k: how many of the worst layers to name.
+        log_heatmaps: write the heatmaps to TensorBoard loggers.
+        heatmap_every_n_samples: redraw the heatmaps every this many samples (and at the end of training).
+        fallback: the rule that returns a layer to bf16; None (the default) never falls back.
+        fallback_fn: what returns one layer to bf16, ``fallback_fn(model, name, reason)``; None uses this package's
+            ``lightning_mp.fp8.convert.fallback_layer``.
+
+    Raises:
+        ValueError: if an argument is outside its range; the message names the argument, the value and what is
+            allowed.
+        TypeError: if ``fallback`` is not a :class:`FallbackRule` or ``fallback_fn`` is not callable.
+
+    Example::
+
+        from lightning import Trainer
+        from lightning_mp import MixedPrecision
+        from lightning_mp.fp8.telemetry import FallbackRule, FP8Monitor
+
+        trainer = Trainer(
+            plugins=[MixedPrecision("bf16-mixed", fp8="tensorwise")],
+            callbacks=[FP8Monitor(every_n_steps=50, fallback=FallbackRule(max_underflow=0.01))],
+        )
+
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        worst_k: int = 3,
+        log_heatmaps: bool = True,
+        heatmap_every_n_samples: int = 5,
+        fallback: FallbackRule | None = None,
+        fallback_fn: FallbackFunction | None = None,
+    ) -> None:
+        self.every_n_steps = validate_positive_int("every_n_steps", every_n_steps)
+        self.worst_k = validate_positive_int("worst_k", worst_k)
+        self.log_heatmaps = validate_bool("log_heatmaps", log_heatmaps)
+        self.heatmap_every_n_samples = validate_positive_int("heatmap_every_n_samples", heatmap_every_n_samples)
+        if fallback is not None and not isinstance(fallback, FallbackRule):
+            raise TypeError(f"FP8Monitor(fallback={fallback!r}) is not allowed: pass a FallbackRule(...) or None.")
+        if fallback_fn is not None and not callable(fallback_fn):
+            raise TypeError(
+                f"FP8Monitor(fallback_fn={fallback_fn!r}) is not allowed: pass a callable fn(model, name, reason)"
+                " or None."
+            )
+        self.fallback = fallback
+        self.fallback_fn = fallback_fn
+        self.samples: list[_Sample] = []
+        self.worst_layers: list[str] = []
+        """The worst layers of the latest sample, worst first (:func:`rank_layers`)."""
+        self.fell_back: dict[str, str] = {}
+        """``layer -> reason`` for every layer returned to bf16, in order."""
+        self._streaks: dict[str, int] = {}
+        self._samples_drawn = 0
+        self._sampled_step: int | None = None
+        self._sampling = False
+        self._handles: list[RemovableHandle] = []
+        self._recorded: dict[tuple[str, Operand], torch.Tensor] = {}
+
+    # ------------------------------------------------------------------------------------------------ hooks
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        require_logger(trainer, type(self).__name__)
+        if self.log_heatmaps and tensorboard_writers(trainer):
+            require_matplotlib(type(self).__name__)
+        if self.fallback is not None and self.fallback_fn is None:
+            self.fallback_fn = _package_fallback()
+        host_reads(trainer).join(self)
+        self.samples, self.worst_layers, self._samples_drawn, self._sampled_step = [], [], 0, None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After a resume: the layers that fell back before stay in bf16.
+        for name, reason in self.fell_back.items():
+            module = pl_module.get_submodule(name) if _has_submodule(pl_module, name) else None
+            if module is not None and is_float8_linear(module) and self.fallback_fn is not None:
+                self.fallback_fn(pl_module, name, reason)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = logging_step(trainer)
+        # One sample per logging step: with gradient accumulation, its first micro-batch.
+        self._sampling = (step + 1) % self.every_n_steps == 0 and step != self._sampled_step
+        self._sampling = self._sampling and (trainer.is_global_zero or self._decides_on_every_rank(trainer))
+        if not self._sampling:
+            return
+        self._sampled_step = step
+        for name, module in pl_module.named_modules():
+            if is_float8_linear(module):
+                self._handles.append(module.register_forward_hook(self._recorder(name)))
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not self._sampling:
+            host_reads(trainer).submit(trainer, self)
+            return
+        self._sampling = False
+        self._remove_hooks()
+        recorded, self._recorded = self._recorded, {}
+        if not recorded:
+            host_reads(trainer).submit(trainer, self)
+            return
+        keys = list(recorded)
+        values = torch.stack([recorded[key] for key in keys])
+        if self._decides_on_every_rank(trainer):
+            torch.distributed.broadcast(values, src=0)
+        step = logging_step(trainer, finished_batch=batch_idx)
+
+        def consume(host: list[float]) -> None:
+            sample = _Sample(step)
+            width = len(STAT_NAMES)
+            for index, (layer, operand) in enumerate(keys):
+                row = host[index * width : (index + 1) * width]
+                sample.stats.setdefault(layer, {})[operand] = dict(zip(STAT_NAMES, row, strict=True))
+            self._record(trainer, pl_module, sample)
+
+        host_reads(trainer).submit(trainer, self, values, consume)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if len(self.samples) > self._samples_drawn:
+            self._draw(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()
+        self._recorded, self._sampling = {}, False
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_hooks()
+        self._recorded, self._sampling = {}, False
+        host_reads(trainer).leave(self)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"fell_back": dict(self.fell_back), "streaks": dict(self._streaks)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.fell_back = dict(state_dict.get("fell_back", {}))
+        self._streaks = dict(state_dict.get("streaks", {}))
+
+    # ------------------------------------------------------------------------------------------------ rules
+
+    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, sample: _Sample) -> None:
+        self.samples.append(sample)
+        ranked = rank_layers(sample.stats)
+        self.worst_layers = ranked[: self.worst_k]
+        log_scalars(trainer, _scalars(sample), step=sample.step)
+        log_text(trainer, "fp8_monitor/worst_layers", _worst_table(sample, self.worst_layers), sample.step)
+        if self.fallback is not None and self.fallback_fn is not None:
+            self._streaks, decisions = fallback_decisions(self._streaks, sample.stats, self.fallback)
+            for layer, reason in decisions:
+                self.fallback_fn(pl_module, layer, reason)
+                self.fell_back[layer] = reason
+                rank_zero_info(f"FP8Monitor: layer {layer!r} goes back to bf16: {reason}.")
+                log_text(trainer, "fp8_monitor/fallback", f"`{layer}` goes back to bf16: {reason}.", sample.step)
+        if len(self.samples) - self._samples_drawn >= self.heatmap_every_n_samples:
+            self._draw(trainer)
+
+    # ------------------------------------------------------------------------------------------------ plumbing
+
+    def _decides_on_every_rank(self, trainer: pl.Trainer) -> bool:
+        return self.fallback is not None and trainer.world_size > 1 and torch.distributed.is_initialized()
+
+    def _recorder(self, layer: str) -> Callable[..., None]:
+        def hook(module: nn.Linear, args: tuple[Any, ...], output: Any) -> None:
+            casts = casts_of_config(module.config)
+            with torch.no_grad():
+                if (layer, "input") not in self._recorded and args and isinstance(args[0], torch.Tensor):
+                    inputs = args[0]
+                    # Float8Linear casts its input to CUDA autocast's dtype before scaling it, as F.linear would.
+                    if torch.is_autocast_enabled("cuda"):
+                        inputs = inputs.to(torch.get_autocast_dtype("cuda"))
+                    self._recorded[layer, "input"] = cast_stats(inputs, casts.input)
+                if (layer, "weight") not in self._recorded:
+                    self._recorded[layer, "weight"] = cast_stats(module.weight, casts.weight)
+            if (
+                isinstance(output, torch.Tensor)
+                and output.requires_grad
+                and (layer, "grad_output") not in self._recorded
+            ):
+
+                def record_gradient(gradient: torch.Tensor) -> None:
+                    if (layer, "grad_output") not in self._recorded:
+                        with torch.no_grad():
+                            self._recorded[layer, "grad_output"] = cast_stats(gradient, casts.grad_output)
+
+                output.register_hook(record_gradient)
+
+        return hook
+
+    def _draw(self, trainer: pl.Trainer) -> None:
+        self._samples_drawn = len(self.samples)
+        writers = tensorboard_writers(trainer) if self.log_heatmaps else []
+        if not writers:
+            return
+        steps = [sample.step for sample in self.samples]
+        rows = list(
+            dict.fromkeys((layer, operand) for s in self.samples for layer in s.stats for operand in s.stats[layer])
+        )
+        labels = [f"{layer} [{operand}]" for layer, operand in rows]
+        for tag, (stat, style) in HEATMAPS.items():
+            values = [
+                [s.stats.get(layer, {}).get(operand, {}).get(stat, math.nan) for s in self.samples]
+                for layer, operand in rows
+            ]
+            image = render_heatmap(style, labels, steps, values)
+            for writer in writers:
+                writer.add_image(tag, image, global_step=steps[-1], dataformats="HWC")
+                writer.flush()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _scalars(sample: _Sample) -> dict[str, float]:
+    scalars = {
+        f"fp8_monitor/{layer}/{operand}/{stat}": value
+        for layer, operands in sample.stats.items()
+        for operand, stats in operands.items()
+        for stat, value in stats.items()
+    }
+    every = [stats for operands in sample.stats.values() for stats in operands.values()]
+    scalars["fp8_monitor/max_underflow_share"] = max(s["underflow_share"] for s in every)
+    scalars["fp8_monitor/min_sqnr_db"] = min(s["sqnr_db"] for s in every)
+    return scalars
+
+
+def _worst_table(sample: _Sample, worst: Sequence[str]) -> str:
+    rows = ["| layer | operand | amax | scale | underflow | saturated | SQNR (dB) |", "|---|---|---|---|---|---|---|"]
+    for layer in worst:
+        for operand in OPERANDS:
+            stats = sample.stats[layer].get(operand)
+            if stats is None:
+                continue
+            rows.append(
+                f"| {layer} | {operand} | {stats['amax']:.3g} | {stats['scale']:.3g} | {stats['underflow_share']:.2%}"
+                f" | {stats['saturated_share']:.2%} | {stats['sqnr_db']:.1f} |"
+            )
+    return f"Worst FP8 layers at step {sample.step}, worst first:\n\n" + "\n".join(rows)
+
+
+def _finite_or(value: float, default: float) -> float:
+    return value if math.isfinite(value) else default
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _package_fallback() -> FallbackFunction:
+    """This package's ``fallback_layer``; a clear error where this installation has none."""
+    try:
+        convert = importlib.import_module("lightning_mp.fp8.convert")
+    except ImportError:
+        convert = None
+    function: FallbackFunction | None = getattr(convert, "fallback_layer", None)
+    if function is None:
+        raise ModuleNotFoundError(
+            "FP8Monitor(fallback=...) needs lightning_mp.fp8.convert.fallback_layer, which this installation lacks;"
+            " pass fallback_fn=your_function(model, name, reason)."
+        )
+    return function
+
+
+__all__ = ["FP8Monitor", "FallbackFunction", "FallbackRule", "fallback_decisions", "is_float8_linear", "rank_layers"]
