@@ -8,6 +8,7 @@ log keeps every outcome up to the kill, one line per test, flushed as it is writ
 "duration": seconds, "message": the first line of the failure or the skip reason}``.
 
 A failure in setup or teardown is an ``"error"``; a skip in setup (a ``skipif`` marker) is a ``"skipped"``.
+pytest is a development dependency, not the package's: the hooks take pytest's objects without importing it.
 """
 
 from __future__ import annotations
@@ -16,17 +17,15 @@ import json
 from pathlib import Path
 from typing import IO, Any
 
-import pytest
-
 _log: IO[str] | None = None
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
+def pytest_addoption(parser: Any) -> None:
     """``--outcome-log FILE``: where the JSON lines go."""
     parser.addoption("--outcome-log", type=Path, help="append one JSON line per test outcome to this file")
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def pytest_configure(config: Any) -> None:
     """Open the log, when one was asked for."""
     global _log
     path = config.getoption("--outcome-log")
@@ -34,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
         _log = path.open("a")
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
+def pytest_unconfigure(config: Any) -> None:
     """Close the log."""
     global _log
     if _log is not None:
@@ -42,7 +41,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _log = None
 
 
-def _message(report: pytest.TestReport) -> str:
+def _message(report: Any) -> str:
     if report.skipped and isinstance(report.longrepr, tuple):
         text = str(report.longrepr[2])
     else:
@@ -53,7 +52,7 @@ def _message(report: pytest.TestReport) -> str:
     return (errors[0][2:].strip() if errors else lines[-1] if lines else "")[:300]
 
 
-def _outcome(report: pytest.TestReport) -> str | None:
+def _outcome(report: Any) -> str | None:
     if hasattr(report, "wasxfail"):
         return "xfailed" if report.skipped else "xpassed"
     if report.when == "call":
@@ -65,7 +64,7 @@ def _outcome(report: pytest.TestReport) -> str | None:
     return None
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+def pytest_runtest_logreport(report: Any) -> None:
     """Write the outcome of a test's call, or of a setup or teardown that did not pass."""
     outcome = _outcome(report)
     if _log is None or outcome is None:

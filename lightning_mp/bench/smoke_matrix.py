@@ -134,7 +134,7 @@ class _Regressor(L.LightningModule):
 
 def _make_plugin(case: SmokeCase) -> MixedPrecision:
     extra: dict[str, Any] = {"init_scale": 2.0**8} if case.precision == "16-mixed" else {}
-    return MixedPrecision(case.precision, opt_level=case.opt_level, **extra)  # type: ignore[arg-type]
+    return MixedPrecision(case.precision, opt_level=case.opt_level, **extra)
 
 
 def _train_with_trainer(case: SmokeCase, device: str, steps: int) -> tuple[nn.Module, MixedPrecision]:
