@@ -64,6 +64,7 @@ def test_render_writes_the_markdown_of_a_json_report_again(tmp_path: Path, capsy
     report = {
         "command": "python -m lightning_mp.bench gpu-proof --out x",
         "date": "2026-01-31",
+        "device": "cuda",
         "smoke": False,
         "gpu_figures": True,
         "budget_seconds": 540.0,
@@ -87,6 +88,50 @@ def test_render_writes_the_markdown_of_a_json_report_again(tmp_path: Path, capsy
     assert markdown == render_markdown(report)
     assert "GPU NVIDIA H100 (driver 550.54), torch 2.13.0, CUDA 12.8, Lightning 2.6.6" in markdown
     assert NOT_GPU not in markdown
+
+
+OUTCOMES_SUITE = """
+import pytest
+
+def test_passes():
+    assert True
+
+def test_fails():
+    assert 1 == 2, "one is not two"
+
+@pytest.mark.skip(reason="not on this machine")
+def test_skipped():
+    pass
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("fixture broke")
+
+def test_errors(broken):
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_outcome_log_records_each_outcome_with_its_message(tmp_path: Path) -> None:
+    """The pytest plugin writes one JSON line per test: passed, failed, skipped or error, with the reason."""
+    (tmp_path / "test_outcomes.py").write_text(OUTCOMES_SUITE)
+    log = tmp_path / "outcomes.jsonl"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "lightning_mp.bench.outcome_log"]
+    completed = subprocess.run(
+        [*command, "--outcome-log", str(log), "test_outcomes.py"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert completed.returncode == 1, completed.stdout[-2000:]
+    records = {r["nodeid"].split("::")[1]: r for r in map(json.loads, log.read_text().splitlines())}
+    assert {name: r["outcome"] for name, r in records.items()} == {
+        "test_passes": "passed",
+        "test_fails": "failed",
+        "test_skipped": "skipped",
+        "test_errors": "error",
+    }
+    assert "one is not two" in records["test_fails"]["message"]
+    assert records["test_skipped"]["message"] == "Skipped: not on this machine"
+    assert "fixture broke" in records["test_errors"]["message"]
 
 
 def _writes_a_record_then_sleeps(records: Path, deadline: float, done: list) -> list[str]:

@@ -174,7 +174,11 @@ def _part_status(boxed: BoxedRun, records: list[dict[str, Any]], pytest_part: bo
         return "crashed", f"exit code {boxed.exit_code}"
     if failed:
         return "failed", f"{len(failed)} failed"
-    return "passed", "no test selected" if pytest_part and boxed.exit_code == 5 else ""
+    if pytest_part and boxed.exit_code == 5:
+        return "passed", "no test selected"
+    targets = [t for r in records if r["kind"] == "figure" for t in r["targets"]]
+    missed = sum(target["verdict"] == "MISSED" for target in targets)
+    return "passed", f"{missed} of {len(targets)} targets missed" if missed else ""
 
 
 def part_box(seconds_left: float, part: Part, remaining: Sequence[Part]) -> float:

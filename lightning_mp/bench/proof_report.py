@@ -143,8 +143,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         f" {'smoke mode (short runs, tiny shapes on the CPU)' if report['smoke'] else 'full mode'}",
         f"- Cut parts: {', '.join(cut) if cut else 'none'}",
     ]
-    if not report["gpu_figures"]:
+    if report["device"] != "cuda":
         lines.append(f"- **{NOT_GPU}**: no GPU took part; the figures below only prove that the command works.")
+    elif report["smoke"]:
+        lines.append("- **Smoke run**: two timed steps per run; the figures prove the command works, not the speed.")
     lines += ["", "## Parts", "", "| part | status | box (s) | took (s) | note |", "|---|---|---:|---:|---|"]
     for part in report["parts"]:
         lines.append(
