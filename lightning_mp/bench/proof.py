@@ -248,9 +248,10 @@ def run_parts(
         # The child stops starting work a little before its box ends, so that it can report the cut itself.
         command = build_command(records_path, time.time() + box - min(5.0, 0.1 * box), done)
         if isinstance(command, str) or box < MIN_BOX_SECONDS:
-            reason = command if isinstance(command, str) else "no time left in the budget"
-            done.append({**record, "status": "skipped", "reason": reason})
-            print(f"[gpu-proof] {part.name}: skipped ({reason})", file=sys.stderr, flush=True)
+            # A part with no time left is cut before it starts; one with nothing to run here is skipped.
+            status, reason = ("skipped", command) if isinstance(command, str) else ("cut", "no time left in the budget")
+            done.append({**record, "status": status, "reason": reason})
+            print(f"[gpu-proof] {part.name}: {status} ({reason})", file=sys.stderr, flush=True)
             continue
         print(f"[gpu-proof] {part.name}: running, box {box:.0f} s", file=sys.stderr, flush=True)
         boxed = run_boxed(command, box, scratch / f"{part.name}.log", cwd)

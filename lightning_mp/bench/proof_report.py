@@ -39,12 +39,13 @@ def _smoke_section(part: dict[str, Any]) -> list[str]:
     lines = []
     if versions:
         lines += [f"- Versions: {stamp_line(versions[0]['stamp'])}", ""]
+    if not cases:
+        return [*lines, "Smoke matrix: no case ran."]
     counts = Counter(case["outcome"] for case in cases)
-    steps, inf_step = (cases[0]["steps"], cases[0]["inf_step"]) if cases else (0, 0)
     lines.append(
-        f"Smoke matrix, {steps} steps a case with an inf planted at step {inf_step} that must be skipped"
-        " (cut: not started, out of time): "
-        + (", ".join(f"{count} {outcome}" for outcome, count in sorted(counts.items())) or "no case ran")
+        f"Smoke matrix, {cases[0]['steps']} steps a case with an inf planted at step {cases[0]['inf_step']} that"
+        " must be skipped (cut: not started, out of time): "
+        + ", ".join(f"{count} {outcome}" for outcome, count in sorted(counts.items()))
     )
     bad = [case for case in cases if case["outcome"] == "failed"]
     if bad:
