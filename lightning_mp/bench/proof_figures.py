@@ -15,8 +15,9 @@ The targets (:data:`FIGURES`):
   more than 1.05x ``bf16-true``'s step time;
 - ResNet-50 (batch 256, ``channels_last``, foreach AdamW): O1 within 2% of ``bf16-mixed`` and of ``16-mixed``;
 - host syncs per step (``torch.cuda.set_sync_debug_mode("warn")`` on CUDA, :mod:`lightning_mp.counting` on the
-  CPU) of every package setup no more than Lightning's built-in at the same precision, with fused and with foreach
-  AdamW, on the launch-bound LM; counts are deterministic, so one run each;
+  CPU) of every package setup no more than Lightning's built-in at the same precision (lean: also no more than
+  ``bf16-true``), with fused and with foreach AdamW, on the launch-bound LM; counts are deterministic, so one run
+  each;
 - the four monitors, logging every 10 steps, on the LM (+3% at most) and on the launch-bound LM (+10%), on the
   mean step, which includes the logging steps.
 
@@ -103,12 +104,18 @@ _SYNC_CONFIGURATIONS = (
     "lightning-bf16",
     "O1-bf16",
     "O2-bf16",
+    "lightning-bf16-true",
     "lean-bf16",
     "lightning-fp16",
     "O1-fp16",
     "O2-fp16",
 )
-_PACKAGE_SYNC_CONFIGURATIONS = ("O1-bf16", "O2-bf16", "lean-bf16", "O1-fp16", "O2-fp16")
+_SYNC_TARGETS = (
+    *(Target("syncs", name, CONFIGURATIONS[name].builtin) for name in ("O1-bf16", "O2-bf16", "lean-bf16")),
+    # lean keeps bf16 weights as bf16-true does: its step-time reference, so its sync reference too.
+    Target("syncs", "lean-bf16", "lightning-bf16-true"),
+    *(Target("syncs", name, CONFIGURATIONS[name].builtin) for name in ("O1-fp16", "O2-fp16")),
+)
 
 
 def _sync_figure(optimizer: OptimizerKind) -> Figure:
@@ -117,7 +124,7 @@ def _sync_figure(optimizer: OptimizerKind) -> Figure:
         f"host syncs per step, {optimizer} AdamW, launch-bound LM",
         "lm-small",
         _SYNC_CONFIGURATIONS,
-        tuple(Target("syncs", name, CONFIGURATIONS[name].builtin) for name in _PACKAGE_SYNC_CONFIGURATIONS),
+        _SYNC_TARGETS,
         optimizer=optimizer,
         repeats=1,
         warmup=2,
