@@ -164,12 +164,14 @@ def finite(value: Any) -> Any:
 def _part_status(boxed: BoxedRun, records: list[dict[str, Any]], pytest_part: bool) -> tuple[str, str]:
     """The part's status (passed, failed, cut or crashed) and why, from how its child ended and what it wrote."""
     failed = [r for r in records if r.get("outcome") in ("failed", "error")]
-    if boxed.ending == "cut":
+    ends = [r for r in records if r["kind"] == "part-end"]
+    # A child that wrote its last record did all its work, even if the box ended while the interpreter exited.
+    if boxed.ending == "cut" and not ends:
         return "cut", f"killed at the end of its time box, after {len(records)} record(s)"
-    if any(r["kind"] == "part-end" and r["cut"] for r in records):
+    if any(end["cut"] for end in ends):
         return "cut", "stopped before its time box ended, with work left that would not have fitted"
     # pytest exits 1 when tests failed and 5 when none was selected: the run itself worked.
-    worked = boxed.exit_code == 0 or (pytest_part and boxed.exit_code in (1, 5))
+    worked = boxed.exit_code == 0 or bool(ends) or (pytest_part and boxed.exit_code in (1, 5))
     if not worked:
         return "crashed", f"exit code {boxed.exit_code}"
     if failed:
