@@ -15,6 +15,14 @@
   plugin (``--counts``);
 - :mod:`~lightning_mp.bench.opt_level_counts`: weight casts, ops and Python calls of one step per opt level
   (``--counts``), with :mod:`~lightning_mp.bench.allreduced_bytes`: bytes DDP all-reduces per step (gloo).
+
+``python -m lightning_mp.bench gpu-proof`` runs the GPU proof, one time-boxed command for a short GPU slot:
+
+- :mod:`~lightning_mp.bench.proof`: its parts, their time boxes in child processes, and the JSON report;
+- :mod:`~lightning_mp.bench.smoke_matrix`: every precision x opt level x optimizer x front end skips a planted inf;
+- :mod:`~lightning_mp.bench.outcome_log`: the pytest plugin that records each CUDA test's outcome as it is known;
+- :mod:`~lightning_mp.bench.proof_figures`: the paired figures and their targets;
+- :mod:`~lightning_mp.bench.proof_report`: the Markdown report, rendered from the JSON alone.
 """
 
 from lightning_mp.bench.allreduced_bytes import AllReducedBytes, measure_allreduced_bytes

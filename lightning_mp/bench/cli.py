@@ -1,6 +1,7 @@
 """The command line, ``python -m lightning_mp.bench``: which benchmark to run, on what, and where the report goes.
 
-Three benchmarks share it:
+Three benchmarks share it, and ``gpu-proof`` as the first argument runs the GPU proof instead
+(:mod:`~lightning_mp.bench.proof`, its own flags):
 
 - the default, step time (:mod:`~lightning_mp.bench.timing`, reported by :mod:`~lightning_mp.bench.report`): on
   the CPU the Markov-text model, on CUDA the three GPU-sized workloads (:mod:`~lightning_mp.bench.workloads`);
@@ -37,6 +38,8 @@ from lightning_mp.bench.counts import counts_report
 from lightning_mp.bench.machine import machine_description, matmul_rates
 from lightning_mp.bench.memory import MEMORY_CONFIGURATIONS, run_memory
 from lightning_mp.bench.opt_level_counts import opt_level_report
+from lightning_mp.bench.proof import COMMAND as PROOF_COMMAND
+from lightning_mp.bench.proof import main as proof_main
 from lightning_mp.bench.report import ReportContext, report, summarize
 from lightning_mp.bench.timing import RunSpec, profile_all, run_all, run_configuration, step_units
 from lightning_mp.bench.workloads import (
@@ -266,8 +269,14 @@ def _emit(text: str, out: Path | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark that ``argv`` asks for and print its report; returns the exit status."""
-    args = parse_args(argv)
+    """Run the benchmark that ``argv`` asks for and print its report; returns the exit status.
+
+    ``gpu-proof`` as the first argument runs the GPU proof instead (:mod:`~lightning_mp.bench.proof`).
+    """
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == [PROOF_COMMAND]:
+        return proof_main(arguments[1:])
+    args = parse_args(arguments)
     # Every configuration builds a Trainer, whose setup banners ("GPU available: ...") would bury the report; the
     # caller's logging is put back afterwards (main runs inside tests and notebooks too).
     banners = logging.getLogger("lightning.pytorch.utilities.rank_zero")

@@ -2,7 +2,9 @@
 
 Every valid precision and opt level, three optimizers (fused AdamW, foreach AdamW, SGD with momentum) and the
 Trainer or Fabric; each run plants an inf gradient at step :data:`INF_STEP`, which must be skipped. The same bodies
-run on ``"cpu"`` (the fast loop proves the test logic) and on ``"cuda"`` (``pytest -m cuda tests/cuda``).
+run on ``"cpu"`` (the fast loop proves the test logic) and on ``"cuda"`` (``pytest -m cuda tests/cuda``). The
+matrix, the model, the optimizers and the planted inf are the GPU proof's (:mod:`lightning_mp.bench.smoke_matrix`),
+so that the proof's smoke run and this suite train the same cases.
 """
 
 from __future__ import annotations
@@ -17,26 +19,38 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_mp import MixedPrecision
-from tests.helpers import FEATURES, make_trainer, regression_data
-
-PRECISION_LEVELS = (
-    ("32-true", "O0"),
-    ("32-true", "O1"),
-    ("16-mixed", "O1"),
-    ("16-mixed", "O2"),
-    ("16-mixed", "O3"),
-    ("bf16-mixed", "O1"),
-    ("bf16-mixed", "O2"),
-    ("bf16-mixed", "O3"),
-    ("bf16-mixed", "lean"),
-    ("bf16-mixed", "lean-kahan"),
+from lightning_mp.bench.smoke_matrix import (
+    FRONT_ENDS,
+    INF_STEP,
+    OPTIMIZER_FAMILIES,
+    PRECISION_LEVELS,
+    make_network,
+    make_optimizer,
+    plant_inf,
 )
-"""Every precision with every opt level it accepts (32-true trains O1 as O0; lean needs bf16)."""
-OPTIMIZERS = ("fused-adamw", "foreach-adamw", "sgd-momentum")
-FRONT_ENDS = ("trainer", "fabric")
+from tests.helpers import make_trainer, regression_data
+
+__all__ = [
+    "CUDA",
+    "FRONT_ENDS",
+    "INF_STEP",
+    "OPTIMIZERS",
+    "PRECISION_LEVELS",
+    "STEPS",
+    "NormalizedRegressor",
+    "assert_trained_and_skipped",
+    "make_network",
+    "make_optimizer",
+    "make_plugin",
+    "on_device",
+    "plant_inf",
+    "train",
+    "train_with_fabric",
+    "train_with_trainer",
+]
+
+OPTIMIZERS = OPTIMIZER_FAMILIES
 STEPS = 5
-INF_STEP = 2
-"""The step whose gradient gets an inf: steps 0 and 1 create the optimizer states (fused SGD's momentum buffers)."""
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.is_available() is False")
 
@@ -46,25 +60,6 @@ def on_device(device: str, *marks: Any) -> Any:
     if device == "cuda":
         return pytest.param("cuda", marks=[pytest.mark.cuda, CUDA], id="cuda")
     return pytest.param("cpu", marks=list(marks), id="cpu")
-
-
-def make_optimizer(name: str, parameters: Any) -> torch.optim.Optimizer:
-    """One of :data:`OPTIMIZERS`; AdamW's ``eps`` is one fp16 represents, so O3 trains with it."""
-    if name == "sgd-momentum":
-        return torch.optim.SGD(parameters, lr=0.01, momentum=0.9)
-    return torch.optim.AdamW(parameters, lr=1e-3, eps=1e-4, fused=name == "fused-adamw", foreach=name != "fused-adamw")
-
-
-def make_network() -> nn.Sequential:
-    """Linear, LayerNorm, BatchNorm, Linear (about 200 parameters): fp32 normalisation parameters beside half ones."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 8), nn.LayerNorm(8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-
-
-def plant_inf(network: nn.Module) -> None:
-    """Put an inf into the first gradient, as an overflow would."""
-    grad = next(p.grad for p in network.parameters() if p.grad is not None)
-    grad.view(-1)[0] = float("inf")
 
 
 class NormalizedRegressor(L.LightningModule):
