@@ -217,6 +217,13 @@ class MasterWeights:
         through it needs no ``torch.no_grad()`` context (five Python calls at every step) and no op to make it."""
         self._index_of: dict[int, int] = {}
         """``id`` of a master or a twin -> its pair's index."""
+        self.markers: list[Tensor] = []
+        """Per pair, an empty sparse fp32 tensor of its master's shape: the master's ``.grad`` while its twin's
+        gradient waits for the step, so that a ``zero_grad`` of the master is seen (module docstring, point 4)."""
+        self.marks: list[Tensor | None] = []
+        """Per pair, the master's ``.grad`` when the last backward began (a marker or a real gradient), or None."""
+        self.mark_versions: list[int] = []
+        """The version of each mark when it was taken: ``zero_grad(set_to_none=False)`` moves it."""
 
     def add(self, master: nn.Parameter, slots: list[tuple[nn.Module, str]], keys: list[str]) -> int:
         """Make a half twin of ``master`` (one cast) for the ``slots`` that hold it; return the pair's index."""
@@ -233,6 +240,9 @@ class MasterWeights:
         self._requires_grad.append(master.requires_grad)
         self._aliases.append(twin.detach())
         self._index_of[id(master)] = self._index_of[id(twin)] = index
+        self.markers.append(_empty_gradient(master))
+        self.marks.append(None)
+        self.mark_versions.append(0)
         if self.twins_in_slots:
             for module, name in slots:
                 module._parameters[name] = twin
@@ -244,11 +254,20 @@ class MasterWeights:
         The Trainer and Fabric move the model after ``convert_module``, while it holds the twins.
         """
         with self._no_grad:
-            for master, twin in zip(self.masters, self.twins, strict=True):
+            for i, (master, twin) in enumerate(zip(self.masters, self.twins, strict=True)):
                 if master.device != twin.device:
+                    grad, mark = master.grad, self.marks[i]
+                    intact = mark is not None and grad is mark and mark._version == self.mark_versions[i]
+                    old_marker = self.markers[i]
                     master.data = master.data.to(twin.device)
-                    if master.grad is not None:
-                        master.grad = master.grad.to(twin.device)
+                    self.markers[i] = _empty_gradient(master)
+                    if grad is old_marker:
+                        master.grad = self.markers[i]
+                    elif grad is not None:
+                        master.grad = grad.to(twin.device)
+                    if intact:
+                        self.marks[i] = master.grad
+                        self.mark_versions[i] = master.grad._version
 
     def master_of(self, parameter: Tensor) -> Tensor:
         """The master of a twin; any other tensor (a master, a parameter without twin) as it is."""
@@ -398,7 +417,10 @@ class _TwinsInSlots(AbstractContextManager):
         policy.forward_depth -= 1
         if policy.forward_depth or policy.weights is None:
             return
-        if policy.evaluating or policy.stepped_in_forward or exc_type is not None:
+        # A training step that ran its backward inside (manual optimization) leaves no graph for a later backward:
+        # the masters come back whether or not it stepped, as after every step of automatic optimization.
+        finished = policy.evaluating or policy.stepped_in_forward or not policy.awaiting_backward
+        if finished or exc_type is not None:
             policy.stepped_in_forward = False
             policy.weights.show_masters()
 
@@ -418,13 +440,31 @@ class _HeldGradients(AbstractContextManager):
         # written into them here: backward computes with what the forward saved.
         show = not weights.twins_in_slots
         held = self.held
-        for master, twin, slots in zip(weights.masters, weights.twins, weights.slots, strict=True):
+        markers, marks, versions = weights.markers, weights.marks, weights.mark_versions
+        for i, (master, twin, slots) in enumerate(zip(weights.masters, weights.twins, weights.slots, strict=True)):
             if twin.requires_grad and not master.requires_grad:
                 twin.requires_grad_(False)
                 held.append(twin)
             if show:
                 for module, name in slots:
                     module._parameters[name] = twin
+            # A zero_grad since the last backward (the master's .grad is not what that backward left, or was zeroed
+            # in place) discards what waits on the twin, before this backward adds to it.
+            mark, grad = marks[i], master.grad
+            if mark is not None and (grad is not mark or mark._version != versions[i]):
+                twin.grad = None
+                if grad is markers[i]:  # zeroed in place: a zero gradient, as torch leaves it
+                    master.grad = grad = torch.zeros_like(master)
+            if twin.requires_grad:
+                if grad is None:
+                    marker = markers[i]
+                    if marker.device != master.device:  # the master was moved since (not by follow_devices)
+                        marker = markers[i] = _empty_gradient(master)
+                    grad = master.grad = marker
+                marks[i] = grad
+                versions[i] = grad._version
+            else:
+                marks[i] = None
         weights.twins_in_slots = True
 
     def __exit__(self, *exc_info: object) -> None:
@@ -453,6 +493,18 @@ def _upcast_state(state: dict[str, Any], master: Tensor) -> dict[str, Any]:
 
 def _is_half_elementwise(value: Any, master: Tensor) -> bool:
     return isinstance(value, Tensor) and value.shape == master.shape and value.dtype in (torch.float16, torch.bfloat16)
+
+
+def _empty_gradient(master: Tensor) -> Tensor:
+    """An empty sparse tensor of ``master``'s shape, dtype and device: a ``.grad`` that holds nothing.
+
+    It stands in the master's ``.grad`` from a backward to the step while the gradient waits on the twin. torch's
+    ``zero_grad`` then has something to clear: ``set_to_none=True`` removes it, ``set_to_none=False`` zeroes it in
+    place (its version moves), and either says that the waiting gradient was discarded. No element, no memory.
+    """
+    indices = torch.empty((master.dim(), 0), dtype=torch.long, device=master.device)
+    values = torch.empty((0,), dtype=master.dtype, device=master.device)
+    return torch.sparse_coo_tensor(indices, values, master.shape, check_invariants=True, is_coalesced=True)
 
 
 def _substitute_masters(
@@ -560,10 +612,15 @@ class O2Policy(PrecisionPolicy):
         The masters move first to the device the model was moved to since ``convert_module``.
         """
         optimizers = super().connect(module, optimizers)
-        if self.weights is not None:
-            self.weights.follow_devices()
+        weights = self.weights
+        if weights is not None:
+            weights.follow_devices()
         for optimizer in optimizers:
             self._adopt(optimizer)
+        # The model was moved and wrapped (DDP holds the twins): from here to the first training forward it shows
+        # the masters the optimizers hold, so that callbacks match the two by identity (module docstring, point 2).
+        if weights is not None and self.forward_depth == 0 and not self.awaiting_backward:
+            weights.show_masters()
         return optimizers
 
     @override
@@ -607,14 +664,28 @@ class O2Policy(PrecisionPolicy):
             )
         show = weights.twins_in_slots
         versions = weights.twin_versions
+        markers, marks, mark_versions = weights.markers, weights.marks, weights.mark_versions
         for i, (master, twin, slots) in enumerate(zip(weights.masters, weights.twins, weights.slots, strict=True)):
             if twin._version != versions[i]:
                 weights.take_edit(i)
             if show:
                 for module, name in slots:
                     module._parameters[name] = master
+            if i not in stepped:
+                continue
             gradient = twin.grad
-            if gradient is None or i not in stepped:
+            mark = marks[i]
+            if mark is not None:
+                marks[i] = None
+                grad = master.grad
+                if grad is not mark or mark._version != mark_versions[i]:
+                    # A zero_grad since the last backward discarded what waits on the twin.
+                    twin.grad = gradient = None
+                    if grad is markers[i]:  # zeroed in place: a zero gradient, as torch leaves it
+                        master.grad = torch.zeros_like(master)
+                elif grad is markers[i]:
+                    master.grad = None
+            if gradient is None:
                 continue
             # The twin's half gradient moves into its master's .grad in fp32, added to one already there.
             if master.grad is None:
@@ -655,8 +726,12 @@ class O2Policy(PrecisionPolicy):
     @override
     def teardown(self) -> None:
         """Put the masters back for good, remove the hooks and forget the model."""
-        if self.weights is not None:
-            self.weights.show_masters()
+        weights = self.weights
+        if weights is not None:
+            weights.show_masters()
+            for master, marker in zip(weights.masters, weights.markers, strict=True):
+                if master.grad is marker:
+                    master.grad = None
         super().teardown()
         self.weights = None
         self._held_gradients = None
