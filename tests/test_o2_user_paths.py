@@ -242,3 +242,211 @@ def test_o2_fabric_skips_no_step_for_an_inf_in_a_discarded_backward() -> None:
     expected, _ = fabric_weights("16-mixed", None)
     assert skipped == 0
     assert_same(actual, expected)
+
+
+# ------------------------------------------------------------------------------------------------ callbacks
+
+
+class WithBackbone(Regressor):
+    """The MLP's first two layers are its ``backbone`` (for BackboneFinetuning); the optimizer gets only what
+    requires a gradient, as BackboneFinetuning's recipe asks; no validation loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = self.net[:3]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return batches(4)
+
+
+class ValidatedBackbone(WithBackbone):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch))
+
+    def val_dataloader(self) -> DataLoader:
+        return batches(1)
+
+
+EVALUATIONS: dict[str, tuple[type[WithBackbone], dict[str, Any]]] = {
+    "no validation": (WithBackbone, {}),
+    "no sanity check": (ValidatedBackbone, {"num_sanity_val_steps": 0}),
+    "sanity check": (ValidatedBackbone, {}),
+}
+"""Whether an evaluation forward runs before the first training epoch: only with the sanity check."""
+
+TOLERANCE = {"bf16-mixed": 4e-2, "16-mixed": 1e-3}
+"""The largest relative error of trained weights against fp32 allowed at O2: O1 on the same callback runs measures at
+most 2.2e-2 in bf16 and 3e-4 in fp16 (O2 measures the same)."""
+
+
+def fit_with_callbacks(
+    model: L.LightningModule, precision: str, callbacks: Callable[[], list[L.Callback]], **kwargs: Any
+) -> tuple[L.Trainer, list[L.Callback]]:
+    made = callbacks()
+    options = {"max_steps": -1, "max_epochs": 2, "callbacks": made, **kwargs}
+    trainer = make_trainer(plugin(precision), **options)
+    trainer.fit(model)
+    return trainer, made
+
+
+@pytest.mark.parametrize("evaluation", list(EVALUATIONS))
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_backbone_finetuning_trains_like_fp32_with_or_without_an_evaluation_first(
+    precision: str, evaluation: str
+) -> None:
+    """BackboneFinetuning unfreezes the backbone into a group of its fp32 parameters, whatever ran before the first
+    epoch, and trains like fp32; no optimizer holds a tensor twice."""
+    model_class, options = EVALUATIONS[evaluation]
+
+    def finetuning() -> list[L.Callback]:
+        return [BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=1.0)]
+
+    fp32 = model_class()
+    fit_with_callbacks(fp32, "32-true", finetuning, **options)
+    model = model_class()
+    trainer, _ = fit_with_callbacks(model, precision, finetuning, **options)
+    optimizer = trainer.optimizers[0]
+    assert len(optimizer.param_groups) == 2 and holds_each_tensor_once(optimizer)
+    assert [id(p) for p in optimizer.param_groups[1]["params"]] == [id(p) for p in model.backbone.parameters()]
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert largest_relative_error(weights(model), weights(fp32)) < TOLERANCE[precision]
+
+
+def averaging_callbacks(kind: str) -> Callable[[], list[L.Callback]]:
+    if kind == "StochasticWeightAveraging":
+        return lambda: [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)]
+    return lambda: [EMAWeightAveraging(decay=0.5)]
+
+
+@pytest.mark.parametrize("kind", ["StochasticWeightAveraging", "EMAWeightAveraging"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_weight_averaging_without_evaluation_averages_the_fp32_weights_like_fp32(precision: str, kind: str) -> None:
+    """SWA (averaging from the first epoch's start) and EMA, with no evaluation before training, average the fp32
+    weights the optimizer steps, and end like fp32."""
+    fp32 = WithBackbone()
+    fit_with_callbacks(fp32, "32-true", averaging_callbacks(kind))
+    model = WithBackbone()
+    fit_with_callbacks(model, precision, averaging_callbacks(kind))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert largest_relative_error(weights(model), weights(fp32)) < TOLERANCE[precision]
+
+
+class SummaryRecorder(ModelSummary):
+    """Lightning's ModelSummary, recording the counts it prints."""
+
+    def summarize(self, summary_data: Any, total_parameters: int, trainable_parameters: int, *args: Any, **kw: Any):  # type: ignore[no-untyped-def]
+        self.counts = (total_parameters, trainable_parameters, [row for row in summary_data if row[0] == "Params"])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_learning_rate_monitor_and_model_summary_report_what_fp32_reports(precision: str, tmp_path: Path) -> None:
+    """LearningRateMonitor logs the learning rate of every group (the backbone's added at epoch 1) and ModelSummary
+    counts the total and trainable parameters, as in fp32."""
+
+    def callbacks() -> list[L.Callback]:
+        return [
+            BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=1.0),
+            LearningRateMonitor(logging_interval="step"),
+            SummaryRecorder(),
+        ]
+
+    reports = []
+    for run in ("32-true", precision):
+        logger = CSVLogger(tmp_path / run)
+        _, made = fit_with_callbacks(WithBackbone(), run, callbacks, logger=logger, enable_model_summary=True)
+        monitor, summary = made[1], made[2]
+        assert isinstance(monitor, LearningRateMonitor) and isinstance(summary, SummaryRecorder)
+        reports.append((monitor.lrs, summary.counts))
+    assert reports[0][0] and reports[1] == reports[0]
+
+
+# ------------------------------------------------------------------------------------------------ tied weights
+
+
+class TiedLanguageModel(L.LightningModule):
+    """GPT-2's layout in small: a token embedding ``wte``, the 3-layer MLP, and an ``lm_head`` tied to ``wte``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(16, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.tie_in_step: list[tuple[bool, torch.dtype]] = []
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.lm_head(self.mlp(self.wte(tokens)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.tie_in_step.append((self.wte.weight is self.lm_head.weight, self.lm_head.weight.dtype))
+        tokens, target = batch
+        return F.cross_entropy(self(tokens).float(), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return tokens()
+
+
+def tokens() -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    sequence = torch.randint(0, 16, (BATCHES * 8 + 1,), generator=generator)
+    return DataLoader(TensorDataset(sequence[:-1], sequence[1:]), batch_size=8)
+
+
+SIDES = {"wte": "lm_head", "lm_head": "wte"}
+"""The side of the tie that ``keep_fp32`` names -> the other side, which the warning names."""
+
+
+@pytest.mark.parametrize("kept", list(SIDES))
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_keep_fp32_on_one_side_of_a_tie_keeps_both_sides_fp32_and_trains_like_fp32(precision: str, kept: str) -> None:
+    """``keep_fp32`` on either side of a tied weight keeps the tie one fp32 weight (with a warning naming the other
+    side); the optimizer the Trainer builds after the conversion holds it once, and the weights train like fp32's."""
+    fp32 = TiedLanguageModel()
+    make_trainer(max_steps=-1, max_epochs=1).fit(fp32)
+    model = TiedLanguageModel()
+    trainer = make_trainer(plugin(precision, keep_fp32=[kept]), max_steps=-1, max_epochs=1)
+    with pytest.warns(UserWarning, match=rf"'{SIDES[kept]}' is kept in fp32 too: .*tied to '{kept}.weight'"):
+        trainer.fit(model)
+    assert holds_each_tensor_once(trainer.optimizers[0])
+    assert set(model.tie_in_step) == {(True, torch.float32)}
+    assert model.wte.weight is model.lm_head.weight
+    assert largest_relative_error(weights(model), weights(fp32)) < TOLERANCE[precision]
+
+
+def fabric_tied_weights(precision: str, kept: str | None) -> tuple[dict[str, Tensor], bool]:
+    """A Fabric loop whose optimizer is built after ``fabric.setup`` (as litgpt's pretraining does): the trained
+    weights, and whether the optimizer held each tensor once."""
+    mixed = plugin(precision, keep_fp32=[kept]) if kept is not None else plugin(precision)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[mixed] if mixed is not None else None)
+    net = TiedLanguageModel()
+    model = fabric.setup(net)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for source, target in tokens():
+        fabric.backward(F.cross_entropy(model(source).float(), target))
+        optimizer.step()
+        optimizer.zero_grad()
+    once = holds_each_tensor_once(optimizer.optimizer)
+    if mixed is not None:
+        mixed.teardown()
+    return weights(net), once
+
+
+@pytest.mark.parametrize("kept", list(SIDES))
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_fabric_optimizer_built_after_setup_holds_a_kept_tie_once_and_trains_like_fp32(
+    precision: str, kept: str
+) -> None:
+    """Under Fabric, an optimizer built on the model's parameters after setup holds a tie kept on one side once, and
+    the weights train like fp32's."""
+    expected, _ = fabric_tied_weights("32-true", None)
+    with pytest.warns(UserWarning, match=rf"'{SIDES[kept]}' is kept in fp32 too"):
+        actual, once = fabric_tied_weights(precision, kept)
+    assert once
+    assert largest_relative_error(actual, expected) < TOLERANCE[precision]

@@ -104,6 +104,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.optim import Optimizer
@@ -111,7 +112,7 @@ from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides, Fp32Region, has_fp32_region, outermost
 from lightning_mp.policies.base import PrecisionPolicy
-from lightning_mp.policies.casting import check_half_dtype, is_normalization
+from lightning_mp.policies.casting import check_half_dtype, is_normalization, keep_tied_weights_together
 
 
 class HalfOverflowError(RuntimeError):
@@ -566,12 +567,17 @@ class O2Policy(PrecisionPolicy):
 
         """
         assert self.half_dtype is not None
-        in_fp32 = self.overrides.kept_modules(module) | computes_weights_in_fp32(module)
+        overrides = keep_tied_weights_together(module, self.overrides)
+        in_fp32 = overrides.kept_modules(module) | computes_weights_in_fp32(module)
         chosen: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]] = {}
+        held_in_fp32: dict[int, str] = {}  # id of each parameter a module computing in fp32 holds -> its name there
         for module_name, child in module.named_modules(remove_duplicate=False):
-            if child in in_fp32 or is_normalization(child) or isinstance(child, nn.RNNBase):
-                continue
             prefix = f"{module_name}." if module_name else ""
+            if child in in_fp32 or is_normalization(child) or isinstance(child, nn.RNNBase):
+                for name, parameter in child._parameters.items():
+                    if parameter is not None:
+                        held_in_fp32.setdefault(id(parameter), prefix + name)
+                continue
             for name, parameter in child._parameters.items():
                 if parameter is None or parameter.dtype != torch.float32:
                     continue
@@ -579,6 +585,13 @@ class O2Policy(PrecisionPolicy):
                 if (child, name) not in slots:
                     slots.append((child, name))
                 keys.append(prefix + name)
+        for tied in chosen.keys() & held_in_fp32.keys():
+            _, _, keys = chosen.pop(tied)
+            rank_zero_warn(
+                f"lightning_mp O2: {', '.join(repr(key) for key in keys)} stays an fp32 weight without a half copy: it"
+                f" is tied to {held_in_fp32[tied]!r}, whose module computes with its fp32 weight, and tied weights are"
+                " one tensor, in one dtype. Its modules compute with it under autocast, as in O1."
+            )
         materialized = [entry for entry in chosen.values() if not isinstance(entry[0], nn.UninitializedParameter)]
         self._check_range([(keys[0], master) for master, _, keys in materialized])
         # One MasterWeights for every model this run converts (Fabric sets up a GAN's two models one by one); each
@@ -600,7 +613,7 @@ class O2Policy(PrecisionPolicy):
         self.hook_handles.append(
             module.register_load_state_dict_pre_hook(functools.partial(_load_masters, weights, indices))
         )
-        for root in [module.get_submodule(name) for name in outermost(self.overrides.match(module))]:
+        for root in [module.get_submodule(name) for name in outermost(overrides.match(module))]:
             if not has_fp32_region(root):  # a region the user attached is the user's to keep
                 self.hook_handles += Fp32Region().attach(root)
         return module
