@@ -4,7 +4,6 @@ one side. Each run is a real Trainer or Fabric on a tiny 3-layer MLP, compared w
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -189,7 +188,9 @@ class DiscardsAFirstBackward(Regressor):
 
 @pytest.mark.parametrize("how", DISCARDS)
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_o2_manual_optimization_steps_with_the_gradient_of_the_backward_after_a_discard(precision: str, how: str) -> None:
+def test_o2_manual_optimization_steps_with_the_gradient_of_the_backward_after_a_discard(
+    precision: str, how: str
+) -> None:
     """``manual_backward(l1); discard; manual_backward(l2); opt.step()`` steps exactly as ``manual_backward(l2)`` alone
     does: the discarded gradient reaches no weight."""
     expected = fit_weights(DiscardsAFirstBackward(None), precision)
@@ -405,7 +406,9 @@ SIDES = {"wte": "lm_head", "lm_head": "wte"}
 
 @pytest.mark.parametrize("kept", list(SIDES))
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_o2_keep_fp32_on_one_side_of_a_tie_keeps_both_sides_fp32_and_trains_like_fp32(precision: str, kept: str) -> None:
+def test_o2_keep_fp32_on_one_side_of_a_tie_keeps_both_sides_fp32_and_trains_like_fp32(
+    precision: str, kept: str
+) -> None:
     """``keep_fp32`` on either side of a tied weight keeps the tie one fp32 weight (with a warning naming the other
     side); the optimizer the Trainer builds after the conversion holds it once, and the weights train like fp32's."""
     fp32 = TiedLanguageModel()
@@ -450,3 +453,27 @@ def test_o2_fabric_optimizer_built_after_setup_holds_a_kept_tie_once_and_trains_
         actual, once = fabric_tied_weights(precision, kept)
     assert once
     assert largest_relative_error(actual, expected) < TOLERANCE[precision]
+
+
+class AddsAHeldLayerAgain(Regressor):
+    """Manual optimization that adds, inside its training step, a group with a layer the optimizer holds already."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        self.manual_backward(self.loss(batch))
+        if batch_idx == 1:
+            optimizer.add_param_group({"params": list(self.net[0].parameters())})
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_o2_refuses_a_group_that_would_make_the_optimizer_hold_a_master_twice() -> None:
+    """A group added with half weights whose masters the optimizer holds already (torch refuses the same parameter in
+    two groups in fp32) is refused at the step, naming the parameter, instead of stepping it twice."""
+    trainer = make_trainer(plugin("bf16-mixed"), max_steps=-1, max_epochs=1)
+    with pytest.raises(ValueError, match=r"param group 1 holds 'net.0.weight', which the optimizer holds already"):
+        trainer.fit(AddsAHeldLayerAgain())

@@ -19,6 +19,12 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
    - sparse embeddings (``Embedding``/``EmbeddingBag`` with ``sparse=True``): their sparse gradients would need a
      sparse cast, and their optimizers (``SparseAdam``, SGD) are cheap on the rows a batch touches anyway.
 
+   A tied weight is one tensor in one dtype: a module tied to one that ``keep_fp32`` matches is kept too, with a
+   warning naming it (the rule O3 and lean follow, :func:`~lightning_mp.policies.casting.keep_tied_weights_together`),
+   and a parameter that any module computing in fp32 holds gets no twin, in none of its modules (also with a
+   warning). So a tie never splits into a master on one side and a twin on the other, and an optimizer built on
+   the model's parameters never holds one master twice.
+
    Lazy parameters (``nn.LazyLinear``) compute in fp32 until their first forward materialises them and get their
    twin at the next forward. Parameters of other dtypes (fp64) and every buffer keep their dtype. In fp16 a weight
    beyond fp16's range (65504) is refused by name (:class:`HalfOverflowError`). DDP, wrapped after this, holds the
@@ -26,20 +32,24 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
 2. The optimizer steps the masters. An optimizer built on the model's parameters after the conversion (the
    Trainer's ``configure_optimizers``) holds the twins: ``connect`` points its ``param_groups`` at their masters,
    as Apex's ``amp.initialize`` does, and moves any state it holds; one built before it (Fabric) holds the masters
-   already. A group added later with twins (``BackboneFinetuning``'s ``add_param_group``) is pointed at the masters
-   at its first step.
-3. Forward (``forward_context``, every training, validation, test and predict step and Fabric's forward): the
-   outermost entry puts the twins into the slots (a dict write per slot: no cast, no op, no Python call). A forward
-   without gradients (validation, test, predict) puts the masters back at its exit; a forward with gradients leaves
-   the twins there for its backward, and the step shows the masters (point 4), so a training step swaps the weights
-   twice (entry and step), not four times. Its exit shows them too where the forward failed, or where an optimizer
-   stepped inside it (manual optimization's ``training_step``). Autocast stays on around it, as a safety net for
-   what is not a chosen weight: fp32 inputs of matrix products, losses and softmax-like reductions in fp32,
-   normalisation layers in fp32 (their fp32 weights with half inputs). Since embeddings are half, the residual
-   stream and the activations saved for backward are half too. Backward (``backward_context``) flows into the
-   twins, whose ``.grad`` is half, where autograd and DDP accumulate it (``no_sync`` gradient accumulation
-   included); it puts the twins into the slots where they are not, so that from the training forward to the step
-   the model shows them, with their gradients after backward (``on_before_backward``, ``on_after_backward``,
+   already. Under the Trainer, ``connect`` comes after the model was moved and wrapped, and ends by showing the
+   masters: from there to the first training forward (``on_fit_start``, ``on_train_start``, the first
+   ``on_train_epoch_start``) the model's parameters are the optimizer's, by identity, as after every step, so that
+   callbacks that match the two (``BackboneFinetuning``'s bookkeeping and ``filter_on_optimizer``, the weight
+   averaging callbacks) work whether or not an evaluation ran first. A group added later with twins (a model that
+   shows them, inside a training step) is pointed at the masters at its first step.
+3. Forward (``forward_context``, every training, validation, test and predict step and Fabric's forward): the outermost
+   entry puts the twins into the slots (a dict write per slot: no cast, no op, no Python call). A forward without
+   gradients (validation, test, predict) puts the masters back at its exit; a forward with gradients leaves the twins
+   there for its backward, and the step shows the masters (point 4), so a training step swaps the weights twice (entry
+   and step), not four times. Its exit shows them too where the forward failed, or where a backward ran inside it
+   (manual optimization's ``training_step``, stepping or not): nothing waits for a backward there. Autocast stays on
+   around it, as a safety net for what is not a chosen weight: fp32 inputs of matrix products, losses and softmax-like
+   reductions in fp32, normalisation layers in fp32 (their fp32 weights with half inputs). Since embeddings are half,
+   the residual stream and the activations saved for backward are half too. Backward (``backward_context``) flows into
+   the twins, whose ``.grad`` is half, where autograd and DDP accumulate it (``no_sync`` gradient accumulation
+   included); it puts the twins into the slots where they are not, so that from the training forward to the step the
+   model shows them, with their gradients after backward (``on_before_backward``, ``on_after_backward``,
    ``clip_grad_norm_`` of ``self.parameters()`` after ``manual_backward``, Fabric code between the forward and the
    step).
 4. Step (the engines call :meth:`O2Policy.prepare_step` once per optimizer step, before unscaling, clipping or stepping
@@ -57,6 +67,19 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
    freed. The stepped masters are named, not found by their version counters, which fused optimizer kernels do not move.
    A step the host saw skipped changed no master and writes nothing; one skipped on the device (fused kernels) writes
    the same values again.
+
+   Discarded gradients. The optimizer holds the masters, so its ``zero_grad`` (Lightning's in every closure, the
+   user's in manual optimization, Fabric's wrapper) reaches the masters' ``.grad``, not the twins' where the
+   gradients wait. So each backward (``backward_context``) leaves in every master whose twin takes a gradient a
+   ``.grad`` it can recognise: the gradient already there, or else an empty sparse tensor of the master's shape
+   (no element, no memory; made once per pair). A ``zero_grad`` that removed it (``set_to_none=True``), zeroed it
+   in place (``set_to_none=False``: its version moved) or replaced it discarded the gradient waiting on the twin:
+   the next backward, or the step, drops it before anything is added to it, and a zeroed one leaves a zero fp32
+   gradient, as torch does. ``model.zero_grad()`` clears whichever side the model shows, and the same check covers
+   the masters. The step, finding the stand-in intact, puts the twin's gradient in its place. So a step uses the
+   gradients of the backwards since the last discard, as in fp32, and an inf in a discarded backward skips no step.
+   Between a backward and the step, an optimizer's parameters therefore show the empty stand-in, not None, as
+   their ``.grad``; the step and :meth:`O2Policy.teardown` remove what is left of it.
 5. Edits are never lost. A master whose version counter moved since its twin was written (``load_state_dict``,
    StochasticWeightAveraging or an EMA callback writing fp32 weights between steps) is written into its twin at the
    next forward. A twin edited in place while it is in the slots (a weight changed inside ``training_step``) is
@@ -266,9 +289,10 @@ class MasterWeights:
                         master.grad = self.markers[i]
                     elif grad is not None:
                         master.grad = grad.to(twin.device)
-                    if intact:
-                        self.marks[i] = master.grad
-                        self.mark_versions[i] = master.grad._version
+                    moved = master.grad
+                    if intact and moved is not None:
+                        self.marks[i] = moved
+                        self.mark_versions[i] = moved._version
 
     def master_of(self, parameter: Tensor) -> Tensor:
         """The master of a twin; any other tensor (a master, a parameter without twin) as it is."""
@@ -760,9 +784,18 @@ class O2Policy(PrecisionPolicy):
         """Point ``optimizer``'s groups at the masters of the twins they hold; move the twins' state to them."""
         assert self.weights is not None
         master_of = self.weights.master_of
-        for group in optimizer.param_groups:
+        entries: dict[int, int] = {}  # id of each master the groups hold -> id of the entry that holds it first
+        for index, group in enumerate(optimizer.param_groups):
             for position, parameter in enumerate(group["params"]):
                 master = master_of(parameter)
+                if entries.setdefault(id(master), id(parameter)) != id(parameter):
+                    name = self.weights.names[self.weights.indices([master])[0]]
+                    raise ValueError(
+                        f"lightning_mp O2: {type(optimizer).__name__} param group {index} holds {name!r}, which the"
+                        " optimizer holds already: once as the model's half weight and once as its fp32 master, one"
+                        " parameter that would be stepped twice. torch refuses a parameter in two groups; add each"
+                        " parameter to the optimizer once (filter out those it holds before add_param_group)."
+                    )
                 if master is parameter:
                     continue
                 group["params"][position] = master
