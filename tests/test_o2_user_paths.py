@@ -477,3 +477,29 @@ def test_o2_refuses_a_group_that_would_make_the_optimizer_hold_a_master_twice() 
     trainer = make_trainer(plugin("bf16-mixed"), max_steps=-1, max_epochs=1)
     with pytest.raises(ValueError, match=r"param group 1 holds 'net.0.weight', which the optimizer holds already"):
         trainer.fit(AddsAHeldLayerAgain())
+
+
+class SparseTiedLanguageModel(TiedLanguageModel):
+    """The tied model with a sparse embedding, which O2 keeps computing with its fp32 weight; plain SGD."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte.sparse = True
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_a_weight_tied_to_a_module_that_computes_in_fp32_gets_no_half_copy(precision: str) -> None:
+    """A head tied to a sparse embedding (which O2 leaves fp32) shares its fp32 weight, with a warning naming both;
+    the optimizer holds it once and it trains like fp32."""
+    fp32 = SparseTiedLanguageModel()
+    make_trainer(max_steps=-1, max_epochs=1).fit(fp32)
+    model = SparseTiedLanguageModel()
+    trainer = make_trainer(plugin(precision), max_steps=-1, max_epochs=1)
+    with pytest.warns(UserWarning, match=r"'lm_head.weight' stays an fp32 weight .* tied to 'wte.weight'"):
+        trainer.fit(model)
+    assert holds_each_tensor_once(trainer.optimizers[0])
+    assert set(model.tie_in_step) == {(True, torch.float32)}
+    assert largest_relative_error(weights(model), weights(fp32)) < TOLERANCE[precision]
