@@ -503,3 +503,30 @@ def test_o2_a_weight_tied_to_a_module_that_computes_in_fp32_gets_no_half_copy(pr
     assert holds_each_tensor_once(trainer.optimizers[0])
     assert set(model.tie_in_step) == {(True, torch.float32)}
     assert largest_relative_error(weights(model), weights(fp32)) < TOLERANCE[precision]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_backbone_finetuning_resumed_after_unfreezing_trains_like_fp32(precision: str, tmp_path: Path) -> None:
+    """Resumed from a checkpoint taken after the backbone was unfrozen, BackboneFinetuning rebuilds its groups from
+    the model's parameters at ``on_fit_start``: they are the fp32 masters, which train like fp32's."""
+    results = []
+    for run in ("32-true", precision):
+        first = WithBackbone()
+        callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=1.0)]
+        trainer = make_trainer(
+            plugin(run), max_steps=-1, max_epochs=2, callbacks=callbacks, default_root_dir=tmp_path / run
+        )
+        trainer.fit(first)
+        path = tmp_path / run / "unfrozen.ckpt"
+        trainer.save_checkpoint(path)
+        model = WithBackbone()
+        callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=1.0)]
+        resumed = make_trainer(plugin(run), max_steps=-1, max_epochs=3, callbacks=callbacks)
+        resumed.fit(model, ckpt_path=path)
+        optimizer = resumed.optimizers[0]
+        assert len(optimizer.param_groups) == 2 and holds_each_tensor_once(optimizer)
+        assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {
+            id(p) for p in model.parameters()
+        }
+        results.append(weights(model))
+    assert largest_relative_error(results[1], results[0]) < TOLERANCE[precision]
