@@ -530,3 +530,75 @@ def test_o2_backbone_finetuning_resumed_after_unfreezing_trains_like_fp32(precis
         }
         results.append(weights(model))
     assert largest_relative_error(results[1], results[0]) < TOLERANCE[precision]
+
+
+class ClipsEveryParameter(L.Callback):
+    """Clips the norm of all the model's gradients before each step, as many training scripts do."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        torch.nn.utils.clip_grad_norm_(pl_module.parameters(), max_norm=1e6)
+
+
+class HeadOnlyOptimizer(Regressor):
+    """The first layer takes gradients but is in no optimizer."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net[2:].parameters(), lr=self.lr, momentum=0.9)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_clipping_all_model_gradients_works_with_a_layer_in_no_optimizer(precision: str) -> None:
+    """``clip_grad_norm_(pl_module.parameters())`` before the step sees dense fp32 gradients on every parameter,
+    one that no optimizer holds included, and the run trains like fp32."""
+    fp32 = HeadOnlyOptimizer()
+    make_trainer(max_steps=-1, max_epochs=1, callbacks=[ClipsEveryParameter()]).fit(fp32)
+    model = HeadOnlyOptimizer()
+    make_trainer(plugin(precision), max_steps=-1, max_epochs=1, callbacks=[ClipsEveryParameter()]).fit(model)
+    assert all(p.grad is None or (p.grad.dtype == torch.float32 and not p.grad.is_sparse) for p in model.parameters())
+    assert largest_relative_error(weights(model), weights(fp32)) < TOLERANCE[precision]
+
+
+class UntoggledGAN(L.LightningModule):
+    """A GAN's two optimizers in manual optimization without ``toggle_optimizer``: the generator's backward also
+    gives the discriminator gradients, which the discriminator's ``zero_grad`` discards before its own backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.discriminator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        features, _ = batch
+        opt_g, opt_d = self.optimizers()
+        fake = self.generator(features)
+        g_loss = F.softplus(-self.discriminator(fake)).float().mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        real, fake = self.discriminator(features), self.discriminator(fake.detach())
+        d_loss = (F.softplus(-real) + F.softplus(fake)).float().mean()
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.SGD(self.generator.parameters(), lr=0.05, momentum=0.9),
+            torch.optim.SGD(self.discriminator.parameters(), lr=0.05, momentum=0.9),
+        ]
+
+    def train_dataloader(self) -> DataLoader:
+        return batches()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_gan_without_toggle_optimizer_trains_like_fp32(precision: str) -> None:
+    """The discriminator steps with its own loss's gradient only, as in fp32: its zero_grad discards what the
+    generator's backward left on it."""
+    fp32 = UntoggledGAN()
+    make_trainer(max_steps=-1, max_epochs=1).fit(fp32)
+    model = UntoggledGAN()
+    make_trainer(plugin(precision), max_steps=-1, max_epochs=1).fit(model)
+    assert largest_relative_error(weights(model), weights(fp32)) < TOLERANCE[precision]

@@ -480,6 +480,7 @@ class _HeldGradients(AbstractContextManager):
                 twin.grad = None
                 if grad is markers[i]:  # zeroed in place: a zero gradient, as torch leaves it
                     master.grad = grad = torch.zeros_like(master)
+                marks[i] = None
             if twin.requires_grad:
                 if grad is None:
                     marker = markers[i]
@@ -488,8 +489,6 @@ class _HeldGradients(AbstractContextManager):
                     grad = master.grad = marker
                 marks[i] = grad
                 versions[i] = grad._version
-            else:
-                marks[i] = None
         weights.twins_in_slots = True
 
     def __exit__(self, *exc_info: object) -> None:
@@ -694,9 +693,8 @@ class O2Policy(PrecisionPolicy):
             return
         if self._adopted.get(id(optimizer)) != len(optimizer.param_groups):
             self._adopt(optimizer)
-        stepped = self._stepped.get(id(optimizer))
-        if stepped is None:
-            stepped = self._stepped[id(optimizer)] = set(
+        if id(optimizer) not in self._stepped:
+            self._stepped[id(optimizer)] = set(
                 weights.indices([p for group in optimizer.param_groups for p in group["params"]])
             )
         show = weights.twins_in_slots
@@ -708,8 +706,8 @@ class O2Policy(PrecisionPolicy):
             if show:
                 for module, name in slots:
                     module._parameters[name] = master
-            if i not in stepped:
-                continue
+            # Every pair, not only those this optimizer steps: the model shows the masters from here on, with the
+            # gradients in fp32, as in fp32 training (another optimizer's, a parameter no optimizer holds).
             gradient = twin.grad
             mark = marks[i]
             if mark is not None:
