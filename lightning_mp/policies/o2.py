@@ -56,17 +56,19 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
    it, and before a user's own ``scaler.unscale_`` of it:
    :meth:`~lightning_mp.scaler.LossScaler.prepare_before_unscale`): in one pass the masters come back into the slots,
    and the twins' gradients move into their masters' ``.grad`` in fp32 (added where a master already holds one); the
-   twins' are freed. A training step that returned None (no backward) is prepared too, so the masters are back after it
-   as after any step. So the loss scaler unscales and checks fp32 master gradients (foreach, fused and the fused
-   hand-off work unchanged), and ``on_before_optimizer_step`` hooks, ``grad_norm`` and gradient clipping see true fp32
-   gradients on ``model.parameters()``. Gradients move at the step, not after each backward: DDP reduces the accumulated
-   ``.grad`` once, at the last micro-batch, so an earlier move would keep earlier micro-batches out of the reduction.
-   The cost is that micro-batches accumulate in half (in fp16 the scaled gradients, whose range fits); a step without
-   accumulation loses nothing. After the optimizer step (:meth:`O2Policy.after_optimizer_step`) one foreach copy writes
-   the stepped masters into their twins, the one cast per weight per optimizer step, and the masters' fp32 gradients are
-   freed. The stepped masters are named, not found by their version counters, which fused optimizer kernels do not move.
-   A step the host saw skipped changed no master and writes nothing; one skipped on the device (fused kernels) writes
-   the same values again.
+   twins' are freed. Every waiting gradient moves, also of a parameter that another optimizer steps or none does, so
+   that from the step on the model shows the gradients fp32 training shows there, dense and in fp32. A training step
+   that returned None (no backward) is prepared too, so the masters are back after it as after any step. So the loss
+   scaler unscales and checks fp32 master gradients (foreach, fused and the fused hand-off work unchanged), and
+   ``on_before_optimizer_step`` hooks, ``grad_norm`` and gradient clipping see true fp32 gradients on
+   ``model.parameters()``. Gradients move at the step, not after each backward: DDP reduces the accumulated ``.grad``
+   once, at the last micro-batch, so an earlier move would keep earlier micro-batches out of the reduction. The cost is
+   that micro-batches accumulate in half (in fp16 the scaled gradients, whose range fits); a step without accumulation
+   loses nothing. After the optimizer step (:meth:`O2Policy.after_optimizer_step`) one foreach copy writes the stepped
+   masters into their twins, the one cast per weight per optimizer step, and their fp32 gradients are freed. The
+   stepped masters are named, not found by their version counters, which fused optimizer kernels do not move. A step the
+   host saw skipped changed no master and writes nothing; one skipped on the device (fused kernels) writes the same
+   values again.
 
    Discarded gradients. The optimizer holds the masters, so its ``zero_grad`` (Lightning's in every closure, the
    user's in manual optimization, Fabric's wrapper) reaches the masters' ``.grad``, not the twins' where the
@@ -79,7 +81,8 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
    the masters. The step, finding the stand-in intact, puts the twin's gradient in its place. So a step uses the
    gradients of the backwards since the last discard, as in fp32, and an inf in a discarded backward skips no step.
    Between a backward and the step, an optimizer's parameters therefore show the empty stand-in, not None, as
-   their ``.grad``; the step and :meth:`O2Policy.teardown` remove what is left of it.
+   their ``.grad`` (so does the model where it shows the masters in between: after an evaluation forward, or a
+   manual training step that did not step); the step and :meth:`O2Policy.teardown` remove it.
 5. Edits are never lost. A master whose version counter moved since its twin was written (``load_state_dict``,
    StochasticWeightAveraging or an EMA callback writing fp32 weights between steps) is written into its twin at the
    next forward. A twin edited in place while it is in the slots (a weight changed inside ``training_step``) is
