@@ -44,6 +44,7 @@ __all__ = [
     "check_half_dtype",
     "convert_to_half",
     "is_normalization",
+    "keep_tied_weights_together",
 ]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -146,6 +147,20 @@ def _tied_to_kept(model: nn.Module, overrides: Fp32Overrides) -> dict[str, str]:
         partners.update(found)
 
 
+def keep_tied_weights_together(module: nn.Module, overrides: Fp32Overrides) -> Fp32Overrides:
+    """``overrides`` widened to every module tied to one it keeps, with a warning naming each and why.
+
+    Tied weights are one tensor, so keeping one side of a tie in fp32 keeps the other side too (O2, O3, lean, and the
+    inference export).
+    """
+    partners = _tied_to_kept(module, overrides)
+    for name, why in partners.items():
+        rank_zero_warn(
+            f"lightning_mp: {name!r} is kept in fp32 too: {why}, and tied weights are one tensor, in one dtype."
+        )
+    return Fp32Overrides([*overrides.patterns, *partners]) if partners else overrides
+
+
 def convert_to_half(
     module: nn.Module,
     dtype: torch.dtype,
@@ -171,13 +186,7 @@ def convert_to_half(
             (training removes them at teardown; an exported inference model keeps them).
 
     """
-    partners = _tied_to_kept(module, overrides)
-    for name, why in partners.items():
-        rank_zero_warn(
-            f"lightning_mp: {name!r} is kept in fp32 too: {why}, and tied weights are one tensor, in one dtype."
-        )
-    if partners:
-        overrides = Fp32Overrides([*overrides.patterns, *partners])
+    overrides = keep_tied_weights_together(module, overrides)
     attached: list[RemovableHandle] = [] if handles is None else handles
     kept = overrides.kept_modules(module)
     overrides.apply(module, attached)

@@ -19,6 +19,12 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
    - sparse embeddings (``Embedding``/``EmbeddingBag`` with ``sparse=True``): their sparse gradients would need a
      sparse cast, and their optimizers (``SparseAdam``, SGD) are cheap on the rows a batch touches anyway.
 
+   A tied weight is one tensor in one dtype: a module tied to one that ``keep_fp32`` matches is kept too, with a
+   warning naming it (the rule O3 and lean follow, :func:`~lightning_mp.policies.casting.keep_tied_weights_together`),
+   and a parameter that any module computing in fp32 holds gets no twin, in none of its modules (also with a
+   warning). So a tie never splits into a master on one side and a twin on the other, and an optimizer built on
+   the model's parameters never holds one master twice.
+
    Lazy parameters (``nn.LazyLinear``) compute in fp32 until their first forward materialises them and get their
    twin at the next forward. Parameters of other dtypes (fp64) and every buffer keep their dtype. In fp16 a weight
    beyond fp16's range (65504) is refused by name (:class:`HalfOverflowError`). DDP, wrapped after this, holds the
@@ -26,37 +32,57 @@ them, so that callbacks, checkpoints and ``load_state_dict`` read and write fp32
 2. The optimizer steps the masters. An optimizer built on the model's parameters after the conversion (the
    Trainer's ``configure_optimizers``) holds the twins: ``connect`` points its ``param_groups`` at their masters,
    as Apex's ``amp.initialize`` does, and moves any state it holds; one built before it (Fabric) holds the masters
-   already. A group added later with twins (``BackboneFinetuning``'s ``add_param_group``) is pointed at the masters
-   at its first step.
-3. Forward (``forward_context``, every training, validation, test and predict step and Fabric's forward): the
-   outermost entry puts the twins into the slots (a dict write per slot: no cast, no op, no Python call). A forward
-   without gradients (validation, test, predict) puts the masters back at its exit; a forward with gradients leaves
-   the twins there for its backward, and the step shows the masters (point 4), so a training step swaps the weights
-   twice (entry and step), not four times. Its exit shows them too where the forward failed, or where an optimizer
-   stepped inside it (manual optimization's ``training_step``). Autocast stays on around it, as a safety net for
-   what is not a chosen weight: fp32 inputs of matrix products, losses and softmax-like reductions in fp32,
-   normalisation layers in fp32 (their fp32 weights with half inputs). Since embeddings are half, the residual
-   stream and the activations saved for backward are half too. Backward (``backward_context``) flows into the
-   twins, whose ``.grad`` is half, where autograd and DDP accumulate it (``no_sync`` gradient accumulation
-   included); it puts the twins into the slots where they are not, so that from the training forward to the step
-   the model shows them, with their gradients after backward (``on_before_backward``, ``on_after_backward``,
+   already. Under the Trainer, ``connect`` comes after the model was moved and wrapped, and ends by showing the
+   masters: from there to the first training forward (``on_fit_start``, ``on_train_start``, the first
+   ``on_train_epoch_start``) the model's parameters are the optimizer's, by identity, as after every step, so that
+   callbacks that match the two (``BackboneFinetuning``'s bookkeeping and ``filter_on_optimizer``, the weight
+   averaging callbacks) work whether or not an evaluation ran first. A group added later with twins (a model that
+   shows them, inside a training step) is pointed at the masters at its first step.
+3. Forward (``forward_context``, every training, validation, test and predict step and Fabric's forward): the outermost
+   entry puts the twins into the slots (a dict write per slot: no cast, no op, no Python call). A forward without
+   gradients (validation, test, predict) puts the masters back at its exit; a forward with gradients leaves the twins
+   there for its backward, and the step shows the masters (point 4), so a training step swaps the weights twice (entry
+   and step), not four times. Its exit shows them too where the forward failed, or where a backward ran inside it
+   (manual optimization's ``training_step``, stepping or not): nothing waits for a backward there. Autocast stays on
+   around it, as a safety net for what is not a chosen weight: fp32 inputs of matrix products, losses and softmax-like
+   reductions in fp32, normalisation layers in fp32 (their fp32 weights with half inputs). Since embeddings are half,
+   the residual stream and the activations saved for backward are half too. Backward (``backward_context``) flows into
+   the twins, whose ``.grad`` is half, where autograd and DDP accumulate it (``no_sync`` gradient accumulation
+   included); it puts the twins into the slots where they are not, so that from the training forward to the step the
+   model shows them, with their gradients after backward (``on_before_backward``, ``on_after_backward``,
    ``clip_grad_norm_`` of ``self.parameters()`` after ``manual_backward``, Fabric code between the forward and the
    step).
 4. Step (the engines call :meth:`O2Policy.prepare_step` once per optimizer step, before unscaling, clipping or stepping
    it, and before a user's own ``scaler.unscale_`` of it:
    :meth:`~lightning_mp.scaler.LossScaler.prepare_before_unscale`): in one pass the masters come back into the slots,
    and the twins' gradients move into their masters' ``.grad`` in fp32 (added where a master already holds one); the
-   twins' are freed. A training step that returned None (no backward) is prepared too, so the masters are back after it
-   as after any step. So the loss scaler unscales and checks fp32 master gradients (foreach, fused and the fused
-   hand-off work unchanged), and ``on_before_optimizer_step`` hooks, ``grad_norm`` and gradient clipping see true fp32
-   gradients on ``model.parameters()``. Gradients move at the step, not after each backward: DDP reduces the accumulated
-   ``.grad`` once, at the last micro-batch, so an earlier move would keep earlier micro-batches out of the reduction.
-   The cost is that micro-batches accumulate in half (in fp16 the scaled gradients, whose range fits); a step without
-   accumulation loses nothing. After the optimizer step (:meth:`O2Policy.after_optimizer_step`) one foreach copy writes
-   the stepped masters into their twins, the one cast per weight per optimizer step, and the masters' fp32 gradients are
-   freed. The stepped masters are named, not found by their version counters, which fused optimizer kernels do not move.
-   A step the host saw skipped changed no master and writes nothing; one skipped on the device (fused kernels) writes
-   the same values again.
+   twins' are freed. Every waiting gradient moves, also of a parameter that another optimizer steps or none does, so
+   that from the step on the model shows the gradients fp32 training shows there, dense and in fp32. A training step
+   that returned None (no backward) is prepared too, so the masters are back after it as after any step. So the loss
+   scaler unscales and checks fp32 master gradients (foreach, fused and the fused hand-off work unchanged), and
+   ``on_before_optimizer_step`` hooks, ``grad_norm`` and gradient clipping see true fp32 gradients on
+   ``model.parameters()``. Gradients move at the step, not after each backward: DDP reduces the accumulated ``.grad``
+   once, at the last micro-batch, so an earlier move would keep earlier micro-batches out of the reduction. The cost is
+   that micro-batches accumulate in half (in fp16 the scaled gradients, whose range fits); a step without accumulation
+   loses nothing. After the optimizer step (:meth:`O2Policy.after_optimizer_step`) one foreach copy writes the stepped
+   masters into their twins, the one cast per weight per optimizer step, and their fp32 gradients are freed. The
+   stepped masters are named, not found by their version counters, which fused optimizer kernels do not move. A step the
+   host saw skipped changed no master and writes nothing; one skipped on the device (fused kernels) writes the same
+   values again.
+
+   Discarded gradients. The optimizer holds the masters, so its ``zero_grad`` (Lightning's in every closure, the
+   user's in manual optimization, Fabric's wrapper) reaches the masters' ``.grad``, not the twins' where the
+   gradients wait. So each backward (``backward_context``) leaves in every master whose twin takes a gradient a
+   ``.grad`` it can recognise: the gradient already there, or else an empty sparse tensor of the master's shape
+   (no element, no memory; made once per pair). A ``zero_grad`` that removed it (``set_to_none=True``), zeroed it
+   in place (``set_to_none=False``: its version moved) or replaced it discarded the gradient waiting on the twin:
+   the next backward, or the step, drops it before anything is added to it, and a zeroed one leaves a zero fp32
+   gradient, as torch does. ``model.zero_grad()`` clears whichever side the model shows, and the same check covers
+   the masters. The step, finding the stand-in intact, puts the twin's gradient in its place. So a step uses the
+   gradients of the backwards since the last discard, as in fp32, and an inf in a discarded backward skips no step.
+   Between a backward and the step, an optimizer's parameters therefore show the empty stand-in, not None, as
+   their ``.grad`` (so does the model where it shows the masters in between: after an evaluation forward, or a
+   manual training step that did not step); the step and :meth:`O2Policy.teardown` remove it.
 5. Edits are never lost. A master whose version counter moved since its twin was written (``load_state_dict``,
    StochasticWeightAveraging or an EMA callback writing fp32 weights between steps) is written into its twin at the
    next forward. A twin edited in place while it is in the slots (a weight changed inside ``training_step``) is
@@ -104,6 +130,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.optim import Optimizer
@@ -111,7 +138,7 @@ from typing_extensions import override
 
 from lightning_mp.overrides import Fp32Overrides, Fp32Region, has_fp32_region, outermost
 from lightning_mp.policies.base import PrecisionPolicy
-from lightning_mp.policies.casting import check_half_dtype, is_normalization
+from lightning_mp.policies.casting import check_half_dtype, is_normalization, keep_tied_weights_together
 
 
 class HalfOverflowError(RuntimeError):
@@ -217,6 +244,13 @@ class MasterWeights:
         through it needs no ``torch.no_grad()`` context (five Python calls at every step) and no op to make it."""
         self._index_of: dict[int, int] = {}
         """``id`` of a master or a twin -> its pair's index."""
+        self.markers: list[Tensor] = []
+        """Per pair, an empty sparse fp32 tensor of its master's shape: the master's ``.grad`` while its twin's
+        gradient waits for the step, so that a ``zero_grad`` of the master is seen (module docstring, point 4)."""
+        self.marks: list[Tensor | None] = []
+        """Per pair, the master's ``.grad`` when the last backward began (a marker or a real gradient), or None."""
+        self.mark_versions: list[int] = []
+        """The version of each mark when it was taken: ``zero_grad(set_to_none=False)`` moves it."""
 
     def add(self, master: nn.Parameter, slots: list[tuple[nn.Module, str]], keys: list[str]) -> int:
         """Make a half twin of ``master`` (one cast) for the ``slots`` that hold it; return the pair's index."""
@@ -233,6 +267,9 @@ class MasterWeights:
         self._requires_grad.append(master.requires_grad)
         self._aliases.append(twin.detach())
         self._index_of[id(master)] = self._index_of[id(twin)] = index
+        self.markers.append(_empty_gradient(master))
+        self.marks.append(None)
+        self.mark_versions.append(0)
         if self.twins_in_slots:
             for module, name in slots:
                 module._parameters[name] = twin
@@ -244,11 +281,21 @@ class MasterWeights:
         The Trainer and Fabric move the model after ``convert_module``, while it holds the twins.
         """
         with self._no_grad:
-            for master, twin in zip(self.masters, self.twins, strict=True):
+            for i, (master, twin) in enumerate(zip(self.masters, self.twins, strict=True)):
                 if master.device != twin.device:
+                    grad, mark = master.grad, self.marks[i]
+                    intact = mark is not None and grad is mark and mark._version == self.mark_versions[i]
+                    old_marker = self.markers[i]
                     master.data = master.data.to(twin.device)
-                    if master.grad is not None:
-                        master.grad = master.grad.to(twin.device)
+                    self.markers[i] = _empty_gradient(master)
+                    if grad is old_marker:
+                        master.grad = self.markers[i]
+                    elif grad is not None:
+                        master.grad = grad.to(twin.device)
+                    moved = master.grad
+                    if intact and moved is not None:
+                        self.marks[i] = moved
+                        self.mark_versions[i] = moved._version
 
     def master_of(self, parameter: Tensor) -> Tensor:
         """The master of a twin; any other tensor (a master, a parameter without twin) as it is."""
@@ -398,7 +445,10 @@ class _TwinsInSlots(AbstractContextManager):
         policy.forward_depth -= 1
         if policy.forward_depth or policy.weights is None:
             return
-        if policy.evaluating or policy.stepped_in_forward or exc_type is not None:
+        # A training step that ran its backward inside (manual optimization) leaves no graph for a later backward:
+        # the masters come back whether or not it stepped, as after every step of automatic optimization.
+        finished = policy.evaluating or policy.stepped_in_forward or not policy.awaiting_backward
+        if finished or exc_type is not None:
             policy.stepped_in_forward = False
             policy.weights.show_masters()
 
@@ -418,13 +468,30 @@ class _HeldGradients(AbstractContextManager):
         # written into them here: backward computes with what the forward saved.
         show = not weights.twins_in_slots
         held = self.held
-        for master, twin, slots in zip(weights.masters, weights.twins, weights.slots, strict=True):
+        markers, marks, versions = weights.markers, weights.marks, weights.mark_versions
+        for i, (master, twin, slots) in enumerate(zip(weights.masters, weights.twins, weights.slots, strict=True)):
             if twin.requires_grad and not master.requires_grad:
                 twin.requires_grad_(False)
                 held.append(twin)
             if show:
                 for module, name in slots:
                     module._parameters[name] = twin
+            # A zero_grad since the last backward (the master's .grad is not what that backward left, or was zeroed
+            # in place) discards what waits on the twin, before this backward adds to it.
+            mark, grad = marks[i], master.grad
+            if mark is not None and (grad is not mark or mark._version != versions[i]):
+                twin.grad = None
+                if grad is markers[i]:  # zeroed in place: a zero gradient, as torch leaves it
+                    master.grad = grad = torch.zeros_like(master)
+                marks[i] = None
+            if twin.requires_grad:
+                if grad is None:
+                    marker = markers[i]
+                    if marker.device != master.device:  # the master was moved since (not by follow_devices)
+                        marker = markers[i] = _empty_gradient(master)
+                    grad = master.grad = marker
+                marks[i] = grad
+                versions[i] = grad._version
         weights.twins_in_slots = True
 
     def __exit__(self, *exc_info: object) -> None:
@@ -453,6 +520,18 @@ def _upcast_state(state: dict[str, Any], master: Tensor) -> dict[str, Any]:
 
 def _is_half_elementwise(value: Any, master: Tensor) -> bool:
     return isinstance(value, Tensor) and value.shape == master.shape and value.dtype in (torch.float16, torch.bfloat16)
+
+
+def _empty_gradient(master: Tensor) -> Tensor:
+    """An empty sparse tensor of ``master``'s shape, dtype and device: a ``.grad`` that holds nothing.
+
+    It stands in the master's ``.grad`` from a backward to the step while the gradient waits on the twin. torch's
+    ``zero_grad`` then has something to clear: ``set_to_none=True`` removes it, ``set_to_none=False`` zeroes it in
+    place (its version moves), and either says that the waiting gradient was discarded. No element, no memory.
+    """
+    indices = torch.empty((master.dim(), 0), dtype=torch.long, device=master.device)
+    values = torch.empty((0,), dtype=master.dtype, device=master.device)
+    return torch.sparse_coo_tensor(indices, values, master.shape, check_invariants=True, is_coalesced=True)
 
 
 def _substitute_masters(
@@ -514,12 +593,17 @@ class O2Policy(PrecisionPolicy):
 
         """
         assert self.half_dtype is not None
-        in_fp32 = self.overrides.kept_modules(module) | computes_weights_in_fp32(module)
+        overrides = keep_tied_weights_together(module, self.overrides)
+        in_fp32 = overrides.kept_modules(module) | computes_weights_in_fp32(module)
         chosen: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]] = {}
+        held_in_fp32: dict[int, str] = {}  # id of each parameter a module computing in fp32 holds -> its name there
         for module_name, child in module.named_modules(remove_duplicate=False):
-            if child in in_fp32 or is_normalization(child) or isinstance(child, nn.RNNBase):
-                continue
             prefix = f"{module_name}." if module_name else ""
+            if child in in_fp32 or is_normalization(child) or isinstance(child, nn.RNNBase):
+                for name, parameter in child._parameters.items():
+                    if parameter is not None:
+                        held_in_fp32.setdefault(id(parameter), prefix + name)
+                continue
             for name, parameter in child._parameters.items():
                 if parameter is None or parameter.dtype != torch.float32:
                     continue
@@ -527,6 +611,13 @@ class O2Policy(PrecisionPolicy):
                 if (child, name) not in slots:
                     slots.append((child, name))
                 keys.append(prefix + name)
+        for tied in chosen.keys() & held_in_fp32.keys():
+            _, _, keys = chosen.pop(tied)
+            rank_zero_warn(
+                f"lightning_mp O2: {', '.join(repr(key) for key in keys)} stays an fp32 weight without a half copy: it"
+                f" is tied to {held_in_fp32[tied]!r}, whose module computes with its fp32 weight, and tied weights are"
+                " one tensor, in one dtype. Its modules compute with it under autocast, as in O1."
+            )
         materialized = [entry for entry in chosen.values() if not isinstance(entry[0], nn.UninitializedParameter)]
         self._check_range([(keys[0], master) for master, _, keys in materialized])
         # One MasterWeights for every model this run converts (Fabric sets up a GAN's two models one by one); each
@@ -548,7 +639,7 @@ class O2Policy(PrecisionPolicy):
         self.hook_handles.append(
             module.register_load_state_dict_pre_hook(functools.partial(_load_masters, weights, indices))
         )
-        for root in [module.get_submodule(name) for name in outermost(self.overrides.match(module))]:
+        for root in [module.get_submodule(name) for name in outermost(overrides.match(module))]:
             if not has_fp32_region(root):  # a region the user attached is the user's to keep
                 self.hook_handles += Fp32Region().attach(root)
         return module
@@ -560,10 +651,15 @@ class O2Policy(PrecisionPolicy):
         The masters move first to the device the model was moved to since ``convert_module``.
         """
         optimizers = super().connect(module, optimizers)
-        if self.weights is not None:
-            self.weights.follow_devices()
+        weights = self.weights
+        if weights is not None:
+            weights.follow_devices()
         for optimizer in optimizers:
             self._adopt(optimizer)
+        # The model was moved and wrapped (DDP holds the twins): from here to the first training forward it shows
+        # the masters the optimizers hold, so that callbacks match the two by identity (module docstring, point 2).
+        if weights is not None and self.forward_depth == 0 and not self.awaiting_backward:
+            weights.show_masters()
         return optimizers
 
     @override
@@ -600,21 +696,34 @@ class O2Policy(PrecisionPolicy):
             return
         if self._adopted.get(id(optimizer)) != len(optimizer.param_groups):
             self._adopt(optimizer)
-        stepped = self._stepped.get(id(optimizer))
-        if stepped is None:
-            stepped = self._stepped[id(optimizer)] = set(
+        if id(optimizer) not in self._stepped:
+            self._stepped[id(optimizer)] = set(
                 weights.indices([p for group in optimizer.param_groups for p in group["params"]])
             )
         show = weights.twins_in_slots
         versions = weights.twin_versions
+        markers, marks, mark_versions = weights.markers, weights.marks, weights.mark_versions
         for i, (master, twin, slots) in enumerate(zip(weights.masters, weights.twins, weights.slots, strict=True)):
             if twin._version != versions[i]:
                 weights.take_edit(i)
             if show:
                 for module, name in slots:
                     module._parameters[name] = master
+            # Every pair, not only those this optimizer steps: the model shows the masters from here on, with the
+            # gradients in fp32, as in fp32 training (another optimizer's, a parameter no optimizer holds).
             gradient = twin.grad
-            if gradient is None or i not in stepped:
+            mark = marks[i]
+            if mark is not None:
+                marks[i] = None
+                grad = master.grad
+                if grad is not mark or mark._version != mark_versions[i]:
+                    # A zero_grad since the last backward discarded what waits on the twin.
+                    twin.grad = gradient = None
+                    if grad is markers[i]:  # zeroed in place: a zero gradient, as torch leaves it
+                        master.grad = torch.zeros_like(master)
+                elif grad is markers[i]:
+                    master.grad = None
+            if gradient is None:
                 continue
             # The twin's half gradient moves into its master's .grad in fp32, added to one already there.
             if master.grad is None:
@@ -655,8 +764,12 @@ class O2Policy(PrecisionPolicy):
     @override
     def teardown(self) -> None:
         """Put the masters back for good, remove the hooks and forget the model."""
-        if self.weights is not None:
-            self.weights.show_masters()
+        weights = self.weights
+        if weights is not None:
+            weights.show_masters()
+            for master, marker in zip(weights.masters, weights.markers, strict=True):
+                if master.grad is marker:
+                    master.grad = None
         super().teardown()
         self.weights = None
         self._held_gradients = None
@@ -672,9 +785,18 @@ class O2Policy(PrecisionPolicy):
         """Point ``optimizer``'s groups at the masters of the twins they hold; move the twins' state to them."""
         assert self.weights is not None
         master_of = self.weights.master_of
-        for group in optimizer.param_groups:
+        entries: dict[int, int] = {}  # id of each master the groups hold -> id of the entry that holds it first
+        for index, group in enumerate(optimizer.param_groups):
             for position, parameter in enumerate(group["params"]):
                 master = master_of(parameter)
+                if entries.setdefault(id(master), id(parameter)) != id(parameter):
+                    name = self.weights.names[self.weights.indices([master])[0]]
+                    raise ValueError(
+                        f"lightning_mp O2: {type(optimizer).__name__} param group {index} holds {name!r}, which the"
+                        " optimizer holds already: once as the model's half weight and once as its fp32 master, one"
+                        " parameter that would be stepped twice. torch refuses a parameter in two groups; add each"
+                        " parameter to the optimizer once (filter out those it holds before add_param_group)."
+                    )
                 if master is parameter:
                     continue
                 group["params"][position] = master

@@ -1071,18 +1071,23 @@ def test_o2_dispatches_no_more_ops_and_python_calls_per_step_than_o1(precision: 
 
 
 def converted(precision: str = "bf16-mixed") -> tuple[Net, MixedPrecision, torch.optim.Optimizer]:
-    """A Net converted by an O2 plugin outside any loop, with its optimizer connected (the Trainer's order)."""
+    """A Net converted by an O2 plugin outside any loop, with its optimizer connected (the Trainer's order), and its
+    half weights in place, as a training forward leaves them for the backward."""
     model = Net()
     plugin = o2(precision)
     plugin.setup_for_device("cpu")
     plugin.convert_module(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     plugin.connect(model, [optimizer], [])
+    assert list(model.parameters()) == optimizer.param_groups[0]["params"]  # setup ends showing the masters
+    with plugin.forward_context():
+        pass
     return model, plugin, optimizer
 
 
 def test_o2_model_holds_half_weights_and_the_optimizer_their_fp32_masters() -> None:
-    """After setup the model's chosen weights are half twins and the optimizer steps fp32 masters of equal value."""
+    """In a training forward the model's chosen weights are half twins; the optimizer steps fp32 masters of equal
+    value, which the model shows again from setup to the first forward."""
     model, plugin, optimizer = converted()
     masters = optimizer.param_groups[0]["params"]
     assert model.net[0].weight.dtype == torch.bfloat16 and model.net[1].weight.dtype == torch.float32
