@@ -505,8 +505,9 @@ class MixedPrecision(LightningMixedPrecision):
         """
         if self._engine is None:
             raise RuntimeError(
-                "MixedPrecision was not set up: a Trainer sets it up when it starts, Fabric at fabric.setup(model,"
-                " optimizer). Call fabric.setup before fabric.backward or optimizer.step."
+                f"{type(self).__name__} was not set up: a Trainer sets it up when it starts, Fabric at"
+                " fabric.setup(model, optimizer). Call fabric.setup before fabric.backward or optimizer.step; to use"
+                " the plugin outside both, call plugin.setup_for_device('cpu' or 'cuda') first."
             )
         return self._engine
 

@@ -449,10 +449,12 @@ def test_inputs_on_another_device_type_raise_value_error() -> None:
 
 
 def test_backward_before_setup_raises_a_clear_error() -> None:
-    """Using the plugin's Fabric hooks before fabric.setup says to call fabric.setup first."""
+    """Using the plugin's hooks before setup names both ways to set it up: fabric.setup, and setup_for_device."""
     plugin = MixedPrecision("16-mixed")
-    with pytest.raises(RuntimeError, match=r"fabric\.setup"):
+    with pytest.raises(RuntimeError, match=r"was not set up") as raised:
         plugin.backward(torch.ones((), requires_grad=True), None)
+    assert "fabric.setup(model, optimizer)" in str(raised.value)
+    assert "plugin.setup_for_device('cpu' or 'cuda')" in str(raised.value)
 
 
 def test_example_script_trains_skips_and_resumes(tmp_path: Path) -> None:
