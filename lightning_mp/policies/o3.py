@@ -107,7 +107,7 @@ def refuse_fused_sgd_that_skips_half_weights(optimizer: Optimizer) -> None:
         if not group.get("fused"):
             continue
         for parameter in group["params"]:
-            if not fused_sgd_steps(parameter):
+            if not fused_sgd_steps(optimizer, parameter):
                 raise ValueError(
                     f"lightning_mp O3: torch.optim.SGD(fused=True) is not allowed over {parameter.dtype} weights on"
                     f" {parameter.device.type!r} with torch {torch.__version__}: its fused kernel there leaves"

@@ -38,6 +38,7 @@ import torch
 
 from lightning_mp._compat import FUSED_ADAGRAD_TAKES_FOUND_INF, fused_sgd_updates_half
 from lightning_mp.scaling.sharded import is_sharded
+from lightning_mp.stochastic_rounding import steps_bf16_parameters_itself
 
 _FUSED_FORMS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 """torch optimizers whose fused kernel applies the same update rule as their foreach and single-tensor forms."""
@@ -81,15 +82,21 @@ def has_fused_form(optimizer: torch.optim.Optimizer) -> bool:
                 or parameter.device.type not in device_types
                 or (grad.dtype, grad.device) != (parameter.dtype, parameter.device)
                 or (is_sharded(parameter) and not sharded_allowed)
-                or (is_sgd and not fused_sgd_steps(parameter))
+                or (is_sgd and not fused_sgd_steps(optimizer, parameter))
             ):
                 return False
     return True
 
 
-def fused_sgd_steps(parameter: torch.Tensor) -> bool:
-    """Whether torch's fused SGD kernel updates ``parameter`` (fp16 and bf16 ones not in some torch releases)."""
+def fused_sgd_steps(optimizer: torch.optim.Optimizer, parameter: torch.Tensor) -> bool:
+    """Whether torch's fused SGD kernel, handed ``optimizer``'s step, would update ``parameter``.
+
+    fp16 and bf16 parameters not in some torch releases (:func:`~lightning_mp._compat.fused_sgd_updates_half`), unless
+    the kernel never sees them: lean's stochastic rounding steps bf16 parameters itself, in fp32.
+    """
     if parameter.dtype not in (torch.float16, torch.bfloat16):
+        return True
+    if parameter.dtype is torch.bfloat16 and steps_bf16_parameters_itself(optimizer):
         return True
     return fused_sgd_updates_half(parameter.device.type, parameter.dtype)
 
