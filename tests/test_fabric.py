@@ -811,6 +811,18 @@ def test_a_plugin_reused_by_a_trainer_or_fabric_starts_the_next_run_as_a_new_plu
         assert torch.equal(reused_weight, fresh_weight)
 
 
+def test_setup_for_device_after_a_fit_starts_a_new_run_as_a_new_plugin() -> None:
+    """plugin.setup_for_device after a Trainer's fit (to use it outside both) starts from init_scale, zero counters."""
+    reused = MixedPrecision("16-mixed", init_scale=2.0**10)
+    _trainer_run(reused, (2, 3))
+    assert reused.stats.skipped_steps == 2
+    fresh = MixedPrecision("16-mixed", init_scale=2.0**10)
+    for plugin in (reused, fresh):
+        plugin.setup_for_device("cpu")
+    assert reused.stats == fresh.stats
+    assert reused.state_dict()["scaler"] == fresh.state_dict()["scaler"]
+
+
 @pytest.mark.parametrize("load", ["after_setup", "before_setup"])
 def test_a_plugin_reused_by_fabric_after_a_trainer_resumes_from_fabric_load(tmp_path: Path, load: str) -> None:
     """A plugin that drove a Trainer's fit, then loaded with a Fabric checkpoint (before or after fabric.setup),
