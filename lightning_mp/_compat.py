@@ -31,10 +31,23 @@ the floor for everyone. Each degradation, and the releases it applies to:
   on CUDA, and for an Adagrad built with ``fused=True`` (which does not declare ``_step_supports_amp_scaling``
   there), the step is decided on the host: one sync per step, as torch's own GradScaler makes.
 
+- **Some torch releases: fused SGD on the CPU does not update fp16 and bf16 parameters.** The CPU kernel of
+  ``SGD(fused=True)`` skips every full vectorised block of a half-precision parameter (8 to 32 elements, by the CPU's
+  vector width), so a parameter of that size or more keeps its values, or all but its last few, while the step
+  counts as taken (pytorch issue 191763, fixed upstream by PR 192545; reported on 2.12.1 and 2.13.0, seen here on
+  2.13.0). fp32 parameters, the CUDA kernel and fused Adam, AdamW and Adagrad are unaffected. Which releases carry
+  it is decided on the running torch by a probe, not by a version list (:func:`fused_sgd_updates_half`): one fused
+  step of a 32-element half parameter, once per device type and dtype. Where it fails, the loss scaler keeps half
+  parameters off the fused kernel (:mod:`lightning_mp.scaling.hand_off`: a foreach or single-tensor SGD then
+  steps as the user built it, and its skip is decided on the host, one sync per step), and O3 refuses a user's own
+  ``SGD(fused=True)`` over half parameters at setup (:mod:`lightning_mp.policies.o3`).
+
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch._functorch.config
@@ -59,6 +72,29 @@ FUSED_ADAGRAD_TAKES_FOUND_INF = getattr(
 
 AOT_BACKWARD_AUTOCAST_CONFIGURABLE = hasattr(torch._functorch.config, "backward_pass_autocast")
 """Whether AOT autograd can be told to trace a compiled backward outside autocast (``backward_pass_autocast``)."""
+
+FUSED_SGD_PROBE_NUMEL = 32
+"""Elements of the probe's parameter: at least one full vector block on every CPU (8 to 32 half elements)."""
+
+
+@functools.cache
+def fused_sgd_updates_half(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch's fused SGD kernel updates every element of a ``dtype`` parameter on ``device_type``.
+
+    Takes one fused SGD step of a :data:`FUSED_SGD_PROBE_NUMEL`-element parameter of ones with a gradient of ones,
+    the first time it is asked for a device type and dtype, and remembers the answer. False also where torch has no
+    fused SGD kernel for them.
+
+    .. warning:: On an accelerator the first call reads the probe's result: one host sync per process.
+    """
+    try:
+        parameter = torch.ones(FUSED_SGD_PROBE_NUMEL, dtype=dtype, device=device_type)
+        parameter.grad = torch.ones_like(parameter)
+        torch.optim.SGD([parameter], lr=0.5, fused=True).step()
+        return bool((parameter != 1).all())
+    except Exception:  # no such device here, or no fused SGD kernel for it or for the dtype
+        return False
+
 
 _warned_autocast_flags_break_graphs = False
 
@@ -90,6 +126,8 @@ __all__ = [
     "AOT_BACKWARD_AUTOCAST_CONFIGURABLE",
     "DYNAMO_GUARDS_ON_VERSION_COUNTERS",
     "DYNAMO_TRACES_AUTOCAST_FLAGS",
+    "FUSED_SGD_PROBE_NUMEL",
     "TORCH_RELEASE",
+    "fused_sgd_updates_half",
     "note_autocast_flag_toggle",
 ]

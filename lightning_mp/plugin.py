@@ -41,11 +41,13 @@ writes a NaN into the weights. The scaler's state and the counters are saved in 
 exactly on resume. The checkpoint entry also holds torch's five GradScaler keys, so Lightning's own plugin resumes
 from it (or, after a bf16/fp32 run, starts from the initial scale).
 
-A plugin drives one run at a time, and each run starts as with a new plugin: a Trainer's fit (or a ``fabric.setup``
-after the previous Fabric loop's steps) builds the opt level and the scaler again, so neither the previous run's
-scale, counters and skip streaks nor a checkpoint's rounding state reach it; its own ``ckpt_path`` restores them.
-:attr:`MixedPrecision.stats` keeps the last run's counters until the next run starts. A run from another live
-thread while one runs is refused; the run ends at ``teardown`` (the Trainer's, or ``plugin.teardown()`` for Fabric).
+A plugin drives one run at a time, and each run starts as with a new plugin, whichever drove the previous one: a
+Trainer's fit, a ``fabric.setup`` after a Trainer's run or after the previous Fabric loop's steps, and a
+``setup_for_device`` after a run ended build the opt level and the scaler again, so neither the previous run's
+scale, counters and skip streaks nor a checkpoint's rounding state reach it; its own checkpoint (``ckpt_path``,
+``fabric.load``) restores them, also when loaded between two runs. :attr:`MixedPrecision.stats` keeps the last run's
+counters until the next run starts. A run from another live thread while one runs is refused; the run ends at
+``teardown`` (the Trainer's, or ``plugin.teardown()`` for Fabric).
 
 The plugin subclasses Lightning's ``MixedPrecision`` so that Lightning's ``ThroughputMonitor`` counts FLOPs in the
 half dtype, and so that Lightning itself restores the legacy ``native_amp_scaling_state`` checkpoint key.
@@ -227,6 +229,9 @@ class MixedPrecision(LightningMixedPrecision):
         """The step engine of the run, chosen at setup: the Trainer's or Fabric's."""
         self._run_thread: int | None = None
         """The ident of the thread whose run (a Trainer's fit, or a Fabric loop) the plugin drives now."""
+        self._run_ended = False
+        """Whether the last run was torn down: the next setup (other than a Trainer's validate, test or predict after
+        a fit) starts a new run."""
 
     # ------------------------------------------------------------------------------------------------ properties
 
@@ -325,11 +330,15 @@ class MixedPrecision(LightningMixedPrecision):
         The plugin calls this itself when the Trainer or Fabric sets up; call it directly only to use the plugin
         outside both, whose hooks then behave as under the Trainer. Idempotent.
 
+        After a run ended (its ``teardown``) it starts a new one, as a new plugin would (module docstring).
+
         Raises:
             ValueError: if ``device`` was given and differs from ``device_type``, or ``scaler`` is a torch
                 GradScaler built for another device.
 
         """
+        if self._run_ended:
+            self._start_new_run()
         self._build_run(device_type)
         if self._engine is None:
             self._engine = self._trainer_engine()
@@ -405,15 +414,19 @@ class MixedPrecision(LightningMixedPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Choose the step engine, resolve the precision for the run's device, and let the opt level convert.
 
-        A Trainer attached to the module chooses the Trainer's engine, its absence Fabric's. A Trainer's fit, or a
-        ``fabric.setup`` after the previous Fabric loop's steps, starts a new run (module docstring): the opt level
-        and the scaler are built afresh.
+        A Trainer attached to the module chooses the Trainer's engine, its absence Fabric's. A Trainer's fit starts
+        a new run (module docstring), and so does a ``fabric.setup`` after a run that ended (a Trainer's, whose
+        teardown ends it; a Fabric loop torn down by ``plugin.teardown()``) or after the previous Fabric loop's
+        steps: the opt level and the scaler are built afresh. Fabric's second ``setup`` before any step (a GAN's
+        two models) joins the run, and so does a ``fabric.setup`` after ``setup_for_device``, whose loaded state
+        it keeps.
 
         Raises:
             RuntimeError: when a run in another thread uses the plugin now.
 
         """
         self._claim_run()
+        previous_run_ended, self._run_ended = self._run_ended, False
         trainer = attached_trainer(module)
         if trainer is not None:
             if trainer.state.fn == TrainerFn.FITTING and self._policy is not None:
@@ -423,7 +436,9 @@ class MixedPrecision(LightningMixedPrecision):
                 self._engine = self._trainer_engine()
             assert self._policy is not None
             return self._policy.convert_module(module)
-        if isinstance(self._engine, FabricEngine) and self._engine.has_stepped:
+        if self._policy is not None and (
+            previous_run_ended or (isinstance(self._engine, FabricEngine) and self._engine.has_stepped)
+        ):
             self._start_new_run()
         parameter = next(module.parameters(), None)
         placed = parameter.device.type if parameter is not None else "cpu"
@@ -490,8 +505,9 @@ class MixedPrecision(LightningMixedPrecision):
         """
         if self._engine is None:
             raise RuntimeError(
-                "MixedPrecision was not set up: a Trainer sets it up when it starts, Fabric at fabric.setup(model,"
-                " optimizer). Call fabric.setup before fabric.backward or optimizer.step."
+                f"{type(self).__name__} was not set up: a Trainer sets it up when it starts, Fabric at"
+                " fabric.setup(model, optimizer). Call fabric.setup before fabric.backward or optimizer.step; to use"
+                " the plugin outside both, call plugin.setup_for_device('cpu' or 'cuda') first."
             )
         return self._engine
 
@@ -682,12 +698,18 @@ class MixedPrecision(LightningMixedPrecision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore from this plugin's state, or from torch's five-key GradScaler dict (Lightning's own plugin).
 
+        Loaded between two runs (after a ``teardown``), the state is the next run's: that run starts from it instead
+        of from a new plugin's state.
+
         Raises:
             ValueError: if the state is malformed (a damaged checkpoint), naming the field, its value and what is
                 allowed; checked when it is loaded, before anything changes.
 
         """
         _check_plugin_state(state_dict)
+        if self._run_ended:
+            # Loaded between two runs: it is the next run's state, which starts as a new plugin would.
+            self._start_new_run()
         if self._loss_scaler is None or self._policy is None:
             self._pending_state = dict(state_dict)
             return
@@ -776,6 +798,7 @@ class MixedPrecision(LightningMixedPrecision):
         self._policy = None
         self._loss_scaler = None
         self._engine = None
+        self._run_ended = False
         self.precision = self.requested_precision
         self.device = self.requested_device
 
@@ -802,6 +825,7 @@ class MixedPrecision(LightningMixedPrecision):
             if self._claimed_by_other_thread():
                 return
             self._run_thread = None
+            self._run_ended = self._policy is not None
         if self._engine is not None:
             self._engine.teardown()
         if self._policy is not None:

@@ -66,6 +66,7 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -175,6 +176,18 @@ class _Chunk:
     sizes: list[int]
 
 
+_ROUNDING_OPTIMIZERS: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+"""The optimizers a :class:`StochasticRoundingStep` is attached to (held weakly)."""
+
+
+def steps_bf16_parameters_itself(optimizer: Optimizer) -> bool:
+    """Whether a :class:`StochasticRoundingStep` steps ``optimizer``'s bf16 parameters, in fp32 workspaces.
+
+    torch's own step of such an optimizer (its fused kernel included) then never sees a bf16 parameter.
+    """
+    return optimizer in _ROUNDING_OPTIMIZERS
+
+
 class StochasticRoundingStep:
     """Make an ``Adam``, ``AdamW`` or ``SGD`` optimizer step its bf16 parameters with stochastic rounding.
 
@@ -233,12 +246,14 @@ class StochasticRoundingStep:
             optimizer.register_state_dict_post_hook(self._add_rounding_state),
             optimizer.register_load_state_dict_pre_hook(self._load_rounding_state),
         ]
+        _ROUNDING_OPTIMIZERS.add(optimizer)
 
     def detach(self) -> None:
         """Remove the hooks: the optimizer steps as torch's own again."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        _ROUNDING_OPTIMIZERS.discard(self.optimizer)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The rounding's random generator for ``device``, created from the seed on first use."""

@@ -23,6 +23,7 @@ from lightning_mp import MixedPrecision
 from lightning_mp.counting import count_syncs_and_ops
 from lightning_mp.policies.o2 import HalfOverflowError
 from tests.ddp_scripts.launch import clean_environment, finish, reports
+from tests.helpers import TinyRegressor, loader, make_trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*opt_level='O3'")
 
@@ -448,10 +449,12 @@ def test_inputs_on_another_device_type_raise_value_error() -> None:
 
 
 def test_backward_before_setup_raises_a_clear_error() -> None:
-    """Using the plugin's Fabric hooks before fabric.setup says to call fabric.setup first."""
+    """Using the plugin's hooks before setup names both ways to set it up: fabric.setup, and setup_for_device."""
     plugin = MixedPrecision("16-mixed")
-    with pytest.raises(RuntimeError, match=r"fabric\.setup"):
+    with pytest.raises(RuntimeError, match=r"was not set up") as raised:
         plugin.backward(torch.ones((), requires_grad=True), None)
+    assert "fabric.setup(model, optimizer)" in str(raised.value)
+    assert "plugin.setup_for_device('cpu' or 'cuda')" in str(raised.value)
 
 
 def test_example_script_trains_skips_and_resumes(tmp_path: Path) -> None:
@@ -767,6 +770,82 @@ def test_a_reused_plugin_trains_a_new_fabric_run_like_a_fresh_plugin() -> None:
     assert runs["reused"][0] == runs["fresh"][0]
     for reused_weight, fresh_weight in zip(runs["reused"][1], runs["fresh"][1], strict=True):
         assert torch.equal(reused_weight, fresh_weight)
+
+
+def _fabric_run(plugin: MixedPrecision, inject_at: tuple[int, ...]) -> list[torch.Tensor]:
+    """Eight Fabric steps of a seeded model, an inf planted at ``inject_at``; the weights it ends with."""
+    fabric, model, optimizer = setup(plugin)
+    for seed in range(8):
+        train_step(fabric, model, optimizer, seed=seed, inject=seed in inject_at)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _trainer_run(plugin: MixedPrecision, inject_at: tuple[int, ...]) -> list[torch.Tensor]:
+    """Eight steps of a Trainer's fit of a seeded model, an inf planted at ``inject_at``; the weights it ends with."""
+    torch.manual_seed(0)
+    model = TinyRegressor(inject_at=inject_at)
+    make_trainer(plugin).fit(model, loader())
+    return [p.detach().clone() for p in model.parameters()]
+
+
+_RUNS = {"fabric": _fabric_run, "trainer": _trainer_run}
+
+
+@pytest.mark.parametrize("first", ["trainer", "fabric"])
+@pytest.mark.parametrize("second", ["trainer", "fabric"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_plugin_reused_by_a_trainer_or_fabric_starts_the_next_run_as_a_new_plugin(
+    first: str, second: str, opt_level: str
+) -> None:
+    """After a Trainer's fit or a Fabric loop, a second run of either kind sees init_scale, zero counters and no
+    skip streak, and trains the weights a new plugin trains."""
+    knobs: dict[str, Any] = {"opt_level": opt_level, "init_scale": 2.0**10, "hysteresis": 1}
+    reused = MixedPrecision("16-mixed", **knobs)
+    _RUNS[first](reused, (3, 6, 7))  # ends on a streak of two skips, at a quarter of init_scale
+    assert (reused.stats.skipped_steps, reused.stats.consecutive_skips) == (3, 2)
+    fresh = MixedPrecision("16-mixed", **knobs)
+    weights = {name: _RUNS[second](plugin, (1, 4)) for name, plugin in (("reused", reused), ("fresh", fresh))}
+    assert reused.stats == fresh.stats
+    assert (reused.stats.optimizer_steps, reused.stats.skipped_steps, reused.stats.loss_scale) == (8, 2, 2.0**8)
+    for reused_weight, fresh_weight in zip(weights["reused"], weights["fresh"], strict=True):
+        assert torch.equal(reused_weight, fresh_weight)
+
+
+def test_setup_for_device_after_a_fit_starts_a_new_run_as_a_new_plugin() -> None:
+    """plugin.setup_for_device after a Trainer's fit (to use it outside both) starts from init_scale, zero counters."""
+    reused = MixedPrecision("16-mixed", init_scale=2.0**10)
+    _trainer_run(reused, (2, 3))
+    assert reused.stats.skipped_steps == 2
+    fresh = MixedPrecision("16-mixed", init_scale=2.0**10)
+    for plugin in (reused, fresh):
+        plugin.setup_for_device("cpu")
+    assert reused.stats == fresh.stats
+    assert reused.state_dict()["scaler"] == fresh.state_dict()["scaler"]
+
+
+@pytest.mark.parametrize("load", ["after_setup", "before_setup"])
+def test_a_plugin_reused_by_fabric_after_a_trainer_resumes_from_fabric_load(tmp_path: Path, load: str) -> None:
+    """A plugin that drove a Trainer's fit, then loaded with a Fabric checkpoint (before or after fabric.setup),
+    continues at the checkpoint's scale and counters: the new run starts from the loaded state, not a new one."""
+    saver = MixedPrecision("16-mixed", init_scale=2.0**10)
+    fabric, model, optimizer = setup(saver)
+    for seed in range(3):
+        train_step(fabric, model, optimizer, seed=seed, inject=seed == 1)
+    path = tmp_path / "state.ckpt"
+    fabric.save(path, {"precision": saver})
+    saved = saver.state_dict()["scaler"]
+    reused = MixedPrecision("16-mixed", init_scale=2.0**10)
+    _trainer_run(reused, (2,))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[reused])
+    if load == "before_setup":
+        fabric.load(path, {"precision": reused})
+    module = make_model()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-2))
+    if load == "after_setup":
+        fabric.load(path, {"precision": reused})
+    assert reused.state_dict()["scaler"] == saved
+    train_step(fabric, model, optimizer, seed=3)
+    assert (reused.stats.optimizer_steps, reused.stats.skipped_steps) == (4, 1)
 
 
 def _saved_fabric_state(tmp_path: Path, precision: str = "16-mixed") -> Path:

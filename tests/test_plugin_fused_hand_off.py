@@ -1,10 +1,12 @@
 """The plugin in bf16 and fp32 with every form of Adam, AdamW, SGD and Adagrad: non-finite steps are skipped on the
-device (no host sync), under the Trainer and under Fabric, and checkpoints resume exactly, in both directions.
+device (no host sync), under the Trainer and under Fabric, and checkpoints resume exactly, in both directions. At
+every opt level, every step taken with any of them moves every weight.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from torch import nn
 
 from lightning_mp import MixedPrecision
-from lightning_mp._compat import FUSED_ADAGRAD_TAKES_FOUND_INF
+from lightning_mp._compat import FUSED_ADAGRAD_TAKES_FOUND_INF, fused_sgd_updates_half
 from lightning_mp.counting import count_syncs_and_ops
 from tests.helpers import (
     OPTIMIZER_FORMS,
@@ -128,3 +130,78 @@ def test_skip_nonfinite_false_lets_a_nan_step_through_like_lightning():
     plugin = MixedPrecision("bf16-mixed", skip_nonfinite=False)
     make_trainer(plugin, max_steps=3).fit(model, loader())
     assert not _finite(model) and plugin.stats.skipped_steps == 0
+
+
+def _fused_sgd_moves_every_element(dtype: torch.dtype) -> bool:
+    """Whether one step of torch's own fused SGD on the CPU changes every element of a 1000-element ``dtype`` weight."""
+    weight = torch.ones(1000, dtype=dtype)
+    weight.grad = torch.ones_like(weight)
+    torch.optim.SGD([weight], lr=0.5, fused=True).step()
+    return bool((weight != 1).all())
+
+
+LEVELS = [
+    pytest.param("32-true", "O0", {}, id="O0"),
+    *(
+        pytest.param(precision, level, {}, id=f"{level}-{precision}")
+        for level in ("O1", "O2", "O3")
+        for precision in ("16-mixed", "bf16-mixed")
+    ),
+    pytest.param("16-mixed", "O3", {"loss_scale": 128.0}, id="O3-16-mixed-static-scale"),
+    pytest.param("bf16-mixed", "lean", {}, id="lean-bf16-mixed"),
+    pytest.param("bf16-mixed", "lean-kahan", {}, id="lean-kahan-bf16-mixed"),
+]
+
+
+@pytest.mark.filterwarnings(
+    "ignore:.*opt_level='O3'", "ignore:.*which is 0 in", "ignore:.*fp16 \\('16-mixed'\\) on the CPU", "ignore:.*bf16"
+)
+@pytest.mark.parametrize(("precision", "opt_level", "knobs"), LEVELS)
+def test_every_step_taken_moves_every_weight_with_every_optimizer_form(precision, opt_level, knobs):
+    """Two Fabric steps of each form of Adam, AdamW, SGD and Adagrad (lean: Adagrad refused) change every weight
+    tensor at each step that the stats count as taken.
+
+    Every weight has a multiple of 32 elements, so a kernel that skips its full vector blocks (torch's CPU fused SGD
+    over half weights in some releases) would leave it whole; the second step is the first that momentum SGD hands to
+    a fused kernel. Where that kernel is wrong, O3 refuses a user's own ``SGD(fused=True)``, naming the argument.
+    """
+    plugin = MixedPrecision(precision, opt_level=opt_level, **knobs)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    names = [name for name in OPTIMIZER_FORMS if not (opt_level.startswith("lean") and "Adagrad" in name)]
+    runs = {}
+    for name in names:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
+        runs[name] = fabric.setup(module, OPTIMIZER_FORMS[name](module.parameters(), lr=0.05))
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 8, generator=generator), torch.randn(16, 32, generator=generator)
+    unmoved: list[tuple[int, str, str]] = []
+    refused: set[str] = set()
+    for step in range(2):
+        for name, (model, optimizer) in runs.items():
+            before = [parameter.detach().clone() for parameter in model.parameters()]
+            fabric.backward(nn.functional.mse_loss(model(x).float(), y))
+            try:
+                optimizer.step()
+            except ValueError as error:
+                # Refused only at O3, only a user's fused SGD over half weights, and only where torch's kernel is wrong.
+                assert (opt_level, name) == ("O3", "fused SGD"), error
+                assert re.search(r"SGD\(fused=True\) is not allowed .* Build the SGD with fused=False", str(error))
+                assert not _fused_sgd_moves_every_element(plugin.half_dtype)
+                refused.add(name)
+                continue
+            finally:
+                optimizer.zero_grad()
+            parameters = model.named_parameters()
+            unmoved += [
+                (step, name, key) for (key, p), old in zip(parameters, before, strict=True) if torch.equal(p, old)
+            ]
+    assert unmoved == []
+    taken = 2 * (len(runs) - len(refused))
+    assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps) == (taken, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_fused_sgd_probe_tells_what_torchs_kernel_does_to_half_weights(dtype):
+    """lightning_mp._compat's probe of torch's CPU fused SGD agrees with a step of a large half weight."""
+    assert fused_sgd_updates_half("cpu", dtype) == _fused_sgd_moves_every_element(dtype)

@@ -10,8 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -41,13 +45,17 @@ def require_matplotlib(owner: str) -> None:
         ) from error
 
 
-def render_heatmap(
+def heatmap_figure(
     style: HeatmapStyle, layers: Sequence[str], steps: Sequence[int], values: Sequence[Sequence[float]]
-) -> np.ndarray:
+) -> Figure:
     """Draw ``values[layer][sample]`` as a heatmap, layers down and steps across; NaN cells stay blank.
 
+    The figure uses matplotlib's constrained layout, which makes room for everything drawn around the axes: the layer
+    names on the left, the colour bar with its label on the right (``tight_layout`` leaves the colour bar out, and cut
+    its label off at the right edge), and the title above, centred on the figure.
+
     Returns:
-        An ``(height, width, 3)`` uint8 image, as ``SummaryWriter.add_image(..., dataformats="HWC")`` takes it.
+        The drawn figure, on its own Agg canvas.
 
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -57,16 +65,30 @@ def render_heatmap(
         [[value if math.isfinite(value) else math.nan for value in row] for row in values], dtype=np.float64
     )
     grid = np.clip(grid, style.low, style.high)
-    figure = Figure(figsize=(min(4 + 0.25 * len(steps), 12), min(1.5 + 0.25 * len(layers), 12)), dpi=80)
+    size = (min(4 + 0.25 * len(steps), 12), min(1.5 + 0.25 * len(layers), 12))
+    figure = Figure(figsize=size, dpi=80, layout="constrained")
     canvas = FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     image = axes.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap=style.colormap, vmin=style.low, vmax=style.high)
-    axes.set_title(style.title)
+    # Over the whole figure, not the axes: long layer names push the axes right, and a title centred on them ran off.
+    figure.suptitle(style.title)
     axes.set_xlabel("step")
     axes.set_yticks(range(len(layers)), labels=list(layers), fontsize=7)
     ticks = range(0, len(steps), max(1, len(steps) // 8))
     axes.set_xticks(list(ticks), labels=[str(steps[index]) for index in ticks], fontsize=7)
     figure.colorbar(image, ax=axes, label=style.label)
-    figure.tight_layout()
     canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+    return figure
+
+
+def render_heatmap(
+    style: HeatmapStyle, layers: Sequence[str], steps: Sequence[int], values: Sequence[Sequence[float]]
+) -> np.ndarray:
+    """:func:`heatmap_figure` as an image.
+
+    Returns:
+        An ``(height, width, 3)`` uint8 image, as ``SummaryWriter.add_image(..., dataformats="HWC")`` takes it.
+
+    """
+    canvas = heatmap_figure(style, layers, steps, values).canvas
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()  # type: ignore[attr-defined]

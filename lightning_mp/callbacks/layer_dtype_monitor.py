@@ -1,16 +1,19 @@
 """Shows, layer by layer, which precision each part of the model really runs in.
 
 Under mixed precision the dtype of a layer is not one thing. Its parameters may be fp32 (opt level O1, where
-autocast casts on the fly) or half (O2, O3); its output follows autocast's op lists, so a ``Linear`` returns
-bf16 while a loss or a normalisation may return fp32; its gradients follow its parameters. A layer forced to fp32,
-or one that silently runs in half when it should not, is visible only by looking. This callback looks.
+autocast casts on the fly; O2, whose model shows its fp32 masters after a step) or half (O3, lean); its output
+follows autocast's op lists, so a ``Linear`` returns bf16 while a loss or a normalisation may return fp32; its
+gradients follow the weights backward ran through. A layer forced to fp32, or one that silently runs in half when it
+should not, is visible only by looking. This callback looks.
 
 On a sampled step it attaches a forward hook to every leaf module (a module without children), records the dtype of
 the output the module returns inside the autocast region of ``training_step``, and right after backward reads the
 dtype of each parameter's gradient (fp32 under O1; half under O2, whose half weights get the gradients that reach
-their fp32 masters at the step, and under O3). A module with
-children that also holds parameters of its own, such as ``nn.MultiheadAttention`` with its input projection, gets a
-row too, so that every parameter appears in the table. A module whose weights are used without calling it
+their fp32 masters at the step, and under O3). The parameter column is read when the table is written, at the end
+of the batch, after the optimizer step: under O2 it shows the fp32 masters, not the half copies that the forward
+pass and backward ran through, so an O2 row reads fp32 parameters beside half outputs and half gradients. A module
+with children that also holds parameters of its own, such as ``nn.MultiheadAttention`` with its input projection,
+gets a row too, so that every parameter appears in the table. A module whose weights are used without calling it
 (``MultiheadAttention.out_proj``) shows "not called". The hooks are removed at the end of that batch, so the steps
 in between cost nothing. The first table is written at the first training step.
 

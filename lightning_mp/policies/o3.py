@@ -25,6 +25,15 @@ gradient and moments are 0 would be updated by 0/0 = NaN on the first clean step
 every ``eps`` that is 0 in its parameters' half type to that type's smallest normal number
 (``torch.finfo(dtype).tiny``, 6.1e-5 in fp16) and warns, naming the optimizer and the value.
 
+An optimizer built before the conversion (Fabric's ``setup(model, optimizer)``) may already hold states in fp32:
+Adagrad creates its sums when it is built. ``connect`` casts each such state to its parameter's half type, as
+torch's ``Optimizer.load_state_dict`` does; step counters stay as they are.
+
+In some torch releases the CPU kernel of ``SGD(fused=True)`` leaves fp16 and bf16 parameters of 8 to 32 elements or
+more unchanged (:mod:`lightning_mp._compat`, which probes the running torch). There ``connect`` refuses an SGD
+built with ``fused=True`` over O3's half weights, naming the argument: training would go on with weights that never
+move. Other SGDs are stepped in their own form there (:mod:`lightning_mp.scaling.hand_off`).
+
 fp16 gradients are unscaled and checked in place, so the loss scaler accepts them (``allow_fp16_gradients``). Loss
 scaling is off unless asked for with a static ``MixedPrecision(loss_scale=...)``; non-finite steps are still
 skipped.
@@ -46,6 +55,7 @@ from typing_extensions import override
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies.base import PrecisionPolicy
 from lightning_mp.policies.casting import check_half_dtype, convert_to_half
+from lightning_mp.scaling.hand_off import fused_sgd_steps
 
 
 def vanishing_eps_groups(optimizer: Optimizer) -> list[tuple[int, float, torch.dtype]]:
@@ -61,6 +71,50 @@ def vanishing_eps_groups(optimizer: Optimizer) -> list[tuple[int, float, torch.d
                 found.append((index, float(eps), dtype))
                 break
     return found
+
+
+def cast_states_to_half_parameters(optimizer: Optimizer) -> None:
+    """Cast the floating states of ``optimizer``'s half parameters to their dtype (not ``step``), as torch's load does.
+
+    An optimizer built before the model was cast holds fp32 states for what are now half parameters (Adagrad's
+    ``sum``); fused kernels refuse the mix, and the others would keep O3's states in fp32.
+    """
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            state = optimizer.state.get(parameter)
+            if not state or parameter.dtype not in (torch.float16, torch.bfloat16):
+                continue
+            for key, value in state.items():
+                if (
+                    key != "step"
+                    and torch.is_tensor(value)
+                    and value.is_floating_point()
+                    and value.dtype != parameter.dtype
+                ):
+                    state[key] = value.to(parameter.dtype)
+
+
+def refuse_fused_sgd_that_skips_half_weights(optimizer: Optimizer) -> None:
+    """Raise if ``optimizer`` is an ``SGD(fused=True)`` whose fused kernel would leave its half parameters unchanged.
+
+    Raises:
+        ValueError: naming ``fused=True``, the dtype and device, and the fix.
+
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        if not group.get("fused"):
+            continue
+        for parameter in group["params"]:
+            if not fused_sgd_steps(optimizer, parameter):
+                raise ValueError(
+                    f"lightning_mp O3: torch.optim.SGD(fused=True) is not allowed over {parameter.dtype} weights on"
+                    f" {parameter.device.type!r} with torch {torch.__version__}: its fused kernel there leaves"
+                    " every full vector block of a half-precision parameter unchanged (pytorch issue 191763), so"
+                    " the weights would not move while each step counted as taken. Build the SGD with"
+                    " fused=False (or leave fused unset), or use a torch release with the fix."
+                )
 
 
 class O3Policy(PrecisionPolicy):
@@ -106,8 +160,17 @@ class O3Policy(PrecisionPolicy):
 
     @override
     def connect(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
-        """Raise every ``eps`` that is 0 in the half type to its smallest normal number, with a warning."""
+        """Raise every ``eps`` that is 0 in the half type to its smallest normal number, with a warning.
+
+        Raises:
+            ValueError: for an ``SGD(fused=True)`` over half weights where torch's fused SGD kernel does not update
+                them (:func:`~lightning_mp._compat.fused_sgd_updates_half`).
+
+        """
         optimizers = super().connect(module, optimizers)
+        for optimizer in optimizers:
+            refuse_fused_sgd_that_skips_half_weights(optimizer)
+            cast_states_to_half_parameters(optimizer)
         for optimizer in optimizers:
             for index, eps, dtype in vanishing_eps_groups(optimizer):
                 corrected = torch.finfo(dtype).tiny
@@ -120,4 +183,9 @@ class O3Policy(PrecisionPolicy):
         return optimizers
 
 
-__all__ = ["O3Policy", "vanishing_eps_groups"]
+__all__ = [
+    "O3Policy",
+    "cast_states_to_half_parameters",
+    "refuse_fused_sgd_that_skips_half_weights",
+    "vanishing_eps_groups",
+]

@@ -21,7 +21,9 @@ and states would cost 253 ops and 2x the state's memory, and still read the CPU 
 
 Fused SGD's first step with momentum cannot be skipped on the device (:func:`skips_safely_on_device`); it, and every
 optimizer without a fused form, is decided on the host. So are SGD and Adagrad on sharded (FSDP2) parameters:
-``DTensor`` runs Adam's and AdamW's fused kernels, not theirs.
+``DTensor`` runs Adam's and AdamW's fused kernels, not theirs. And so is SGD over fp16 or bf16 parameters where
+torch's fused SGD kernel leaves them unchanged (some torch releases on the CPU; :mod:`lightning_mp._compat` says
+which, by a probe): handed to it, O3's half weights would never move while every step counted as taken.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
@@ -34,8 +36,9 @@ from typing import Any
 
 import torch
 
-from lightning_mp._compat import FUSED_ADAGRAD_TAKES_FOUND_INF
+from lightning_mp._compat import FUSED_ADAGRAD_TAKES_FOUND_INF, fused_sgd_updates_half
 from lightning_mp.scaling.sharded import is_sharded
+from lightning_mp.stochastic_rounding import steps_bf16_parameters_itself
 
 _FUSED_FORMS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 """torch optimizers whose fused kernel applies the same update rule as their foreach and single-tensor forms."""
@@ -56,7 +59,8 @@ def has_fused_form(optimizer: torch.optim.Optimizer) -> bool:
     Only the exact torch classes (a subclass may override ``step``), not configured ``fused`` already, not
     ``differentiable``, with dense floating gradients of their parameter's dtype on a CPU or CUDA device: the cases
     the fused kernels accept. Complex parameters and sparse gradients stay with the optimizer's own form, and so do
-    sharded (FSDP2) parameters of SGD and Adagrad, whose fused kernels ``DTensor`` does not run.
+    sharded (FSDP2) parameters of SGD and Adagrad, whose fused kernels ``DTensor`` does not run, and SGD's fp16 and
+    bf16 parameters where its fused kernel does not update them (:func:`~lightning_mp._compat.fused_sgd_updates_half`).
     """
     if type(optimizer) not in _FUSED_FORMS:
         return False
@@ -64,6 +68,7 @@ def has_fused_form(optimizer: torch.optim.Optimizer) -> bool:
     # torch < 2.12 has Adagrad's fused kernel on the CPU only (lightning_mp._compat).
     cpu_only = type(optimizer) is torch.optim.Adagrad and not FUSED_ADAGRAD_TAKES_FOUND_INF
     device_types = ("cpu",) if cpu_only else _FUSED_DEVICE_TYPES
+    is_sgd = type(optimizer) is torch.optim.SGD
     for group in optimizer.param_groups:
         if group.get("fused") or group.get("differentiable"):
             return False
@@ -77,9 +82,23 @@ def has_fused_form(optimizer: torch.optim.Optimizer) -> bool:
                 or parameter.device.type not in device_types
                 or (grad.dtype, grad.device) != (parameter.dtype, parameter.device)
                 or (is_sharded(parameter) and not sharded_allowed)
+                or (is_sgd and not fused_sgd_steps(optimizer, parameter))
             ):
                 return False
     return True
+
+
+def fused_sgd_steps(optimizer: torch.optim.Optimizer, parameter: torch.Tensor) -> bool:
+    """Whether torch's fused SGD kernel, handed ``optimizer``'s step, would update ``parameter``.
+
+    fp16 and bf16 parameters not in some torch releases (:func:`~lightning_mp._compat.fused_sgd_updates_half`), unless
+    the kernel never sees them: lean's stochastic rounding steps bf16 parameters itself, in fp32.
+    """
+    if parameter.dtype not in (torch.float16, torch.bfloat16):
+        return True
+    if parameter.dtype is torch.bfloat16 and steps_bf16_parameters_itself(optimizer):
+        return True
+    return fused_sgd_updates_half(parameter.device.type, parameter.dtype)
 
 
 def skips_safely_on_device(optimizer: torch.optim.Optimizer) -> bool:

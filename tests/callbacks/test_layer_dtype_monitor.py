@@ -152,7 +152,7 @@ def test_attention_projection_weights_are_in_the_table(tmp_path):
     assert list(table) == ["encoder.0", "encoder.1", "encoder.2", "criterion", "attention", "attention.out_proj"]
 
 
-def test_o2_table_shows_half_weights_and_half_gradients(tmp_path):
+def test_o2_table_shows_the_fp32_masters_beside_half_outputs_and_gradients(tmp_path):
     """Under O2 the table shows fp32 parameters (the masters, read after the step), fp16 outputs and fp16 gradients."""
     logger = TensorBoardLogger(tmp_path)
     fit(logger, LayerDtypeMonitor(), max_steps=1, plugins=[MixedPrecision("16-mixed", opt_level="O2")])

@@ -14,10 +14,12 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from matplotlib.image import imread
+from matplotlib.text import Text
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision, PrecisionSentinel
+from lightning_mp.callbacks._heatmaps import heatmap_figure
 from lightning_mp.callbacks._sentinel_rules import (
     RunFacts,
     misconfigurations,
@@ -25,6 +27,7 @@ from lightning_mp.callbacks._sentinel_rules import (
     stale_update_finding,
     underflow_finding,
 )
+from lightning_mp.callbacks.precision_sentinel import HEADROOM_STYLE, STALE_STYLE, UNDERFLOW_STYLE
 from tests.helpers import make_trainer, read_events
 
 HEATMAP_TAGS = (
@@ -260,6 +263,28 @@ def test_heatmaps_are_written_to_tensorboard_as_images(tmp_path):
     assert "precision_sentinel/min_activation_headroom_log2" in scalars
     assert "precision_sentinel/total_grad_underflow_share" in scalars
     assert not set(scalars) & set(accumulator.Tags()["images"]), "TensorBoard shows one plugin per tag"
+
+
+@pytest.mark.parametrize("style", [HEADROOM_STYLE, UNDERFLOW_STYLE, STALE_STYLE], ids=lambda style: style.label)
+@pytest.mark.parametrize(("layers", "steps"), [(2, 3), (40, 100)], ids=["small", "large"])
+def test_every_part_of_a_heatmap_lies_inside_the_image(style, layers, steps):
+    """The colour bar's label, the title, the layer names and the step axis are drawn whole, none cut off at an edge."""
+    names = [f"model.blocks.{index}.attention.query.weight" for index in range(layers)]
+    values = [[float(index % 17) / 17 for index in range(steps)] for _ in range(layers)]
+    figure = heatmap_figure(style, names, list(range(steps)), values)
+    renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
+    heatmap_axes, colorbar_axes = figure.axes
+    parts = {
+        "colour bar label": colorbar_axes.yaxis.label,
+        "title": next(text for text in figure.findobj(Text) if text.get_text() == style.title),
+        "step label": heatmap_axes.xaxis.label,
+        **{f"layer name {label.get_text()}": label for label in heatmap_axes.get_yticklabels()[:1]},
+    }
+    assert colorbar_axes.yaxis.label.get_text() == style.label
+    for name, part in parts.items():
+        box = part.get_window_extent(renderer)
+        inside = box.x0 >= 0 and box.y0 >= 0 and box.x1 <= figure.bbox.x1 and box.y1 <= figure.bbox.y1
+        assert inside, f"the {name} reaches {box.bounds} beyond the image {figure.bbox.bounds}"
 
 
 def test_rules_are_pure_functions_of_the_measurements():
