@@ -19,6 +19,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_mp
 from lightning_mp import LossScaler, MixedPrecision
+from lightning_mp._knobs import knob_disagreements, with_knob_docs
+from lightning_mp._scale_rules import ScalerSettings
 from lightning_mp.callbacks import (
     AdvisorCallback,
     GradientHealthMonitor,
@@ -26,6 +28,7 @@ from lightning_mp.callbacks import (
     LossScaleMonitor,
     PrecisionSentinel,
 )
+from lightning_mp.settings import PluginSettings
 from tests.helpers import TinyRegressor, loader, make_trainer, read_events
 
 ROOT = Path(__file__).parents[1]
@@ -165,12 +168,40 @@ def test_the_api_reference_documents_every_public_name() -> None:
     assert set(lightning_mp.__all__) <= documented
 
 
-def test_the_knob_texts_replace_every_placeholder_in_the_docstrings() -> None:
-    """The API reference renders each knob's own text: no ``<knob>`` placeholder is left in a docstring."""
+def test_the_knob_texts_are_written_out_in_the_source_docstrings() -> None:
+    """A reader of plugin.py and scaler.py sees each knob's own text, not a ``<knob>`` placeholder, and it is the text
+    help(), the API reference and LightningCLI's --help show."""
     for documented in (MixedPrecision, LossScaler):
-        assert documented.__doc__ and "<knob>" not in documented.__doc__, documented.__name__
+        source = inspect.getsource(documented)
+        assert "<knob>" not in source, documented.__name__
+        assert documented.__doc__ and documented.__doc__ in source, documented.__name__
         for name in ("init_scale", "hysteresis", "on_min_scale"):
             assert re.search(rf"^\s+{name}: \S", documented.__doc__, re.MULTILINE), (documented.__name__, name)
+
+
+def test_the_docstrings_and_the_knob_texts_agree() -> None:
+    """Each knob's entry in MixedPrecision's and LossScaler's Args: is the knob's one text from lightning_mp/_knobs.py."""
+    assert knob_disagreements(MixedPrecision, PluginSettings, ScalerSettings) == []
+    assert knob_disagreements(LossScaler, ScalerSettings) == []
+
+
+def test_a_docstring_that_drifts_from_its_knob_fails_at_class_definition() -> None:
+    """Editing a knob's text in one place only is caught when the class is defined, naming the knob and both texts."""
+    wrong = MixedPrecision.__doc__.replace("hysteresis: overflows tolerated", "hysteresis: overflows allowed")
+
+    with pytest.raises(TypeError, match=r"hysteresis: the docstring says .overflows allowed.*the knob's text is"):
+
+        @with_knob_docs(PluginSettings, ScalerSettings)
+        class Drifted(MixedPrecision):
+            __doc__ = wrong
+
+    stale_default = re.sub(r"None means\s+65536\.", "None means 1024.", MixedPrecision.__doc__)
+    assert stale_default != MixedPrecision.__doc__
+    with pytest.raises(TypeError, match=r"init_scale: the docstring says None means 1024, the default is 65536"):
+
+        @with_knob_docs(PluginSettings, ScalerSettings)
+        class StaleDefault(MixedPrecision):
+            __doc__ = stale_default
 
 
 HISTORY = re.compile(
