@@ -126,7 +126,7 @@ def with_knob_docs(*settings: type) -> Callable[[_Documented], _Documented]:
     def check(cls: _Documented) -> _Documented:
         problems = knob_disagreements(cls, *settings)
         if problems:
-            raise TypeError("the docstring disagrees with lightning_mp/_knobs.py: " + "; ".join(problems))
+            raise TypeError("the docstring disagrees with the knobs' documentation: " + "; ".join(problems))
         return cls
 
     return check

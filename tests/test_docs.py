@@ -180,7 +180,7 @@ def test_the_knob_texts_are_written_out_in_the_source_docstrings() -> None:
 
 
 def test_the_docstrings_and_the_knob_texts_agree() -> None:
-    """Each knob's entry in MixedPrecision's and LossScaler's Args: is the knob's one text from lightning_mp/_knobs.py."""
+    """Each knob's entry in MixedPrecision's and LossScaler's Args: is the knob's one text, as its settings give it."""
     assert knob_disagreements(MixedPrecision, PluginSettings, ScalerSettings) == []
     assert knob_disagreements(LossScaler, ScalerSettings) == []
 
