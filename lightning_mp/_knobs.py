@@ -88,7 +88,7 @@ def knob_disagreements(cls: type, *settings: type) -> list[str]:
     if cls.__doc__ is None:
         return []
     entries = _args_entries(cls.__doc__)
-    arguments = inspect.signature(cls.__init__).parameters
+    arguments = inspect.signature(cls).parameters
     problems = []
     for name in arguments:
         owner = next((s for s in settings if name in {f.name for f in fields(s) if "doc" in f.metadata}), None)
