@@ -10,6 +10,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs"))
+
+import generated_tables  # noqa: E402
 
 import lightning_mp  # noqa: E402
 
@@ -67,18 +70,27 @@ def gpu_reports_markdown() -> str:
     return "\n\n".join(blocks)
 
 
-def include_gpu_reports(app: object, docname: str, source: list[str]) -> None:
-    """Replace the marker in gpu-results.md with the committed reports, so that no GPU figure is typed by hand."""
+GENERATED_PAGES = ["gpu-results", "performance", "contributing"]
+"""The pages whose tables are generated at build time, from files other than the page itself."""
+
+
+def include_generated(app: object, docname: str, source: list[str]) -> None:
+    """Fill the generated parts of a page, so that no figure and no registry row is typed by hand.
+
+    The committed GPU reports go into gpu-results.md, and each ``<!-- generated: NAME -->`` marker becomes its table
+    (``docs/generated_tables.py``: the performance results under ``docs/performance/``, the private-names registry).
+    """
     if docname == "gpu-results":
         source[0] = source[0].replace(GPU_REPORTS_MARKER, gpu_reports_markdown())
+    source[0] = generated_tables.fill(source[0])
 
 
-def reread_gpu_results(app: object, env: object, added: set[str], changed: set[str], removed: set[str]) -> list[str]:
-    """Read gpu-results.md on every build: a report added under docs/gpu-results/ changes it without touching it."""
-    return ["gpu-results"]
+def reread_generated(app: object, env: object, added: set[str], changed: set[str], removed: set[str]) -> list[str]:
+    """Read the generated pages on every build: a new report, result file or registry record changes them."""
+    return GENERATED_PAGES
 
 
 def setup(app: object) -> None:
-    """Register the hooks that fill the GPU results page."""
-    app.connect("source-read", include_gpu_reports)  # type: ignore[attr-defined]
-    app.connect("env-get-outdated", reread_gpu_results)  # type: ignore[attr-defined]
+    """Register the hooks that fill the generated pages."""
+    app.connect("source-read", include_generated)  # type: ignore[attr-defined]
+    app.connect("env-get-outdated", reread_generated)  # type: ignore[attr-defined]

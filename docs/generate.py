@@ -1,7 +1,8 @@
-"""Regenerate the documentation's figures from a real run's TensorBoard events: ``python docs/generate.py``.
+"""Regenerate the documentation's figures and the performance page's results: ``python docs/generate.py``.
 
-It trains the demo (``python -m lightning_mp.demo``: fp16, a planted loss spike at step 50) into a temporary log
-directory, reads the event files back with TensorBoard's ``EventAccumulator`` and writes, under ``docs/_static/``:
+``python docs/generate.py figures`` (the default) trains the demo (``python -m lightning_mp.demo``: fp16, a planted
+loss spike at step 50) into a temporary log directory, reads the event files back with TensorBoard's
+``EventAccumulator`` and writes, under ``docs/_static/``:
 
 - ``demo-loss-scale.png``: the loss scale, the skipped steps and the training loss, by step, as the
   ``LossScaleMonitor`` logged them;
@@ -9,13 +10,28 @@ directory, reads the event files back with TensorBoard's ``EventAccumulator`` an
   the run wrote to TensorBoard, saved as it is.
 
 Nothing is drawn by hand and nothing is downloaded; on a CPU the run takes about a minute.
+
+``python docs/generate.py performance`` runs the benchmark's measurements (:mod:`lightning_mp.bench`, the code
+behind ``python -m lightning_mp.bench --counts`` and ``--memory``) and the parity run of ``tests/test_parity.py``, and
+writes their results as JSON under ``docs/performance/``, each file stamped with the command, the date, the CPU and
+the torch, Lightning and Python versions. ``docs/performance_tables.py`` renders the page's tables from those files
+at build time. Every figure is a count, a byte count or a validation metric of a seeded run: none is a wall time,
+which on a shared machine measures its load. ``--only NAME`` reruns one file; the whole run takes several minutes.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
+import os
+import platform
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -75,9 +91,8 @@ def save_heatmap(events: event_accumulator.EventAccumulator, out: Path) -> bool:
     return True
 
 
-def main() -> int:
+def figures() -> None:
     """Run the demo into a temporary directory and write the figures into ``docs/_static``."""
-    sys.path.insert(0, str(ROOT))
     from lightning_mp import demo
 
     STATIC.mkdir(exist_ok=True)
@@ -87,6 +102,172 @@ def main() -> int:
         plot_scalars(events, STATIC / "demo-loss-scale.png")
         wrote_heatmap = save_heatmap(events, STATIC / "demo-sentinel-headroom.png")
     print(f"wrote {STATIC / 'demo-loss-scale.png'}" + (", demo-sentinel-headroom.png" if wrote_heatmap else ""))
+
+
+PERFORMANCE = Path(__file__).resolve().parent / "performance"
+PARITY_CONFIGURATIONS = (
+    ("32-true", "O0"),
+    ("bf16-mixed", "O1"),
+    ("bf16-mixed", "O2"),
+    ("16-mixed", "O1"),
+    ("16-mixed", "O2"),
+    ("bf16-mixed", "lean"),
+    ("bf16-mixed", "lean-kahan"),
+)
+PARITY_STEPS = 600
+
+
+def machine() -> dict[str, Any]:
+    """The CPU, its cores, torch's threads and the versions a result was measured with."""
+    import lightning
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.partition(":")[2].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
+        cpu = names[0] if names else cpu
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_result(name: str, about: str, **data: Any) -> None:
+    """Write ``docs/performance/NAME.json``: the stamp (command, date, machine), what was measured, and ``data``."""
+    PERFORMANCE.mkdir(exist_ok=True)
+    result = {
+        "command": f"python docs/generate.py performance --only {name}",
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "machine": machine(),
+        "about": about,
+        **data,
+    }
+    (PERFORMANCE / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {PERFORMANCE / f'{name}.json'}", file=sys.stderr)
+
+
+def measure_counts() -> None:
+    """Host syncs and ops of one iteration per precision, optimizer and contestant (``bench --counts``' first table)."""
+    from lightning_mp.bench.counts import (
+        OPTIMIZERS,
+        PRECISIONS,
+        SHOWN_CONTESTANTS,
+        count_iteration,
+        tiny_language_model,
+    )
+
+    make_model, batch = tiny_language_model()
+    rows = []
+    for precision in PRECISIONS:
+        for optimizer in OPTIMIZERS:
+            counts = count_iteration(precision, optimizer, make_model, batch, contestants=SHOWN_CONTESTANTS)
+            rows.append(
+                {
+                    "precision": precision,
+                    "optimizer": optimizer,
+                    **{name: {"syncs": c.syncs, "compute_ops": c.compute_ops} for name, c in counts.items()},
+                }
+            )
+    write_result(
+        "counts",
+        "TinyTransformerLM (vocab 16, d_model 16, 2 layers, 2 heads, seq_len 8, batch 2), the third iteration,"
+        " counted with lightning_mp.counting.",
+        rows=rows,
+    )
+
+
+def measure_opt_levels() -> None:
+    """Weight casts, ops, Python calls of one Trainer step per opt level, and DDP's bytes (``bench --counts``)."""
+    from lightning_mp.bench.allreduced_bytes import measure_allreduced_bytes
+    from lightning_mp.bench.opt_level_counts import LIGHTNING_BF16_TRUE, OPT_LEVELS, count_opt_levels
+    from lightning_mp.bench.workloads import SIZES
+
+    counts = count_opt_levels((*OPT_LEVELS, LIGHTNING_BF16_TRUE))
+    allreduced = measure_allreduced_bytes(OPT_LEVELS)
+    write_result(
+        "opt-levels",
+        f"A Trainer step of TinyTransformerLM ({SIZES['tiny'].describe()}), AdamW; DDP over gloo, 2 processes.",
+        counts=[asdict(row) for row in counts],
+        allreduced=[asdict(row) for row in allreduced],
+    )
+
+
+def measure_memory() -> None:
+    """Peak tensor bytes of one step by category, and the host work of a steady batch (``bench --memory``)."""
+    import warnings
+
+    from lightning_mp.bench.memory import MEMORY_CONFIGURATIONS
+    from lightning_mp.bench.memory import measure_memory as measure
+    from lightning_mp.bench.workloads import SIZES
+
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in MEMORY_CONFIGURATIONS:
+            rows.append(asdict(measure(name, SIZES["medium"])))
+            print(f"[memory] {name}", file=sys.stderr, flush=True)
+    write_result(
+        "memory",
+        f"TinyTransformerLM ({SIZES['medium'].describe()}, {rows[0]['parameters']:,} parameters), AdamW, one"
+        " steady step under torch.profiler's memory timeline.",
+        rows=rows,
+    )
+
+
+def measure_parity() -> None:
+    """Validation loss and top-1 accuracy after a seeded run per precision and opt level (``tests/test_parity.py``)."""
+    import torch
+
+    from tests.test_parity import train_and_validate
+
+    torch.set_num_threads(1)
+    rows = []
+    for precision, opt_level in PARITY_CONFIGURATIONS:
+        metrics = train_and_validate(precision, opt_level, PARITY_STEPS, val_batches=None)
+        rows.append(
+            {
+                "precision": precision,
+                "opt_level": opt_level,
+                "val_loss": metrics["val_loss"],
+                "val_accuracy": metrics["val_accuracy"],
+                "skipped_steps": int(metrics["skipped_steps"]),
+            }
+        )
+        print(f"[parity] {precision} {opt_level}: {rows[-1]}", file=sys.stderr, flush=True)
+    write_result(
+        "parity",
+        f"TinyTransformerLM (d_model 32, 1 layer, 2 heads, seq_len 16, vocab 32, batch 8), {PARITY_STEPS} steps from"
+        " seed 0, one thread, validated on the whole validation set with torchmetrics.",
+        steps=PARITY_STEPS,
+        rows=rows,
+    )
+
+
+MEASUREMENTS: dict[str, Callable[[], None]] = {
+    "parity": measure_parity,
+    "counts": measure_counts,
+    "opt-levels": measure_opt_levels,
+    "memory": measure_memory,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Regenerate what the command line asks for: the figures (default) or the performance results."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", nargs="?", choices=["figures", "performance"], default="figures")
+    parser.add_argument("--only", nargs="+", choices=list(MEASUREMENTS), help="performance: these results only")
+    arguments = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if arguments.what == "figures":
+        figures()
+        return 0
+    for name in arguments.only or MEASUREMENTS:
+        MEASUREMENTS[name]()
     return 0
 
 

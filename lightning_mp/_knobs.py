@@ -4,27 +4,27 @@ A knob is a field of a frozen settings dataclass (:class:`~lightning_mp._scale_r
 :class:`~lightning_mp.settings.PluginSettings`) whose ``metadata`` is :func:`knob`'s: the one text that documents it
 and the one ``check(owner, name, value)`` that validates it (returning the value as a plain Python value, or raising
 a ``ValueError`` that names ``owner``, the argument, the value and what is allowed). The classes that take the knobs
-as keyword arguments (:class:`~lightning_mp.MixedPrecision`, :class:`~lightning_mp.LossScaler`) write
-``name: <knob>`` in their ``Args:`` section, and :func:`with_knob_docs` puts the knob's text there, so the docstrings
-cannot disagree. The texts are in the class's ``__doc__`` at run time, where ``help()``, Sphinx and LightningCLI's
-``--help`` read them.
+as keyword arguments (:class:`~lightning_mp.MixedPrecision`, :class:`~lightning_mp.LossScaler`) give the knob's text
+in their ``Args:`` section, written out in the source so that it reads well there, in ``help()``, in Sphinx and in
+LightningCLI's ``--help``; :func:`with_knob_docs` checks, when the class is defined, that each entry is the knob's
+text word for word, so the docstrings cannot disagree.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
-import textwrap
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, TypeVar
 
 from lightning_mp._validation import exact
 
-__all__ = ["knob", "knob_doc", "with_knob_docs"]
+__all__ = ["knob", "knob_disagreements", "knob_doc", "with_knob_docs"]
 
 Check = Callable[[str, str, Any], Any]
 _Documented = TypeVar("_Documented", bound=type)
-_PLACEHOLDER = re.compile(r"^(?P<indent> +)(?P<name>\w+): <knob>(?P<rest>.*)$")
+_ENTRY = re.compile(r"^(?P<name>\w+): (?P<text>.*)$")
 
 
 def knob(doc: str, check: Check | None = None) -> dict[str, Any]:
@@ -52,31 +52,81 @@ def knob_default(settings: type, name: str) -> Any:
     return next(field.default for field in fields(settings) if field.name == name)
 
 
-def with_knob_docs(*settings: type) -> Callable[[_Documented], _Documented]:
-    """Class decorator: fill each ``name: <knob>`` line of the class docstring with the knob's documentation.
+def _args_entries(doc: str) -> dict[str, str]:
+    """The ``name: text`` entries of the ``Args:`` section of a Google docstring, each text on one line."""
+    lines = doc.splitlines()
+    start = next((index for index, line in enumerate(lines) if line.strip() == "Args:"), None)
+    if start is None:
+        return {}
+    section_indent = len(lines[start]) - len(lines[start].lstrip())
+    entries: dict[str, str] = {}
+    entry_indent, name = None, None
+    for line in lines[start + 1 :]:
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            continue
+        if indent <= section_indent:
+            break
+        entry = _ENTRY.match(line.strip())
+        if entry is not None and indent == (entry_indent or indent):
+            entry_indent, name = indent, entry["name"]
+            entries[name] = entry["text"]
+        elif name is not None:
+            entries[name] += " " + line.strip()
+    return entries
 
-    Text after ``<knob>`` on the line is appended, with ``{default}`` replaced by the knob's default (written as
-    :func:`~lightning_mp._validation.exact` writes numbers). The first of ``settings`` that declares ``name`` wins.
+
+def knob_disagreements(cls: type, *settings: type) -> list[str]:
+    """Where ``cls``'s docstring does not give a knob's one documentation; empty where it does.
+
+    Each argument of ``cls.__init__`` that is a field of one of ``settings`` (the first that declares it wins) must
+    have an entry in the ``Args:`` section whose text, whitespace aside, is the knob's documentation, optionally
+    followed by a sentence of the class's own; where that sentence reads ``None means X.``, ``X`` must be the knob's
+    default as :func:`~lightning_mp._validation.exact` writes it. A class without a docstring (``python -OO``)
+    has nothing to disagree.
+    """
+    if cls.__doc__ is None:
+        return []
+    entries = _args_entries(cls.__doc__)
+    arguments = inspect.signature(cls).parameters
+    problems = []
+    for name in arguments:
+        owner = next((s for s in settings if name in {f.name for f in fields(s) if "doc" in f.metadata}), None)
+        if owner is None:
+            continue
+        expected = " ".join(knob_doc(owner, name).split())
+        given = entries.get(name)
+        if given is None:
+            problems.append(f"{cls.__name__}: the Args: section has no entry for the knob {name!r}")
+            continue
+        if not (given == expected or given.startswith(expected + " ")):
+            problems.append(f"{cls.__name__}: {name}: the docstring says {given!r}, the knob's text is {expected!r}")
+            continue
+        default = knob_default(owner, name)
+        shown = exact(default) if isinstance(default, (int, float)) and not isinstance(default, bool) else default
+        none_means = re.search(r"None means (\S+)\.$", given.removeprefix(expected))
+        if none_means is not None and none_means[1] != str(shown):
+            problems.append(
+                f"{cls.__name__}: {name}: the docstring says None means {none_means[1]}, the default is {shown}"
+            )
+    return problems
+
+
+def with_knob_docs(*settings: type) -> Callable[[_Documented], _Documented]:
+    """Class decorator: check that the class docstring gives each knob's documentation, word for word.
+
+    The docstring is written out in the source, so that a reader of the source, ``help()``, Sphinx and LightningCLI's
+    ``--help`` read the same text; this check (:func:`knob_disagreements`) keeps it the knob's one documentation.
+
+    Raises:
+        TypeError: when the class is defined, if its docstring and a knob's documentation disagree, naming both.
+
     """
 
-    def document(cls: _Documented) -> _Documented:
-        lines = []
-        for line in (cls.__doc__ or "").splitlines():
-            placeholder = _PLACEHOLDER.match(line)
-            if placeholder is None:
-                lines.append(line)
-                continue
-            indent, name = placeholder["indent"], placeholder["name"]
-            owner = next(s for s in settings if name in {field.name for field in fields(s)})
-            default = knob_default(owner, name)
-            shown = exact(default) if isinstance(default, (int, float)) and not isinstance(default, bool) else default
-            text = f"{name}: {knob_doc(owner, name)}{placeholder['rest'].replace('{default}', str(shown))}"
-            # A range such as ``[1, 2**31 - 1]`` is kept on one line.
-            wrapped = textwrap.fill(
-                text.replace(" - ", "\0-\0"), 120, initial_indent=indent, subsequent_indent=indent + "    "
-            )
-            lines.append(wrapped.replace("\0", " "))
-        cls.__doc__ = "\n".join(lines)
+    def check(cls: _Documented) -> _Documented:
+        problems = knob_disagreements(cls, *settings)
+        if problems:
+            raise TypeError("the docstring disagrees with the knobs' documentation: " + "; ".join(problems))
         return cls
 
-    return document
+    return check

@@ -8,16 +8,15 @@ change in any release, without a deprecation. The policy:
   where the public way costs what the package promises not to spend (one op per tensor instead of one per list).
 * Every private name used is one record of :data:`PRIVATE_NAMES`: the name as the source spells it, whose it is,
   the modules that use it, why, and the versions it was checked on. Module docstrings point here instead of keeping
-  lists of their own, and the "Private names" table of the contributing page (``docs/contributing.md``) is this
-  registry.
+  lists of their own, and the "Private names" table of the contributing page (``docs/contributing.md``) is built
+  from this registry when the documentation is built.
 * Two records are families rather than single names, because torch documents their members although it spells them
   with an underscore: the ``torch._foreach_*`` ops (torch's reference documentation lists them as "Foreach
   operations", in beta) and the ATen ops the counters recognise (members of torch's documented Core ATen IR opset,
   which torch tags ``torch.Tag.core``). A family record lists each member it covers in ``members``, and its reason
   names them.
 * ``tests/test_private_names.py`` reads the package's source and fails when a private torch or Lightning name is
-  used without a record here, when a record names a module that no longer uses it, or when the contributing page's
-  table differs from this registry; so the list cannot go stale.
+  used without a record here, or when a record names a module that no longer uses it; so the list cannot go stale.
 * On a torch or Lightning upgrade, the test suite on CI's version matrix (:data:`CHECKED_ON`) is what checks these
   names still behave as the records say.
 """

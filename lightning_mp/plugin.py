@@ -126,26 +126,47 @@ class MixedPrecision(LightningMixedPrecision):
     """Mixed-precision training for Lightning: autocast, a dynamic loss scaler that goes past torch's, and counters.
 
     Args:
-        precision: <knob>
-        device: <knob>
+        precision: ``"auto"`` (bf16 where the device runs it natively, else fp16 on GPUs and fp32 on CPUs),
+            ``"16-mixed"`` (fp16 with loss scaling; real fp16 on the CPU too), ``"bf16-mixed"`` or ``"32-true"``. The
+            annotation also takes any string or int, so that LightningCLI hands ``fp16`` or ``16`` to the constructor,
+            whose error says "did you mean '16-mixed'", instead of refusing it in its own type check; ``on_min_scale``
+            and ``loss_scale`` take any string for the same reason.
+        device: the autocast device type (``"cpu"``, ``"cuda"``, ...; an index as in ``"cuda:0"`` is ignored, as
+            autocast works per device type); None takes it from the Trainer's accelerator at setup, or under Fabric from
+            the device Fabric moved the model to (checked at every forward; a contradicting ``device`` raises).
         scaler: a ``torch.amp.GradScaler`` whose settings (scale, growth and backoff factors, growth interval,
             ``enabled``) the loss scaler takes over, as Lightning's plugin would use it; fp16 only. A
             :class:`~lightning_mp.LossScaler` is used as it is. Leave it None to set the knobs below.
-        opt_level: <knob>
-        init_scale: <knob> None means {default}.
-        growth_factor: <knob> None means {default}.
-        backoff_factor: <knob> None means {default}.
-        growth_interval: <knob> None means {default}.
-        hysteresis: <knob>
-        consecutive_hysteresis: <knob>
-        min_scale: <knob>
-        max_scale: <knob>
-        on_min_scale: <knob>
-        loss_scale: <knob>
-        skip_scheduler_on_overflow: <knob>
-        keep_fp32: <knob>
-        max_consecutive_skips: <knob>
-        skip_nonfinite: <knob>
+        opt_level: ``"O0"`` (fp32 baseline) or ``"O1"`` (autocast, fp32 weights), and any other registered level.
+        init_scale: the first loss scale (fp16), in ``[min_scale, max_scale]``; a static scale is any normal float32,
+            from ``2**-126`` (whose inverse is finite) to float32's largest; unused when nothing is scaled. None means
+            65536.
+        growth_factor: scale multiplier after ``growth_interval`` clean iterations; > 1 (the scale stops at
+            ``max_scale``). None means 2.
+        backoff_factor: scale multiplier on an overflow that exhausts the hysteresis; in (0, 1). None means 0.5.
+        growth_interval: clean iterations in a row before the scale grows, in [1, 2**31 - 1]. An iteration is one scale
+            update (after its last optimizer step), so several optimizers or accumulated batches count once. None means
+            2000.
+        hysteresis: overflows tolerated before the scale backs off (DeepSpeed's and Megatron's meaning), in [1,
+            2**31 - 1]; 1 is torch's behaviour.
+        consecutive_hysteresis: refill the hysteresis after every clean iteration, not only after a growth.
+        min_scale: the scale's floor, from ``2**-24`` to ``max_scale``; None means the collapse floor ``2**-24``.
+        max_scale: the scale never grows past this; from ``2**-24`` to float32's largest value.
+        on_min_scale: ``"raise"`` :class:`~lightning_mp.errors.LossScaleCollapseError`, or ``"warn"`` and stay at the
+            floor, when an overflow would push the scale below the floor.
+        loss_scale: ``"dynamic"``, or a static scale (fp16 only): any normal float32, from ``2**-126`` (whose inverse is
+            finite) to float32's largest.
+        skip_scheduler_on_overflow: keep ``interval="step"`` schedulers from advancing on skipped steps.
+        keep_fp32: modules that run in fp32 (autocast off, inputs cast to fp32, weights fp32 in O2 and O3): module
+            types, qualified names, or regular expressions prefixed with ``re:`` (:mod:`lightning_mp.overrides`); None
+            or empty keeps none.
+        max_consecutive_skips: stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped steps
+            in a row of one optimizer (1 to 2**31 - 1), in every precision; None never stops.
+        skip_nonfinite: skip every step whose gradients hold an inf or a NaN, without a host sync for torch's Adam,
+            AdamW, SGD and Adagrad (:mod:`lightning_mp.scaler`). Only where nothing is scaled (bf16, fp32) may it be
+            False: then nothing is checked, as in Lightning's ``"bf16-mixed"`` and ``"32-true"``, a step writes inf/NaN
+            into the weights, and ``skipped_steps`` stays 0. A scaled run (fp16) always skips: its overflows are
+            routine.
 
     Every knob is declared, documented and checked once, in :class:`~lightning_mp.settings.PluginSettings` and
     :class:`~lightning_mp._scale_rules.ScalerSettings`; :attr:`settings` holds them as validated. Numbers may be

@@ -155,18 +155,29 @@ class LossScaler(torch.amp.GradScaler):
     Args:
         device: the device type of the gradients (``"cpu"``, ``"cuda"``, ...); None picks ``"cuda"`` when it is
             available, else ``"cpu"``.
-        init_scale: <knob>
-        growth_factor: <knob>
-        backoff_factor: <knob>
-        growth_interval: <knob>
-        hysteresis: <knob>
-        consecutive_hysteresis: <knob>
-        min_scale: <knob>
-        max_scale: <knob>
-        on_min_scale: <knob>
-        mode: <knob>
-        max_consecutive_skips: <knob>
-        skip_nonfinite: <knob>
+        init_scale: the first loss scale (fp16), in ``[min_scale, max_scale]``; a static scale is any normal float32,
+            from ``2**-126`` (whose inverse is finite) to float32's largest; unused when nothing is scaled.
+        growth_factor: scale multiplier after ``growth_interval`` clean iterations; > 1 (the scale stops at
+            ``max_scale``).
+        backoff_factor: scale multiplier on an overflow that exhausts the hysteresis; in (0, 1).
+        growth_interval: clean iterations in a row before the scale grows, in [1, 2**31 - 1]. An iteration is one scale
+            update (after its last optimizer step), so several optimizers or accumulated batches count once.
+        hysteresis: overflows tolerated before the scale backs off (DeepSpeed's and Megatron's meaning), in [1,
+            2**31 - 1]; 1 is torch's behaviour.
+        consecutive_hysteresis: refill the hysteresis after every clean iteration, not only after a growth.
+        min_scale: the scale's floor, from ``2**-24`` to ``max_scale``; None means the collapse floor ``2**-24``.
+        max_scale: the scale never grows past this; from ``2**-24`` to float32's largest value.
+        on_min_scale: ``"raise"`` :class:`~lightning_mp.errors.LossScaleCollapseError`, or ``"warn"`` and stay at the
+            floor, when an overflow would push the scale below the floor.
+        mode: ``"dynamic"``, ``"static"`` (a fixed ``init_scale``) or ``"check"`` (nothing scaled, non-finite steps
+            skipped: bf16 and fp32).
+        max_consecutive_skips: stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped steps
+            in a row of one optimizer (1 to 2**31 - 1), in every precision; None never stops.
+        skip_nonfinite: skip every step whose gradients hold an inf or a NaN, without a host sync for torch's Adam,
+            AdamW, SGD and Adagrad (:mod:`lightning_mp.scaler`). Only where nothing is scaled (bf16, fp32) may it be
+            False: then nothing is checked, as in Lightning's ``"bf16-mixed"`` and ``"32-true"``, a step writes inf/NaN
+            into the weights, and ``skipped_steps`` stays 0. A scaled run (fp16) always skips: its overflows are
+            routine.
 
     Each knob is declared, documented and checked once, in :class:`~lightning_mp._scale_rules.ScalerSettings`;
     :attr:`settings` holds them as validated.

@@ -12,13 +12,17 @@ import inspect
 import math
 import re
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_mp
 from lightning_mp import LossScaler, MixedPrecision
+from lightning_mp._knobs import knob_disagreements, with_knob_docs
+from lightning_mp._scale_rules import ScalerSettings
 from lightning_mp.callbacks import (
     AdvisorCallback,
     GradientHealthMonitor,
@@ -26,6 +30,7 @@ from lightning_mp.callbacks import (
     LossScaleMonitor,
     PrecisionSentinel,
 )
+from lightning_mp.settings import PluginSettings
 from tests.helpers import TinyRegressor, loader, make_trainer, read_events
 
 ROOT = Path(__file__).parents[1]
@@ -34,6 +39,9 @@ README = ROOT / "README.md"
 # The GPU reports under docs/gpu-results/ are written by the benchmark, not by hand; the build output is not a page.
 PAGES = [README, *sorted(path for path in DOCS.rglob("*.md") if not {"_build", "gpu-results"} & set(path.parts))]
 NOT_CHECKED = "<!-- not-checked -->"
+NOT_RUN = re.compile(r"^<!-- not-run: (?P<reason>.+) -->$")
+"""The marker on the line before a Python block that parses but cannot run here, with the reason (a GPU, several
+processes, a user's own model class)."""
 
 
 def page_name(page: Path) -> str:
@@ -42,7 +50,12 @@ def page_name(page: Path) -> str:
 
 def markdown_table(page: Path, header: str) -> list[list[str]]:
     """The cells of the Markdown table on ``page`` under the header row that starts with ``header``."""
-    lines = page.read_text().splitlines()
+    return markdown_table_rows(page.read_text(), header)
+
+
+def markdown_table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of the Markdown table in ``text`` under the header row that starts with ``header``."""
+    lines = text.splitlines()
     start = next(index for index, line in enumerate(lines) if line.startswith(header))
     rows = []
     for line in lines[start + 2 :]:
@@ -52,8 +65,9 @@ def markdown_table(page: Path, header: str) -> list[list[str]]:
     return rows
 
 
-def python_blocks(page: Path) -> list[tuple[int, str]]:
-    """Each fenced Python block of ``page`` with its first line number, except those marked not checked."""
+def python_blocks(page: Path, runnable: bool = False) -> list[tuple[int, str]]:
+    """Each fenced Python block of ``page`` with its first line number, except those marked not checked (and, with
+    ``runnable``, those marked not run)."""
     lines = page.read_text().splitlines()
     blocks = []
     index = 0
@@ -64,7 +78,8 @@ def python_blocks(page: Path) -> list[tuple[int, str]]:
             continue
         indent, ticks, language = fence.groups()
         end = next(i for i in range(index + 1, len(lines)) if lines[i].strip() == ticks)
-        exempt = index > 0 and lines[index - 1].strip() == NOT_CHECKED
+        before = lines[index - 1].strip() if index > 0 else ""
+        exempt = before == NOT_CHECKED or (runnable and NOT_RUN.match(before) is not None)
         if language in ("python", "py") and not exempt:
             body = "\n".join(line.removeprefix(indent) for line in lines[index + 1 : end])
             blocks.append((index + 2, body))
@@ -121,6 +136,63 @@ def test_the_quickstarts_train(page: Path, tmp_path: Path, monkeypatch: pytest.M
         assert namespace["plugin"].stats.optimizer_steps > 0, f"{page_name(page)}:{line} trained no step"
 
 
+GUIDE_BLOCKS = [
+    pytest.param(page, line, body, id=f"{page_name(page)}:{line}")
+    for page in sorted((DOCS / "guide").glob("*.md"))
+    for line, body in python_blocks(page, runnable=True)
+]
+
+
+class QuietTrainer(L.Trainer):
+    """The Trainer a guide block builds, trained for 2 steps on one CPU without checkpoints, progress bar or summary
+    (its TensorBoard logs go to the test's working directory)."""
+
+    def __init__(self, **options: Any) -> None:
+        quiet = {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+        quiet["max_steps"] = 2
+        super().__init__(**{**quiet, **options, "accelerator": "cpu", "devices": 1})
+
+
+@pytest.mark.parametrize(("page", "line", "body"), GUIDE_BLOCKS)
+def test_every_guide_block_runs(
+    page: Path, line: int, body: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each Python block of the user guide runs as written, given what it names of the reader's (a tiny model, its
+    data, an optimizer, a batch); a Trainer it builds trains two steps with the block's plugin and callbacks."""
+    monkeypatch.chdir(tmp_path)  # blocks write checkpoints and logs into the working directory
+    monkeypatch.setattr(L, "Trainer", QuietTrainer)
+    model = TinyRegressor()
+    namespace: dict[str, Any] = {
+        "L": L,
+        "nn": torch.nn,
+        "torch": torch,
+        "MixedPrecision": MixedPrecision,
+        "model": model,
+        "loader": loader(),
+        "train_loader": loader(),
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.05),
+        "batch": next(iter(loader()))[0],
+    }
+    exec(compile(body, f"{page_name(page)}:{line}", "exec"), namespace)
+    trainer = namespace.get("trainer")
+    if isinstance(trainer, L.Trainer):
+        trainer.fit(TinyRegressor(), loader())
+        assert trainer.global_step == 2, f"{page_name(page)}:{line} trained no step"
+
+
+def test_few_guide_blocks_are_not_run() -> None:
+    """Blocks left unrun each say why, and stay few: the guide's examples are checked by running them."""
+    reasons = [
+        match["reason"]
+        for page in PAGES
+        for text_line in page.read_text().splitlines()
+        if (match := NOT_RUN.match(text_line.strip()))
+    ]
+    assert len(reasons) <= 4
+    assert all(len(reason.split()) >= 2 for reason in reasons)
+    assert len(GUIDE_BLOCKS) >= 10
+
+
 def test_the_pages_have_python_blocks_and_few_are_exempt() -> None:
     """The check above has something to check, and the not-checked marker stays the exception."""
     assert sum(len(python_blocks(page)) for page in PAGES) >= 15
@@ -165,12 +237,123 @@ def test_the_api_reference_documents_every_public_name() -> None:
     assert set(lightning_mp.__all__) <= documented
 
 
-def test_the_knob_texts_replace_every_placeholder_in_the_docstrings() -> None:
-    """The API reference renders each knob's own text: no ``<knob>`` placeholder is left in a docstring."""
+def test_the_knob_texts_are_written_out_in_the_source_docstrings() -> None:
+    """A reader of plugin.py and scaler.py sees each knob's own text, not a ``<knob>`` placeholder, and it is the text
+    help(), the API reference and LightningCLI's --help show."""
     for documented in (MixedPrecision, LossScaler):
-        assert documented.__doc__ and "<knob>" not in documented.__doc__, documented.__name__
+        source = inspect.getsource(documented)
+        assert "<knob>" not in source, documented.__name__
+        assert documented.__doc__ and documented.__doc__ in source, documented.__name__
         for name in ("init_scale", "hysteresis", "on_min_scale"):
             assert re.search(rf"^\s+{name}: \S", documented.__doc__, re.MULTILINE), (documented.__name__, name)
+
+
+def test_the_docstrings_and_the_knob_texts_agree() -> None:
+    """Each knob's entry in MixedPrecision's and LossScaler's Args: is the knob's one text, as its settings give it."""
+    assert knob_disagreements(MixedPrecision, PluginSettings, ScalerSettings) == []
+    assert knob_disagreements(LossScaler, ScalerSettings) == []
+
+
+def test_a_docstring_that_drifts_from_its_knob_fails_at_class_definition() -> None:
+    """Editing a knob's text in one place only is caught when the class is defined, naming the knob and both texts."""
+    wrong = MixedPrecision.__doc__.replace("hysteresis: overflows tolerated", "hysteresis: overflows allowed")
+
+    with pytest.raises(TypeError, match=r"hysteresis: the docstring says .overflows allowed.*the knob's text is"):
+
+        @with_knob_docs(PluginSettings, ScalerSettings)
+        class Drifted(MixedPrecision):
+            __doc__ = wrong
+
+    stale_default = re.sub(r"None means\s+65536\.", "None means 1024.", MixedPrecision.__doc__)
+    assert stale_default != MixedPrecision.__doc__
+    with pytest.raises(TypeError, match=r"init_scale: the docstring says None means 1024, the default is 65536"):
+
+        @with_knob_docs(PluginSettings, ScalerSettings)
+        class StaleDefault(MixedPrecision):
+            __doc__ = stale_default
+
+
+def generated_tables() -> Any:
+    """``docs/generated_tables.py``, which the Sphinx build uses to fill the pages' ``<!-- generated: NAME -->``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generated_tables", DOCS / "generated_tables.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def table_headers(markdown: str) -> list[str]:
+    """The header row of each Markdown table in ``markdown`` (the row above a ``|---`` row)."""
+    lines = markdown.splitlines()
+    return [lines[i - 1] for i in range(1, len(lines)) if lines[i].startswith("|---") and lines[i - 1].startswith("|")]
+
+
+def test_the_performance_page_and_the_private_names_are_generated_not_typed() -> None:
+    """Each measured table of the performance page, and the private-names table, is a marker that the build fills
+    from its source (the benchmark's result files, the registry); no page types one of those tables by hand."""
+    tables = generated_tables()
+    performance, contributing = (DOCS / "performance.md").read_text(), (DOCS / "contributing.md").read_text()
+    on_performance = tables.MARKER.findall(performance)
+    assert set(on_performance) == set(tables.RENDERERS) - {"private-names"}
+    assert tables.MARKER.findall(contributing) == ["private-names"]
+    assert {path.stem for path in tables.RESULTS.glob("*.json")} <= set(on_performance)
+    generated = {header for name in tables.RENDERERS for header in table_headers(tables.render(name))}
+    assert len(generated) >= 6
+    for page in PAGES:
+        typed = set(table_headers(page.read_text())) & generated
+        assert typed == set(), f"{page_name(page)} types a generated table by hand: {typed}"
+
+
+def test_the_rendered_tables_are_the_committed_results() -> None:
+    """The performance tables are drawn from docs/performance/*.json, each stamped with its command, date, machine and
+    versions; every row of a result file is a row of its table."""
+    tables = generated_tables()
+    for name in ("parity", "counts", "opt-levels", "memory"):
+        result = tables.load(name)
+        assert {"cpu", "cores", "threads", "torch", "lightning", "python"} <= result["machine"].keys(), name
+        assert result["command"] == f"python docs/generate.py performance --only {name}"
+        rendered = tables.render(name)
+        assert tables.stamp(result) in rendered
+        rows = [line for line in rendered.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+        expected = len(result["rows"]) if "rows" in result else len(result["counts"])
+        assert len(rows) == expected + 1, name  # the header and one row per result
+    o2 = next(row for row in tables.load("opt-levels")["counts"] if row["opt_level"] == "O2")
+    assert f"| O2 | {o2['precision']} |" in tables.render("opt-levels")
+
+
+def test_the_private_names_table_is_the_registry() -> None:
+    """The contributing page's table is built from lightning_mp/_private_names.py: one row per record, with its
+    modules and reason, under a sentence that counts the records and the names they cover."""
+    from lightning_mp._private_names import PRIVATE_NAMES
+
+    rendered = generated_tables().render("private-names")
+    rows = markdown_table_rows(rendered, "| private name | owner | used in | why |")
+    assert rows == [
+        [f"`{record.name}`", record.owner, ", ".join(f"`{m}`" for m in record.used_in), record.reason]
+        for record in PRIVATE_NAMES
+    ]
+    owners = [record.owner for record in PRIVATE_NAMES]
+    assert f"holds {len(owners)} records ({owners.count('torch')} torch, {owners.count('lightning')} Lightning)" in (
+        rendered
+    )
+
+
+@pytest.mark.slow
+def test_the_committed_opt_level_counts_are_what_the_benchmark_counts_today() -> None:
+    """Recounting O2 in bf16 gives the committed row, on the versions the file was stamped with: the figures on the
+    performance page are measured, not typed (counts are deterministic)."""
+    import lightning
+
+    from lightning_mp.bench.opt_level_counts import count_opt_level
+
+    result = generated_tables().load("opt-levels")
+    if (result["machine"]["torch"], result["machine"]["lightning"]) != (torch.__version__, lightning.__version__):
+        pytest.skip("the committed counts were measured on other torch/Lightning versions")
+    committed = next(row for row in result["counts"] if (row["opt_level"], row["precision"]) == ("O2", "bf16-mixed"))
+    recounted = count_opt_level("O2", "bf16-mixed")
+    assert {key: getattr(recounted, key) for key in committed} == committed
 
 
 HISTORY = re.compile(
