@@ -296,7 +296,7 @@ def test_gradient_accumulation_unscales_once_per_optimizer_step(manual):
 class ClippingSGD(torch.optim.SGD):
     """SGD whose step first lets the module check that the gradients it is about to apply are the clipped ones."""
 
-    def step(self, closure: Any = None, pl_module: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None, pl_module: Any = None) -> Any:
         pl_module.check_grads_clipped()
         return super().step(closure)
 
@@ -413,7 +413,8 @@ def test_a_precision_name_lightning_refuses_is_refused_with_the_name_to_use(give
     Lightning's message is ``Passed `MixedPrecision(precision='16')`. Precision must be ...``; this plugin's names the
     argument the same way, lists 'auto' and '32-true' too, and suggests the near miss.
 
-    Upstream: tests_pytorch/plugins/test_amp_plugins.py test_amp_precision_plugin_parameter_validation (differs).
+    Upstream: tests_pytorch/plugins/test_amp_plugins.py test_amp_precision_plugin_parameter_validation and
+    tests_fabric/plugins/precision/test_amp.py test_amp_precision_parameter_validation (differs).
     """
     MixedPrecision("16-mixed", "cpu")
     MixedPrecision("bf16-mixed", "cpu")
@@ -428,10 +429,28 @@ def test_a_precision_name_lightning_refuses_is_refused_with_the_name_to_use(give
 def test_the_init_contexts_leave_the_default_dtype_fp32_also_after_an_exception(context, opt_level):
     """Modules are created in fp32 at every opt level (the level converts them later); an error inside changes nothing.
 
-    Upstream: tests_pytorch/plugins/precision/test_all.py test_default_dtype_is_restored.
+    Upstream: tests_pytorch/plugins/precision/test_all.py and tests_fabric/plugins/precision/test_all.py
+    test_default_dtype_is_restored.
     """
     plugin = MixedPrecision("bf16-mixed", "cpu", opt_level=opt_level)
     with pytest.raises(RuntimeError, match="inside"), getattr(plugin, context)():
         assert nn.Linear(2, 2).weight.dtype is torch.float32
         raise RuntimeError("inside")
     assert torch.get_default_dtype() is torch.float32
+
+
+class SubclassedMixedPrecision(MixedPrecision):
+    """A user's subclass of the plugin: the Trainer must take it as it is."""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+@pytest.mark.parametrize("plugin_class", [MixedPrecision, SubclassedMixedPrecision])
+def test_the_trainer_keeps_the_plugin_and_its_subclasses_under_ddp(strategy, plugin_class):
+    """A Trainer for 2 processes under DDP takes the plugin given (a subclass too) as its precision plugin.
+
+    Upstream: tests_pytorch/plugins/test_amp_plugins.py test_amp_ddp (2 CPU processes, nothing launched; Lightning
+    mocks a SLURM job on 2 GPUs).
+    """
+    plugin = plugin_class("16-mixed")
+    trainer = make_trainer(plugin, devices=2, strategy=strategy)
+    assert trainer.precision_plugin is plugin
