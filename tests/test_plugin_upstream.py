@@ -7,6 +7,10 @@ in place of the scaler. Here they run with real fp16 on the CPU and a real LossS
 is a LossScaler subclass. Every test names the upstream test it adapts. ``tests/upstream_inventory.py`` lists each
 upstream test as adapted, skipped or deliberately different, with the reason for each. One example: Lightning refuses
 to clip the gradients of a fused optimizer, while this plugin unscales them first and then clips.
+
+Lightning runs its tests at its one AMP level. The Trainer scenarios that train here also run at the fp16 opt levels
+that change where the gradients live (O2's fp32 masters, O3's half weights), because a recipe can break at an opt
+level it was never tested at.
 """
 
 from __future__ import annotations
@@ -22,6 +26,29 @@ from torch import nn
 
 from lightning_mp import LossScaler, MixedPrecision
 from tests.helpers import make_trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*opt_level='O3' trains pure")
+
+
+def _cpu_fused_sgd_skips_half_weights() -> bool:
+    """Whether this torch's fused SGD on the CPU leaves half weights of 16 elements or more unchanged (pytorch issue
+    191763: its vectorised blocks are skipped)."""
+    weight = torch.zeros(16, dtype=torch.float16, requires_grad=True)
+    weight.grad = torch.ones_like(weight)
+    torch.optim.SGD([weight], lr=1.0, fused=True).step()
+    return bool((weight.detach() == 0).all())
+
+
+O3_SGD_NEVER_MOVES = pytest.mark.xfail(
+    _cpu_fused_sgd_skips_half_weights(),
+    reason="issue 28, defect 4: O3 hands SGD's step to torch's fused CPU kernel, which on this torch leaves every half"
+    " weight of 16 elements or more unchanged while the step counts as taken",
+    strict=True,
+)
+SCALED_LEVELS = ["O1", "O2"]
+"""The fp16 opt levels that scale the loss by default (O3 scales only with a static ``loss_scale``)."""
+FP16_LEVELS = ["O1", "O2", "O3"]
+FP16_LEVELS_MOVING_SGD_WEIGHTS = ["O1", "O2", pytest.param("O3", marks=O3_SGD_NEVER_MOVES)]
 
 
 def _scaled_gradients(plugin: MixedPrecision, optimizer_class: type = torch.optim.SGD, **options: Any):
@@ -176,7 +203,8 @@ class CountingLossScaler(LossScaler):
 
 
 @pytest.mark.filterwarnings("ignore:`training_step` returned `None`")
-def test_a_skipped_training_step_skips_the_scaler_too():
+@pytest.mark.parametrize("opt_level", SCALED_LEVELS)
+def test_a_skipped_training_step_skips_the_scaler_too(opt_level):
     """A training_step returning None on odd batches: 5 batches, 3 unscale_/step/update, with clipping on.
 
     Upstream: tests_pytorch/plugins/precision/test_amp_integration.py test_skip_training_step_with_grad_scaler.
@@ -187,7 +215,8 @@ def test_a_skipped_training_step_skips_the_scaler_too():
             return None if batch_idx % 2 else super().training_step(batch, batch_idx)
 
     scaler = CountingLossScaler("cpu", init_scale=2.0**8)
-    trainer = make_trainer(MixedPrecision("16-mixed", "cpu", scaler=scaler), max_steps=5, gradient_clip_val=0.5)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler, opt_level=opt_level)
+    trainer = make_trainer(plugin, max_steps=5, gradient_clip_val=0.5)
     trainer.fit(EvenBatchesOnly())
     assert scaler.calls == {"unscale_": 3, "step": 3, "update": 3}
 
@@ -203,7 +232,8 @@ class ManualOptModel(BoringModel):
         return torch.optim.SGD(self.layer.parameters(), lr=0.1), torch.optim.SGD(self.layer.parameters(), lr=0.1)
 
 
-def test_manual_optimization_steps_several_optimizers_over_shared_parameters():
+@pytest.mark.parametrize("opt_level", FP16_LEVELS)
+def test_manual_optimization_steps_several_optimizers_over_shared_parameters(opt_level):
     """opt_a.step(), then two retained backwards and opt_b.step(): runs in fp16, all weights stay finite.
 
     Upstream: tests_pytorch/trainer/optimization/test_manual_optimization.py test_multiple_optimizers_step.
@@ -225,13 +255,14 @@ def test_manual_optimization_steps_several_optimizers_over_shared_parameters():
             opt_b.zero_grad()
 
     model = TwoSteps()
-    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, opt_level=opt_level)
     make_trainer(plugin, max_steps=6, limit_train_batches=3).fit(model)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert plugin.stats.skipped_steps == 0
 
 
-def test_manual_optimization_with_accumulated_gradients_steps_every_fourth_batch():
+@pytest.mark.parametrize("opt_level", FP16_LEVELS_MOVING_SGD_WEIGHTS)
+def test_manual_optimization_with_accumulated_gradients_steps_every_fourth_batch(opt_level):
     """Stepping every 4th batch in fp16: weights change only on those batches, gradients are zeroed after them.
 
     Upstream: tests_pytorch/trainer/optimization/test_manual_optimization.py
@@ -255,14 +286,15 @@ def test_manual_optimization_with_accumulated_gradients_steps_every_fourth_batch
             self.weight_changed.append(not torch.equal(before, self.layer.weight))
 
     model = Accumulating()
-    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1, opt_level=opt_level)
     make_trainer(plugin, max_epochs=1, max_steps=-1, limit_train_batches=8).fit(model)
     assert model.weight_changed == [False, False, False, True] * 2
     assert plugin.stats.loss_scale == 2.0**10  # two optimizer steps, two iterations that grew the scale
 
 
+@pytest.mark.parametrize("opt_level", SCALED_LEVELS)
 @pytest.mark.parametrize("manual", [False, True])
-def test_gradient_accumulation_unscales_once_per_optimizer_step(manual):
+def test_gradient_accumulation_unscales_once_per_optimizer_step(manual, opt_level):
     """accumulate_grad_batches=4 (or stepping every 4th batch by hand): one unscale_, step and update per 4 batches.
 
     Upstream: tests_pytorch/plugins/test_amp_plugins.py test_amp_gradient_unscale (its accumulation).
@@ -287,7 +319,11 @@ def test_gradient_accumulation_unscales_once_per_optimizer_step(manual):
     scaler = CountingLossScaler("cpu", init_scale=2.0**8)
     options = {} if manual else {"accumulate_grad_batches": 4, "gradient_clip_val": 1.0}
     trainer = make_trainer(
-        MixedPrecision("16-mixed", scaler=scaler), max_epochs=1, max_steps=-1, limit_train_batches=16, **options
+        MixedPrecision("16-mixed", scaler=scaler, opt_level=opt_level),
+        max_epochs=1,
+        max_steps=-1,
+        limit_train_batches=16,
+        **options,
     )
     trainer.fit(Accumulating(), train_dataloaders=BoringModel().train_dataloader())
     assert scaler.calls == {"unscale_": 4, "step": 4, "update": 4}
@@ -302,7 +338,11 @@ class ClippingSGD(torch.optim.SGD):
 
 
 class GradientUnscaleChecks(BoringModel):
-    """Records the true gradients after backward; checks them unscaled before the step and clipped in the step."""
+    """Records the true gradients after backward; checks them unscaled before the step and clipped in the step.
+
+    Values are compared in fp32: under O2 backward leaves fp16 gradients on the half weights, and the hooks before
+    the step see the fp32 masters' gradients.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -311,12 +351,12 @@ class GradientUnscaleChecks(BoringModel):
     def on_after_backward(self) -> None:
         scale = self.trainer.precision_plugin.scaler.get_scale()
         assert scale != 1.0  # the gradients are scaled here
-        self.true_grads = [p.grad / scale for p in self.parameters()]
+        self.true_grads = [p.grad.float() / scale for p in self.parameters()]
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.trainer.precision_plugin.scaler.is_unscaled(optimizer)
         for parameter, expected in zip(self.parameters(), self.true_grads, strict=True):
-            torch.testing.assert_close(parameter.grad, expected)
+            torch.testing.assert_close(parameter.grad.float(), expected)
         self.clipped = [
             p.grad.clamp(-self.trainer.gradient_clip_val, self.trainer.gradient_clip_val) for p in self.parameters()
         ]
@@ -327,7 +367,7 @@ class GradientUnscaleChecks(BoringModel):
 
     def check_grads_clipped(self) -> None:
         for parameter, expected in zip(self.parameters(), self.clipped, strict=True):
-            torch.testing.assert_close(parameter.grad, expected)
+            torch.testing.assert_close(parameter.grad.float(), expected.float())
         self.checked_steps += 1
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, closure: Any = None) -> None:
@@ -337,15 +377,16 @@ class GradientUnscaleChecks(BoringModel):
         return ClippingSGD(self.layer.parameters(), lr=0.1)
 
 
+@pytest.mark.parametrize("opt_level", SCALED_LEVELS)
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_hooks_see_unscaled_gradients_and_the_step_gets_the_clipped_ones(accumulate):
+def test_hooks_see_unscaled_gradients_and_the_step_gets_the_clipped_ones(accumulate, opt_level):
     """on_before_optimizer_step sees the true gradients; clipping by value clips those; the step receives them.
 
     Upstream: tests_pytorch/plugins/test_amp_plugins.py test_amp_gradient_unscale (one CPU device, not 2 GPUs).
     """
     model = GradientUnscaleChecks()
     trainer = make_trainer(
-        MixedPrecision("16-mixed", init_scale=2.0**8),
+        MixedPrecision("16-mixed", init_scale=2.0**8, opt_level=opt_level),
         max_epochs=2,
         max_steps=-1,
         limit_train_batches=2,
@@ -358,7 +399,8 @@ def test_hooks_see_unscaled_gradients_and_the_step_gets_the_clipped_ones(accumul
     assert model.checked_steps == 2 * 4 // accumulate  # twice per step: by the clipping hook and by the optimizer
 
 
-def test_an_optimizer_that_never_steps_is_left_alone():
+@pytest.mark.parametrize("opt_level", FP16_LEVELS_MOVING_SGD_WEIGHTS)
+def test_an_optimizer_that_never_steps_is_left_alone(opt_level):
     """Manual optimization with two optimizers where only the second steps: only its layer moves, nothing fails.
 
     Upstream: tests_pytorch/plugins/test_amp_plugins.py test_amp_skip_optimizer.
@@ -385,7 +427,7 @@ def test_an_optimizer_that_never_steps_is_left_alone():
 
     model = SecondOptimizerOnly()
     before = [p.detach().clone() for p in (model.layer1.weight, model.layer2.weight)]
-    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8, opt_level=opt_level)
     make_trainer(plugin, max_steps=3).fit(model)
     assert torch.equal(model.layer1.weight, before[0])
     assert not torch.equal(model.layer2.weight, before[1])

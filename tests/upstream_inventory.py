@@ -78,6 +78,11 @@ _TORCH_SCALING_CASES = _at(
     "test_two_models_two_losses_two_optimizers_match_fp32",
 )
 
+_AT_EVERY_FP16_LEVEL = (
+    "; at O1, O2 and O3. O3 is a strict xfail on the torch releases whose fused CPU SGD skips half weights (issue 28,"
+    " defect 4): it turns into a failure once the package keeps half weights off that kernel there"
+)
+
 _OTHER_PLUGIN = "tests another precision plugin (or another accelerator's), not the AMP plugin this package replaces"
 
 INVENTORY: tuple[UpstreamTest, ...] = (
@@ -326,7 +331,7 @@ INVENTORY: tuple[UpstreamTest, ...] = (
         PL_AMP_INTEGRATION,
         "test_skip_training_step_with_grad_scaler",
         "adapted",
-        "a LossScaler subclass counts the calls instead of Mock(wraps=scaler); fp16 on the CPU",
+        "a LossScaler subclass counts the calls instead of Mock(wraps=scaler); fp16 on the CPU, at O1 and O2",
         _at(PLUGIN, "test_a_skipped_training_step_skips_the_scaler_too"),
     ),
     UpstreamTest(
@@ -348,7 +353,7 @@ INVENTORY: tuple[UpstreamTest, ...] = (
         PL_AMP_PLUGINS,
         "test_amp_gradient_unscale",
         "adapted",
-        "one CPU device instead of ddp_spawn on 2 GPUs; the public is_unscaled instead of the private"
+        "one CPU device instead of ddp_spawn on 2 GPUs, at O1 and O2; the public is_unscaled instead of the private"
         " _per_optimizer_states",
         _at(
             PLUGIN,
@@ -360,7 +365,7 @@ INVENTORY: tuple[UpstreamTest, ...] = (
         PL_AMP_PLUGINS,
         "test_amp_skip_optimizer",
         "adapted",
-        "fp16 on the CPU",
+        "fp16 on the CPU" + _AT_EVERY_FP16_LEVEL,
         _at(PLUGIN, "test_an_optimizer_that_never_steps_is_left_alone"),
     ),
     UpstreamTest(
@@ -382,14 +387,14 @@ INVENTORY: tuple[UpstreamTest, ...] = (
         PL_MANUAL,
         "test_multiple_optimizers_step",
         "adapted",
-        "fp16 on the CPU",
+        "fp16 on the CPU, at O1, O2 and O3",
         _at(PLUGIN, "test_manual_optimization_steps_several_optimizers_over_shared_parameters"),
     ),
     UpstreamTest(
         PL_MANUAL,
         "test_manual_optimization_and_accumulated_gradient",
         "adapted",
-        "fp16 on the CPU",
+        "fp16 on the CPU" + _AT_EVERY_FP16_LEVEL,
         _at(PLUGIN, "test_manual_optimization_with_accumulated_gradients_steps_every_fourth_batch"),
     ),
     *(
