@@ -256,7 +256,7 @@ def test_manual_optimization_steps_several_optimizers_over_shared_parameters(opt
 
     model = TwoSteps()
     plugin = MixedPrecision("16-mixed", init_scale=2.0**8, opt_level=opt_level)
-    make_trainer(plugin, max_steps=6, limit_train_batches=3).fit(model)
+    make_trainer(plugin, max_steps=4, limit_train_batches=2).fit(model)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert plugin.stats.skipped_steps == 0
 
@@ -322,11 +322,11 @@ def test_gradient_accumulation_unscales_once_per_optimizer_step(manual, opt_leve
         MixedPrecision("16-mixed", scaler=scaler, opt_level=opt_level),
         max_epochs=1,
         max_steps=-1,
-        limit_train_batches=16,
+        limit_train_batches=8,
         **options,
     )
     trainer.fit(Accumulating(), train_dataloaders=BoringModel().train_dataloader())
-    assert scaler.calls == {"unscale_": 4, "step": 4, "update": 4}
+    assert scaler.calls == {"unscale_": 2, "step": 2, "update": 2}
 
 
 class ClippingSGD(torch.optim.SGD):
