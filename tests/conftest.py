@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
+import pytest
 import torch
+import torch.distributed as dist
 
 # The test models are tiny: one thread runs them faster than two, and leaves the second core to the DDP workers and
 # subprocesses that some tests start.
@@ -10,3 +14,12 @@ torch.set_num_threads(1)
 
 collect_ignore = ["ddp_scripts"]
 """Scripts that tests start in subprocesses: nothing to collect, and ``--doctest-modules`` should not import them."""
+
+
+@pytest.fixture
+def single_process_group() -> Generator[None, None, None]:
+    """For a test that runs FSDP on one CPU process: destroys the one-process gloo group that Lightning's FSDP
+    strategy starts, so that the next test starts without one."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
