@@ -113,7 +113,7 @@ _ROUNDS_HALF = "computes in half, steps fp32 weights: only the half activations 
 _ROUNDS_WEIGHTS = "steps half weights, rounding each weight to nearest at every step"
 _ROUNDS_STOCHASTICALLY = "steps bf16 weights with stochastic rounding: unbiased, about one bf16 gap of noise per step"
 LEVELS: tuple[Level, ...] = (
-    Level("32-true", "O0", 0, "the plugin's fp32 baseline runs fp32's own operations: only the summation order differs"),
+    Level("32-true", "O0", 0, "the plugin's fp32 baseline runs fp32's own operations: only summation order differs"),
     Level("16-mixed", "O1", 32, _ROUNDS_HALF),
     Level("16-mixed", "O2", 32, _ROUNDS_HALF),
     Level(
@@ -157,7 +157,9 @@ class Outcome:
 
 def snapshot(module: nn.Module) -> Weights:
     """fp32 copies of every floating tensor of ``module``'s state dict, by name."""
-    return {name: value.detach().float().clone() for name, value in module.state_dict().items() if value.is_floating_point()}
+    return {
+        name: value.detach().float().clone() for name, value in module.state_dict().items() if value.is_floating_point()
+    }
 
 
 def relative_change_errors(outcome: Outcome, reference: Outcome) -> dict[str, float]:
@@ -191,7 +193,7 @@ def loader(count: int, seed: int = 0) -> DataLoader:
 
 
 def batch_for_step(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch of global step ``step``, independent of the loader: a resumed run sees what an uninterrupted one saw."""
+    """The batch of global step ``step``, not the loader's: a resumed run sees what an uninterrupted one saw."""
     return batches(1, seed=1000 + step)[0]
 
 
@@ -214,7 +216,9 @@ def make_trainer(plugin: MixedPrecision | None, callbacks: list[L.Callback] | No
         "num_sanity_val_steps": 0,
     }
     options.update(kwargs)
-    return L.Trainer(plugins=[plugin] if plugin is not None else None, callbacks=[OptimizerAudit(), *(callbacks or [])], **options)
+    return L.Trainer(
+        plugins=[plugin] if plugin is not None else None, callbacks=[OptimizerAudit(), *(callbacks or [])], **options
+    )
 
 
 class OptimizerAudit(L.Callback):
@@ -422,9 +426,7 @@ def stochastic_weight_averaging(level: Level | None) -> Outcome:
 def ema_weight_averaging(level: Level | None) -> Outcome:
     """``EMAWeightAveraging`` over 2 epochs with a validation (the average swapped in and out) between them."""
     callback = EMAWeightAveraging(decay=0.5)
-    return fit_regressor(
-        level, {"max_epochs": 2}, data=3, callbacks=[callback], validation={"limit_val_batches": 1}
-    )
+    return fit_regressor(level, {"max_epochs": 2}, data=3, callbacks=[callback], validation={"limit_val_batches": 1})
 
 
 class ManualRegressor(Regressor):
@@ -453,7 +455,7 @@ def manual(level: Level | None) -> Outcome:
 
 
 def manual_discarded_backward(level: Level | None) -> Outcome:
-    """Manual optimization: ``manual_backward``; ``zero_grad``; ``manual_backward``; ``step``: the first is discarded."""
+    """Manual optimization: ``manual_backward``; ``zero_grad``; ``manual_backward``; ``step`` (the first discarded)."""
     return fit_module(level, ManualRegressor(discard=True), {"max_steps": 6})
 
 
@@ -743,4 +745,3 @@ def half_parameters_skipped_by_fused_sgd() -> bool:
     parameter.grad = torch.ones_like(parameter)
     torch.optim.SGD([parameter], lr=0.5, fused=True).step()
     return bool((parameter == 1).all())
-
