@@ -102,6 +102,11 @@ class Level:
             return 1e-5
         return self.epsilons * torch.finfo(self.dtype).eps
 
+    @property
+    def fp32_weights(self) -> bool:
+        """Whether the model keeps fp32 weights between steps (O0, O1, O2's masters), as against half ones."""
+        return self.opt_level in ("O0", "O1", "O2")
+
     def plugin(self, **kwargs: Any) -> MixedPrecision:
         """A fresh plugin at this level (fp16 from a loss scale no gradient of these tasks overflows)."""
         if self.precision == "16-mixed":
@@ -417,10 +422,28 @@ def backbone_finetuning(validation: dict[str, int] | None) -> Callable[[Level | 
     return recipe
 
 
+class RecordedWeightAveraging(StochasticWeightAveraging):
+    """``StochasticWeightAveraging`` that keeps an fp32 copy of the parameters it takes into the average (what the
+    model shows, which under O2 may differ from its ``state_dict``, always the fp32 masters)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.samples: list[Weights] = []
+
+    def update_parameters(self, average_model: Any, model: Any, n_averaged: torch.Tensor, avg_fn: Any) -> None:  # type: ignore[override]
+        self.samples.append({name: value.detach().float().clone() for name, value in model.named_parameters()})
+        super().update_parameters(average_model, model, n_averaged, avg_fn)
+
+
 def stochastic_weight_averaging(level: Level | None) -> Outcome:
-    """``StochasticWeightAveraging`` from epoch 1 of 3; the model ends with the average."""
-    callback = StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=1, annealing_epochs=1)
-    return fit_regressor(level, {"max_epochs": 3}, data=2, callbacks=[callback])
+    """``StochasticWeightAveraging`` from the first of 3 epochs (its first sample is the initial weights); the model
+    ends with the average. Where the level keeps fp32 weights, the first sample must be the fp32 initial weights."""
+    callback = RecordedWeightAveraging(swa_lrs=0.02, swa_epoch_start=1, annealing_epochs=1)
+    outcome = fit_regressor(level, {"max_epochs": 3}, data=2, callbacks=[callback])
+    first = callback.samples[0]
+    if (level is None or level.fp32_weights) and any(not torch.equal(v, outcome.initial[k]) for k, v in first.items()):
+        outcome.broken.append("SWA's first sample (at the first epoch's start) is not the fp32 initial weights")
+    return outcome
 
 
 def ema_weight_averaging(level: Level | None) -> Outcome:
