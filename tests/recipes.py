@@ -453,21 +453,32 @@ def ema_weight_averaging(level: Level | None) -> Outcome:
 
 
 class ManualRegressor(Regressor):
-    """The regressor under manual optimization: ``zero_grad``, ``manual_backward``, ``step``; with ``discard``, a first
-    backward of another loss whose gradients ``zero_grad`` throws away before the real one."""
+    """The regressor under manual optimization: ``zero_grad``, ``manual_backward``, ``step``.
 
-    def __init__(self, discard: bool = False) -> None:
+    Args:
+        discard: None, or a first backward whose gradients the zero_grad throws away before the real one: of
+            ``"another loss"``, or of ``"an inf loss"`` (its gradients non-finite).
+        zero_grad: how: ``"optimizer"`` (``optimizer.zero_grad()``), ``"optimizer to zero"``
+            (``optimizer.zero_grad(set_to_none=False)``) or ``"module"`` (``self.zero_grad()``).
+
+    """
+
+    def __init__(self, discard: str | None = None, zero_grad: str = "optimizer") -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.discard = discard
+        self.discard, self.zero_grad_by = discard, zero_grad
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> None:
         optimizer = self.optimizers()
         x, y = batch
-        if self.discard:
-            self.manual_backward(self.loss((x.flip(0), 3.0 * y)))
-        optimizer.zero_grad()
+        if self.discard is not None:
+            other = self.loss((x.flip(0), 3.0 * y))
+            self.manual_backward(other * float("inf") if self.discard == "an inf loss" else other)
+        if self.zero_grad_by == "module":
+            self.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=self.zero_grad_by == "optimizer")
         self.manual_backward(self.loss(batch))
         optimizer.step()
 
@@ -477,9 +488,14 @@ def manual(level: Level | None) -> Outcome:
     return fit_module(level, ManualRegressor(), {"max_steps": 6})
 
 
-def manual_discarded_backward(level: Level | None) -> Outcome:
-    """Manual optimization: ``manual_backward``; ``zero_grad``; ``manual_backward``; ``step`` (the first discarded)."""
-    return fit_module(level, ManualRegressor(discard=True), {"max_steps": 6})
+def manual_discarded_backward(discard: str, zero_grad: str) -> Callable[[Level | None], Outcome]:
+    """Manual optimization: ``manual_backward`` of ``discard``; ``zero_grad`` by ``zero_grad``; ``manual_backward``;
+    ``step``: the step must see the second backward's gradients only (and take no inf from the first)."""
+
+    def recipe(level: Level | None) -> Outcome:
+        return fit_module(level, ManualRegressor(discard, zero_grad), {"max_steps": 6})
+
+    return recipe
 
 
 def fit_module(level: Level | None, model: L.LightningModule, limits: dict[str, int], data: int = 8) -> Outcome:
@@ -687,6 +703,26 @@ def fabric_loop(
     return Outcome(initial, snapshot(model), stats, duplicated_parameters([optimizer], model))
 
 
+def fabric_discarded_backward(level: Level | None) -> Outcome:
+    """Fabric: ``fabric.backward`` of another loss, ``optimizer.zero_grad()``, ``fabric.backward``,
+    ``optimizer.step()``: the step must see the second backward's gradients only."""
+    plugin = plugin_of(level)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin] if plugin is not None else None)
+    model = mlp()
+    initial = snapshot(model)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for x, y in batches(4, seed=3):
+        fabric.backward(nn.functional.mse_loss(model(x.flip(0)).float(), 3.0 * y))
+        optimizer.zero_grad()
+        fabric.backward(nn.functional.mse_loss(model(x).float(), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    stats = stats_of(plugin)
+    if plugin is not None:
+        plugin.teardown()
+    return Outcome(initial, snapshot(model), stats, duplicated_parameters([optimizer], model))
+
+
 def fabric(level: Level | None) -> Outcome:
     """Fabric's backward / clip_gradients / step loop with ``no_backward_sync`` accumulation."""
     return fabric_loop(plugin_of(level))
@@ -727,7 +763,10 @@ RECIPES: dict[str, Callable[[Level | None], Outcome]] = {
     "accumulate_grad_batches": accumulate_grad_batches,
     "step_every_n": step_every_n,
     "manual": manual,
-    "manual_discarded_backward": manual_discarded_backward,
+    "manual_discarded_backward": manual_discarded_backward("another loss", "optimizer"),
+    "manual_discarded_backward_set_to_zero": manual_discarded_backward("another loss", "optimizer to zero"),
+    "manual_discarded_backward_module_zero_grad": manual_discarded_backward("another loss", "module"),
+    "manual_discarded_inf": manual_discarded_backward("an inf loss", "optimizer"),
     "toggle_two_optimizers": toggle_two_optimizers,
     "gan": gan,
     "clip_norm": clip_norm,
@@ -747,6 +786,7 @@ RECIPES: dict[str, Callable[[Level | None], Outcome]] = {
     "tied_weights_keep_embedding": tied_weights(["embed"]),
     "tied_weights_keep_head": tied_weights(["head"]),
     "fabric_no_backward_sync": fabric,
+    "fabric_discarded_backward": fabric_discarded_backward,
 }
 """Every recipe by name; each takes a :class:`Level` (None: plain fp32, no plugin)."""
 

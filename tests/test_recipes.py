@@ -37,7 +37,18 @@ pytestmark = [
 
 KNOWN_DEFECTS: dict[tuple[str, str], str] = {
     ("step_every_n", "*-O2"): "issue 28 defect 1: O2 zero_grad does not discard the closures' unstepped gradients",
-    ("manual_discarded_backward", "*-O2"): "issue 28 defect 1: O2 zero_grad does not discard a backward's gradients",
+    **dict.fromkeys(
+        [
+            (recipe, "*-O2")
+            for recipe in (
+                "manual_discarded_backward",
+                "manual_discarded_backward_set_to_zero",
+                "manual_discarded_inf",
+                "fabric_discarded_backward",
+            )
+        ],
+        "issue 28 defect 1: O2 optimizer.zero_grad() does not discard a backward's gradients (module.zero_grad() does)",
+    ),
     ("backbone_finetuning_no_*", "*-O2"): "issue 28 defect 2: O2 + BackboneFinetuning KeyError with no evaluation",
     ("trainer_then_fabric", "*"): "issue 28 defect 3: a plugin reused Trainer -> Fabric keeps scale and counters",
     ("tied_weights_keep_*", "*-O2"): "issue 28 defect 5: O2 keep_fp32 on one side of a tied weight splits the tie",
