@@ -24,11 +24,13 @@ recipes, and every defect this matrix was built to catch is off by 0.9 or more:
 fp16 runs start from a loss scale of ``2**8``, which these tasks' gradients never overflow, so every step is taken and
 the comparison with fp32 is step for step; :func:`planted_inf` then plants one inf that every level must skip.
 
-The recipes are the ones Lightning documents: automatic optimization, ``accumulate_grad_batches``, stepping every N
-batches by overriding ``optimizer_step``, manual optimization (a discarded backward, ``toggle_optimizer`` with two
-optimizers, a GAN), norm and value clipping, step and epoch schedulers, ``BackboneFinetuning``,
-``StochasticWeightAveraging``, ``EMAWeightAveraging``, checkpoint and resume mid-epoch, ``fit`` twice with one plugin, a
-plugin moved between a Trainer and Fabric, tied weights, and Fabric's own loop with ``no_backward_sync``.
+The recipes (:data:`RECIPES`) are the ones Lightning documents: automatic optimization (SGD, AdamW),
+``accumulate_grad_batches``, stepping every N batches by overriding ``optimizer_step``, manual optimization (a
+backward discarded by each kind of ``zero_grad``, one whose discarded gradients are inf, ``toggle_optimizer`` with two
+optimizers, a GAN), norm and value clipping, step and epoch schedulers, ``BackboneFinetuning`` with and without an
+evaluation before its first epoch, ``StochasticWeightAveraging``, ``EMAWeightAveraging``, checkpoint and resume
+mid-epoch, ``fit`` twice with one plugin, a plugin moved between a Trainer and Fabric both ways, tied weights with and
+without ``keep_fp32`` on either side, and Fabric's own loop (``no_backward_sync`` accumulation, a discarded backward).
 """
 
 from __future__ import annotations
@@ -345,17 +347,20 @@ class Regressor(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.scheduler}}
 
 
-def fit_regressor(level: Level | None, steps_or_epochs: dict[str, int], data: int = 8, **options: Any) -> Outcome:
-    """Fit a :class:`Regressor` built with ``options`` (those that are the Trainer's go to the Trainer)."""
-    trainer_keys = {"accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm", "callbacks"}
-    trainer_options = {key: options.pop(key) for key in trainer_keys & options.keys()}
-    validation = options.pop("validation", None)
-    model = Regressor(**options)
+def fit_regressor(
+    level: Level | None,
+    trainer_options: dict[str, Any],
+    data: int = 8,
+    validation: dict[str, int] | None = None,
+    **model_options: Any,
+) -> Outcome:
+    """Fit a :class:`Regressor` built with ``model_options`` on ``data`` batches, by a Trainer with
+    ``trainer_options``; ``validation`` (the Trainer's validation options) adds a validation loader."""
+    model = Regressor(**model_options)
     initial = snapshot(model)
     plugin = plugin_of(level)
-    trainer = make_trainer(plugin, **trainer_options, **steps_or_epochs, **(validation or {}))
-    val = loader(2, seed=7) if validation is not None else None
-    trainer.fit(model, loader(data), val)
+    trainer = make_trainer(plugin, **trainer_options, **(validation or {}))
+    trainer.fit(model, loader(data), loader(2, seed=7) if validation is not None else None)
     return Outcome(initial, snapshot(model), stats_of(plugin), audit_of(trainer))
 
 
@@ -381,7 +386,7 @@ def planted_inf(level: Level | None) -> Outcome:
 
 def accumulate_grad_batches(level: Level | None) -> Outcome:
     """Lightning's gradient accumulation: 3 steps of 2 batches each."""
-    return fit_regressor(level, {"max_steps": 3}, accumulate_grad_batches=2)
+    return fit_regressor(level, {"max_steps": 3, "accumulate_grad_batches": 2})
 
 
 def step_every_n(level: Level | None) -> Outcome:
@@ -391,12 +396,12 @@ def step_every_n(level: Level | None) -> Outcome:
 
 def clip_norm(level: Level | None) -> Outcome:
     """``gradient_clip_val`` by norm, below the gradients' norm so that every step is clipped."""
-    return fit_regressor(level, {"max_steps": 6}, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+    return fit_regressor(level, {"max_steps": 6, "gradient_clip_val": 0.3, "gradient_clip_algorithm": "norm"})
 
 
 def clip_value(level: Level | None) -> Outcome:
     """``gradient_clip_val`` by value, below the largest gradients so that every step clips some."""
-    return fit_regressor(level, {"max_steps": 6}, gradient_clip_val=0.05, gradient_clip_algorithm="value")
+    return fit_regressor(level, {"max_steps": 6, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"})
 
 
 def step_scheduler(level: Level | None) -> Outcome:
@@ -416,7 +421,7 @@ def backbone_finetuning(validation: dict[str, int] | None) -> Callable[[Level | 
     def recipe(level: Level | None) -> Outcome:
         callback = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)
         return fit_regressor(
-            level, {"max_epochs": 3}, data=2, callbacks=[callback], trainable_only=True, validation=validation
+            level, {"max_epochs": 3, "callbacks": [callback]}, data=2, trainable_only=True, validation=validation
         )
 
     return recipe
@@ -439,7 +444,7 @@ def stochastic_weight_averaging(level: Level | None) -> Outcome:
     """``StochasticWeightAveraging`` from the first of 3 epochs (its first sample is the initial weights); the model
     ends with the average. Where the level keeps fp32 weights, the first sample must be the fp32 initial weights."""
     callback = RecordedWeightAveraging(swa_lrs=0.02, swa_epoch_start=1, annealing_epochs=1)
-    outcome = fit_regressor(level, {"max_epochs": 3}, data=2, callbacks=[callback])
+    outcome = fit_regressor(level, {"max_epochs": 3, "callbacks": [callback]}, data=2)
     first = callback.samples[0]
     if (level is None or level.fp32_weights) and any(not torch.equal(v, outcome.initial[k]) for k, v in first.items()):
         outcome.broken.append("SWA's first sample (at the first epoch's start) is not the fp32 initial weights")
@@ -449,7 +454,7 @@ def stochastic_weight_averaging(level: Level | None) -> Outcome:
 def ema_weight_averaging(level: Level | None) -> Outcome:
     """``EMAWeightAveraging`` over 2 epochs with a validation (the average swapped in and out) between them."""
     callback = EMAWeightAveraging(decay=0.5)
-    return fit_regressor(level, {"max_epochs": 2}, data=3, callbacks=[callback], validation={"limit_val_batches": 1})
+    return fit_regressor(level, {"max_epochs": 2, "callbacks": [callback]}, data=3, validation={"limit_val_batches": 1})
 
 
 class ManualRegressor(Regressor):
@@ -765,7 +770,7 @@ RECIPES: dict[str, Callable[[Level | None], Outcome]] = {
     "manual": manual,
     "manual_discarded_backward": manual_discarded_backward("another loss", "optimizer"),
     "manual_discarded_backward_set_to_zero": manual_discarded_backward("another loss", "optimizer to zero"),
-    "manual_discarded_backward_module_zero_grad": manual_discarded_backward("another loss", "module"),
+    "manual_module_zero_grad_after_backward": manual_discarded_backward("another loss", "module"),
     "manual_discarded_inf": manual_discarded_backward("an inf loss", "optimizer"),
     "toggle_two_optimizers": toggle_two_optimizers,
     "gan": gan,
