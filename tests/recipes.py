@@ -36,6 +36,7 @@ without ``keep_fp32`` on either side, and Fabric's own loop (``no_backward_sync`
 
 from __future__ import annotations
 
+import csv
 import functools
 import tempfile
 from collections.abc import Callable
@@ -49,8 +50,11 @@ from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
     EMAWeightAveraging,
+    LearningRateMonitor,
+    ModelSummary,
     StochasticWeightAveraging,
 )
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
@@ -405,8 +409,18 @@ def clip_value(level: Level | None) -> Outcome:
 
 
 def step_scheduler(level: Level | None) -> Outcome:
-    """A ``StepLR`` with ``interval="step"``."""
-    return fit_regressor(level, {"max_steps": 6}, scheduler="step")
+    """A ``StepLR`` with ``interval="step"`` (halving every 2 steps), watched by ``LearningRateMonitor`` and
+    ``ModelSummary``: the monitor must log the schedule's rates, one per step."""
+    with tempfile.TemporaryDirectory() as folder:
+        logger = CSVLogger(folder)
+        callbacks = [LearningRateMonitor(logging_interval="step"), ModelSummary(max_depth=2)]
+        options = {"max_steps": 6, "logger": logger, "log_every_n_steps": 1, "callbacks": callbacks}
+        outcome = fit_regressor(level, {**options, "enable_model_summary": True}, scheduler="step")
+        with open(Path(logger.log_dir) / "metrics.csv") as metrics:
+            rates = [float(row["lr-SGD"]) for row in csv.DictReader(metrics) if row.get("lr-SGD")]
+    if rates != [0.05, 0.05, 0.025, 0.025, 0.0125, 0.0125]:
+        outcome.broken.append(f"LearningRateMonitor logged {rates}")
+    return outcome
 
 
 def epoch_scheduler(level: Level | None) -> Outcome:
