@@ -61,6 +61,7 @@ from typing_extensions import override
 
 from lightning_mp import MixedPrecision
 from lightning_mp.stats import PrecisionStats
+from tests import helpers
 
 FEATURES = 8
 HIDDEN = 16
@@ -216,20 +217,10 @@ def mlp() -> nn.Sequential:
 
 
 def make_trainer(plugin: MixedPrecision | None, callbacks: list[L.Callback] | None = None, **kwargs: Any) -> L.Trainer:
-    """A quiet single-CPU Trainer with ``plugin`` (plain fp32 without one) and an :class:`OptimizerAudit`."""
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    options.update(kwargs)
-    return L.Trainer(
-        plugins=[plugin] if plugin is not None else None, callbacks=[OptimizerAudit(), *(callbacks or [])], **options
-    )
+    """The suite's quiet single-CPU Trainer (:func:`tests.helpers.make_trainer`) with ``plugin`` (plain fp32 without
+    one), an :class:`OptimizerAudit`, no sanity check and no step limit unless given."""
+    options: dict[str, Any] = {"max_steps": -1, "num_sanity_val_steps": 0, **kwargs}
+    return helpers.make_trainer(plugin, callbacks=[OptimizerAudit(), *(callbacks or [])], **options)
 
 
 class OptimizerAudit(L.Callback):
