@@ -13,7 +13,8 @@ result.
 device and given the very same ``weight`` and ``bias`` Parameter objects, so nothing is copied, and an optimizer's
 state (keyed by those objects) still belongs to them. The plugin calls it at teardown, so that after fit the model
 holds no torchao object (``torch.save`` of the whole model loads without torchao), and for a single layer when it
-falls back to bf16 mid-run. Hooks registered on a ``Float8Linear`` stay with that replaced object.
+falls back to bf16 mid-run (:func:`fallback_layer`). Hooks registered on a ``Float8Linear`` stay with that replaced
+object.
 
 The checks the FP8 mode needs before it starts are here too: torchao installed (the ``fp8`` extra), the torch and
 torchao versions at or above the mode's floor (:data:`TORCH_FLOOR`, :data:`TORCHAO_FLOOR`), and a CUDA GPU able to
@@ -32,6 +33,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_mp.fp8.settings import FP8Settings
@@ -43,6 +45,7 @@ __all__ = [
     "TORCH_FLOOR",
     "check_fp8_device",
     "convert_to_fp8",
+    "fallback_layer",
     "fp8_layer_names",
     "is_fp8_linear",
     "require_torchao",
@@ -200,3 +203,30 @@ def restore_linear(model: nn.Module, names: Collection[str] | None = None) -> li
         plain.train(fp8_layer.training)
         setattr(parent, child, plain)
     return chosen
+
+
+def fallback_layer(model: nn.Module, name: str, reason: str) -> bool:
+    """Return the FP8 layer ``name`` of ``model`` to bf16 for the rest of the run, keeping its Parameter objects.
+
+    Under a Trainer whose plugin is :class:`~lightning_mp.MixedPrecision` with ``fp8``, this is the plugin's
+    :meth:`~lightning_mp.MixedPrecision.fallback_layer`: the decision is agreed across ranks by one collective,
+    logged with ``reason`` and kept in the plugin's checkpoint entry, so a resumed run keeps the layer in bf16.
+    Elsewhere (Fabric, a bare model) the layer is restored on this process only.
+
+    .. warning:: Under a Trainer with DDP this is a collective: every rank must call it at the same step.
+
+    Returns:
+        Whether the layer fell back now (False where it was not an FP8 layer any more).
+
+    """
+    from lightning_mp.plugin import attached_trainer  # the plugin imports this module
+
+    trainer = attached_trainer(model)
+    plugin = trainer.precision_plugin if trainer is not None else None
+    if plugin is not None and getattr(plugin, "fp8_settings", None) is not None:
+        return bool(plugin.fallback_layer(model, name, reason))
+    if name not in fp8_layer_names(model):
+        return False
+    restore_linear(model, [name])
+    rank_zero_info(f"lightning_mp: FP8 layer {name!r} returns to bf16 for the rest of the run: {reason}.")
+    return True
