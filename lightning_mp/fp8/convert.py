@@ -136,9 +136,7 @@ def check_fp8_device(owner: str, recipe: str, device_type: str, device: torch.de
 
 def is_fp8_linear(module: nn.Module) -> bool:
     """Whether ``module`` is one of torchao's float8 training linears."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    return isinstance(module, Float8Linear)
+    return isinstance(module, importlib.import_module("torchao.float8.float8_linear").Float8Linear)
 
 
 def fp8_layer_names(model: nn.Module) -> list[str]:

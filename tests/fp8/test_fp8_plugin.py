@@ -1,4 +1,4 @@
-"""The FP8 mode under the Trainer and Fabric: training, the setup line, teardown to plain layers, checkpoints, fallback."""
+"""The FP8 mode under the Trainer and Fabric: training, setup line, teardown to plain layers, checkpoints, fallback."""
 
 from __future__ import annotations
 
@@ -145,12 +145,17 @@ class FallBackAt(L.Callback):
         }
 
 
-def test_fallback_returns_one_layer_to_bf16_with_the_same_weight_and_optimizer_state():
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_fallback_returns_one_layer_to_bf16_with_the_same_weight_and_optimizer_state(opt_level):
     """A layer that falls back is a plain Linear for the rest of the run, holding the same weight, whose optimizer
-    state is the same objects and keeps stepping; the other FP8 layer stays FP8."""
+    state is the same objects and keeps stepping; the other FP8 layer stays FP8; after fit the model holds its own
+    fp32 parameters."""
     fall_back = FallBackAt(step=3)
     types = LayerTypes()
-    _trainer, plugin = _fit(TinyMlp(), steps=6, callbacks=[fall_back, types])
+    model = TinyMlp()
+    weight = model.net[2].weight
+    _trainer, plugin = _fit(model, steps=6, callbacks=[fall_back, types], opt_level=opt_level)
+    assert model.net[2].weight is weight and weight.dtype == torch.float32
     assert fall_back.fell is True
     assert fall_back.before["fp8"] == FP8_LAYERS and fall_back.after["fp8"] == ["net.4"]
     assert fall_back.after["weight"] is fall_back.before["weight"] is fall_back.at_end["weight"]

@@ -100,4 +100,3 @@ def test_gpu_without_fp8_tensor_cores_is_refused_with_what_to_use(monkeypatch):
     fp8_convert.check_fp8_device("MixedPrecision", "tensorwise", "cuda")
     with pytest.raises(RuntimeError, match="'mps'"):
         fp8_convert.check_fp8_device("MixedPrecision", "tensorwise", "mps")
-
