@@ -29,7 +29,9 @@ One run, in order:
    layers it would return (possibly none), and one ``all_reduce`` (MAX over a flag per FP8 layer, in the same order on
    every rank) makes the decision the union, identical everywhere. Each layer is replaced by a plain ``nn.Linear``
    with the same Parameter objects, so the optimizer state stays the same objects; the reason is logged and kept in
-   the plugin's checkpoint entry, so a resumed run keeps those layers in bf16.
+   the plugin's checkpoint entry, so a resumed run keeps those layers in bf16. Under O2 call it where the model shows
+   its fp32 masters (between an optimizer step and the next forward: ``on_train_batch_start``/``_end``): the plain
+   layer then holds the master and computes from it under autocast, as an O1 layer does, for the rest of the run.
 4. ``teardown`` (after fit, also a failed one): every FP8 layer becomes a plain ``nn.Linear`` again.
 
 .. warning:: :meth:`Fp8Mode.fallback_layers` runs one collective under DDP and reads its result on the host: call it
