@@ -229,3 +229,27 @@ def test_fabric_trains_in_fp8_and_teardown_restores_plain_layers():
     assert not torch.equal(model[2].weight, before)
     plugin.teardown()
     assert all(type(layer) is nn.Linear for layer in model if isinstance(layer, nn.Linear))
+
+
+def test_fabric_fp8_under_torch_compile_matches_eager():
+    """A model compiled after fabric.setup traces torchao's FP8 layers and trains as the eager FP8 model does."""
+    x, y = regression_loader().dataset.tensors
+
+    def train(compile_model: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("bf16-mixed", fp8="tensorwise")])
+        wrapped, optimizer = fabric.setup(model, optimizer)
+        forward = torch.compile(wrapped, backend="aot_eager") if compile_model else wrapped
+        losses = []
+        for step in range(3):
+            batch = slice(step * 32, (step + 1) * 32)
+            loss = nn.functional.mse_loss(forward(x[batch]).float(), y[batch])
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    assert train(compile_model=True) == pytest.approx(train(compile_model=False), rel=1e-3)
