@@ -243,6 +243,8 @@ class MixedPrecision(LightningMixedPrecision):
             require_torchao(type(self).__name__, self.fp8_settings.recipe)
         self._fp8: Fp8Mode | None = None
         """The run's FP8 layers and fallbacks (:mod:`lightning_mp.fp8.mode`), built at setup."""
+        self._fp8_before_sharding: Fp8Mode | None = None
+        """The FP8 layers :meth:`fp8_convert` converted before FSDP2 sharded the model; the run's from setup on."""
         """The ident of the thread whose run (a Trainer's fit, or a Fabric loop) the plugin drives now."""
 
     # ------------------------------------------------------------------------------------------------ properties
@@ -370,7 +372,8 @@ class MixedPrecision(LightningMixedPrecision):
             refuse_half_weights(opt_level, self.precision)
         if self.fp8_settings is not None:
             check_fp8_device(type(self).__name__, self.fp8_settings.recipe, device_type)
-            self._fp8 = Fp8Mode(self.fp8_settings)
+            self._fp8 = self._fp8_before_sharding or Fp8Mode(self.fp8_settings)
+            self._fp8_before_sharding = None
         self._policy = self._build_policy(opt_level, sharded)
         policy_class = type(self._policy)
         self._loss_scaler = self._build_loss_scaler(device_type, policy_class)
@@ -467,15 +470,44 @@ class MixedPrecision(LightningMixedPrecision):
             ValueError: for a model FSDP2 sharded before the plugin saw it: torchao must convert before sharding.
 
         """
-        if self._fp8 is None:
+        if self._fp8 is None or self._fp8.converted(module):
             return
         if has_sharded_parameters(module):
             raise ValueError(
-                f"{self!r} with fp8={self._fp8.settings.recipe!r} got a model FSDP2 sharded already: torchao converts"
-                " linear layers before fully_shard, not after. FP8 under FSDP2 is not supported by this plugin yet;"
-                " train FP8 under DDP, or FSDP2 without fp8."
+                f"{self!r} got a model FSDP2 sharded already: torchao converts linear layers before fully_shard, not"
+                " after. Call plugin.fp8_convert(self) first thing in configure_model, before fully_shard (or"
+                " fabric.setup's parallelize_fn)."
             )
         self._fp8.convert(module, self.keep_fp32)
+
+    def fp8_convert(self, module: nn.Module) -> nn.Module:
+        """Convert ``module``'s chosen linear layers to FP8 now, for FSDP2: call it before ``fully_shard``.
+
+        torchao's layers must exist before FSDP2 shards their weights (its float8 all-gather wraps them), so under
+        ``ModelParallelStrategy`` the conversion cannot wait for the plugin's own ``convert_module``::
+
+            def configure_model(self):
+                plugin.fp8_convert(self)
+                for block in self.blocks:
+                    fully_shard(block, mp_policy=plugin.fsdp2_policy())
+                fully_shard(self, mp_policy=plugin.fsdp2_policy())
+
+        A sharded model keeps its FP8 layers after fit (it is not a plain model anyway), and its layers cannot fall
+        back mid-run (FSDP2 holds the layer objects); :class:`~lightning_mp.fp8.FP8Settings` ``exclude`` keeps them
+        out from the start.
+
+        Returns:
+            ``module``, converted in place.
+
+        Raises:
+            RuntimeError: when the plugin has no ``fp8``.
+
+        """
+        if self.fp8_settings is None:
+            raise RuntimeError(f"{self!r}.fp8_convert(...) needs fp8: pass MixedPrecision('bf16-mixed', fp8=...).")
+        self._fp8_before_sharding = Fp8Mode(self.fp8_settings)
+        self._fp8_before_sharding.convert(module, self.keep_fp32)
+        return module
 
     @property
     def fp8_layers(self) -> list[str]:

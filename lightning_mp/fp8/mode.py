@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_mp.fp8.convert import convert_to_fp8, fp8_layer_names, restore_linear
 from lightning_mp.fp8.selection import Fp8Selection, select_fp8_layers, summary_line
@@ -86,6 +87,10 @@ def check_fp8_combination(owner: str, settings: FP8Settings, precision: str, opt
         )
 
 
+def _is_sharded(module: nn.Module) -> bool:
+    return any(isinstance(parameter, DTensor) for parameter in module.parameters(recurse=False))
+
+
 class Fp8Mode:
     """One run's FP8 state: the model converted, the layers that fell back and why.
 
@@ -105,6 +110,10 @@ class Fp8Mode:
     def layers(self) -> list[str]:
         """Names of the layers computing in FP8 now, relative to the converted model; empty before setup."""
         return fp8_layer_names(self._model) if self._model is not None else []
+
+    def converted(self, model: nn.Module) -> bool:
+        """Whether ``model`` is the model this run converted already (:meth:`MixedPrecision.fp8_convert`)."""
+        return self._model is model
 
     def convert(self, model: nn.Module, keep_fp32: list[Any]) -> None:
         """Choose and convert the FP8 layers of ``model`` in place, and log the setup line at rank zero."""
@@ -143,6 +152,12 @@ class Fp8Mode:
                 " fabric.setup, whose layer names the FP8 mode knows."
             )
         current = self.layers
+        if any(_is_sharded(model.get_submodule(name)) for name in requests if name in current):
+            raise RuntimeError(
+                f"fallback_layer(name={next(iter(requests))!r}) is not supported on a model FSDP2 sharded: FSDP2 holds"
+                " the layer objects. Keep the layer out of FP8 with FP8Settings(exclude=[...]) and resume from the"
+                " last checkpoint."
+            )
         requests = {name: reason for name, reason in requests.items() if name not in self.fell_back}
         for name, reason in requests.items():
             if name not in current:
@@ -189,7 +204,7 @@ class Fp8Mode:
             restore_linear(self._model, [name for name in fell_back if name in self.layers])
 
     def teardown(self) -> None:
-        """Put plain ``nn.Linear`` layers back everywhere and forget the model."""
-        if self._model is not None:
+        """Put plain ``nn.Linear`` layers back everywhere, except in a model FSDP2 sharded; forget the model."""
+        if self._model is not None and not any(_is_sharded(layer) for layer in self._model.modules()):
             restore_linear(self._model)
         self._model = None
