@@ -478,6 +478,12 @@ class MixedPrecision(LightningMixedPrecision):
                 " after. Call plugin.fp8_convert(self) first thing in configure_model, before fully_shard (or"
                 " fabric.setup's parallelize_fn)."
             )
+        if self._fp8.settings.fsdp_float8_all_gather:
+            raise ValueError(
+                f"{self!r} has FP8Settings(fsdp_float8_all_gather=True) on a model FSDP2 does not shard: the float8"
+                " all-gather is FSDP2's. Call plugin.fp8_convert(self) in configure_model before fully_shard, or set"
+                " fsdp_float8_all_gather=False."
+            )
         self._fp8.convert(module, self.keep_fp32)
 
     def fp8_convert(self, module: nn.Module) -> nn.Module:

@@ -27,6 +27,7 @@ multiply in FP8 (compute capability 8.9: Ada, Hopper, Blackwell). The CPU runs t
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Collection
 from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
@@ -141,7 +142,7 @@ def is_fp8_linear(module: nn.Module) -> bool:
 
 def fp8_layer_names(model: nn.Module) -> list[str]:
     """Qualified names of the layers of ``model`` that compute in FP8 now, in ``named_modules`` order."""
-    if not any(type(module).__module__.startswith("torchao.") for module in model.modules()):
+    if "torchao.float8.float8_linear" not in sys.modules:  # nothing can be converted before torchao is imported
         return []
     return [name for name, module in model.named_modules() if is_fp8_linear(module)]
 

@@ -12,6 +12,7 @@ pytest.importorskip("torchao")
 from tests.ddp_scripts.launch import reports, run
 
 SCRIPT = Path(__file__).parents[1] / "ddp_scripts" / "fp8_train.py"
+FSDP2_SCRIPT = SCRIPT.with_name("fp8_fsdp2_train.py")
 
 
 @pytest.mark.slow
@@ -29,3 +30,19 @@ def test_ddp_fp8_ranks_agree_and_fall_back_together(tmp_path):
     per_rank = ranks[0]["checksums"]
     assert per_rank == ranks[1]["checksums"] and per_rank[0] == per_rank[1], "the parameters differ across ranks"
     assert len(set(per_rank[0])) == 6, "some step left the parameters unchanged"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("float8_all_gather", [False, True])
+def test_fsdp2_fp8_trains_like_ddp_fp8_on_every_rank(tmp_path, float8_all_gather):
+    """FP8 under FSDP2 (converted before fully_shard), with or without torchao's float8 all-gather, trains the same
+    FP8 layers to the same weights as under DDP, on both ranks."""
+    arguments = ["--out", str(tmp_path), "--max-steps", "4"]
+    run([*arguments, *(["--float8-all-gather"] if float8_all_gather else [])], timeout=300, script=FSDP2_SCRIPT)
+    ranks = reports(tmp_path)
+    for rank in ranks:
+        assert rank["ddp"]["layers"] == rank["fsdp2"]["layers"] == [["net.2", "net.4"]] * 4
+        assert rank["fsdp2"]["losses"] == pytest.approx(rank["ddp"]["losses"], rel=1e-3)
+        for name, values in rank["ddp"]["parameters"].items():
+            assert rank["fsdp2"]["parameters"][name] == pytest.approx(values, rel=1e-3, abs=1e-4), name
+    assert ranks[0]["fsdp2"]["parameters"] == ranks[1]["fsdp2"]["parameters"]

@@ -100,3 +100,13 @@ def test_gpu_without_fp8_tensor_cores_is_refused_with_what_to_use(monkeypatch):
     fp8_convert.check_fp8_device("MixedPrecision", "tensorwise", "cuda")
     with pytest.raises(RuntimeError, match="'mps'"):
         fp8_convert.check_fp8_device("MixedPrecision", "tensorwise", "mps")
+
+
+def test_float8_all_gather_without_fsdp2_is_refused_with_the_fix():
+    """The float8 all-gather is FSDP2's: on a model FSDP2 does not shard it is refused, naming fp8_convert."""
+    from tests.fp8.plugin_models import TinyMlp, regression_loader
+    from tests.helpers import make_trainer
+
+    plugin = MixedPrecision("bf16-mixed", fp8=FP8Settings(fsdp_float8_all_gather=True))
+    with pytest.raises(ValueError, match=r"fsdp_float8_all_gather=True.*plugin\.fp8_convert\(self\)"):
+        make_trainer(plugin, max_steps=1).fit(TinyMlp(), regression_loader())
