@@ -14,7 +14,7 @@ from tests.fp8.plugin_models import mlp
 
 
 def test_convert_then_restore_keeps_every_parameter_object_and_the_outputs():
-    """Converted layers keep their weight and bias objects; restored, they are plain nn.Linear giving the same outputs."""
+    """Converted layers keep their weight and bias objects; restored, they are plain nn.Linear with the same outputs."""
     model = mlp()
     parameters = list(model.parameters())
     x = torch.randn(4, 16)
