@@ -48,6 +48,7 @@ __all__ = [
     "convert_to_fp8",
     "fallback_layer",
     "fp8_layer_names",
+    "fp8_unavailable",
     "is_fp8_linear",
     "require_torchao",
     "restore_linear",
@@ -75,6 +76,32 @@ def _dotted(release: tuple[int, ...]) -> str:
     return ".".join(map(str, release))
 
 
+def fp8_unavailable() -> str | None:
+    """Why the FP8 mode cannot run in this environment (torchao missing, torch or torchao too old); None if it can.
+
+    Reads package versions only: nothing is imported, so it is safe where an old torchao would fail to import.
+    """
+    torch_release = _release(torch.__version__)
+    if torch_release < TORCH_FLOOR:
+        return (
+            f"needs torch >= {_dotted(TORCH_FLOOR)} (torchao's float8 training is built against it); this is torch"
+            f" {torch.__version__}. Upgrade torch, or train without fp8 (the rest of the package runs on torch >= 2.8)."
+        )
+    try:
+        installed = version("torchao")
+    except PackageNotFoundError:
+        return (
+            f"needs torchao, which is not installed. Install the fp8 extra: {FP8_EXTRA_INSTALL} (torchao >="
+            f" {_dotted(TORCHAO_FLOOR)}; it installs no torch of its own)."
+        )
+    if _release(installed) < TORCHAO_FLOOR:
+        return (
+            f"needs torchao >= {_dotted(TORCHAO_FLOOR)}; this is torchao {installed}. Upgrade it:"
+            f" {FP8_EXTRA_INSTALL} --upgrade."
+        )
+    return None
+
+
 def require_torchao(owner: str, recipe: str) -> Any:
     """Import ``torchao.float8``; refuse clearly when torchao is missing or torch or torchao is below the floor.
 
@@ -86,27 +113,12 @@ def require_torchao(owner: str, recipe: str) -> Any:
         RuntimeError: when torch or torchao is older than the FP8 mode's floor, naming both versions.
 
     """
-    asked = f"{owner}(fp8={recipe!r})"
-    torch_release = _release(torch.__version__)
-    if torch_release < TORCH_FLOOR:
-        raise RuntimeError(
-            f"{asked} needs torch >= {_dotted(TORCH_FLOOR)} (torchao's float8 training is built against it); this is"
-            f" torch {torch.__version__}. Upgrade torch, or train without fp8 (the rest of the package runs on torch"
-            " >= 2.8)."
-        )
-    try:
-        installed = version("torchao")
-    except PackageNotFoundError:
-        raise ModuleNotFoundError(
-            f"{asked} needs torchao, which is not installed. Install the fp8 extra: {FP8_EXTRA_INSTALL}"
-            f" (torchao >= {_dotted(TORCHAO_FLOOR)}; it installs no torch of its own).",
-            name="torchao",
-        ) from None
-    if _release(installed) < TORCHAO_FLOOR:
-        raise RuntimeError(
-            f"{asked} needs torchao >= {_dotted(TORCHAO_FLOOR)}; this is torchao {installed}. Upgrade it:"
-            f" {FP8_EXTRA_INSTALL} --upgrade."
-        )
+    problem = fp8_unavailable()
+    if problem is not None:
+        message = f"{owner}(fp8={recipe!r}) {problem}"
+        if "not installed" in problem:
+            raise ModuleNotFoundError(message, name="torchao")
+        raise RuntimeError(message)
     return importlib.import_module("torchao.float8")
 
 

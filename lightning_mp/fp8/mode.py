@@ -23,7 +23,9 @@ One run, in order:
 1. ``convert_module`` (before the opt level converts, the model moves and DDP wraps it): the rules of
    :mod:`lightning_mp.fp8.selection` choose the layers (``keep_fp32`` layers stay out too), torchao converts them in
    place (:mod:`lightning_mp.fp8.convert`), and one line at rank zero says how many layers and parameters run FP8
-   and which stay bf16 and why.
+   and which stay bf16 and why. Under FSDP2 the model converts itself earlier, with ``plugin.fp8_convert(self)`` in
+   ``configure_model`` before ``fully_shard`` (torchao's layers must exist before FSDP2 shards their weights), and the
+   plugin finds it converted.
 2. Training runs torchao's layers as they are: no hook, no sync, no extra op of this package.
 3. :meth:`Fp8Mode.fallback_layers` returns layers to bf16 mid-run. Every rank calls it at the same step with the
    layers it would return (possibly none), and one ``all_reduce`` (MAX over a flag per FP8 layer, in the same order on
@@ -32,7 +34,8 @@ One run, in order:
    the plugin's checkpoint entry, so a resumed run keeps those layers in bf16. Under O2 call it where the model shows
    its fp32 masters (between an optimizer step and the next forward: ``on_train_batch_start``/``_end``): the plain
    layer then holds the master and computes from it under autocast, as an O1 layer does, for the rest of the run.
-4. ``teardown`` (after fit, also a failed one): every FP8 layer becomes a plain ``nn.Linear`` again.
+4. ``teardown`` (after fit, also a failed one): every FP8 layer becomes a plain ``nn.Linear`` again, except in a
+   model FSDP2 sharded, which is no plain model anyway and whose layer objects FSDP2 holds.
 
 .. warning:: :meth:`Fp8Mode.fallback_layers` runs one collective under DDP and reads its result on the host: call it
     on logging steps only, on every rank.
