@@ -60,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -80,6 +80,9 @@ from lightning_mp._hardware import choose_precision, device_has_native_bf16, emu
 from lightning_mp._knobs import with_knob_docs
 from lightning_mp._scale_rules import SCALER_DEFAULTS, ScalerSettings
 from lightning_mp.engine import FabricEngine, StepEngine, TrainerEngine
+from lightning_mp.fp8.convert import check_fp8_device, require_torchao
+from lightning_mp.fp8.mode import Fp8Mode, check_fp8_combination
+from lightning_mp.fp8.settings import Fp8Recipe, FP8Settings, fp8_settings_from_argument
 from lightning_mp.policies import POLICIES, SHARDED_POLICIES, PrecisionPolicy
 from lightning_mp.policies.sharded import fsdp2_mixed_precision_policy, refuse_half_weights
 from lightning_mp.scaler import LossScaler, ScalingMode
@@ -167,6 +170,10 @@ class MixedPrecision(LightningMixedPrecision):
             False: then nothing is checked, as in Lightning's ``"bf16-mixed"`` and ``"32-true"``, a step writes inf/NaN
             into the weights, and ``skipped_steps`` stays 0. A scaled run (fp16) always skips: its overflows are
             routine.
+        fp8: run the linear layers' matmuls in FP8 with torchao's float8 training: a recipe name (``"tensorwise"``,
+            ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a :class:`~lightning_mp.fp8.FP8Settings` for the layers kept
+            in bf16 and the fallback thresholds. With ``precision="bf16-mixed"`` and ``opt_level`` ``"O1"`` or
+            ``"O2"`` only (:mod:`lightning_mp.fp8.mode`); needs the ``fp8`` extra. None (the default) runs no FP8.
 
     Every knob is declared, documented and checked once, in :class:`~lightning_mp.settings.PluginSettings` and
     :class:`~lightning_mp._scale_rules.ScalerSettings`; :attr:`settings` holds them as validated. Numbers may be
@@ -176,6 +183,8 @@ class MixedPrecision(LightningMixedPrecision):
         ValueError: for any argument outside what is allowed; the message names the argument, the value given and
             what is allowed, with a "did you mean" for a near miss such as ``"fp16"`` or ``"o2"``.
         TypeError: if ``scaler`` is not a ``torch.amp.GradScaler``.
+        ModuleNotFoundError: if ``fp8`` is given and torchao is not installed (``pip install "lightning_mp[fp8]"``).
+        RuntimeError: if ``fp8`` is given and torch or torchao is older than the FP8 mode's floor.
 
     """
 
@@ -205,6 +214,7 @@ class MixedPrecision(LightningMixedPrecision):
         keep_fp32: Sequence[type | str] | None = PLUGIN_DEFAULTS.keep_fp32,
         max_consecutive_skips: int | None = SCALER_DEFAULTS.max_consecutive_skips,
         skip_nonfinite: bool = SCALER_DEFAULTS.skip_nonfinite,
+        fp8: Fp8Recipe | FP8Settings | str | None = None,
     ) -> None:
         settings = PluginSettings.from_arguments(
             type(self).__name__,
@@ -249,6 +259,15 @@ class MixedPrecision(LightningMixedPrecision):
         self._engine: StepEngine | None = None
         """The step engine of the run, chosen at setup: the Trainer's or Fabric's."""
         self._run_thread: int | None = None
+        self.fp8_settings = fp8_settings_from_argument(type(self).__name__, fp8)
+        """The FP8 mode's validated settings; None when the run has no FP8."""
+        if self.fp8_settings is not None:
+            check_fp8_combination(type(self).__name__, self.fp8_settings, settings.precision, settings.opt_level)
+            require_torchao(type(self).__name__, self.fp8_settings.recipe)
+        self._fp8: Fp8Mode | None = None
+        """The run's FP8 layers and fallbacks (:mod:`lightning_mp.fp8.mode`), built at setup."""
+        self._fp8_before_sharding: Fp8Mode | None = None
+        """The FP8 layers :meth:`fp8_convert` converted before FSDP2 sharded the model; the run's from setup on."""
         """The ident of the thread whose run (a Trainer's fit, or a Fabric loop) the plugin drives now."""
         self._run_ended = False
         """Whether the last run was torn down: the next setup (other than a Trainer's validate, test or predict after
@@ -381,6 +400,10 @@ class MixedPrecision(LightningMixedPrecision):
         opt_level = "O0" if self.precision == "32-true" else self.opt_level
         if sharded:
             refuse_half_weights(opt_level, self.precision)
+        if self.fp8_settings is not None:
+            check_fp8_device(type(self).__name__, self.fp8_settings.recipe, device_type)
+            self._fp8 = self._fp8_before_sharding or Fp8Mode(self.fp8_settings)
+            self._fp8_before_sharding = None
         self._policy = self._build_policy(opt_level, sharded)
         policy_class = type(self._policy)
         self._loss_scaler = self._build_loss_scaler(device_type, policy_class)
@@ -456,6 +479,7 @@ class MixedPrecision(LightningMixedPrecision):
             if not isinstance(self._engine, TrainerEngine):
                 self._engine = self._trainer_engine()
             assert self._policy is not None
+            self._convert_fp8(module)
             return self._policy.convert_module(module)
         if self._policy is not None and (
             previous_run_ended or (isinstance(self._engine, FabricEngine) and self._engine.has_stepped)
@@ -468,11 +492,113 @@ class MixedPrecision(LightningMixedPrecision):
         assumed = placed if placed != "cpu" else ("cuda" if torch.cuda.is_available() else "cpu")
         self._build_run(self.device or assumed, sharded=has_sharded_parameters(module))
         assert self._policy is not None and self._loss_scaler is not None
+        self._convert_fp8(module)
         module = self._policy.convert_module(module)
         if not isinstance(self._engine, FabricEngine):
             self._engine = FabricEngine(self._loss_scaler, self._policy, self._follow_model_device)
         self._engine.add_module(module)
         return module
+
+    def _convert_fp8(self, module: nn.Module) -> None:
+        """Convert the chosen linear layers to FP8 before the opt level converts the module (O2 finds them there).
+
+        Raises:
+            ValueError: for a model FSDP2 sharded before the plugin saw it: torchao must convert before sharding.
+
+        """
+        if self._fp8 is None or self._fp8.converted(module):
+            return
+        if has_sharded_parameters(module):
+            raise ValueError(
+                f"{self!r} got a model FSDP2 sharded already: torchao converts linear layers before fully_shard, not"
+                " after. Call plugin.fp8_convert(self) first thing in configure_model, before fully_shard (or"
+                " fabric.setup's parallelize_fn)."
+            )
+        if self._fp8.settings.fsdp_float8_all_gather:
+            raise ValueError(
+                f"{self!r} has FP8Settings(fsdp_float8_all_gather=True) on a model FSDP2 does not shard: the float8"
+                " all-gather is FSDP2's. Call plugin.fp8_convert(self) in configure_model before fully_shard, or set"
+                " fsdp_float8_all_gather=False."
+            )
+        self._fp8.convert(module, self.keep_fp32)
+
+    def fp8_convert(self, module: nn.Module) -> nn.Module:
+        """Convert ``module``'s chosen linear layers to FP8 now, for FSDP2: call it before ``fully_shard``.
+
+        torchao's layers must exist before FSDP2 shards their weights (its float8 all-gather wraps them), so under
+        ``ModelParallelStrategy`` the conversion cannot wait for the plugin's own ``convert_module``::
+
+            def configure_model(self):
+                plugin.fp8_convert(self)
+                for block in self.blocks:
+                    fully_shard(block, mp_policy=plugin.fsdp2_policy())
+                fully_shard(self, mp_policy=plugin.fsdp2_policy())
+
+        A sharded model keeps its FP8 layers after fit (it is not a plain model anyway), and its layers cannot fall
+        back mid-run (FSDP2 holds the layer objects); :class:`~lightning_mp.fp8.FP8Settings` ``exclude`` keeps them
+        out from the start.
+
+        Returns:
+            ``module``, converted in place.
+
+        Raises:
+            RuntimeError: when the plugin has no ``fp8``.
+
+        """
+        if self.fp8_settings is None:
+            raise RuntimeError(f"{self!r}.fp8_convert(...) needs fp8: pass MixedPrecision('bf16-mixed', fp8=...).")
+        self._fp8_before_sharding = Fp8Mode(self.fp8_settings)
+        self._fp8_before_sharding.convert(module, self.keep_fp32)
+        return module
+
+    @property
+    def fp8_layers(self) -> list[str]:
+        """Names of the layers that compute in FP8 now (relative to the model the plugin converted); empty without."""
+        return self._fp8.layers if self._fp8 is not None else []
+
+    @property
+    def fp8_fell_back(self) -> dict[str, str]:
+        """Layer name -> reason, for the layers returned to bf16 in this run (a resumed checkpoint's included)."""
+        return dict(self._fp8.fell_back) if self._fp8 is not None else {}
+
+    def fallback_layers(self, model: nn.Module, requests: Mapping[str, str]) -> dict[str, str]:
+        """Return FP8 layers to bf16 for the rest of the run, the same on every rank; see :mod:`lightning_mp.fp8.mode`.
+
+        Each layer becomes a plain ``nn.Linear`` holding the same weight and bias Parameter objects, so the optimizer
+        and its state are untouched. The decision is kept in checkpoints.
+
+        .. warning:: Under DDP this runs one collective and reads it on the host: call it on every rank, at the same
+            step (with an empty ``requests`` where a rank has none), on logging steps only.
+
+        Args:
+            model: the converted model: the LightningModule under the Trainer, the module given to ``fabric.setup``.
+            requests: layer name -> reason, for the layers this rank would return to bf16.
+
+        Returns:
+            Layer name -> reason, for the layers that fell back now: the union of every rank's requests.
+
+        Raises:
+            RuntimeError: when the run has no FP8 (``fp8=None``), or before setup.
+            ValueError: for a name that is not an FP8 layer of ``model``.
+
+        """
+        if self._fp8 is None:
+            raise RuntimeError(
+                f"{self!r}.fallback_layer(...) needs an FP8 run: pass MixedPrecision('bf16-mixed', fp8='tensorwise')"
+                " (or another recipe), and call it after the Trainer or Fabric set the model up."
+            )
+        return self._fp8.fallback_layers(model, requests)
+
+    def fallback_layer(self, model: nn.Module, name: str, reason: str) -> bool:
+        """Return one FP8 layer to bf16 for the rest of the run (:meth:`fallback_layers` with one request).
+
+        .. warning:: One collective under DDP: every rank must call it (or :meth:`fallback_layers`) at the same step.
+
+        Returns:
+            Whether ``name`` fell back now (False when it had fallen back already).
+
+        """
+        return name in self.fallback_layers(model, {name: reason})
 
     @staticmethod
     def _trainer_device_type(module: nn.Module) -> str:
@@ -713,6 +839,7 @@ class MixedPrecision(LightningMixedPrecision):
             "precision": _mixed(self.precision),
             "opt_level": self._policy.opt_level,
             "policy": self._policy.state_dict(),
+            **({"fp8": self._fp8.state_dict()} if self._fp8 is not None else {}),
         }
 
     @override
@@ -755,6 +882,8 @@ class MixedPrecision(LightningMixedPrecision):
         else:
             self._loss_scaler.load_state_dict(scaler_state)
         self._policy.load_state_dict(state_dict.get("policy", {}))
+        if self._fp8 is not None:
+            self._fp8.load_state_dict(state_dict.get("fp8", {}))
         if self._engine is not None:
             self._engine.state_loaded()
 
@@ -816,7 +945,10 @@ class MixedPrecision(LightningMixedPrecision):
         """
         if self._policy is not None:
             self._policy.teardown()
+        if self._fp8 is not None:
+            self._fp8.teardown()
         self._policy = None
+        self._fp8 = None
         self._loss_scaler = None
         self._engine = None
         self._run_ended = False
@@ -851,6 +983,8 @@ class MixedPrecision(LightningMixedPrecision):
             self._engine.teardown()
         if self._policy is not None:
             self._policy.teardown()
+        if self._fp8 is not None:
+            self._fp8.teardown()
         super().teardown()
 
     def __repr__(self) -> str:
@@ -871,7 +1005,7 @@ def _check_plugin_state(state_dict: Any) -> None:
             f"The checkpoint's MixedPrecision state holds {state_dict!r}; expected a dict, as"
             " MixedPrecision.state_dict() returns (or torch's GradScaler.state_dict()). The checkpoint is damaged."
         )
-    for key, allowed in (("scaler", "the loss scaler's state"), ("policy", "the opt level's state")):
+    for key, allowed in (("scaler", "the loss scaler's state"), ("policy", "the opt level's state"), ("fp8", "FP8's")):
         if key in state_dict and not isinstance(state_dict[key], dict):
             raise ValueError(
                 f"The checkpoint's MixedPrecision state has {key!r}={state_dict[key]!r}; expected a dict ({allowed})."
