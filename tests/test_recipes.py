@@ -25,7 +25,6 @@ from tests.recipes import (
     Level,
     Outcome,
     fp32_reference,
-    half_parameters_skipped_by_fused_sgd,
     relative_change_errors,
 )
 
@@ -35,26 +34,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*keep_fp32"),
 ]
 
-SGD_RECIPES = [name for name in RECIPES if name not in ADAM_RECIPES]
-FUSED_SGD_SKIPS_HALF_BLOCKS = half_parameters_skipped_by_fused_sgd()
-"""Whether this torch is one whose fused CPU SGD kernel skips half-precision blocks (defect 4 shows only there)."""
-KNOWN_DEFECTS: dict[tuple[str, str], str] = {
-    ("step_every_n", "*-O2"): "issue 28 defect 1: O2 zero_grad does not discard the closures' unstepped gradients",
-    ("*_discarded_*", "*-O2"): "issue 28 defect 1: O2 optimizer.zero_grad() does not discard a backward's gradients",
-    ("backbone_finetuning_no_*", "*-O2"): "issue 28 defect 2: O2 + BackboneFinetuning KeyError with no evaluation",
-    ("trainer_then_fabric", "*"): "issue 28 defect 3: a plugin reused Trainer -> Fabric keeps scale and counters",
-    ("tied_weights_keep_*", "*-O2"): "issue 28 defect 5: O2 keep_fp32 on one side of a tied weight splits the tie",
-    ("stochastic_weight_averaging", "*-O2"): (
-        "O2 shows the half twins at the first on_train_epoch_start, where SWA takes its first sample: the average"
-        " starts from the initial weights rounded to half"
-    ),
-    **{
-        (recipe, "*-O3"): "issue 28 defect 4: O3 + SGD on the CPU never moves a weight of 16 elements or more (torch's"
-        " fused SGD skips half blocks)"
-        for recipe in SGD_RECIPES
-        if FUSED_SGD_SKIPS_HALF_BLOCKS
-    },
-}
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 """(recipe pattern, level id pattern) -> why that cell fails today; the patterns are ``fnmatch``'s."""
 
 FAST_LEVELS = frozenset({"fp16-O2", "bf16-lean"})
