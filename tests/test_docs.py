@@ -30,6 +30,7 @@ from lightning_mp.callbacks import (
     LossScaleMonitor,
     PrecisionSentinel,
 )
+from lightning_mp.fp8.convert import fp8_unavailable
 from lightning_mp.settings import PluginSettings
 from tests.helpers import TinyRegressor, loader, make_trainer, read_events
 
@@ -159,6 +160,8 @@ def test_every_guide_block_runs(
 ) -> None:
     """Each Python block of the user guide runs as written, given what it names of the reader's (a tiny model, its
     data, an optimizer, a batch); a Trainer it builds trains two steps with the block's plugin and callbacks."""
+    if page.name == "fp8.md" and (missing := fp8_unavailable()):
+        pytest.skip(f"the FP8 guide's blocks need the fp8 extra: {missing}")
     monkeypatch.chdir(tmp_path)  # blocks write checkpoints and logs into the working directory
     monkeypatch.setattr(L, "Trainer", QuietTrainer)
     model = TinyRegressor()
@@ -188,7 +191,7 @@ def test_few_guide_blocks_are_not_run() -> None:
         for text_line in page.read_text().splitlines()
         if (match := NOT_RUN.match(text_line.strip()))
     ]
-    assert len(reasons) <= 4
+    assert len(reasons) <= 5
     assert all(len(reason.split()) >= 2 for reason in reasons)
     assert len(GUIDE_BLOCKS) >= 10
 
