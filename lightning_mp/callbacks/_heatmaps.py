@@ -91,4 +91,4 @@ def render_heatmap(
 
     """
     canvas = heatmap_figure(style, layers, steps, values).canvas
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()  # type: ignore[attr-defined]
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()  # type: ignore[attr-defined]  # Agg canvas; FigureCanvasBase lacks it
