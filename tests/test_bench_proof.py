@@ -12,11 +12,14 @@ import pytest
 import torch
 
 from lightning_mp import bench
+from lightning_mp.bench.configurations import CONFIGURATIONS
 from lightning_mp.bench.proof import PARTS, Part, run_parts
-from lightning_mp.bench.proof_figures import Target, judge
+from lightning_mp.bench.proof_figures import FIGURES, Target, fp8_skip_reason, judge, skipped_figure
 from lightning_mp.bench.proof_report import NOT_GPU, render_markdown
 from lightning_mp.bench.smoke_matrix import PRECISION_LEVELS
-from lightning_mp.bench.timing import RunResult
+from lightning_mp.bench.timing import RunResult, RunSpec, run_configuration
+from lightning_mp.bench.workloads import WORKLOADS
+from lightning_mp.fp8.convert import fp8_layer_names
 
 SMOKE_BUDGET_SECONDS = 55
 
@@ -190,3 +193,48 @@ def test_bad_budget_is_refused_naming_the_flag(tmp_path: Path, capsys: pytest.Ca
     with pytest.raises(SystemExit):
         bench.main(["gpu-proof", "--budget", "0", "--out", str(tmp_path)])
     assert "--budget must be a number of seconds above 0, got 0.0" in capsys.readouterr().err
+
+
+FP8_SKIP = fp8_skip_reason("cpu")
+
+
+@pytest.mark.skipif(FP8_SKIP is not None, reason=f"the FP8 mode cannot run here: {FP8_SKIP}")
+def test_the_fp8_figure_runs_the_fp8_mode_and_bare_torchao_on_the_same_layers() -> None:
+    """The FP8 figure's tiny shape converts layers in both FP8 setups, and bare torchao on the layers the FP8 mode
+    chooses computes the FP8 mode's very losses (so its step-time target compares like with like), unlike bf16."""
+    figure = next(figure for figure in FIGURES if figure.name == "fp8-lm-1b")
+    spec = RunSpec(workload=figure.workload, size="tiny", warmup=1, steps=2)
+    losses = {name: run_configuration(name, spec) for name in ("O1-bf16", "fp8-tensorwise", "torchao-tensorwise")}
+    assert all(result.error is None for result in losses.values()), {n: r.error for n, r in losses.items()}
+    assert losses["fp8-tensorwise"].final_loss == losses["torchao-tensorwise"].final_loss
+    assert losses["fp8-tensorwise"].final_loss != losses["O1-bf16"].final_loss
+    network = WORKLOADS[figure.workload].tiny.build()
+    CONFIGURATIONS["torchao-tensorwise"].prepare_network(network)  # type: ignore[misc]
+    # The first and the last linear layer stay bf16 by default; the others of the tiny shape run FP8.
+    assert len(fp8_layer_names(network)) == sum(isinstance(m, torch.nn.Linear) for m in network.modules()) - 2 > 0
+
+
+def test_a_figure_that_cannot_run_is_reported_skipped_with_its_reason() -> None:
+    """Without torchao or an FP8 GPU the FP8 figure is listed as skipped, with the reason, and judges no target."""
+    figure = next(figure for figure in FIGURES if figure.needs_fp8)
+    stamp = {"device": "cuda", "gpu": "NVIDIA A100", "driver": "1", "torch": "2.13.0", "cuda": "12.8"}
+    stamp |= {"lightning": "2.6.6", "lightning_mp": "0.1.0", "python": "3.11"}
+    record = {**skipped_figure(figure, "needs compute capability >= 8.9; NVIDIA A100 has 8.0"), "stamp": stamp}
+    part = {"name": "figures", "title": "the paired figures", "status": "passed", "reason": "", "box_seconds": 1.0}
+    part |= {"wall_seconds": 1.0, "exit_code": 0, "log_tail": [], "records": [record]}
+    report = {"date": "2026-01-31", "command": "c", "stamp": stamp, "budget_seconds": 540.0, "wall_seconds": 9.0}
+    report |= {"smoke": False, "device": "cuda", "parts": [part]}
+    markdown = render_markdown(report)
+    assert f"#### {figure.name}: {figure.title}\n\nSkipped: needs compute capability >= 8.9; NVIDIA A100 has 8.0" in (
+        markdown
+    )
+    assert "## Targets" not in markdown
+
+
+def test_the_figures_flag_names_the_figures_the_part_measures(capsys: pytest.CaptureFixture) -> None:
+    """`--figures` takes figure names only, so that a slot can be spent on the FP8 figure alone."""
+    args = bench.proof.parse_proof_args(["--out", "x", "--device", "cpu", "--figures", "fp8-lm-1b"])
+    assert args.figures == ["fp8-lm-1b"]
+    with pytest.raises(SystemExit):
+        bench.proof.parse_proof_args(["--out", "x", "--figures", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err

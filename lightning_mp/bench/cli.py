@@ -68,7 +68,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--workload",
         nargs="+",
-        choices=[MARKOV, *GPU_WORKLOADS],
+        choices=[MARKOV, *WORKLOADS],
         help=f"what to train (default: {MARKOV} on the CPU, {', '.join(GPU_WORKLOADS)} on CUDA)",
     )
     parser.add_argument(
@@ -83,6 +83,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--optimizer", choices=OPTIMIZER_KINDS, help="AdamW implementation of the GPU workloads (default: their own)"
     )
     parser.add_argument("--compile", action="store_true", help="compile the model's forward with torch.compile")
+    parser.add_argument(
+        "--compile-blocks",
+        action="store_true",
+        help="compile each transformer block of the GPU language models instead (alike blocks share one graph)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 20, quick 8)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 3, quick 2)")
     parser.add_argument(
@@ -213,12 +218,14 @@ def run_spec(args: argparse.Namespace, workload: str) -> RunSpec:
         batch_size=args.batch_size,
         optimizer=args.optimizer,
         compile=args.compile,
+        compile_blocks=args.compile_blocks,
     )
 
 
 def model_description(spec: RunSpec) -> str:
     """The model of ``spec`` in words, for the report's header."""
     compiled = ", under torch.compile" if spec.compile else ""
+    compiled = ", each block under torch.compile" if spec.compile_blocks else compiled
     if spec.workload == MARKOV:
         return f"TinyTransformerLM, size {spec.size!r} ({SIZES[spec.size].describe()}){compiled}"
     workload = WORKLOADS[spec.workload]

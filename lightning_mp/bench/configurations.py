@@ -9,7 +9,11 @@ compares a monitored setup with the same setup without monitors). Three families
   (``torch.set_float32_matmul_precision("high")``, CUDA only), and Lightning's ``16-mixed``, ``bf16-mixed`` and
   ``bf16-true``;
 - :class:`~lightning_mp.MixedPrecision` at opt levels O1, O2 and lean, in fp16 and bf16;
-- O1 with the package's monitors attached, logging to TensorBoard: what watching the training costs.
+- O1 with the package's monitors attached, logging to TensorBoard: what watching the training costs;
+- FP8 (CUDA GPUs of compute capability 8.9 and up, or the CPU's emulation; needs torchao): the package's FP8 mode
+  (``MixedPrecision("bf16-mixed", fp8=recipe)``), the same with its :class:`~lightning_mp.fp8.telemetry.FP8Monitor`
+  sampling every 50 steps, and bare torchao (``convert_to_float8_training`` on the same layers, under Lightning's
+  ``bf16-mixed``): the reference the FP8 mode must keep up with.
 
 Most CPUs multiply fp16 far more slowly than fp32, so the fp16 setups are ``cuda_only``: left out of the CPU's
 defaults (``--configs`` can still ask for them).
@@ -24,6 +28,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from torch import nn
 
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
 from lightning_mp.plugin import MixedPrecision, PrecisionName
@@ -47,6 +52,8 @@ class Configuration:
         cuda_only: left out of the defaults on the CPU, where it would only measure emulation.
         float32_matmul: ``"highest"`` turns TF32 off for matrix products and cuDNN convolutions during the run,
             ``"high"`` turns it on; None leaves torch's settings as they are.
+        prepare_network: changes the freshly built network in place before it is compiled and trained (None:
+            nothing); bare torchao converts its layers here.
 
     """
 
@@ -56,6 +63,7 @@ class Configuration:
     builtin: str
     cuda_only: bool = False
     float32_matmul: Float32Matmul | None = None
+    prepare_network: Callable[[nn.Module], None] | None = None
 
 
 @contextlib.contextmanager
@@ -103,6 +111,37 @@ def _four_monitors(precision: PrecisionName, opt_level: str) -> Callable[[], dic
     return arguments
 
 
+FP8_MONITOR_EVERY_N_STEPS = 50
+"""How often the monitored FP8 configuration samples its layers: the cadence the FP8 telemetry's cost target names."""
+
+
+def _fp8_plugin(recipe: str, monitored: bool = False) -> Callable[[], dict[str, Any]]:
+    def arguments() -> dict[str, Any]:
+        # Imported here: the FP8 mode needs torchao, an optional dependency the other configurations do not.
+        from lightning_mp.fp8.telemetry import FP8Monitor
+
+        plugins = [MixedPrecision("bf16-mixed", fp8=recipe)]
+        if not monitored:
+            return {"plugins": plugins}
+        return {"plugins": plugins, "callbacks": [FP8Monitor(every_n_steps=FP8_MONITOR_EVERY_N_STEPS)]}
+
+    return arguments
+
+
+def _torchao_layers(recipe: str) -> Callable[[nn.Module], None]:
+    """Bare torchao: its ``convert_to_float8_training`` on the layers the FP8 mode would choose (same matmuls)."""
+
+    def convert(network: nn.Module) -> None:
+        from lightning_mp.fp8.convert import convert_to_fp8
+        from lightning_mp.fp8.selection import select_fp8_layers
+        from lightning_mp.fp8.settings import FP8Settings
+
+        settings = FP8Settings(recipe)
+        convert_to_fp8(network, settings, select_fp8_layers(network, settings).fp8)
+
+    return convert
+
+
 CONFIGURATIONS: dict[str, Configuration] = {
     config.name: config
     for config in (
@@ -139,6 +178,26 @@ CONFIGURATIONS: dict[str, Configuration] = {
             _four_monitors("16-mixed", "O1"),
             "lightning-fp16",
             cuda_only=True,
+        ),
+        Configuration(
+            "fp8-tensorwise", 'MixedPrecision bf16, O1, fp8="tensorwise"', _fp8_plugin("tensorwise"), "lightning-bf16"
+        ),
+        Configuration(
+            "fp8-rowwise", 'MixedPrecision bf16, O1, fp8="rowwise"', _fp8_plugin("rowwise"), "lightning-bf16"
+        ),
+        Configuration(
+            "fp8-tensorwise+monitor",
+            f"fp8-tensorwise with FP8Monitor sampling every {FP8_MONITOR_EVERY_N_STEPS} steps",
+            _fp8_plugin("tensorwise", monitored=True),
+            "lightning-bf16",
+        ),
+        Configuration(
+            "torchao-tensorwise",
+            'Lightning precision="bf16-mixed", the same layers converted by torchao\'s convert_to_float8_training'
+            ' ("tensorwise")',
+            _builtin("bf16-mixed"),
+            "lightning-bf16",
+            prepare_network=_torchao_layers("tensorwise"),
         ),
     )
 }

@@ -10,7 +10,8 @@ always leaves a report. It runs four parts, each in a child process with its own
    is known (:mod:`~lightning_mp.bench.outcome_log`);
 3. ``fsdp``: FSDP1 and FSDP2 on one GPU, the FSDP cases of ``tests/cuda``, where part 2 did not reach them (when
    part 2 ran to its end, they ran there and this part is skipped);
-4. ``figures``: the paired figures and their targets (:mod:`~lightning_mp.bench.proof_figures`).
+4. ``figures``: the paired figures and their targets (:mod:`~lightning_mp.bench.proof_figures`), FP8's last;
+   ``--figures NAME ...`` measures only those (``--parts figures --figures fp8-lm-1b`` spends a slot on FP8).
 
 **Time boxes.** The budget counts from the start of this process (its imports included); a few seconds are kept
 for the report (:data:`RESERVE_SECONDS`), and the rest is shared out as the parts run (:func:`part_box`): each box
@@ -66,7 +67,7 @@ import torch
 
 import lightning_mp
 from lightning_mp.bench.machine import machine_description
-from lightning_mp.bench.proof_figures import FIGURES, run_figure
+from lightning_mp.bench.proof_figures import FIGURES, fp8_skip_reason, run_figure, skipped_figure
 from lightning_mp.bench.proof_report import render_markdown
 from lightning_mp.bench.smoke_matrix import QUICK_SMOKE_STEPS, SMOKE_STEPS, run_matrix, smoke_cases
 
@@ -321,8 +322,18 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def run_part(name: str, device: str, smoke: bool, records_path: Path, deadline: float) -> int:
-    """A child's work: run part ``name`` (``versions-smoke`` or ``figures``), one JSON line per result."""
+def run_part(
+    name: str,
+    device: str,
+    smoke: bool,
+    records_path: Path,
+    deadline: float,
+    figure_names: Sequence[str] | None = None,
+) -> int:
+    """A child's work: run part ``name`` (``versions-smoke`` or ``figures``), one JSON line per result.
+
+    ``figure_names`` limits the figures part to those figures (None: all of them).
+    """
     _quiet()
     cut = False
     with records_path.open("a") as records:
@@ -339,8 +350,16 @@ def run_part(name: str, device: str, smoke: bool, records_path: Path, deadline: 
                 emit(case)
                 cut = cut or case["outcome"] == "cut"
         else:
-            figures = [figure for figure in FIGURES if figure.smoke_configurations or not smoke]
+            figures = [
+                figure
+                for figure in FIGURES
+                if (figure.smoke_configurations or not smoke) and (figure_names is None or figure.name in figure_names)
+            ]
             for index, figure in enumerate(figures):
+                skip = fp8_skip_reason(device) if figure.needs_fp8 else None
+                if skip is not None:
+                    emit({**skipped_figure(figure, skip), "stamp": stamp})
+                    continue
                 left = deadline - time.time()
                 share = figure.share / sum(later.share for later in figures[index:])
                 result = run_figure(figure, device, smoke, time.time() + left * share)
@@ -354,7 +373,7 @@ def _repository_root() -> Path:
     return Path(lightning_mp.__file__).resolve().parents[1]
 
 
-def _builders(device: str, smoke: bool) -> dict[str, CommandBuilder]:
+def _builders(device: str, smoke: bool, figure_names: Sequence[str] | None = None) -> dict[str, CommandBuilder]:
     root = _repository_root()
     pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "lightning_mp.bench.outcome_log", "-q"]
     # On the CPU the CUDA cases skip and the CPU halves of the suite's fast loop run: the path, not the GPU.
@@ -364,6 +383,8 @@ def _builders(device: str, smoke: bool) -> dict[str, CommandBuilder]:
         def build(records: Path, deadline: float, done: list[dict[str, Any]]) -> list[str] | str:
             command = [sys.executable, "-m", "lightning_mp.bench", COMMAND, "--part", name, "--device", device]
             command += ["--records", str(records), "--deadline", repr(deadline)]
+            if name == "figures" and figure_names is not None:
+                command += ["--figures", *figure_names]
             return [*command, "--smoke"] if smoke else command
 
         return build
@@ -444,6 +465,12 @@ def parse_proof_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--parts", nargs="+", choices=[part.name for part in PARTS], help="run only these parts (default: all four)"
     )
+    parser.add_argument(
+        "--figures",
+        nargs="+",
+        choices=[figure.name for figure in FIGURES],
+        help="the figures part measures only these figures (default: all, in order; fp8-lm-1b last)",
+    )
     parser.add_argument("--render", type=Path, help="render the Markdown of this JSON report again, and exit")
     parser.add_argument("--part", choices=["versions-smoke", "figures"], help=argparse.SUPPRESS)
     parser.add_argument("--records", type=Path, help=argparse.SUPPRESS)
@@ -473,10 +500,10 @@ def main(argv: Sequence[str]) -> int:
         print(render_file(args.render))
         return 0
     if args.part is not None:
-        return run_part(args.part, args.device, args.smoke, args.records, args.deadline)
+        return run_part(args.part, args.device, args.smoke, args.records, args.deadline, args.figures)
     start = process_start_time()
     started = datetime.datetime.fromtimestamp(start, datetime.timezone.utc)
-    builders = _builders(args.device, args.smoke)
+    builders = _builders(args.device, args.smoke, args.figures)
     selected = [part for part in PARTS if args.parts is None or part.name in args.parts]
     with tempfile.TemporaryDirectory(prefix="gpu-proof-") as scratch:
         parts = run_parts(

@@ -19,7 +19,14 @@ The targets (:data:`FIGURES`):
   ``bf16-true``), with fused and with foreach AdamW, on the launch-bound LM; counts are deterministic, so one run
   each;
 - the four monitors, logging every 10 steps, on the LM (+3% at most) and on the launch-bound LM (+10%), on the
-  mean step, which includes the logging steps.
+  mean step, which includes the logging steps;
+- FP8 on the 1B-parameter LM (seq 2048, fused AdamW, each block compiled), last, as the least urgent: the FP8 mode's
+  ``"tensorwise"`` at least 1.15x bf16 O1's tokens/s (a step time at most 0.87x) and within 2% of bare torchao on
+  the same layers; its peak memory no higher than O1's; :class:`~lightning_mp.fp8.telemetry.FP8Monitor` sampling
+  every 50 steps at most +2% on the mean step; host syncs per non-logging step no more than bare torchao's, with and
+  without the monitor; ``"rowwise"`` reported beside them. It needs torchao and, on CUDA, compute capability 8.9 or
+  more: without either it is skipped with the reason. Its 1B model takes minutes to compile and run, more than a
+  full proof leaves it: ``--figures fp8-lm-1b`` runs it alone.
 
 A step-time ratio is the median over the repeats of the configuration's median step over its reference's in the
 same repeat (:func:`~lightning_mp.bench.timing.paired_ratios`, inverted); a peak-memory ratio compares the
@@ -97,6 +104,10 @@ class Figure:
     share: float = 1.0
     smoke_configurations: tuple[str, ...] = ()
     """The configurations ``--smoke`` runs (empty: the figure is left out of smoke runs)."""
+    compile_blocks: bool = False
+    """Compile each transformer block on CUDA (the CPU's smoke runs stay eager: compiling there only costs time)."""
+    needs_fp8: bool = False
+    """Runs the FP8 mode: skipped, with the reason, where torchao or an FP8-capable device is missing."""
 
 
 _SYNC_CONFIGURATIONS = (
@@ -180,8 +191,49 @@ FIGURES: tuple[Figure, ...] = (
     _sync_figure("foreach"),
     _monitor_figure("lm-200m"),
     _monitor_figure("lm-small"),
+    Figure(
+        "fp8-lm-1b",
+        "1B-parameter LM (seq 2048, batch 4, fused AdamW, each block compiled): FP8 against bf16 O1 and bare torchao",
+        "lm-1b",
+        ("O1-bf16", "fp8-tensorwise", "torchao-tensorwise", "fp8-tensorwise+monitor", "fp8-rowwise"),
+        (
+            Target("step", "fp8-tensorwise", "O1-bf16", 0.87),
+            Target("step", "fp8-tensorwise", "torchao-tensorwise", 1.02),
+            Target("peak", "fp8-tensorwise", "O1-bf16", 1.0),
+            Target("mean-step", "fp8-tensorwise+monitor", "fp8-tensorwise", 1.02),
+            Target("syncs", "fp8-tensorwise", "torchao-tensorwise"),
+            Target("syncs", "fp8-tensorwise+monitor", "torchao-tensorwise"),
+        ),
+        optimizer="fused",
+        # 50 timed steps hold one of the monitor's samples; the sync steps after them hold none.
+        steps=50,
+        sync_steps=5,
+        share=0.1,
+        smoke_configurations=("O1-bf16", "fp8-tensorwise", "torchao-tensorwise", "fp8-tensorwise+monitor"),
+        compile_blocks=True,
+        needs_fp8=True,
+    ),
 )
 """The figures the GPU proof measures, in the order it measures them."""
+
+
+def fp8_skip_reason(device: str) -> str | None:
+    """Why the FP8 figure cannot run on ``device`` here (torchao missing or too old, a GPU without FP8), or None."""
+    from lightning_mp.fp8.convert import check_fp8_device, fp8_unavailable
+
+    reason = fp8_unavailable()
+    if reason is not None:
+        return reason
+    try:
+        check_fp8_device("gpu-proof", "tensorwise", device)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def skipped_figure(figure: Figure, reason: str) -> dict[str, Any]:
+    """The record of a figure that was not run, and why."""
+    return {"kind": "figure", "name": figure.name, "title": figure.title, "skipped": reason, "cut": False}
 
 
 def figure_spec(figure: Figure, device: str, smoke: bool) -> RunSpec:
@@ -197,6 +249,7 @@ def figure_spec(figure: Figure, device: str, smoke: bool) -> RunSpec:
         # The tiny shape's batch stays tiny: the batch size is part of what makes the full shape full.
         batch_size=figure.batch_size if on_gpu else None,
         optimizer=figure.optimizer,
+        compile_blocks=figure.compile_blocks and on_gpu,
     )
 
 

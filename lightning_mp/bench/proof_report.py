@@ -70,6 +70,8 @@ def _tests_section(part: dict[str, Any]) -> list[str]:
 
 
 def _figure_section(figure: dict[str, Any]) -> list[str]:
+    if "skipped" in figure:
+        return [f"#### {figure['name']}: {figure['title']}", "", f"Skipped: {figure['skipped']}", ""]
     unit = figure["unit"]
     lines = [
         f"#### {figure['name']}: {figure['title']}",
@@ -127,7 +129,7 @@ def all_targets(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         for part in report["parts"]
         for record in part["records"]
         if record["kind"] == "figure"
-        for target in record["targets"]
+        for target in record.get("targets", [])
     ]
 
 

@@ -87,6 +87,9 @@ class RunSpec:
         batch_size: replaces the GPU workload's batch size (None: its own).
         optimizer: replaces the GPU workload's AdamW implementation (None: its own).
         compile: compiles the model's forward with ``torch.compile`` (``nn.Module.compile``).
+        compile_blocks: compiles each of a GPU language model's transformer blocks instead of the whole forward, as
+            large-model trainers do: the blocks are alike, so they share one compiled graph and the compile time does
+            not grow with the depth.
 
     """
 
@@ -100,6 +103,7 @@ class RunSpec:
     batch_size: int | None = None
     optimizer: OptimizerKind | None = None
     compile: bool = False
+    compile_blocks: bool = False
 
     def shape(self) -> Shape:
         """The GPU workload's shape at this size and batch size."""
@@ -391,10 +395,16 @@ def _train_and_measure(name: str, spec: RunSpec, profile: bool, repeat: int) -> 
             pre_fit = torch.cuda.memory_allocated() / 2**20
         else:
             pre_fit = current_rss_mib()
-        if spec.compile:
+        if config.prepare_network is not None:
+            config.prepare_network(model.network if isinstance(model, WorkloadModule) else model)
+        if spec.compile or spec.compile_blocks:
             # Each run compiles afresh: in one process, earlier runs' graphs would otherwise count towards dynamo's
             # recompile limit, past which it silently runs eagerly.
             torch.compiler.reset()
+        if spec.compile_blocks and isinstance(model, WorkloadModule) and hasattr(model.network, "blocks"):
+            for block in model.network.get_submodule("blocks").children():
+                block.compile()
+        elif spec.compile or spec.compile_blocks:
             # Compiles the module's forward in place: the plugins and Lightning still see the same module tree, and
             # training_step (with its logging) runs eagerly around the compiled forward.
             model.compile()
@@ -462,6 +472,8 @@ def worker_command(name: str, spec: RunSpec, threads: int, result_file: Path, pr
         command += ["--optimizer", spec.optimizer]
     if spec.compile:
         command.append("--compile")
+    if spec.compile_blocks:
+        command.append("--compile-blocks")
     return [*command, "--profile"] if profile else command
 
 

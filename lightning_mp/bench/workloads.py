@@ -12,7 +12,10 @@ The GPU-sized workloads (the default on CUDA) measure work of the size users tra
 - ``resnet50``: ResNet-50 in ``channels_last`` on 224x224 images (batch 64; ``--batch-size 256`` for the large
   batch) with foreach AdamW;
 - ``lm-small``: a launch-bound LM (d_model 256, 2 layers, seq 128, batch 16) with fused AdamW, where the host's
-  work per step, not the matrix products, decides the speed.
+  work per step, not the matrix products, decides the speed;
+- ``lm-1b``: a GPT-like LM of 1.04B parameters (d_model 2048, 18 layers, vocab 32768, seq 2048, batch 4) with fused
+  AdamW, the size at which FP8 matmuls pay off; not among the defaults (the GPU proof's FP8 part trains it). Its
+  tiny shape keeps every linear layer's dimensions multiples of 16, so that the FP8 mode converts layers there too.
 
 Each has a ``tiny`` shape of the same code, which the CPU runs by default, so the whole path is exercised without a
 GPU. Their data is one random batch made on the device once and repeated (:class:`RepeatedBatch`): no loading and
@@ -229,6 +232,13 @@ WORKLOADS: dict[str, Workload] = {
             "fused",
             # Every host call shows in a launch-bound step, so the targets leave more room.
             TimeBudgets(monitors_percent=10.0, builtin_gap_percent=3.0),
+        ),
+        Workload(
+            "lm-1b",
+            "GPT-like LM, 1B",
+            LanguageModelShape(vocab_size=32768, d_model=2048, n_layers=18, n_heads=16, seq_len=2048, batch_size=4),
+            LanguageModelShape(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=16, batch_size=2),
+            "fused",
         ),
     )
 }
