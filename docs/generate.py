@@ -7,7 +7,10 @@ loss spike at step 50) into a temporary log directory, reads the event files bac
 - ``demo-loss-scale.png``: the loss scale, the skipped steps and the training loss, by step, as the
   ``LossScaleMonitor`` logged them;
 - ``demo-sentinel-headroom.png``: the ``PrecisionSentinel``'s per-layer heatmap of fp16 activation headroom, the image
-  the run wrote to TensorBoard, saved as it is.
+  the run wrote to TensorBoard, saved as it is;
+- ``demo-layer-dtypes.png``: the ``LayerDtypeMonitor``'s last table (``precision/layer_dtypes``, a TensorBoard text
+  event) drawn as a grid: one row per layer, a column each for its parameters, its output and its gradients, every
+  cell coloured and labelled by the dtype the run really used.
 
 Nothing is drawn by hand and nothing is downloaded; on a CPU the run takes about a minute.
 
@@ -46,11 +49,14 @@ SCALARS = {
     "precision/skipped_steps_total": ("skipped steps", False),
 }
 HEATMAP = "precision_sentinel/activation_headroom_log2"
+LAYER_DTYPES = "precision/layer_dtypes"
+DTYPE_COLOURS = {"float32": "#4c72b0", "float16": "#dd8452", "bfloat16": "#55a868"}
+"""A colour per dtype; a cell with none (no parameters, not called) is light grey, a mixed one darker grey."""
 
 
 def read_events(log_dir: Path) -> event_accumulator.EventAccumulator:
     """Every scalar and image event under ``log_dir``, loaded in full."""
-    guidance = {event_accumulator.SCALARS: 0, event_accumulator.IMAGES: 0}
+    guidance = {event_accumulator.SCALARS: 0, event_accumulator.IMAGES: 0, event_accumulator.TENSORS: 0}
     accumulator = event_accumulator.EventAccumulator(str(log_dir), size_guidance=guidance)
     accumulator.Reload()
     return accumulator
@@ -91,6 +97,46 @@ def save_heatmap(events: event_accumulator.EventAccumulator, out: Path) -> bool:
     return True
 
 
+def layer_dtype_grid(markdown: str) -> tuple[list[str], list[str], list[list[str]]]:
+    """The rows (``module (type)``), the columns and the cells of a ``LayerDtypeMonitor`` table in Markdown."""
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows, cells = [], []
+    for line in lines[2:]:
+        values = [cell.strip() for cell in line.strip("|").split("|")]
+        rows.append(f"{values[0].strip('`')} ({values[1]})")
+        cells.append(values[2:])
+    return rows, header[2:], cells
+
+
+def plot_layer_dtypes(events: event_accumulator.EventAccumulator, out: Path) -> bool:
+    """The last layer-dtype table the run logged, as a coloured grid; False where the run logged none."""
+    tag = next((tag for tag in events.Tags()["tensors"] if tag.startswith(LAYER_DTYPES)), None)
+    if tag is None:
+        return False
+    table = events.Tensors(tag)[-1]
+    rows, columns, cells = layer_dtype_grid(table.tensor_proto.string_val[0].decode())
+    figure, axis = plt.subplots(figsize=(10, 0.38 * len(rows) + 1.2), layout="constrained")
+    for row, values in enumerate(cells):
+        for column, value in enumerate(values):
+            colour = DTYPE_COLOURS.get(value, "#eeeeee" if value in ("-", "not called") else "#999999")
+            axis.add_patch(plt.Rectangle((column, row), 1, 1, facecolor=colour, edgecolor="white", linewidth=2))
+            dark = value in DTYPE_COLOURS or colour == "#999999"
+            axis.text(column + 0.5, row + 0.5, value, ha="center", va="center", color="white" if dark else "black")
+    axis.set_xlim(0, len(columns))
+    axis.set_ylim(len(rows), 0)
+    axis.set_xticks([column + 0.5 for column in range(len(columns))], columns)
+    axis.xaxis.tick_top()
+    axis.set_yticks([row + 0.5 for row in range(len(rows))], rows)
+    axis.tick_params(length=0)
+    for spine in axis.spines.values():
+        spine.set_visible(False)
+    figure.suptitle(f"LayerDtypeMonitor at step {table.step}: the dtype each layer really used")
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return True
+
+
 def figures() -> None:
     """Run the demo into a temporary directory and write the figures into ``docs/_static``."""
     from lightning_mp import demo
@@ -101,7 +147,13 @@ def figures() -> None:
         events = read_events(next(Path(log_dir).rglob("events.out.tfevents.*")).parent)
         plot_scalars(events, STATIC / "demo-loss-scale.png")
         wrote_heatmap = save_heatmap(events, STATIC / "demo-sentinel-headroom.png")
-    print(f"wrote {STATIC / 'demo-loss-scale.png'}" + (", demo-sentinel-headroom.png" if wrote_heatmap else ""))
+        wrote_dtypes = plot_layer_dtypes(events, STATIC / "demo-layer-dtypes.png")
+    extra = [
+        name
+        for name, wrote in (("demo-sentinel-headroom.png", wrote_heatmap), ("demo-layer-dtypes.png", wrote_dtypes))
+        if wrote
+    ]
+    print(f"wrote {STATIC / 'demo-loss-scale.png'}" + "".join(f", {name}" for name in extra))
 
 
 PERFORMANCE = Path(__file__).resolve().parent / "performance"

@@ -512,3 +512,34 @@ def test_the_knob_table_gives_the_bounds_the_plugin_enforces() -> None:
                 MixedPrecision("16-mixed", **{argument: bound})
             probes += 1
     assert probes == 17
+
+
+def generate_script() -> Any:
+    """``docs/generate.py``, the script that draws the documentation's pictures from a run's TensorBoard events."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate", DOCS / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_layer_dtype_picture_is_drawn_from_the_monitors_tensorboard_table(tmp_path: Path) -> None:
+    """The telemetry page's dtype grid reads the LayerDtypeMonitor's text event of a real run: under fp16 O1 a linear
+    layer shows fp32 parameters and gradients beside an fp16 output, and the picture is a PNG."""
+    generate = generate_script()
+    logger = TensorBoardLogger(tmp_path, name="run")
+    trainer = make_trainer(
+        MixedPrecision("16-mixed"), callbacks=[LayerDtypeMonitor(every_n_steps=1)], logger=logger, max_steps=2
+    )
+    trainer.fit(TinyRegressor(), loader())
+    events = generate.read_events(Path(logger.log_dir))
+    tag = next(tag for tag in events.Tags()["tensors"] if tag.startswith(generate.LAYER_DTYPES))
+    rows, columns, cells = generate.layer_dtype_grid(events.Tensors(tag)[-1].tensor_proto.string_val[0].decode())
+    assert columns == ["parameters", "output", "gradients"]
+    linear_rows = [cell for row, cell in zip(rows, cells, strict=True) if row.endswith("(Linear)")]
+    assert linear_rows and all(cell == ["float32", "float16", "float32"] for cell in linear_rows)
+    picture = tmp_path / "dtypes.png"
+    assert generate.plot_layer_dtypes(events, picture)
+    assert picture.read_bytes().startswith(b"\x89PNG")
