@@ -152,8 +152,9 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
     Takes exactly the arguments of :class:`~lightning_mp.MixedPrecision`, with the same meaning and checks.
 
     Raises:
-        ValueError: for an opt level FSDP cannot run (``O3``, ``lean``, ``lean-kahan``), naming the alternative.
-            Otherwise as :class:`~lightning_mp.MixedPrecision`.
+        ValueError: for an opt level FSDP cannot run (``O3``, ``lean``, ``lean-kahan``), naming the alternative; for
+            ``fp8``, which runs under FSDP2 (``ModelParallelStrategy``) only. Otherwise as
+            :class:`~lightning_mp.MixedPrecision`.
 
     Example::
 
@@ -169,6 +170,13 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
                 " weights in half with no fp32 master, while FSDP keeps fp32 shards as the masters and gathers from"
                 " them. Use opt_level='O2', where FSDP gathers half copies of its fp32 shards (the same half compute),"
                 f" or 'O1'. Allowed: {list(FSDP_OPT_LEVELS)}."
+            )
+        if self.fp8_settings is not None:
+            raise ValueError(
+                f"FSDPMixedPrecision(fp8={self.fp8_settings.recipe!r}) is not allowed: torchao's float8 training"
+                " shards with FSDP2 (fully_shard), not with FSDPStrategy's FSDP1. Use MixedPrecision('bf16-mixed',"
+                f" fp8={self.fp8_settings.recipe!r}) with ModelParallelStrategy and call plugin.fp8_convert(self) in"
+                " configure_model before fully_shard, or drop fp8 to train under FSDPStrategy."
             )
         self._model: nn.Module | None = None
         """The module the strategy wraps (under the Trainer, the LightningModule, whose Trainer holds the root)."""

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
 from lightning_mp import FSDPMixedPrecision, MixedPrecision
 from lightning_mp._compat import TORCH_RELEASE
+from lightning_mp.fp8.convert import fp8_unavailable
 from lightning_mp.plugin import TORCH_SCALER_KEYS
 from tests.ddp_scripts.launch import reports, run
 from tests.helpers import (
@@ -118,6 +119,13 @@ def test_opt_levels_without_fp32_masters_are_refused_with_the_alternative(opt_le
     """O3, lean and lean-kahan keep half weights that FSDP cannot shard as masters: refused, naming O2."""
     with pytest.raises(ValueError, match=rf"opt_level={opt_level!r}.*opt_level='O2'"):
         FSDPMixedPrecision("bf16-mixed", opt_level=opt_level)
+
+
+@pytest.mark.skipif(fp8_unavailable() is not None, reason="the FP8 mode needs torchao at its floor")
+def test_fp8_is_refused_under_fsdp1_naming_fsdp2() -> None:
+    """torchao's float8 training shards with FSDP2 only: FSDPMixedPrecision(fp8=...) is refused with the way there."""
+    with pytest.raises(ValueError, match=r"FSDPMixedPrecision\(fp8='tensorwise'\).*ModelParallelStrategy"):
+        FSDPMixedPrecision("bf16-mixed", fp8="tensorwise")
 
 
 def test_modules_are_created_in_fp32_for_fsdp_to_shard() -> None:
