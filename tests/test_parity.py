@@ -2,8 +2,8 @@
 
 The task is :mod:`lightning_mp.tasks` (a tiny transformer learning a seeded Markov chain: next-token classification),
 scaled down so that half precision, slow on CPUs without AVX512-BF16, stays quick. Validation loss and top-1 accuracy
-are computed with torchmetrics. The test is a short run with a loose bound; run this file as a script for the longer
-run whose numbers docs/performance.md reports::
+are computed with torchmetrics. The test is a short run with a loose bound; the longer run (600 steps) is what
+``python docs/generate.py performance`` records for the performance page, and this file runs it as a script too::
 
     python tests/test_parity.py --steps 600
 """
