@@ -4,6 +4,8 @@
 parameters, :mod:`~lightning_mp.policies.o2.parameters` keeps the pairs, :mod:`~lightning_mp.policies.o2.contexts`
 shows one side or the other around the forward and backward, :mod:`~lightning_mp.policies.o2.overflow` checks fp16's
 range.
+
+Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from lightning_mp.policies.o2.overflow import HalfOverflowError, overflowing_weights

@@ -6,45 +6,36 @@ one difference that keeps Lightning's recipes working: the masters are the model
 between an optimizer step and the next forward the model shows them, so that callbacks, checkpoints and
 ``load_state_dict`` read and write fp32 weights without knowing about O2.
 
-1. ``convert_module`` (before the model moves and before DDP wraps it) gives each chosen fp32 parameter
-   (:mod:`~lightning_mp.policies.o2.selection`) a half model parameter, cast once, and shows it
-   (:mod:`~lightning_mp.policies.o2.parameters`). DDP, wrapped after this, holds the half model parameters: it
-   all-reduces half gradients, half the bytes of O1's. Lazy parameters (``nn.LazyLinear``) compute in fp32 until
-   their first forward materialises them, and are paired at the next forward. The ``keep_fp32`` subtrees run in fp32
-   regions (:mod:`lightning_mp.overrides`) whose hooks are attached here once and removed at teardown.
+1. ``convert_module`` (before the model moves and before DDP wraps it) pairs each chosen fp32 parameter
+   (:mod:`~lightning_mp.policies.o2.selection`) with a half model parameter, cast once
+   (:mod:`~lightning_mp.policies.o2.parameters`), and shows the model parameters: DDP, wrapped after this,
+   all-reduces half gradients. Lazy parameters (``nn.LazyLinear``) compute in fp32 until their first forward
+   materialises them, and are paired at the next forward. The ``keep_fp32`` subtrees run in fp32 regions
+   (:mod:`lightning_mp.overrides`) from here to teardown.
 2. ``connect`` points the optimizer's ``param_groups`` at the masters, as Apex's ``amp.initialize`` does, and moves
    any state it holds; an optimizer built on the model before the conversion (Fabric) holds them already. Under the
-   Trainer, ``connect`` comes after the model was moved and wrapped, and ends by showing the masters: from there to
-   the first training forward the model's parameters are the optimizer's, by identity, as after every step, so that
-   callbacks that match the two (``BackboneFinetuning``, the weight averaging callbacks) work. A group added later
-   with model parameters is pointed at their masters at its first step.
+   Trainer, ``connect`` ends by showing the masters, so that from setup to the first training forward the model's
+   parameters are the optimizer's, by identity, as after every step (``BackboneFinetuning`` and the weight averaging
+   callbacks match the two). A group added later with model parameters is pointed at their masters at its first step.
 3. Forward and backward run in O2's contexts (:mod:`~lightning_mp.policies.o2.contexts`): the model shows the half
    model parameters, and the gradients land on them, in half.
-4. ``prepare_step`` (once per optimizer step, before unscaling, clipping or stepping it, and before a user's own
-   ``scaler.unscale_`` of it) shows the masters and moves the model parameters' gradients into the masters' ``.grad``
-   in fp32, added where a master holds one already. Every waiting gradient moves, also of a parameter that another
-   optimizer steps or none does, so that from the step on the model shows what fp32 training shows: the loss scaler
-   unscales and checks fp32 master gradients, and ``on_before_optimizer_step`` hooks, ``grad_norm`` and clipping see
-   fp32 gradients on ``model.parameters()``. Gradients move at the step, not after each backward: DDP reduces the
-   accumulated ``.grad`` once, at the last micro-batch, so micro-batches accumulate in half (in fp16 the scaled
-   gradients, whose range fits); a step without accumulation loses nothing. A training step that returned None (no
-   backward) is prepared too.
-5. ``after_optimizer_step`` writes the stepped masters into their model parameters in one foreach copy (the one cast
-   per weight per optimizer step) and frees their fp32 gradients. A step the host saw skipped changed no master and
-   writes nothing; one skipped on the device (fused kernels) writes the same values again.
-6. The Trainer and Fabric move the model after ``convert_module``; the masters follow at ``connect`` and at the first
-   forward. ``teardown`` (after fit, and after a failed fit) shows the masters for good, removes every hook and
-   forgets the model: the model is the fp32 model it was, with the same parameter objects.
+4. ``prepare_step`` (once per optimizer step, before unscaling, clipping or stepping it) shows the masters and moves
+   every waiting half gradient into its master's ``.grad`` in fp32. From there on the model shows what fp32 training
+   shows: the loss scaler, ``on_before_optimizer_step``, ``grad_norm`` and clipping see fp32 gradients on
+   ``model.parameters()``. Gradients move at the step, not after each backward, because DDP reduces the accumulated
+   ``.grad`` at the last micro-batch; so micro-batches accumulate in half (in fp16 the scaled gradients, whose range
+   fits).
+5. ``after_optimizer_step`` writes the stepped masters into their model parameters in one foreach copy, the one cast
+   per weight per optimizer step, and frees their fp32 gradients. A step the host saw skipped writes nothing; in
+   fp16 it names the masters beyond fp16's range (:mod:`~lightning_mp.policies.o2.overflow`), which setup refuses too.
+6. ``teardown`` (after fit, and after a failed fit) shows the masters for good and removes every hook: the model is
+   the fp32 model it was, with the same parameter objects.
 
 Memory with AdamW, per parameter: between steps 2 bytes of half model parameter, 4 of master and 8 of moments (fp32
 and O1 keep 16, with their gradients); during backward 2 more of half gradient, at the step 4 of fp32 gradient.
 
 Under ``torch.compile`` of a whole model after ``fabric.setup`` the forward context is traced, and a graph cannot
 change which parameters the model holds: that model computes with its masters under autocast, as in O1.
-
-In fp16 a master beyond fp16's range is refused by name (:mod:`~lightning_mp.policies.o2.overflow`).
-
-Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
