@@ -93,7 +93,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
             "callbacks/precision_sentinel.py",
             "stochastic_rounding.py",
             "counting.py",
-            "policies/o2.py",
+            "policies/o2/parameters.py",
         ),
         'a family: documented in torch\'s reference as "Foreach operations" (beta), spelled with an underscore.'
         " One dispatched op for a whole list of tensors, as torch.optim's foreach implementations use them; the"
@@ -141,16 +141,17 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "Tensor._version",
         "torch",
-        ("policies/o2.py",),
-        "the in-place version counter autograd checks saved tensors against: O2 finds by it the half weights and fp32"
-        " masters edited between steps, to copy each edit to the other side",
+        ("policies/o2/contexts.py", "policies/o2/parameters.py", "policies/o2/policy.py"),
+        "the in-place version counter autograd checks saved tensors against: O2 finds by it the half model parameters"
+        " and fp32 masters edited between steps, to copy each edit to the other side",
     ),
     PrivateName(
         "nn.Module._parameters",
         "torch",
-        ("policies/o2.py",),
-        "O2 swaps each slot between the fp32 master and its half twin at every forward and step; setattr would run two"
-        " Python calls per slot (Module.__setattr__, register_parameter) and keep the parameter order the same",
+        ("policies/o2/contexts.py", "policies/o2/parameters.py", "policies/o2/policy.py", "policies/o2/selection.py"),
+        "O2 swaps each parameter a module holds between the fp32 master and its half model parameter at every forward"
+        " and step; setattr would run two Python calls per holder (Module.__setattr__, register_parameter) and keep the"
+        " parameter order the same",
     ),
     # torch: device, compile and dispatch
     PrivateName(

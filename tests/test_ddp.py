@@ -208,7 +208,7 @@ def test_sync_batchnorm_composes_with_every_opt_level(opt_level, precision, extr
     assert model.norm.running_var.dtype == torch.float32
     assert model.norm.num_batches_tracked.dtype == torch.int64
     assert model.norm.weight.dtype == torch.float32
-    # O3 casts the weights; O2 puts half twins in their place (the fp32 masters go to the optimizer).
+    # O3 casts the weights; O2 puts half model parameters in their place (the fp32 masters go to the optimizer).
     assert model.linear.weight.dtype == (plugin.half_dtype if opt_level in ("O2", "O3") else torch.float32)
     # Lightning's teardown reverts the conversion; the plugin's dtypes survive it.
     reverted = TorchSyncBatchNorm().revert(model)

@@ -612,7 +612,7 @@ def test_clipping_by_value_on_an_overflowing_step_skips_it(precision: str, opt_l
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     module = make_model()
     model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-2, fused=fused))
-    # state_dict(): the weights the optimizer steps (O2's fp32 masters, while the model holds their half twins).
+    # state_dict(): the weights the optimizer steps (O2's fp32 masters, while the model holds their half copies).
     weights = [value.clone() for value in model.state_dict().values()]
     x, y = batch(0)
     fabric.backward(nn.functional.mse_loss(model(x).float(), y))

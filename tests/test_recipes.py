@@ -38,7 +38,7 @@ KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 """(recipe pattern, level id pattern) -> why that cell fails today; the patterns are ``fnmatch``'s."""
 
 FAST_LEVELS = frozenset({"fp16-O2", "bf16-lean"})
-"""The levels every recipe runs at in the fast loop: O2 in fp16 (loss scaling, half twins, fp32 masters) and lean
+"""The levels every recipe runs at in the fast loop: O2 in fp16 (loss scaling, half copies, fp32 masters) and lean
 (bf16 weights, stochastic rounding); the other levels' cells are slow. The planted inf runs at every level in the
 fast loop."""
 

@@ -14,7 +14,7 @@ What combines with FP8, checked when the plugin is built (:func:`check_fp8_combi
   matmuls, and fp16 elsewhere would add an overflow-prone range for nothing. ``"auto"`` and ``"32-true"`` are
   refused too, so that what runs is what was asked for.
 - ``opt_level="O1"`` (fp32 weights, autocast; the FP8 layers cast their fp32 weight to FP8 at each matmul) and
-  ``"O2"`` (bf16 weights with fp32 masters; the FP8 layers cast the bf16 twin). ``O0`` (pure fp32), ``O3`` and the
+  ``"O2"`` (bf16 weights with fp32 masters; the FP8 layers cast the bf16 copy). ``O0`` (pure fp32), ``O3`` and the
   ``lean`` levels (half weights without masters: FP8's coarse steps on top of bf16 weight updates lose them) are
   refused by name.
 

@@ -1,8 +1,8 @@
 """The seam between the plugin and an opt level.
 
-An opt level decides how the module is prepared before training (O3 casts its weights to half, O2 gives them half
-twins and keeps fp32 masters), whether the forward runs under autocast, what else surrounds the forward and the
-backward (O2 puts its half weights in place), what happens around each optimizer step (O2 moves the gradients to
+An opt level decides how the module is prepared before training (O3 casts its weights to half, O2 gives them half model
+parameters and keeps fp32 master parameters), whether the forward runs under autocast, what else surrounds the forward
+and the backward (O2 puts its half weights in place), what happens around each optimizer step (O2 moves the gradients to
 the masters, and the stepped masters back into the half weights), and what it must release when training ends. The
 plugin asks the policy at each of those points instead of branching on the level, so a new level is one new module.
 
