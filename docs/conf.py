@@ -60,7 +60,9 @@ GPU_REPORTS_MARKER = "<!-- gpu-reports -->"
 
 def gpu_reports_markdown() -> str:
     """MyST that includes every committed GPU report (``docs/gpu-results/*.md``), newest name first, or says none is."""
-    reports = sorted(GPU_RESULTS.glob("*.md"), reverse=True) if GPU_RESULTS.is_dir() else []
+    # The folder's README.md says what belongs there; it is no report.
+    found = sorted(GPU_RESULTS.glob("*.md"), reverse=True) if GPU_RESULTS.is_dir() else []
+    reports = [report for report in found if report.name != "README.md"]
     if not reports:
         return "**No GPU report committed yet.** The command above writes the first one."
     blocks = []
