@@ -165,6 +165,8 @@ PARITY_CONFIGURATIONS = (
     ("16-mixed", "O2"),
     ("bf16-mixed", "lean"),
     ("bf16-mixed", "lean-kahan"),
+    # Lightning's own bf16 weights with round-to-nearest updates: what lean's stochastic rounding is compared with.
+    ("bf16-true", "Lightning"),
 )
 PARITY_STEPS = 600
 

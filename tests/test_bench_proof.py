@@ -24,6 +24,7 @@ from lightning_mp.fp8.convert import fp8_layer_names
 SMOKE_BUDGET_SECONDS = 55
 
 
+@pytest.mark.slow  # about a minute by design: CI's main run takes it on every commit
 def test_cpu_smoke_run_writes_a_json_and_markdown_report_within_its_budget(tmp_path: Path) -> None:
     """`gpu-proof --device cpu --smoke` ends within its budget with a report whose Markdown is its JSON's rendering."""
     command = [sys.executable, "-m", "lightning_mp.bench", "gpu-proof", "--device", "cpu", "--smoke"]

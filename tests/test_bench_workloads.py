@@ -69,6 +69,7 @@ def test_resnet_trains_in_channels_last() -> None:
     assert network(images).shape == (shape.batch_size, shape.num_classes) and labels.shape == (shape.batch_size,)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("workload", "unit"), [("lm-small", "tokens"), ("resnet50", "images")])
 def test_gpu_workload_report_has_throughput_peak_and_sync_columns(
     workload: str, unit: str, capsys: pytest.CaptureFixture[str]
@@ -85,6 +86,7 @@ def test_gpu_workload_report_has_throughput_peak_and_sync_columns(
     assert f"({workload}), size 'tiny'" in out and "torch " in out and "lightning " in out
 
 
+@pytest.mark.slow
 def test_a_crashing_configuration_is_a_table_row_and_the_others_still_run(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -83,6 +83,7 @@ def test_a_fused_step_and_update_never_sync_and_still_skip(optimizer_name, mode)
     assert scaler.get_scale() == (256.0 * 2**3 / 2 if mode == "dynamic" else 1.0)  # three growths, one backoff
 
 
+@pytest.mark.slow
 def test_bench_counts_prints_a_markdown_table_of_syncs_and_ops(capsys, tmp_path):
     """python -m lightning_mp.bench --counts --quick prints one row per configuration with each contestant's counts,
     and writes the same report to --out."""
