@@ -58,9 +58,7 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 from __future__ import annotations
 
 import contextlib
-import threading
-import warnings
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -69,63 +67,44 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp._compile import autocast_by_flags, backward_outside_autocast
-from lightning_mp._hardware import choose_precision, device_has_native_bf16, emulated_bf16_warning
 from lightning_mp._knobs import with_knob_docs
 from lightning_mp._scale_rules import SCALER_DEFAULTS, ScalerSettings
 from lightning_mp.engine import FabricEngine, StepEngine, TrainerEngine
-from lightning_mp.fp8.convert import check_fp8_device, require_torchao
+from lightning_mp.fp8.convert import require_torchao
 from lightning_mp.fp8.mode import Fp8Mode, check_fp8_combination
 from lightning_mp.fp8.settings import Fp8Recipe, FP8Settings, fp8_settings_from_argument
-from lightning_mp.policies import POLICIES, SHARDED_POLICIES, PrecisionPolicy
-from lightning_mp.policies.sharded import fsdp2_mixed_precision_policy, refuse_half_weights
-from lightning_mp.scaler import LossScaler, ScalingMode
+from lightning_mp.plugin.checkpoint import (
+    LEGACY_ENTRY_KEY,
+    PLUGIN_ENTRY_KEYS,
+    check_plugin_state,
+    load_run_state,
+    run_state,
+    warn_missing_scaler_state,
+)
+from lightning_mp.plugin.claims import RunClaim
+from lightning_mp.plugin.fp8 import Fp8Methods
+from lightning_mp.plugin.front_ends import attached_trainer, fabric_device_type, trainer_device_type
+from lightning_mp.plugin.resolved import ShownPrecision, follow_device
+from lightning_mp.plugin.run import Run, build_run, fabric_engine, policy_class_for, trainer_engine
+from lightning_mp.policies import PrecisionPolicy
+from lightning_mp.policies.sharded import fsdp2_mixed_precision_policy
+from lightning_mp.scaler import LossScaler
 from lightning_mp.scaling.sharded import has_sharded_parameters
-from lightning_mp.settings import HALF_DTYPES, PRECISIONS, PluginSettings, PrecisionName
+from lightning_mp.settings import HALF_DTYPES, PluginSettings, PrecisionName
 from lightning_mp.stats import PrecisionStats, ScalerView
 
 PLUGIN_DEFAULTS = PluginSettings()
 """The defaults of the plugin's own arguments; the scaler's are :data:`~lightning_mp._scale_rules.SCALER_DEFAULTS`."""
-TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-"""The keys of ``torch.amp.GradScaler.state_dict()``: Lightning's own plugin loads exactly these."""
-PLUGIN_ENTRY_KEYS = ("MixedPrecision", "FSDPMixedPrecision", "FSDPPrecision")
-"""The checkpoint entries that hold a loss scaler's state: this plugin's two forms', and Lightning's FSDPPrecision's."""
-_RUN_CLAIMS = threading.Lock()
-"""Serialises the claims of runs on plugins (:meth:`MixedPrecision._claim_run`)."""
-
-
-def attached_trainer(module: nn.Module | None) -> Any:
-    """The Trainer a LightningModule is attached to; None for Fabric's modules (and no module)."""
-    # Under Fabric, LightningModule.trainer returns a stand-in for the Fabric object rather than None.
-    if not isinstance(module, LightningModule) or module.fabric is not None:
-        return None
-    try:
-        return module.trainer
-    except RuntimeError:  # not attached to a Trainer
-        return None
-
-
-_HALF_WEIGHTS_PRECISION: dict[str, Literal["16-true", "bf16-true"]] = {"16-mixed": "16-true", "bf16-mixed": "bf16-true"}
-"""The precision Lightning sees for a run whose opt level keeps half weights (O3, lean)."""
-
-
-_ASKED_PRECISION: dict[str, str] = {shown: asked for asked, shown in _HALF_WEIGHTS_PRECISION.items()}
-"""The mixed precision behind each ``-true`` name Lightning is shown."""
-
-
-def _mixed(precision: str) -> str:
-    """The mixed precision a run was set up with, also where Lightning is shown its ``-true`` name."""
-    return _ASKED_PRECISION.get(precision, precision)
 
 
 @with_knob_docs(PluginSettings, ScalerSettings)
-class MixedPrecision(LightningMixedPrecision):
+class MixedPrecision(Fp8Methods, LightningMixedPrecision):
     """Mixed-precision training for Lightning: autocast, a dynamic loss scaler that goes past torch's, and counters.
 
     Args:
@@ -188,11 +167,6 @@ class MixedPrecision(LightningMixedPrecision):
 
     """
 
-    # Lightning types both as resolved values; this plugin holds "auto" and None until setup learns the device (its
-    # own hooks read them only after that), and ``requested_precision`` keeps what was asked for.
-    precision: PrecisionName | Literal["16-true", "bf16-true"]  # type: ignore[assignment]
-    device: str | None  # type: ignore[assignment]
-
     def __init__(
         self,
         precision: PrecisionName | str | int = PLUGIN_DEFAULTS.precision,
@@ -242,43 +216,58 @@ class MixedPrecision(LightningMixedPrecision):
         self.settings = settings
         """Every argument, validated (:class:`~lightning_mp.settings.PluginSettings`)."""
         self.requested_precision: PrecisionName = settings.precision
-        self.precision = settings.precision  # resolved at setup when "auto"
-        self.opt_level = settings.opt_level
-        self.device = settings.device
         self.requested_device = settings.device
         """The ``device`` given; None follows the Trainer's accelerator, or under Fabric the model's device."""
+        self.opt_level = settings.opt_level
         self.loss_scale = settings.loss_scale
         self.skip_scheduler_on_overflow = settings.skip_scheduler_on_overflow
         self.keep_fp32 = list(settings.keep_fp32)
-        self.precision_reason = "asked for" if settings.precision != "auto" else ""
-        self._given_loss_scaler = scaler if isinstance(scaler, LossScaler) else None
-        """A LossScaler given as ``scaler=``, used as it is; a torch GradScaler is translated into the settings."""
-        self._loss_scaler: LossScaler | None = None
-        self._policy: PrecisionPolicy | None = None
-        self._pending_state: dict[str, Any] | None = None
-        self._engine: StepEngine | None = None
-        """The step engine of the run, chosen at setup: the Trainer's or Fabric's."""
-        self._run_thread: int | None = None
         self.fp8_settings = fp8_settings_from_argument(type(self).__name__, fp8)
         """The FP8 mode's validated settings; None when the run has no FP8."""
         if self.fp8_settings is not None:
             check_fp8_combination(type(self).__name__, self.fp8_settings, settings.precision, settings.opt_level)
             require_torchao(type(self).__name__, self.fp8_settings.recipe)
-        self._fp8: Fp8Mode | None = None
-        """The run's FP8 layers and fallbacks (:mod:`lightning_mp.fp8.mode`), built at setup."""
+        self._given_loss_scaler = scaler if isinstance(scaler, LossScaler) else None
+        """A LossScaler given as ``scaler=``, used as it is; a torch GradScaler is translated into the settings."""
+        self._run: Run | None = None
+        """The run's resolved setup, opt level, loss scaler and FP8 (:mod:`lightning_mp.plugin.run`), built at setup."""
+        self._engine: StepEngine | None = None
+        """The step engine of the run, chosen at setup: the Trainer's or Fabric's."""
+        self._pending_state: dict[str, Any] | None = None
+        """A state loaded before setup, which the run loads when it is built."""
         self._fp8_before_sharding: Fp8Mode | None = None
         """The FP8 layers :meth:`fp8_convert` converted before FSDP2 sharded the model; the run's from setup on."""
-        """The ident of the thread whose run (a Trainer's fit, or a Fabric loop) the plugin drives now."""
-        self._run_ended = False
-        """Whether the last run was torn down: the next setup (other than a Trainer's validate, test or predict after
-        a fit) starts a new run."""
+        self._claim = RunClaim()
+        """The thread whose run the plugin drives, and whether that run ended (:mod:`lightning_mp.plugin.claims`)."""
 
-    # ------------------------------------------------------------------------------------------------ properties
+    # ------------------------------------------------------------------------------------------------ what it shows
+
+    # Lightning declares ``precision`` and ``device`` as attributes; here both are read from the run's one resolved
+    # setup, or from the settings before setup.
+    @property
+    def precision(self) -> PrecisionName | ShownPrecision:  # type: ignore[override]
+        """What Lightning reads: the precision asked for (maybe ``"auto"``) until setup, then the resolved one.
+
+        Where the opt level keeps half weights (O3, lean) it is named ``"16-true"`` or ``"bf16-true"``.
+        """
+        return self._run.setup.shown_precision if self._run is not None else self.requested_precision
+
+    @property
+    def device(self) -> str | None:  # type: ignore[override]
+        """The device type autocast runs on; before setup the ``device`` given (None: learnt at setup)."""
+        return self._run.setup.device if self._run is not None else self.requested_device
+
+    @property
+    def precision_reason(self) -> str:
+        """Why the precision is what it is: ``"asked for"``, or why ``"auto"`` chose it (empty until it has)."""
+        if self._run is not None:
+            return self._run.setup.reason
+        return "" if self.requested_precision == "auto" else "asked for"
 
     @property
     def half_dtype(self) -> torch.dtype | None:
         """``torch.float16`` or ``torch.bfloat16`` once resolved; None for fp32 (and for "auto" before setup)."""
-        return HALF_DTYPES.get(_mixed(self.precision))
+        return self._run.setup.half_dtype if self._run is not None else HALF_DTYPES.get(self.requested_precision)
 
     # Lightning's plugin stores a writable ``scaler``; here it is a read-only view of the scaler this plugin owns, and
     # Lightning's hooks that use it are overridden.
@@ -290,23 +279,23 @@ class MixedPrecision(LightningMixedPrecision):
         after a step the scaler's own getters still give the scale that step was unscaled with; :attr:`stats` gives
         the one the step leads to.
         """
-        if self._loss_scaler is not None and self._loss_scaler.scales_loss:
-            return self._loss_scaler
+        if self._run is not None and self._run.loss_scaler.scales_loss:
+            return self._run.loss_scaler
         return None
 
     @property
     def scaler_view(self) -> ScalerView:
         """The scaler's overflow counter and settings for telemetry, in every precision; never synchronises."""
-        scaler = self._loss_scaler
-        if scaler is None:
+        if self._run is None:
             return ScalerView()
+        scaler = self._run.loss_scaler
         max_scale = scaler.max_scale if scaler.mode == "dynamic" else None
         return ScalerView(scaler.local_overflow_count, max_scale, scaler.scales_loss)
 
     @property
     def policy(self) -> PrecisionPolicy | None:
         """The opt level's policy object, once set up."""
-        return self._policy
+        return self._run.policy if self._run is not None else None
 
     @property
     def stats(self) -> PrecisionStats:
@@ -316,13 +305,12 @@ class MixedPrecision(LightningMixedPrecision):
         ``fabric.backward`` (:mod:`lightning_mp.engine.fabric`), they count the pending update in without applying
         it; where its inf flag is still on an accelerator, they are one iteration old, as the scale is there.
         """
-        if self._engine is not None and self._loss_scaler is not None:
+        if self._engine is not None:
             return self._engine.stats()
-        if self._loss_scaler is None:
-            scaled = self.precision == "16-mixed" or self.requested_precision == "16-mixed"
-            initial = self.settings.scaler.init_scale if self.loss_scale == "dynamic" else self.loss_scale
-            return PrecisionStats(loss_scale=float(initial) if scaled else 1.0)
-        return self._loss_scaler.stats()
+        if self._run is not None:
+            return self._run.loss_scaler.stats()
+        initial = self.settings.scaler.init_scale if self.loss_scale == "dynamic" else self.loss_scale
+        return PrecisionStats(loss_scale=float(initial) if self.requested_precision == "16-mixed" else 1.0)
 
     def local_overflows(self) -> int:
         """Steps on which this process's own gradients overflowed, before the ranks agreed to skip.
@@ -331,7 +319,7 @@ class MixedPrecision(LightningMixedPrecision):
 
         .. warning:: Under DDP this reads a device counter and synchronises; call it on logging steps only.
         """
-        return self._loss_scaler.local_overflows() if self._loss_scaler is not None else 0
+        return self._run.loss_scaler.local_overflows() if self._run is not None else 0
 
     def fsdp2_policy(self, keep_fp32: bool = False) -> MixedPrecisionPolicy:
         """The ``MixedPrecisionPolicy`` to pass to FSDP2's ``fully_shard`` so that it carries out this opt level.
@@ -377,82 +365,35 @@ class MixedPrecision(LightningMixedPrecision):
                 GradScaler built for another device.
 
         """
-        if self._run_ended:
+        if self._claim.ended:
             self._start_new_run()
-        self._build_run(device_type)
+        run = self._ensure_run(device_type)
         if self._engine is None:
-            self._engine = self._trainer_engine()
+            self._engine = trainer_engine(run, self, self.skip_scheduler_on_overflow)
 
-    def _build_run(self, device_type: str, sharded: bool = False) -> None:
-        """Resolve the precision and build the opt level's policy and the loss scaler (:meth:`setup_for_device`).
-
-        A ``sharded`` model (FSDP2) gets the opt level's sharded form where it has one (:data:`SHARDED_POLICIES`).
-        """
-        if self._policy is not None:
-            return
-        self.settings.check_device("MixedPrecision", device_type)
-        self.device = device_type
-        if self.requested_precision == "auto":
-            self.precision, self.precision_reason = choose_precision(device_type, self.opt_level)
-            rank_zero_info(f"lightning_mp: precision='auto' chose {self.precision!r}: {self.precision_reason}.")
-        self.settings.check_resolved("MixedPrecision", self.precision, self.precision_reason)
-        self._warn_about_slow_half(device_type)
-        opt_level = "O0" if self.precision == "32-true" else self.opt_level
-        if sharded:
-            refuse_half_weights(opt_level, self.precision)
-        if self.fp8_settings is not None:
-            check_fp8_device(type(self).__name__, self.fp8_settings.recipe, device_type)
-            self._fp8 = self._fp8_before_sharding or Fp8Mode(self.fp8_settings)
-            self._fp8_before_sharding = None
-        self._policy = self._build_policy(opt_level, sharded)
-        policy_class = type(self._policy)
-        self._loss_scaler = self._build_loss_scaler(device_type, policy_class)
-        if policy_class.half_weights:
-            # Lightning reads ``precision`` for what the weights are (ModelSummary's model size, for one): O3 and
-            # lean keep half weights with no fp32 masters, as its "16-true" and "bf16-true" do.
-            self.precision = _HALF_WEIGHTS_PRECISION[self.precision]
+    def _ensure_run(self, device_type: str, sharded: bool = False) -> Run:
+        """The run, built for ``device_type`` unless it is built already; a state loaded before it is loaded into it."""
+        if self._run is not None:
+            return self._run
+        self._run = build_run(
+            self.settings,
+            device_type,
+            lambda opt_level: self._policy_class(opt_level, sharded),
+            self.keep_fp32,
+            sharded=sharded,
+            given_loss_scaler=self._given_loss_scaler,
+            fp8_settings=self.fp8_settings,
+            fp8_converted=self._fp8_before_sharding,
+        )
+        self._fp8_before_sharding = None
         if self._pending_state is not None:
             pending, self._pending_state = self._pending_state, None
             self.load_state_dict(pending)
+        return self._run
 
-    def _build_policy(self, opt_level: str, sharded: bool = False) -> PrecisionPolicy:
-        """The opt level's policy for this run.
-
-        A model that FSDP2 has sharded already gets the level's sharded form (:data:`SHARDED_POLICIES`: O2 onto
-        FSDP2's own policy); the FSDP form overrides this to map O2 onto FSDP's own half weights.
-        """
-        policy_class = SHARDED_POLICIES.get(opt_level, POLICIES[opt_level]) if sharded else POLICIES[opt_level]
-        return policy_class(self.half_dtype, keep_fp32=self.keep_fp32)
-
-    def _build_loss_scaler(self, device_type: str, policy_class: type[PrecisionPolicy]) -> LossScaler:
-        if self._given_loss_scaler is not None:
-            scaler = self._given_loss_scaler
-            scaler.allow_fp16_gradients = policy_class.half_gradients
-            return scaler
-        mode: ScalingMode = "check"
-        settings = self.settings.scaler
-        if self.precision == "16-mixed" and not self.settings.scaling_disabled:
-            if self.loss_scale != "dynamic":
-                settings = replace(settings, mode="static", init_scale=self.loss_scale)
-            elif policy_class.scales_by_default:
-                mode = "dynamic"
-        if settings.mode != "static":
-            settings = replace(settings, mode=mode)
-        scaler = LossScaler.from_settings(settings, device_type)
-        scaler.allow_fp16_gradients = policy_class.half_gradients
-        return scaler
-
-    def _warn_about_slow_half(self, device_type: str) -> None:
-        if device_type != "cpu" or self.half_dtype is None:
-            return
-        if self.half_dtype is torch.float16:
-            rank_zero_warn(
-                "lightning_mp: fp16 ('16-mixed') on the CPU is real fp16 with a loss scaler, but most CPUs multiply"
-                " fp16 far more slowly than fp32. Use it to test loss scaling; for speed use 'bf16-mixed' on a CPU"
-                " with AVX512-BF16 or AMX."
-            )
-        elif not device_has_native_bf16("cpu"):
-            rank_zero_warn(emulated_bf16_warning(self.requested_precision, self.opt_level, self.precision_reason))
+    def _policy_class(self, opt_level: str, sharded: bool) -> type[PrecisionPolicy]:
+        """The opt level's policy class for this run; the FSDP form maps O2 onto FSDP's own half weights."""
+        return policy_class_for(opt_level, sharded)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -469,178 +410,40 @@ class MixedPrecision(LightningMixedPrecision):
             RuntimeError: when a run in another thread uses the plugin now.
 
         """
-        self._claim_run()
-        previous_run_ended, self._run_ended = self._run_ended, False
+        previous_run_ended = self._claim.claim(self)
         trainer = attached_trainer(module)
         if trainer is not None:
-            if trainer.state.fn == TrainerFn.FITTING and self._policy is not None:
+            if trainer.state.fn == TrainerFn.FITTING and self._run is not None:
                 self._start_new_run()
-            self._build_run(self._trainer_device_type(module), sharded=has_sharded_parameters(module))
+            run = self._ensure_run(trainer_device_type(module), has_sharded_parameters(module))
             if not isinstance(self._engine, TrainerEngine):
-                self._engine = self._trainer_engine()
-            assert self._policy is not None
+                self._engine = trainer_engine(run, self, self.skip_scheduler_on_overflow)
             self._convert_fp8(module)
-            return self._policy.convert_module(module)
-        if self._policy is not None and (
+            return run.policy.convert_module(module)
+        if self._run is not None and (
             previous_run_ended or (isinstance(self._engine, FabricEngine) and self._engine.has_stepped)
         ):
             self._start_new_run()
-        parameter = next(module.parameters(), None)
-        placed = parameter.device.type if parameter is not None else "cpu"
-        # Fabric converts before it moves the model, and tells a plugin nothing of its accelerator: a model still on
-        # the CPU is assumed to go where Fabric's accelerator="auto" would put it, and the first forward confirms it.
-        assumed = placed if placed != "cpu" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self._build_run(self.device or assumed, sharded=has_sharded_parameters(module))
-        assert self._policy is not None and self._loss_scaler is not None
+        run = self._ensure_run(self.requested_device or fabric_device_type(module), has_sharded_parameters(module))
         self._convert_fp8(module)
-        module = self._policy.convert_module(module)
+        module = run.policy.convert_module(module)
         if not isinstance(self._engine, FabricEngine):
-            self._engine = FabricEngine(self._loss_scaler, self._policy, self._follow_model_device)
+            self._engine = fabric_engine(run, self._follow_model_device)
         self._engine.add_module(module)
         return module
-
-    def _convert_fp8(self, module: nn.Module) -> None:
-        """Convert the chosen linear layers to FP8 before the opt level converts the module (O2 finds them there).
-
-        Raises:
-            ValueError: for a model FSDP2 sharded before the plugin saw it: torchao must convert before sharding.
-
-        """
-        if self._fp8 is None or self._fp8.converted(module):
-            return
-        if has_sharded_parameters(module):
-            raise ValueError(
-                f"{self!r} got a model FSDP2 sharded already: torchao converts linear layers before fully_shard, not"
-                " after. Call plugin.fp8_convert(self) first thing in configure_model, before fully_shard (or"
-                " fabric.setup's parallelize_fn)."
-            )
-        if self._fp8.settings.fsdp_float8_all_gather:
-            raise ValueError(
-                f"{self!r} has FP8Settings(fsdp_float8_all_gather=True) on a model FSDP2 does not shard: the float8"
-                " all-gather is FSDP2's. Call plugin.fp8_convert(self) in configure_model before fully_shard, or set"
-                " fsdp_float8_all_gather=False."
-            )
-        self._fp8.convert(module, self.keep_fp32)
-
-    def fp8_convert(self, module: nn.Module) -> nn.Module:
-        """Convert ``module``'s chosen linear layers to FP8 now, for FSDP2: call it before ``fully_shard``.
-
-        torchao's layers must exist before FSDP2 shards their weights (its float8 all-gather wraps them), so under
-        ``ModelParallelStrategy`` the conversion cannot wait for the plugin's own ``convert_module``::
-
-            def configure_model(self):
-                plugin.fp8_convert(self)
-                for block in self.blocks:
-                    fully_shard(block, mp_policy=plugin.fsdp2_policy())
-                fully_shard(self, mp_policy=plugin.fsdp2_policy())
-
-        A sharded model keeps its FP8 layers after fit (it is not a plain model anyway), and its layers cannot fall
-        back mid-run (FSDP2 holds the layer objects); :class:`~lightning_mp.fp8.FP8Settings` ``exclude`` keeps them
-        out from the start.
-
-        Returns:
-            ``module``, converted in place.
-
-        Raises:
-            RuntimeError: when the plugin has no ``fp8``.
-
-        """
-        if self.fp8_settings is None:
-            raise RuntimeError(f"{self!r}.fp8_convert(...) needs fp8: pass MixedPrecision('bf16-mixed', fp8=...).")
-        self._fp8_before_sharding = Fp8Mode(self.fp8_settings)
-        self._fp8_before_sharding.convert(module, self.keep_fp32)
-        return module
-
-    @property
-    def fp8_layers(self) -> list[str]:
-        """Names of the layers that compute in FP8 now (relative to the model the plugin converted); empty without."""
-        return self._fp8.layers if self._fp8 is not None else []
-
-    @property
-    def fp8_fell_back(self) -> dict[str, str]:
-        """Layer name -> reason, for the layers returned to bf16 in this run (a resumed checkpoint's included)."""
-        return dict(self._fp8.fell_back) if self._fp8 is not None else {}
-
-    def fallback_layers(self, model: nn.Module, requests: Mapping[str, str]) -> dict[str, str]:
-        """Return FP8 layers to bf16 for the rest of the run, the same on every rank; see :mod:`lightning_mp.fp8.mode`.
-
-        Each layer becomes a plain ``nn.Linear`` holding the same weight and bias Parameter objects, so the optimizer
-        and its state are untouched. The decision is kept in checkpoints.
-
-        .. warning:: Under DDP this runs one collective and reads it on the host: call it on every rank, at the same
-            step (with an empty ``requests`` where a rank has none), on logging steps only.
-
-        Args:
-            model: the converted model: the LightningModule under the Trainer, the module given to ``fabric.setup``.
-            requests: layer name -> reason, for the layers this rank would return to bf16.
-
-        Returns:
-            Layer name -> reason, for the layers that fell back now: the union of every rank's requests.
-
-        Raises:
-            RuntimeError: when the run has no FP8 (``fp8=None``), or before setup.
-            ValueError: for a name that is not an FP8 layer of ``model``.
-
-        """
-        if self._fp8 is None:
-            raise RuntimeError(
-                f"{self!r}.fallback_layer(...) needs an FP8 run: pass MixedPrecision('bf16-mixed', fp8='tensorwise')"
-                " (or another recipe), and call it after the Trainer or Fabric set the model up."
-            )
-        return self._fp8.fallback_layers(model, requests)
-
-    def fallback_layer(self, model: nn.Module, name: str, reason: str) -> bool:
-        """Return one FP8 layer to bf16 for the rest of the run (:meth:`fallback_layers` with one request).
-
-        .. warning:: One collective under DDP: every rank must call it (or :meth:`fallback_layers`) at the same step.
-
-        Returns:
-            Whether ``name`` fell back now (False when it had fallen back already).
-
-        """
-        return name in self.fallback_layers(model, {name: reason})
-
-    @staticmethod
-    def _trainer_device_type(module: nn.Module) -> str:
-        trainer = attached_trainer(module)
-        if trainer is not None:
-            return trainer.strategy.root_device.type
-        parameter = next(module.parameters(), None)
-        return parameter.device.type if parameter is not None else "cpu"
-
-    def _trainer_engine(self) -> TrainerEngine:
-        assert self._policy is not None and self._loss_scaler is not None
-        return TrainerEngine(self._loss_scaler, self._policy, self, self.skip_scheduler_on_overflow)
 
     def _follow_model_device(self, run_device: str | None) -> str:
         """Autocast where Fabric put the model; refuse a ``device=`` or an ``"auto"`` choice that the run contradicts.
 
-        Returns:
-            The device type to autocast on.
-
         Raises:
-            ValueError: when ``device`` was given and the model is on another device type, or when
-                ``precision="auto"`` chose, for the device assumed at ``fabric.setup``, another precision than it
-                chooses for the model's device.
+            ValueError: as :func:`~lightning_mp.plugin.resolved.follow_device`.
 
         """
-        assert self.device is not None
-        if run_device is None or run_device == self.device:
-            return self.device
-        if self.requested_device is not None:
-            raise ValueError(
-                f"MixedPrecision(device={self.requested_device!r}) does not match Fabric's device: the model runs on"
-                f" {run_device!r}. Leave device=None to follow Fabric, or pass device={run_device!r}."
-            )
-        if self.requested_precision == "auto":
-            choice, _ = choose_precision(run_device, self.opt_level)
-            if choice != _mixed(self.precision):
-                raise ValueError(
-                    f"MixedPrecision(precision='auto') chose {_mixed(self.precision)!r} at fabric.setup for"
-                    f" {self.device!r}, but Fabric runs the model on {run_device!r}, where 'auto' means {choice!r}."
-                    f" Pass MixedPrecision(device={run_device!r}), or the precision itself."
-                )
-        self.device = run_device
+        run = self._run
+        assert run is not None
+        if run_device is None or run_device == run.setup.device:
+            return run.setup.device
+        self._run = replace(run, setup=follow_device(run.setup, self.settings, run_device))
         return run_device
 
     def _steps(self) -> StepEngine:
@@ -669,7 +472,7 @@ class MixedPrecision(LightningMixedPrecision):
 
         """
         if self._engine is None:
-            self.setup_for_device(self._trainer_device_type(model))
+            self.setup_for_device(trainer_device_type(model))
         return self._steps().connect(model, optimizers, lr_schedulers)
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
@@ -687,26 +490,26 @@ class MixedPrecision(LightningMixedPrecision):
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         """Run inside the opt level's forward context (O2: half weights), under autocast when the level uses it."""
-        policy = self._policy
-        if policy is None:
+        run = self._run
+        if run is None:
             yield
             return
         compiling = torch.compiler.is_compiling()
         if self._engine is not None and not compiling:
             self._engine.before_forward()
+        setup, policy = run.setup, run.policy
         # Traced inside a compiled model the level's context is left out: a graph cannot swap O2's weights.
         with contextlib.nullcontext() if compiling else policy.forward_context():
-            if not policy.uses_autocast or self.half_dtype is None:
+            if not policy.uses_autocast or setup.half_dtype is None:
                 yield
                 return
-            assert self.device is not None
             if compiling:
                 # Traced inside a compiled model (torch.compile after fabric.setup): lightning_mp._compile.
-                with autocast_by_flags(self.device, self.half_dtype):
+                with autocast_by_flags(setup.device, setup.half_dtype):
                     yield
                 return
             # Compiled regions differentiate outside autocast, as eager autograd does (lightning_mp._compile).
-            with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False), backward_outside_autocast():
+            with torch.autocast(setup.device, dtype=setup.half_dtype, cache_enabled=False), backward_outside_autocast():
                 yield
 
     @override
@@ -822,25 +625,13 @@ class MixedPrecision(LightningMixedPrecision):
         """The scaler's state (scale, trackers, counters), the precision and the opt level's own state.
 
         The top level also holds torch's five ``GradScaler`` keys, so Lightning's own ``MixedPrecision`` (which reads
-        this entry under the same class name) resumes from it. After a bf16 or fp32 run, which has no fp16 scale,
-        they describe a fresh fp16 scaler.
+        this entry under the same class name) resumes from it (:mod:`lightning_mp.plugin.checkpoint`).
         """
         if self._engine is not None:
             self._engine.settle()
-        if self._loss_scaler is None or self._policy is None:
+        if self._run is None:
             return dict(self._pending_state or {})
-        scaler_state = self._loss_scaler.state_dict()
-        torch_state = {key: scaler_state[key] for key in TORCH_SCALER_KEYS if key in scaler_state}
-        if not self._loss_scaler.scales_loss:
-            torch_state.update(scale=float(self.settings.scaler.init_scale), _growth_tracker=0)
-        return {
-            **torch_state,
-            "scaler": scaler_state,
-            "precision": _mixed(self.precision),
-            "opt_level": self._policy.opt_level,
-            "policy": self._policy.state_dict(),
-            **({"fp8": self._fp8.state_dict()} if self._fp8 is not None else {}),
-        }
+        return run_state(self._run, self.settings.scaler.init_scale)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -854,106 +645,45 @@ class MixedPrecision(LightningMixedPrecision):
                 allowed; checked when it is loaded, before anything changes.
 
         """
-        _check_plugin_state(state_dict)
-        if self._run_ended:
+        check_plugin_state(state_dict)
+        if self._claim.ended:
             # Loaded between two runs: it is the next run's state, which starts as a new plugin would.
             self._start_new_run()
-        if self._loss_scaler is None or self._policy is None:
+        if self._run is None:
             self._pending_state = dict(state_dict)
             return
-        if "scaler" in state_dict:
-            scaler_state, saved_precision = state_dict["scaler"], state_dict.get("precision")
-        elif "scale" in state_dict:
-            scaler_state, saved_precision = state_dict, "16-mixed"
-        else:
-            scaler_state, saved_precision = {}, None
-        if saved_precision == "bf16-mixed" and _mixed(self.precision) == "16-mixed":
-            warnings.warn(
-                "lightning_mp: resuming an fp16 run from a checkpoint written in bf16. Models trained in bf16 often"
-                " have activations beyond fp16's range (65504) and overflow in fp16; consider staying in bf16.",
-                UserWarning,
-                stacklevel=2,
-            )
-        if not scaler_state:
-            self._warn_missing_scaler_state()
-        elif self._loss_scaler.scales_loss and scaler_state.get("mode") == "check":
-            # A bf16 or fp32 checkpoint has no meaningful fp16 scale: keep the counters, start from init_scale.
-            self._loss_scaler.load_state_dict({**scaler_state, "scale": self._loss_scaler.get_scale()})
-        else:
-            self._loss_scaler.load_state_dict(scaler_state)
-        self._policy.load_state_dict(state_dict.get("policy", {}))
-        if self._fp8 is not None:
-            self._fp8.load_state_dict(state_dict.get("fp8", {}))
+        load_run_state(self._run, state_dict)
         if self._engine is not None:
             self._engine.state_loaded()
-
-    def _warn_missing_scaler_state(self) -> None:
-        if self.scaler is not None:
-            warnings.warn(
-                "lightning_mp: the checkpoint holds no loss-scaler state, so the loss scale starts again from"
-                f" init_scale={self.scaler.get_scale():g} instead of the scale the run had reached.",
-                UserWarning,
-                stacklevel=3,
-            )
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore from another form's entry where this form's is missing; warn when there is no scaler state at all.
 
-        Lightning itself then loads this plugin's entry, or the legacy ``native_amp_scaling_state`` key. A checkpoint
-        of the other form (``MixedPrecision`` under DDP, ``FSDPMixedPrecision`` under FSDP) or of Lightning's
-        ``FSDPPrecision`` holds its entry under that class's name (:data:`PLUGIN_ENTRY_KEYS`): it is loaded here, so a
-        run moved between DDP and FSDP resumes at the scale it had.
+        Lightning itself then loads this plugin's entry, or the legacy ``native_amp_scaling_state`` key; another
+        form's entry (:data:`~lightning_mp.plugin.checkpoint.PLUGIN_ENTRY_KEYS`) is loaded here, so a run moved
+        between DDP and FSDP resumes at the scale it had.
         """
-        if type(self).__qualname__ in checkpoint or "native_amp_scaling_state" in checkpoint:
+        if type(self).__qualname__ in checkpoint or LEGACY_ENTRY_KEY in checkpoint:
             return
         entry = next((key for key in PLUGIN_ENTRY_KEYS if key in checkpoint), None)
         if entry is None:
-            self._warn_missing_scaler_state()
+            warn_missing_scaler_state(self.scaler, stacklevel=3)
         else:
             self.load_state_dict(checkpoint[entry])
 
     # ------------------------------------------------------------------------------------------------ runs
-
-    def _claim_run(self) -> None:
-        """Make this thread's run the plugin's one run; a run of another live thread holds it until its teardown.
-
-        Raises:
-            RuntimeError: when another thread's run uses the plugin now: the two would share one scaler and
-                opt level, and corrupt each other's steps.
-
-        """
-        with _RUN_CLAIMS:
-            if self._claimed_by_other_thread():
-                raise RuntimeError(
-                    f"{self!r} is already driving a run in another thread, and one plugin drives one run at a time:"
-                    " its scaler and opt level hold that run's state. Give each Trainer or Fabric its own plugin"
-                    " (copy.deepcopy(plugin) copies the settings), or start this run after the other ended (its"
-                    " teardown)."
-                )
-            self._run_thread = threading.get_ident()
-
-    def _claimed_by_other_thread(self) -> bool:
-        """Whether a run of another thread, still alive, holds the plugin (asked under ``_RUN_CLAIMS``)."""
-        owner = self._run_thread
-        return owner not in (None, threading.get_ident()) and any(t.ident == owner for t in threading.enumerate())
 
     def _start_new_run(self) -> None:
         """Forget the previous run: the next setup builds a fresh opt level, scaler and engine, as a new plugin would.
 
         A ``LossScaler`` given as ``scaler=`` is the caller's object and keeps its state.
         """
-        if self._policy is not None:
-            self._policy.teardown()
-        if self._fp8 is not None:
-            self._fp8.teardown()
-        self._policy = None
-        self._fp8 = None
-        self._loss_scaler = None
+        if self._run is not None:
+            self._run.teardown()
+        self._run = None
         self._engine = None
-        self._run_ended = False
-        self.precision = self.requested_precision
-        self.device = self.requested_device
+        self._claim.ended = False
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle (and deep-copy) the settings and the state; under Fabric, after the pending scale update.
@@ -963,7 +693,7 @@ class MixedPrecision(LightningMixedPrecision):
         """
         if self._engine is not None:
             self._engine.settle()
-        return {**self.__dict__, "_engine": None, "_run_thread": None}
+        return {**self.__dict__, "_engine": None, "_claim": RunClaim(ended=self._claim.ended)}
 
     @override
     def teardown(self) -> None:
@@ -974,52 +704,17 @@ class MixedPrecision(LightningMixedPrecision):
         teardown from another thread than the run's (a second Trainer that was refused the plugin) leaves the run
         alone.
         """
-        with _RUN_CLAIMS:
-            if self._claimed_by_other_thread():
-                return
-            self._run_thread = None
-            self._run_ended = self._policy is not None
+        if not self._claim.release(had_run=self._run is not None):
+            return
         if self._engine is not None:
             self._engine.teardown()
-        if self._policy is not None:
-            self._policy.teardown()
-        if self._fp8 is not None:
-            self._fp8.teardown()
+        if self._run is not None:
+            self._run.teardown()
         super().teardown()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(precision={_mixed(self.precision)!r}, opt_level={self.opt_level!r})"
+        precision = self._run.setup.precision if self._run is not None else self.requested_precision
+        return f"{type(self).__name__}(precision={precision!r}, opt_level={self.opt_level!r})"
 
 
-def _check_plugin_state(state_dict: Any) -> None:
-    """Raise unless ``state_dict`` has the shape of :meth:`MixedPrecision.state_dict` (or torch's GradScaler dict).
-
-    The values inside ``'scaler'`` and ``'policy'`` are checked by the scaler and the opt level that load them.
-
-    Raises:
-        ValueError: naming the field, its value and what is allowed.
-
-    """
-    if not isinstance(state_dict, dict):
-        raise ValueError(
-            f"The checkpoint's MixedPrecision state holds {state_dict!r}; expected a dict, as"
-            " MixedPrecision.state_dict() returns (or torch's GradScaler.state_dict()). The checkpoint is damaged."
-        )
-    for key, allowed in (("scaler", "the loss scaler's state"), ("policy", "the opt level's state"), ("fp8", "FP8's")):
-        if key in state_dict and not isinstance(state_dict[key], dict):
-            raise ValueError(
-                f"The checkpoint's MixedPrecision state has {key!r}={state_dict[key]!r}; expected a dict ({allowed})."
-            )
-    precision = state_dict.get("precision", "auto")
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(
-            f"The checkpoint's MixedPrecision state has 'precision'={precision!r}; expected one of {list(PRECISIONS)}."
-        )
-    opt_level = state_dict.get("opt_level", "O1")
-    if not isinstance(opt_level, str) or opt_level not in POLICIES:
-        raise ValueError(
-            f"The checkpoint's MixedPrecision state has 'opt_level'={opt_level!r}; expected one of {list(POLICIES)}."
-        )
-
-
-__all__ = ["MixedPrecision"]
+__all__ = ["PLUGIN_DEFAULTS", "MixedPrecision"]
