@@ -19,12 +19,17 @@ and starts from ``init_scale``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch.plugins.precision import Precision
+from typing_extensions import override
+
+from lightning_mp.engine import StepEngine
+from lightning_mp.plugin.claims import RunClaim
 from lightning_mp.plugin.run import Run
 from lightning_mp.policies import POLICIES
-from lightning_mp.scaler import LossScaler
-from lightning_mp.settings import PRECISIONS
+from lightning_mp.settings import PRECISIONS, PluginSettings
 
 TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 """The keys of ``torch.amp.GradScaler.state_dict()``: Lightning's own plugin loads exactly these."""
@@ -32,6 +37,69 @@ PLUGIN_ENTRY_KEYS = ("MixedPrecision", "FSDPMixedPrecision", "FSDPPrecision")
 """The checkpoint entries that hold a loss scaler's state: this plugin's two forms', and Lightning's FSDPPrecision's."""
 LEGACY_ENTRY_KEY = "native_amp_scaling_state"
 """The entry older Lightning checkpoints keep the scaler's state in; Lightning restores it itself."""
+
+
+class CheckpointEntry(Precision):
+    """The checkpoint hooks of :class:`~lightning_mp.MixedPrecision`: its entry, loaded before or during a run."""
+
+    settings: PluginSettings
+    _run: Run | None
+    _engine: StepEngine | None
+    _pending_state: dict[str, Any] | None
+    _claim: RunClaim
+    _start_new_run: Callable[[], None]
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (scale, trackers, counters), the precision and the opt level's own state.
+
+        The top level also holds torch's five ``GradScaler`` keys, so Lightning's own ``MixedPrecision`` (which reads
+        this entry under the same class name) resumes from it (:mod:`lightning_mp.plugin.checkpoint`).
+        """
+        if self._engine is not None:
+            self._engine.settle()
+        if self._run is None:
+            return dict(self._pending_state or {})
+        return run_state(self._run, self.settings.scaler.init_scale)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from this plugin's state, or from torch's five-key GradScaler dict (Lightning's own plugin).
+
+        Loaded between two runs (after a ``teardown``), the state is the next run's: that run starts from it instead
+        of from a new plugin's state.
+
+        Raises:
+            ValueError: if the state is malformed (a damaged checkpoint), naming the field, its value and what is
+                allowed; checked when it is loaded, before anything changes.
+
+        """
+        check_plugin_state(state_dict)
+        if self._claim.ended:
+            # Loaded between two runs: it is the next run's state, which starts as a new plugin would.
+            self._start_new_run()
+        if self._run is None:
+            self._pending_state = dict(state_dict)
+            return
+        load_run_state(self._run, state_dict)
+        if self._engine is not None:
+            self._engine.state_loaded()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore from another form's entry where this form's is missing; warn when there is no scaler state at all.
+
+        Lightning itself then loads this plugin's entry, or the legacy ``native_amp_scaling_state`` key; another
+        form's entry (:data:`~lightning_mp.plugin.checkpoint.PLUGIN_ENTRY_KEYS`) is loaded here, so a run moved
+        between DDP and FSDP resumes at the scale it had.
+        """
+        if type(self).__qualname__ in checkpoint or LEGACY_ENTRY_KEY in checkpoint:
+            return
+        entry = next((key for key in PLUGIN_ENTRY_KEYS if key in checkpoint), None)
+        if entry is None:
+            warn_missing_scaler_state(self._run, stacklevel=3)
+        else:
+            self.load_state_dict(checkpoint[entry])
 
 
 def run_state(run: Run, init_scale: float) -> dict[str, Any]:
@@ -67,7 +135,7 @@ def load_run_state(run: Run, state_dict: dict[str, Any]) -> None:
         )
     scaler = run.loss_scaler
     if not scaler_state:
-        warn_missing_scaler_state(scaler if scaler.scales_loss else None, stacklevel=4)
+        warn_missing_scaler_state(run, stacklevel=4)
     elif scaler.scales_loss and scaler_state.get("mode") == "check":
         # A bf16 or fp32 checkpoint has no meaningful fp16 scale: keep the counters, start from init_scale.
         scaler.load_state_dict({**scaler_state, "scale": scaler.get_scale()})
@@ -78,12 +146,12 @@ def load_run_state(run: Run, state_dict: dict[str, Any]) -> None:
         run.fp8.load_state_dict(state_dict.get("fp8", {}))
 
 
-def warn_missing_scaler_state(scaler: LossScaler | None, stacklevel: int) -> None:
-    """Warn that a resumed fp16 run starts from ``init_scale`` again; nothing where nothing is scaled (None)."""
-    if scaler is not None:
+def warn_missing_scaler_state(run: Run | None, stacklevel: int) -> None:
+    """Warn that a resumed run starts from ``init_scale`` again; nothing before setup, nor where nothing is scaled."""
+    if run is not None and run.loss_scaler.scales_loss:
         warnings.warn(
             "lightning_mp: the checkpoint holds no loss-scaler state, so the loss scale starts again from"
-            f" init_scale={scaler.get_scale():g} instead of the scale the run had reached.",
+            f" init_scale={run.loss_scaler.get_scale():g} instead of the scale the run had reached.",
             UserWarning,
             stacklevel=stacklevel,
         )
@@ -124,6 +192,7 @@ __all__ = [
     "LEGACY_ENTRY_KEY",
     "PLUGIN_ENTRY_KEYS",
     "TORCH_SCALER_KEYS",
+    "CheckpointEntry",
     "check_plugin_state",
     "load_run_state",
     "run_state",

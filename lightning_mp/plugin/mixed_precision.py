@@ -7,11 +7,16 @@ call that one accepts, this one accepts with the same meaning; the scaler's knob
 
 or to Fabric, ``Fabric(plugins=[MixedPrecision(...)])``.
 
-The plugin only adapts: it owns the settings, the opt level (:mod:`lightning_mp.policies`) and the loss scaler
-(:mod:`lightning_mp.scaler`), and hands every step hook to one step engine chosen when the model is converted: the
-Trainer's (:mod:`lightning_mp.engine.trainer`) when a Trainer is attached to the model, else Fabric's
-(:mod:`lightning_mp.engine.fabric`). What a step is, and the pieces both engines share, is written once in
-:mod:`lightning_mp.engine.base`. Autocast itself is the plugin's ``forward_context``.
+The plugin only adapts Lightning's ``Precision`` interface. When the Trainer or Fabric sets a run up, it has the
+factory (:mod:`lightning_mp.plugin.run`) build the run in one piece: the setup resolved once for the device
+(:mod:`lightning_mp.plugin.resolved`: ``"auto"``, the opt level that runs, the precision Lightning is shown), the opt
+level's policy (:mod:`lightning_mp.policies`), the loss scaler (:mod:`lightning_mp.scaler`) and FP8. It chooses one
+step engine when the model is converted: the Trainer's (:mod:`lightning_mp.engine.trainer`) when a Trainer is
+attached to the model, else Fabric's (:mod:`lightning_mp.engine.fabric`); every step hook is handed to it
+(:mod:`lightning_mp.plugin.step_hooks`). What a step is, and the pieces both engines share, is written once in
+:mod:`lightning_mp.engine.base`. Autocast itself is the plugin's ``forward_context``. The checkpoint entry is
+:mod:`lightning_mp.plugin.checkpoint`'s, the claim of one run at a time :mod:`lightning_mp.plugin.claims`'s, and what
+the plugin shows of its run (precision, device, scaler, counters) :mod:`lightning_mp.plugin.views`'s.
 
 What happens in a training iteration under the Trainer:
 
@@ -57,54 +62,42 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
-from torch import Tensor, nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp._compile import autocast_by_flags, backward_outside_autocast
 from lightning_mp._knobs import with_knob_docs
 from lightning_mp._scale_rules import SCALER_DEFAULTS, ScalerSettings
 from lightning_mp.engine import FabricEngine, StepEngine, TrainerEngine
 from lightning_mp.fp8.convert import require_torchao
 from lightning_mp.fp8.mode import Fp8Mode, check_fp8_combination
 from lightning_mp.fp8.settings import Fp8Recipe, FP8Settings, fp8_settings_from_argument
-from lightning_mp.plugin.checkpoint import (
-    LEGACY_ENTRY_KEY,
-    PLUGIN_ENTRY_KEYS,
-    check_plugin_state,
-    load_run_state,
-    run_state,
-    warn_missing_scaler_state,
-)
+from lightning_mp.plugin.checkpoint import CheckpointEntry
 from lightning_mp.plugin.claims import RunClaim
 from lightning_mp.plugin.fp8 import Fp8Methods
 from lightning_mp.plugin.front_ends import attached_trainer, fabric_device_type, trainer_device_type
-from lightning_mp.plugin.resolved import ShownPrecision, follow_device
+from lightning_mp.plugin.resolved import follow_device
 from lightning_mp.plugin.run import Run, build_run, fabric_engine, policy_class_for, trainer_engine
+from lightning_mp.plugin.step_hooks import StepHooks
+from lightning_mp.plugin.views import RunViews
 from lightning_mp.policies import PrecisionPolicy
-from lightning_mp.policies.sharded import fsdp2_mixed_precision_policy
 from lightning_mp.scaler import LossScaler
 from lightning_mp.scaling.sharded import has_sharded_parameters
-from lightning_mp.settings import HALF_DTYPES, PluginSettings, PrecisionName
-from lightning_mp.stats import PrecisionStats, ScalerView
+from lightning_mp.settings import PluginSettings, PrecisionName
 
 PLUGIN_DEFAULTS = PluginSettings()
 """The defaults of the plugin's own arguments; the scaler's are :data:`~lightning_mp._scale_rules.SCALER_DEFAULTS`."""
 
 
+# RunViews makes Lightning's writable ``precision``, ``device`` and ``scaler`` read-only views of the run.
 @with_knob_docs(PluginSettings, ScalerSettings)
-class MixedPrecision(Fp8Methods, LightningMixedPrecision):
+class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type: ignore[misc]
     """Mixed-precision training for Lightning: autocast, a dynamic loss scaler that goes past torch's, and counters.
 
     Args:
@@ -240,116 +233,6 @@ class MixedPrecision(Fp8Methods, LightningMixedPrecision):
         self._claim = RunClaim()
         """The thread whose run the plugin drives, and whether that run ended (:mod:`lightning_mp.plugin.claims`)."""
 
-    # ------------------------------------------------------------------------------------------------ what it shows
-
-    # Lightning declares ``precision`` and ``device`` as attributes; here both are read from the run's one resolved
-    # setup, or from the settings before setup.
-    @property
-    def precision(self) -> PrecisionName | ShownPrecision:  # type: ignore[override]
-        """What Lightning reads: the precision asked for (maybe ``"auto"``) until setup, then the resolved one.
-
-        Where the opt level keeps half weights (O3, lean) it is named ``"16-true"`` or ``"bf16-true"``.
-        """
-        return self._run.setup.shown_precision if self._run is not None else self.requested_precision
-
-    @property
-    def device(self) -> str | None:  # type: ignore[override]
-        """The device type autocast runs on; before setup the ``device`` given (None: learnt at setup)."""
-        return self._run.setup.device if self._run is not None else self.requested_device
-
-    @property
-    def precision_reason(self) -> str:
-        """Why the precision is what it is: ``"asked for"``, or why ``"auto"`` chose it (empty until it has)."""
-        if self._run is not None:
-            return self._run.setup.reason
-        return "" if self.requested_precision == "auto" else "asked for"
-
-    @property
-    def half_dtype(self) -> torch.dtype | None:
-        """``torch.float16`` or ``torch.bfloat16`` once resolved; None for fp32 (and for "auto" before setup)."""
-        return self._run.setup.half_dtype if self._run is not None else HALF_DTYPES.get(self.requested_precision)
-
-    # Lightning's plugin stores a writable ``scaler``; here it is a read-only view of the scaler this plugin owns, and
-    # Lightning's hooks that use it are overridden.
-    @property
-    def scaler(self) -> LossScaler | None:  # type: ignore[override]
-        """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup. Reading it changes nothing.
-
-        Under Fabric the scale moves at the next ``fabric.backward`` (:mod:`lightning_mp.engine.fabric`), so right
-        after a step the scaler's own getters still give the scale that step was unscaled with; :attr:`stats` gives
-        the one the step leads to.
-        """
-        if self._run is not None and self._run.loss_scaler.scales_loss:
-            return self._run.loss_scaler
-        return None
-
-    @property
-    def scaler_view(self) -> ScalerView:
-        """The scaler's overflow counter and settings for telemetry, in every precision; never synchronises."""
-        if self._run is None:
-            return ScalerView()
-        scaler = self._run.loss_scaler
-        max_scale = scaler.max_scale if scaler.mode == "dynamic" else None
-        return ScalerView(scaler.local_overflow_count, max_scale, scaler.scales_loss)
-
-    @property
-    def policy(self) -> PrecisionPolicy | None:
-        """The opt level's policy object, once set up."""
-        return self._run.policy if self._run is not None else None
-
-    @property
-    def stats(self) -> PrecisionStats:
-        """Counters as of the last optimizer step, its scale update included. Reading them changes nothing.
-
-        Reading them never synchronises with the device. Under Fabric, whose scale update waits for the next
-        ``fabric.backward`` (:mod:`lightning_mp.engine.fabric`), they count the pending update in without applying
-        it; where its inf flag is still on an accelerator, they are one iteration old, as the scale is there.
-        """
-        if self._engine is not None:
-            return self._engine.stats()
-        if self._run is not None:
-            return self._run.loss_scaler.stats()
-        initial = self.settings.scaler.init_scale if self.loss_scale == "dynamic" else self.loss_scale
-        return PrecisionStats(loss_scale=float(initial) if self.requested_precision == "16-mixed" else 1.0)
-
-    def local_overflows(self) -> int:
-        """Steps on which this process's own gradients overflowed, before the ranks agreed to skip.
-
-        Under DDP every rank skips a step on which any rank overflowed; this count says which rank it was.
-
-        .. warning:: Under DDP this reads a device counter and synchronises; call it on logging steps only.
-        """
-        return self._run.loss_scaler.local_overflows() if self._run is not None else 0
-
-    def fsdp2_policy(self, keep_fp32: bool = False) -> MixedPrecisionPolicy:
-        """The ``MixedPrecisionPolicy`` to pass to FSDP2's ``fully_shard`` so that it carries out this opt level.
-
-        O2 gathers the weights in the half type and reduces gradients in half; O0 and O1 need no cast from FSDP2;
-        O3 and lean are refused on a model sharded before the plugin sees it (under Fabric's ``parallelize_fn``, which
-        shards after the conversion, O3 trains and lean is refused at the first forward; see
-        :mod:`lightning_mp.policies.sharded` for the table and the ``keep_fp32`` recipe)::
-
-            def configure_model(self):
-                for block in self.blocks:
-                    fully_shard(block, mp_policy=plugin.fsdp2_policy())
-                fully_shard(self.head, mp_policy=plugin.fsdp2_policy(keep_fp32=True))  # keep_fp32=["head"]
-                fully_shard(self, mp_policy=plugin.fsdp2_policy())
-
-        Args:
-            keep_fp32: the policy for a ``keep_fp32`` subtree's own ``fully_shard`` call (gathered in fp32).
-
-        Raises:
-            ValueError: when ``precision='auto'`` is not resolved yet (``configure_model`` runs before the plugin
-                learns the device); pass ``'16-mixed'`` or ``'bf16-mixed'`` explicitly.
-
-        """
-        if self.precision == "auto":
-            raise ValueError(
-                "MixedPrecision(precision='auto').fsdp2_policy() is not allowed: the precision is chosen at setup,"
-                " after configure_model. Pass precision='16-mixed' or 'bf16-mixed' to use fsdp2_policy()."
-            )
-        return fsdp2_mixed_precision_policy(self.opt_level, self.half_dtype, keep_fp32)
-
     # ------------------------------------------------------------------------------------------------ setup
 
     def setup_for_device(self, device_type: str) -> None:
@@ -384,6 +267,7 @@ class MixedPrecision(Fp8Methods, LightningMixedPrecision):
             given_loss_scaler=self._given_loss_scaler,
             fp8_settings=self.fp8_settings,
             fp8_converted=self._fp8_before_sharding,
+            owner=type(self).__name__,
         )
         self._fp8_before_sharding = None
         if self._pending_state is not None:
@@ -446,21 +330,6 @@ class MixedPrecision(Fp8Methods, LightningMixedPrecision):
         self._run = replace(run, setup=follow_device(run.setup, self.settings, run_device))
         return run_device
 
-    def _steps(self) -> StepEngine:
-        """The engine chosen at setup.
-
-        Raises:
-            RuntimeError: before setup.
-
-        """
-        if self._engine is None:
-            raise RuntimeError(
-                f"{type(self).__name__} was not set up: a Trainer sets it up when it starts, Fabric at"
-                " fabric.setup(model, optimizer). Call fabric.setup before fabric.backward or optimizer.step; to use"
-                " the plugin outside both, call plugin.setup_for_device('cpu' or 'cuda') first."
-            )
-        return self._engine
-
     @override
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -474,203 +343,6 @@ class MixedPrecision(Fp8Methods, LightningMixedPrecision):
         if self._engine is None:
             self.setup_for_device(trainer_device_type(model))
         return self._steps().connect(model, optimizers, lr_schedulers)
-
-    def last_step_skipped(self, optimizer: Optimizer) -> bool:
-        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one.
-
-        .. warning:: Where the step was decided on the device (fused optimizers; in bf16 and fp32 every optimizer the
-            scaler hands to a fused kernel), this reads its inf flag: one host sync. An ``interval="step"``
-            scheduler asks it after every step.
-        """
-        return self._engine.last_step_skipped(optimizer) if self._engine is not None else False
-
-    # ------------------------------------------------------------------------------------------------ steps
-
-    @override
-    @contextlib.contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        """Run inside the opt level's forward context (O2: half weights), under autocast when the level uses it."""
-        run = self._run
-        if run is None:
-            yield
-            return
-        compiling = torch.compiler.is_compiling()
-        if self._engine is not None and not compiling:
-            self._engine.before_forward()
-        setup, policy = run.setup, run.policy
-        # Traced inside a compiled model the level's context is left out: a graph cannot swap O2's weights.
-        with contextlib.nullcontext() if compiling else policy.forward_context():
-            if not policy.uses_autocast or setup.half_dtype is None:
-                yield
-                return
-            if compiling:
-                # Traced inside a compiled model (torch.compile after fabric.setup): lightning_mp._compile.
-                with autocast_by_flags(setup.device, setup.half_dtype):
-                    yield
-                return
-            # Compiled regions differentiate outside autocast, as eager autograd does (lightning_mp._compile).
-            with torch.autocast(setup.device, dtype=setup.half_dtype, cache_enabled=False), backward_outside_autocast():
-                yield
-
-    @override
-    @contextlib.contextmanager
-    def train_step_context(self) -> Generator[None, None, None]:
-        """The training step, in the forward context; the engine learns where it begins and ends.
-
-        In manual optimization the training step takes the optimizer steps itself, so the scale moves when it
-        returns, once, after the last of them (:mod:`lightning_mp.engine.trainer`).
-        """
-        engine = self._steps()
-        engine.begin_iteration()
-        with self.forward_context():
-            yield
-        engine.end_training_step()
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        """Leave the inputs as they are (autocast and the opt level cast them); under Fabric, check their device.
-
-        Raises:
-            ValueError: under Fabric, when the inputs live on another device type than the model, or the model on
-                another than a ``device`` given.
-
-        """
-        return self._engine.convert_input(data) if self._engine is not None else data
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        """Under Fabric, return the forward's half-precision outputs in fp32, as Fabric's own mixed precision does."""
-        return self._engine.convert_output(data) if self._engine is not None else data
-
-    @override
-    # Lightning's Trainer hook takes the LightningModule that Fabric's base hook leaves out (Lightning's own ignore).
-    def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        """Scale the loss before backward (fp16), then run Lightning's ``on_before_backward`` hooks.
-
-        Under Fabric nothing happens here: Fabric ignores what this returns, and ``backward`` scales the loss.
-
-        Raises:
-            TypeError: if ``tensor`` is not a tensor (``manual_backward(loss.item())``).
-
-        """
-        return self._steps().pre_backward(tensor, module)
-
-    @override
-    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """Back-propagate the loss; under Fabric, apply the pending scale update and scale the loss first."""
-        self._steps().backward(tensor, model, *args, **kwargs)
-
-    @override
-    def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:
-        """Run the policy's and Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
-        return self._steps().post_backward(tensor, module)
-
-    @override
-    # Lightning's and Fabric's strategies hand the plugin the torch Optimizer; the base hook accepts any Steppable.
-    def optimizer_step(  # type: ignore[override]
-        self,
-        optimizer: Optimizer,
-        model: LightningModule | None = None,
-        closure: Callable[[], Any] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Backward, unscale, hooks and clipping on true gradients, then a step that is skipped on inf/NaN."""
-        return self._steps().optimizer_step(optimizer, model, closure, **kwargs)
-
-    @override
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Unscale (and, in O2, move to the masters) the gradients before ``fabric.clip_gradients`` clips them."""
-        self._steps().unscale_gradients(optimizer)
-
-    @override
-    # Fabric types this hook Iterator[Parameter]; its clipping only iterates what this returns, once.
-    def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:  # type: ignore[override]
-        """The parameters to clip; under Fabric none on a step that will be skipped (:meth:`FabricEngine.main_params`).
-
-        .. warning:: Under Fabric, after ``fabric.clip_gradients`` unscaled the gradients, this reads the inf/NaN
-            flag and synchronises the host with the device.
-        """
-        return self._steps().main_params(optimizer)
-
-    @override
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
-        """Clip true gradients: unscale first where that has not happened yet in this optimizer step.
-
-        A fused optimizer's step then sees the gradients already unscaled and does not unscale them again. In bf16
-        and fp32 nothing is scaled, so the gradients are only checked for inf/NaN before they are clipped. In every
-        precision the clipped gradients are checked once more, on the device (:meth:`LossScaler.recheck_gradients`),
-        so that a step whose clipping made them non-finite is skipped, never applied.
-
-        Raises:
-            ValueError: if ``clip_val`` is NaN or negative (0 means no clipping, as in Lightning).
-
-        """
-        if isinstance(clip_val, bool) or not isinstance(clip_val, int | float) or not clip_val >= 0:
-            raise ValueError(
-                f"clip_gradients(gradient_clip_val={clip_val!r}) is not allowed: expected a number >= 0 (0 clips"
-                " nothing, inf computes the norm without clipping). A NaN threshold would write NaN into every"
-                " gradient."
-            )
-        self._steps().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
-
-    # ------------------------------------------------------------------------------------------------ checkpoints
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state (scale, trackers, counters), the precision and the opt level's own state.
-
-        The top level also holds torch's five ``GradScaler`` keys, so Lightning's own ``MixedPrecision`` (which reads
-        this entry under the same class name) resumes from it (:mod:`lightning_mp.plugin.checkpoint`).
-        """
-        if self._engine is not None:
-            self._engine.settle()
-        if self._run is None:
-            return dict(self._pending_state or {})
-        return run_state(self._run, self.settings.scaler.init_scale)
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from this plugin's state, or from torch's five-key GradScaler dict (Lightning's own plugin).
-
-        Loaded between two runs (after a ``teardown``), the state is the next run's: that run starts from it instead
-        of from a new plugin's state.
-
-        Raises:
-            ValueError: if the state is malformed (a damaged checkpoint), naming the field, its value and what is
-                allowed; checked when it is loaded, before anything changes.
-
-        """
-        check_plugin_state(state_dict)
-        if self._claim.ended:
-            # Loaded between two runs: it is the next run's state, which starts as a new plugin would.
-            self._start_new_run()
-        if self._run is None:
-            self._pending_state = dict(state_dict)
-            return
-        load_run_state(self._run, state_dict)
-        if self._engine is not None:
-            self._engine.state_loaded()
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore from another form's entry where this form's is missing; warn when there is no scaler state at all.
-
-        Lightning itself then loads this plugin's entry, or the legacy ``native_amp_scaling_state`` key; another
-        form's entry (:data:`~lightning_mp.plugin.checkpoint.PLUGIN_ENTRY_KEYS`) is loaded here, so a run moved
-        between DDP and FSDP resumes at the scale it had.
-        """
-        if type(self).__qualname__ in checkpoint or LEGACY_ENTRY_KEY in checkpoint:
-            return
-        entry = next((key for key in PLUGIN_ENTRY_KEYS if key in checkpoint), None)
-        if entry is None:
-            warn_missing_scaler_state(self.scaler, stacklevel=3)
-        else:
-            self.load_state_dict(checkpoint[entry])
 
     # ------------------------------------------------------------------------------------------------ runs
 

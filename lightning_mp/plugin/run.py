@@ -69,6 +69,7 @@ def build_run(
     given_loss_scaler: LossScaler | None = None,
     fp8_settings: FP8Settings | None = None,
     fp8_converted: Fp8Mode | None = None,
+    owner: str = OWNER,
 ) -> Run:
     """Resolve the settings for ``device_type`` and build the run's policy, loss scaler and FP8 (module docstring).
 
@@ -81,6 +82,7 @@ def build_run(
         given_loss_scaler: a LossScaler given as ``scaler=``, used as it is.
         fp8_settings: the FP8 settings; None runs no FP8.
         fp8_converted: FP8 layers converted before FSDP2 sharded the model (``plugin.fp8_convert``), the run's own.
+        owner: the plugin's class name, for FP8's error messages.
 
     Raises:
         ValueError: if the device contradicts ``device`` or a torch GradScaler's, ``"auto"`` chose a precision the
@@ -92,7 +94,7 @@ def build_run(
         refuse_half_weights(setup.opt_level, setup.precision)
     fp8 = None
     if fp8_settings is not None:
-        check_fp8_device(OWNER, fp8_settings.recipe, device_type)
+        check_fp8_device(owner, fp8_settings.recipe, device_type)
         fp8 = fp8_converted or Fp8Mode(fp8_settings)
     policy = setup.policy_class(setup.half_dtype, keep_fp32=keep_fp32)
     loss_scaler = given_loss_scaler or _build_loss_scaler(settings, setup)
