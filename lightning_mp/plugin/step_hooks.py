@@ -33,15 +33,6 @@ class StepHooks(LightningMixedPrecision):
     _run: Run | None
     _engine: StepEngine | None
 
-    def last_step_skipped(self, optimizer: Optimizer) -> bool:
-        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one.
-
-        .. warning:: Where the step was decided on the device (fused optimizers; in bf16 and fp32 every optimizer the
-            scaler hands to a fused kernel), this reads its inf flag: one host sync. An ``interval="step"``
-            scheduler asks it after every step.
-        """
-        return self._engine.last_step_skipped(optimizer) if self._engine is not None else False
-
     @override
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:

@@ -3,13 +3,15 @@
 Every view here only reads. Before setup they answer from the settings (the precision asked for, the ``device``
 given, the initial scale); once a run is set up, from its one resolved setup
 (:class:`~lightning_mp.plugin.resolved.ResolvedSetup`), its loss scaler and its engine. None of them synchronises
-with the device, except :meth:`RunViews.local_overflows` under DDP, which says so.
+with the device, except :meth:`RunViews.local_overflows` under DDP and :meth:`RunViews.last_step_skipped` for a step
+decided on the device, which say so.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim import Optimizer
 
 from lightning_mp.engine import StepEngine
 from lightning_mp.plugin.resolved import ShownPrecision
@@ -109,6 +111,15 @@ class RunViews:
         .. warning:: Under DDP this reads a device counter and synchronises; call it on logging steps only.
         """
         return self._run.loss_scaler.local_overflows() if self._run is not None else 0
+
+    def last_step_skipped(self, optimizer: Optimizer) -> bool:
+        """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one.
+
+        .. warning:: Where the step was decided on the device (fused optimizers; in bf16 and fp32 every optimizer the
+            scaler hands to a fused kernel), this reads its inf flag: one host sync. An ``interval="step"``
+            scheduler asks it after every step.
+        """
+        return self._engine.last_step_skipped(optimizer) if self._engine is not None else False
 
     def fsdp2_policy(self, keep_fp32: bool = False) -> MixedPrecisionPolicy:
         """The ``MixedPrecisionPolicy`` to pass to FSDP2's ``fully_shard`` so that it carries out this opt level.
