@@ -5,6 +5,9 @@ threads would corrupt each other's steps. A run claims the plugin when its model
 thread fails while the holder's thread is alive, and a teardown from another thread than the holder's (a second
 Trainer that was refused the plugin) releases nothing. One lock serialises every claim and release, so a thread sees
 no other thread's claim half made.
+
+A released run has ended: the next setup (other than a Trainer's validate, test or predict after its fit) starts a
+new run, with a new opt level and scaler, as a new plugin would; a state loaded in between is that new run's.
 """
 
 from __future__ import annotations

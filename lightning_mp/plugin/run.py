@@ -12,8 +12,9 @@ run steps with, all at once, so that a run is either whole or not there:
    :class:`~lightning_mp.LossScaler` given as ``scaler=`` is used as it is;
 4. FP8's layers and fallbacks (:mod:`lightning_mp.fp8.mode`), when the plugin has ``fp8``.
 
-The step engine is chosen by the front end that converts the model (:func:`trainer_engine`, :func:`fabric_engine`),
-so the same run can be stepped by a Trainer's fit after ``setup_for_device``.
+The step engine is not part of the run: the front end that converts the model chooses it (:func:`trainer_engine`,
+:func:`fabric_engine`), so a run that ``setup_for_device`` built steps with the Trainer's engine until a
+``fabric.setup`` joins it with Fabric's.
 """
 
 from __future__ import annotations
