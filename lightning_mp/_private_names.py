@@ -106,7 +106,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "GradScaler._growth_tracker",
         "torch",
-        ("plugin.py", "scaler.py", "scaling/checkpoint.py"),
+        ("plugin/checkpoint.py", "scaler.py", "scaling/checkpoint.py"),
         _GRAD_SCALER_BOOKKEEPING + "; also the key torch's state_dict gives it, which the plugin's checkpoint entry"
         " carries for Lightning's own plugin to resume from",
     ),

@@ -239,7 +239,7 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
         }
 
         def unit_of(module: nn.Module) -> bool | dict[str, Any]:
-            policy = self._policy
+            policy = self.policy
             if isinstance(policy, FSDPO2Policy) and any(module is root for root in policy.fp32_roots):
                 return fp32_unit
             return is_unit(module)
@@ -254,7 +254,7 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
 
         """
         self._units_checked = True
-        policy = self._policy
+        policy = self.policy
         if not isinstance(policy, FSDPO2Policy) or not policy.fp32_roots or self._model is None:
             return
         # A later stage (validate after fit) matches the unit itself: the fit's wrapping put it in the module's place.
@@ -346,10 +346,8 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
             yield
 
     @override
-    def _build_policy(self, opt_level: str, sharded: bool = False) -> PrecisionPolicy:
-        if opt_level == "O2":
-            return FSDPO2Policy(self.half_dtype, keep_fp32=self.keep_fp32)
-        return super()._build_policy(opt_level, sharded)
+    def _policy_class(self, opt_level: str, sharded: bool) -> type[PrecisionPolicy]:
+        return FSDPO2Policy if opt_level == "O2" else super()._policy_class(opt_level, sharded)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
