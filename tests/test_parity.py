@@ -58,16 +58,20 @@ def train_and_validate(
     """Train the reference task from seed 0 for ``steps`` steps and return the validation metrics and skips.
 
     ``opt_level="Lightning"`` trains under Lightning's own ``precision`` instead of :class:`MixedPrecision` (its
-    ``bf16-true``, say, the baseline lean is compared with); it skips no step.
+    ``bf16-true``, say, the baseline lean is compared with); it skips no step, and it validates its weights cast to
+    fp32 under ``32-true``: under ``bf16-true`` the loss itself would be computed and averaged in bf16.
     """
     L.seed_everything(0, verbose=False)
     model = ParityLM(vocab_size=VOCAB, d_model=d_model, n_heads=2, n_layers=1, seq_len=16, lr=3e-3, warmup_steps=10)
     data = MarkovTextDataModule(seq_len=16, batch_size=8, train_sequences=steps * 8, vocab_size=VOCAB, seed=0)
     options: dict[str, Any] = {"max_steps": steps, "num_sanity_val_steps": 0, "limit_val_batches": val_batches}
     if opt_level == "Lightning":
-        trainer = make_trainer(precision=precision, **options)
-        trainer.fit(model, data)
-        return {**trainer.validate(model, data, verbose=False)[0], "skipped_steps": 0}
+        make_trainer(precision=precision, **options).fit(model, data)
+        model.float()
+        for metric in (model.val_loss, model.val_accuracy):  # torchmetrics keeps its states' dtype through .float()
+            metric.set_dtype(torch.float32)
+        validator = make_trainer(precision="32-true", **options)
+        return {**validator.validate(model, data, verbose=False)[0], "skipped_steps": 0}
     plugin = MixedPrecision(precision, opt_level=opt_level)  # type: ignore[arg-type]
     trainer = make_trainer(plugin, **options)
     trainer.fit(model, data)
