@@ -826,7 +826,7 @@ class MixedPrecision(LightningMixedPrecision):
         they describe a fresh fp16 scaler.
         """
         if self._engine is not None:
-            self._engine.settle()
+            self._engine.apply_pending_update()
         if self._loss_scaler is None or self._policy is None:
             return dict(self._pending_state or {})
         scaler_state = self._loss_scaler.state_dict()
@@ -962,7 +962,7 @@ class MixedPrecision(LightningMixedPrecision):
         or a Fabric sets it up.
         """
         if self._engine is not None:
-            self._engine.settle()
+            self._engine.apply_pending_update()
         return {**self.__dict__, "_engine": None, "_run_thread": None}
 
     @override
