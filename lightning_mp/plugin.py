@@ -643,7 +643,7 @@ class MixedPrecision(LightningMixedPrecision):
         self.device = run_device
         return run_device
 
-    def _steps(self) -> StepEngine:
+    def _chosen_engine(self) -> StepEngine:
         """The engine chosen at setup.
 
         Raises:
@@ -670,7 +670,7 @@ class MixedPrecision(LightningMixedPrecision):
         """
         if self._engine is None:
             self.setup_for_device(self._trainer_device_type(model))
-        return self._steps().connect(model, optimizers, lr_schedulers)
+        return self._chosen_engine().connect(model, optimizers, lr_schedulers)
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the most recent step of ``optimizer`` (or its LightningOptimizer) was skipped; False before one.
@@ -717,7 +717,7 @@ class MixedPrecision(LightningMixedPrecision):
         In manual optimization the training step takes the optimizer steps itself, so the scale moves when it
         returns, once, after the last of them (:mod:`lightning_mp.engine.trainer`).
         """
-        engine = self._steps()
+        engine = self._chosen_engine()
         engine.begin_iteration()
         with self.forward_context():
             yield
@@ -750,17 +750,17 @@ class MixedPrecision(LightningMixedPrecision):
             TypeError: if ``tensor`` is not a tensor (``manual_backward(loss.item())``).
 
         """
-        return self._steps().pre_backward(tensor, module)
+        return self._chosen_engine().pre_backward(tensor, module)
 
     @override
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Back-propagate the loss; under Fabric, apply the pending scale update and scale the loss first."""
-        self._steps().backward(tensor, model, *args, **kwargs)
+        self._chosen_engine().backward(tensor, model, *args, **kwargs)
 
     @override
     def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:
         """Run the policy's and Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
-        return self._steps().post_backward(tensor, module)
+        return self._chosen_engine().post_backward(tensor, module)
 
     @override
     # Lightning's and Fabric's strategies hand the plugin the torch Optimizer; the base hook accepts any Steppable.
@@ -772,12 +772,12 @@ class MixedPrecision(LightningMixedPrecision):
         **kwargs: Any,
     ) -> Any:
         """Backward, unscale, hooks and clipping on true gradients, then a step that is skipped on inf/NaN."""
-        return self._steps().optimizer_step(optimizer, model, closure, **kwargs)
+        return self._chosen_engine().optimizer_step(optimizer, model, closure, **kwargs)
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale (and, in O2, move to the masters) the gradients before ``fabric.clip_gradients`` clips them."""
-        self._steps().unscale_gradients(optimizer)
+        self._chosen_engine().unscale_gradients(optimizer)
 
     @override
     # Fabric types this hook Iterator[Parameter]; its clipping only iterates what this returns, once.
@@ -787,7 +787,7 @@ class MixedPrecision(LightningMixedPrecision):
         .. warning:: Under Fabric, after ``fabric.clip_gradients`` unscaled the gradients, this reads the inf/NaN
             flag and synchronises the host with the device.
         """
-        return self._steps().main_params(optimizer)
+        return self._chosen_engine().main_params(optimizer)
 
     @override
     def clip_gradients(
@@ -813,7 +813,7 @@ class MixedPrecision(LightningMixedPrecision):
                 " nothing, inf computes the norm without clipping). A NaN threshold would write NaN into every"
                 " gradient."
             )
-        self._steps().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        self._chosen_engine().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 
