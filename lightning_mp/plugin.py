@@ -255,7 +255,8 @@ class MixedPrecision(LightningMixedPrecision):
         """A LossScaler given as ``scaler=``, used as it is; a torch GradScaler is translated into the settings."""
         self._loss_scaler: LossScaler | None = None
         self._policy: PrecisionPolicy | None = None
-        self._pending_state: dict[str, Any] | None = None
+        self._state_before_setup: dict[str, Any] | None = None
+        """A state loaded before setup (or between two runs): setup loads it into the run's scaler and opt level."""
         self._engine: StepEngine | None = None
         """The step engine of the run, chosen at setup: the Trainer's or Fabric's."""
         self._run_thread: int | None = None
@@ -411,9 +412,9 @@ class MixedPrecision(LightningMixedPrecision):
             # Lightning reads ``precision`` for what the weights are (ModelSummary's model size, for one): O3 and
             # lean keep half weights with no fp32 masters, as its "16-true" and "bf16-true" do.
             self.precision = _HALF_WEIGHTS_PRECISION[self.precision]
-        if self._pending_state is not None:
-            pending, self._pending_state = self._pending_state, None
-            self.load_state_dict(pending)
+        if self._state_before_setup is not None:
+            loaded, self._state_before_setup = self._state_before_setup, None
+            self.load_state_dict(loaded)
 
     def _build_policy(self, opt_level: str, sharded: bool = False) -> PrecisionPolicy:
         """The opt level's policy for this run.
@@ -828,7 +829,7 @@ class MixedPrecision(LightningMixedPrecision):
         if self._engine is not None:
             self._engine.apply_pending_update()
         if self._loss_scaler is None or self._policy is None:
-            return dict(self._pending_state or {})
+            return dict(self._state_before_setup or {})
         scaler_state = self._loss_scaler.state_dict()
         torch_state = {key: scaler_state[key] for key in TORCH_SCALER_KEYS if key in scaler_state}
         if not self._loss_scaler.scales_loss:
@@ -859,7 +860,7 @@ class MixedPrecision(LightningMixedPrecision):
             # Loaded between two runs: it is the next run's state, which starts as a new plugin would.
             self._start_new_run()
         if self._loss_scaler is None or self._policy is None:
-            self._pending_state = dict(state_dict)
+            self._state_before_setup = dict(state_dict)
             return
         if "scaler" in state_dict:
             scaler_state, saved_precision = state_dict["scaler"], state_dict.get("precision")
