@@ -16,12 +16,14 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from typing_extensions import override
 
 from lightning_mp import LossScaler, MixedPrecision
 from lightning_mp.engine import FabricEngine, RunningStats, StepVerdict, TrainerEngine
+from lightning_mp.engine.base import unwrapped
 from lightning_mp.policies import POLICIES
 from tests.helpers import TinyRegressor, loader, make_trainer
 
@@ -298,3 +300,27 @@ def test_fabric_prepares_each_steps_gradients_once_when_it_clips(opt_level: str,
         optimizer.zero_grad()
     assert plugin.stats.optimizer_steps == 3
     assert stages == ["prepare_step", "after_optimizer_step"] * 3
+
+
+class Lookahead(torch.optim.Optimizer):
+    """An optimizer of its own class around another, sharing its ``param_groups`` (as torch_optimizer's Lookahead)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
+
+    def step(self, closure: Any = None) -> Any:
+        return self.optimizer.step(closure)
+
+
+def test_a_front_ends_wrapper_is_the_optimizer_it_wraps_and_a_lookahead_is_an_optimizer_of_its_own() -> None:
+    """Lightning's and Fabric's optimizer wrappers count as the optimizer they wrap; an optimizer of another class
+    around one (a Lookahead) is the optimizer the scaler and the opt level see, never unwrapped."""
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    assert unwrapped(LightningOptimizer(optimizer)) is optimizer
+    assert unwrapped(fabric.setup_optimizers(optimizer)) is optimizer
+    lookahead = Lookahead(optimizer)
+    assert unwrapped(lookahead) is lookahead and unwrapped(optimizer) is optimizer

@@ -155,8 +155,9 @@ def unwrapped(optimizer: Any) -> Any:
     another of another class (a Lookahead, say) is an optimizer of its own, as the opt level and the scaler see it.
     """
     inner = getattr(optimizer, "optimizer", None)
-    wraps = isinstance(inner, Optimizer) and isinstance(optimizer, type(inner))
-    return inner if wraps and inner.param_groups is getattr(optimizer, "param_groups", None) else optimizer
+    if not isinstance(inner, Optimizer) or not isinstance(optimizer, type(inner)):
+        return optimizer
+    return inner if inner.param_groups is getattr(optimizer, "param_groups", None) else optimizer
 
 
 def check_loss(call: str, tensor: Any) -> None:

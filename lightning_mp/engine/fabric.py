@@ -63,8 +63,9 @@ backward-and-steps iteration, gradient accumulation included. Reading the plugin
 :meth:`FabricEngine.stats` counts the pending update in on copies (:meth:`LossScaler.stats_with_pending`). Read the
 stats after the iteration's last step.
 
-A skipped step's running statistics are put back by :meth:`LossScaler.step_verdict`: a bool where the host already
-read the verdict, else the device flag, used in ``torch.where`` without a sync.
+Each step ends in :meth:`~lightning_mp.engine.base.StepEngine.end_step`, as under the Trainer, with a
+:class:`~lightning_mp.engine.verdict.StepVerdict`: the host's answer (the step's kernel did not run) and, where the
+device decided, its inf flag, on which the running statistics go back with ``torch.where``, without a sync.
 """
 
 from __future__ import annotations
