@@ -259,7 +259,7 @@ class LossScaler(torch.amp.GradScaler):
         self._stages: dict[int, _OptimizerStage] = {}
         """``id(optimizer)`` -> its stage in this iteration, for the optimizers that unscaled or stepped."""
         self._iteration = IterationRecord()
-        self._pending: IterationRecord | None = None
+        self._waiting_iteration: IterationRecord | None = None
         """On an accelerator, the last iteration, replayed on the host at the next ``update``."""
         self._mirror = HostMirror()
         self._before_unscale: Callable[[torch.optim.Optimizer], None] | None = None
@@ -717,17 +717,17 @@ class LossScaler(torch.amp.GradScaler):
             record.ready = self._mirror.end_iteration(next(iter(record.device_flags.values())).device)
         if record.ready is not None:
             # An accelerator: read the previous iteration now, this one at the next update.
-            previous, self._pending = self._pending, record
+            previous, self._waiting_iteration = self._waiting_iteration, record
             if previous is not None:
                 self._replay(previous)
             return
-        self._settle_pending()
+        self._replay_waiting_iteration()
         self._replay(record)
 
-    def _settle_pending(self) -> None:
+    def _replay_waiting_iteration(self) -> None:
         """Replay the iteration still waiting for its flags' host copies, if any (waiting for them)."""
-        if self._pending is not None:
-            previous, self._pending = self._pending, None
+        if self._waiting_iteration is not None:
+            previous, self._waiting_iteration = self._waiting_iteration, None
             self._replay(previous)
 
     def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
@@ -902,7 +902,7 @@ class LossScaler(torch.amp.GradScaler):
             AssertionError: in the middle of an iteration, as torch's GradScaler.
 
         """
-        self._settle_pending()
+        self._replay_waiting_iteration()
         if self._stages:
             raise AssertionError(
                 "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after"
@@ -919,7 +919,7 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: On an accelerator, when the last iteration's flag is still on the device, this waits for it.
         """
-        self._settle_pending()
+        self._replay_waiting_iteration()
         return {
             "scale": self._state.scale,
             "growth_factor": self.settings.growth_factor,

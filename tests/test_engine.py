@@ -16,12 +16,14 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 from typing_extensions import override
 
 from lightning_mp import LossScaler, MixedPrecision
-from lightning_mp.engine import FabricEngine, RunningStats, TrainerEngine
+from lightning_mp.engine import FabricEngine, RunningStats, StepVerdict, TrainerEngine
+from lightning_mp.engine.base import unwrapped
 from lightning_mp.policies import POLICIES
 from tests.helpers import TinyRegressor, loader, make_trainer
 
@@ -61,18 +63,18 @@ def test_an_inf_gradient_skips_the_step_and_puts_the_running_statistics_back() -
     assert engine.last_step_skipped(optimizer)
 
 
-def test_the_scale_backs_off_on_a_skip_and_grows_after_clean_steps_once_settled() -> None:
+def test_the_scale_backs_off_on_a_skip_and_grows_after_clean_steps_once_applied() -> None:
     """The scale moves once per iteration, at the pending update: halved after a skip, doubled after clean steps."""
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     engine = fabric_engine(model, init_scale=2.0**8, growth_interval=2)
     step(engine, model, optimizer, inject=True)
     assert engine.loss_scaler.get_scale() == 2.0**8  # the update waits for the iteration's last step
-    engine.settle()
+    engine.apply_pending_update()
     assert engine.loss_scaler.get_scale() == 2.0**7
     for _ in range(2):
         step(engine, model, optimizer)
-    engine.settle()
+    engine.apply_pending_update()
     assert engine.loss_scaler.get_scale() == 2.0**8
     assert (engine.loss_scaler.optimizer_steps, engine.loss_scaler.skipped_steps) == (3, 1)
 
@@ -108,7 +110,7 @@ def test_running_statistics_go_back_only_for_a_skipped_step(verdict: Any, restor
     stats.save()
     layer(torch.randn(6, 3) + 5.0)
     updated = layer.running_mean.clone()
-    stats.settle(verdict)
+    stats.restore_if_skipped(StepVerdict.of(verdict))
     assert torch.equal(layer.running_mean, torch.zeros(3) if restored else updated)
     assert int(layer.num_batches_tracked) == (0 if restored else 1)
     assert not stats.saved
@@ -123,7 +125,7 @@ def test_running_statistics_go_back_only_for_the_models_the_step_changed() -> No
     stats.save()
     for model in (stepped, other):
         model(torch.randn(4, 2) + 3.0)
-    stats.settle(True, [stepped])
+    stats.restore_if_skipped(StepVerdict(skipped=True), [stepped])
     assert torch.equal(stepped.running_mean, torch.zeros(2))
     assert not torch.equal(other.running_mean, torch.zeros(2))
 
@@ -185,7 +187,7 @@ def test_a_trainer_step_runs_the_trainer_engine_and_no_fabric_code() -> None:
     plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
     trainer = make_trainer(plugin, max_steps=2)
     seen = engine_modules_run(lambda: trainer.fit(TinyRegressor(inject_at=(1,)), loader(n=16)))
-    assert seen == {"lightning_mp.engine.base", "lightning_mp.engine.trainer"}
+    assert seen - {"lightning_mp.engine.verdict"} == {"lightning_mp.engine.base", "lightning_mp.engine.trainer"}
     assert plugin.stats.skipped_steps == 1
 
 
@@ -203,7 +205,7 @@ def test_a_fabric_step_runs_the_fabric_engine_and_no_trainer_code() -> None:
             optimizer.zero_grad()
 
     seen = engine_modules_run(train)
-    assert seen == {"lightning_mp.engine.base", "lightning_mp.engine.fabric"}
+    assert seen - {"lightning_mp.engine.verdict"} == {"lightning_mp.engine.base", "lightning_mp.engine.fabric"}
     assert plugin.stats.optimizer_steps == 2
 
 
@@ -298,3 +300,27 @@ def test_fabric_prepares_each_steps_gradients_once_when_it_clips(opt_level: str,
         optimizer.zero_grad()
     assert plugin.stats.optimizer_steps == 3
     assert stages == ["prepare_step", "after_optimizer_step"] * 3
+
+
+class Lookahead(torch.optim.Optimizer):
+    """An optimizer of its own class around another, sharing its ``param_groups`` (as torch_optimizer's Lookahead)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
+
+    def step(self, closure: Any = None) -> Any:
+        return self.optimizer.step(closure)
+
+
+def test_a_front_ends_wrapper_is_the_optimizer_it_wraps_and_a_lookahead_is_an_optimizer_of_its_own() -> None:
+    """Lightning's and Fabric's optimizer wrappers count as the optimizer they wrap; an optimizer of another class
+    around one (a Lookahead) is the optimizer the scaler and the opt level see, never unwrapped."""
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    assert unwrapped(LightningOptimizer(optimizer)) is optimizer
+    assert unwrapped(fabric.setup_optimizers(optimizer)) is optimizer
+    lookahead = Lookahead(optimizer)
+    assert unwrapped(lookahead) is lookahead and unwrapped(optimizer) is optimizer

@@ -3,5 +3,6 @@
 from lightning_mp.engine.base import RunningStats, StepEngine
 from lightning_mp.engine.fabric import FabricEngine
 from lightning_mp.engine.trainer import TrainerEngine
+from lightning_mp.engine.verdict import StepVerdict
 
-__all__ = ["FabricEngine", "RunningStats", "StepEngine", "TrainerEngine"]
+__all__ = ["FabricEngine", "RunningStats", "StepEngine", "StepVerdict", "TrainerEngine"]

@@ -12,14 +12,25 @@ or not) and hands every hook to it. An engine turns the hooks of its front end i
     unscale      unscale_gradients                                 once per optimizer step, with the inf/NaN check
     clip         clip_gradients, main_params                       on true gradients, re-checked after clipping
     step         optimizer_step                                    skipped when a gradient is inf or NaN
-    scale update settle                                            once per iteration, after its last step
-    restore      RunningStats.settle                               a skipped step's running statistics go back
+    end of step  end_step                                          after a step or a skip, under both front ends
+    scale update apply_pending_update                              once per iteration, after its last step
+    restore      RunningStats.restore_if_skipped                   a skipped step's running statistics go back
+
+:meth:`StepEngine.end_step` is the one place a step ends, whichever front end took it and however it ended
+(stepped, skipped, stepped without gradients, undone after a non-finite closure): it puts the running statistics
+back where the step was skipped, remembers the :class:`~lightning_mp.engine.verdict.StepVerdict` for
+:meth:`StepEngine.last_step_skipped`, lets the next ask prepare the gradients again, and tells the opt level
+(``after_optimizer_step``: O2 copies its fp32 masters into the half weights).
+
+The engine owns the set of optimizers whose gradients the opt level prepared for the step (:meth:`prepare_step`
+adds, :meth:`forget_prepared` removes, after a backward and at the end of a step); the scaler only reads it, to
+prepare before a user's own ``scaler.unscale_``.
 
 Two pieces are shared, so that the engines cannot drift apart:
 
 - :class:`RunningStats` copies the running statistics of the normalisation layers (BatchNorm, InstanceNorm with
-  ``track_running_stats``) before the first forward after a step, and puts them back after a skipped step: from a
-  bool where the host knows the verdict, else from the device flag with ``torch.where`` (no synchronisation).
+  ``track_running_stats``) before the first forward after a step, and puts them back after a skipped step: a copy
+  where the host knows the verdict, else a ``torch.where`` on the device flag (no synchronisation).
 - :meth:`StepEngine.checked_closure_step` steps an optimizer that evaluates its closure itself (LBFGS). The loss
   scale cannot be checked between backward and step there, so fp16 refuses it; in bf16 and fp32 the weights and the
   optimizer state are copied before the step and put back when a loss or a gradient was inf or NaN, which counts as
@@ -41,6 +52,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp.engine.verdict import StepVerdict
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
 from lightning_mp.stats import PrecisionStats
@@ -58,7 +70,12 @@ def normalization_layers(module: nn.Module) -> list[nn.Module]:
 
 
 def _running_stats(layer: nn.Module) -> list[Tensor]:
-    return [buffer for buffer in (getattr(layer, name, None) for name in RUNNING_STAT_NAMES) if buffer is not None]
+    buffers = []
+    for name in RUNNING_STAT_NAMES:
+        buffer = getattr(layer, name, None)
+        if buffer is not None:
+            buffers.append(buffer)
+    return buffers
 
 
 class RunningStats:
@@ -70,7 +87,7 @@ class RunningStats:
         >>> stats.track(model)
         >>> stats.save()
         >>> _ = model(torch.randn(4, 2))
-        >>> stats.settle(skipped=True)
+        >>> stats.restore_if_skipped(StepVerdict(skipped=True))
         >>> model.running_mean.tolist()
         [0.0, 0.0]
 
@@ -98,28 +115,29 @@ class RunningStats:
                 if id(layer) not in self._saved:
                     self._saved[id(layer)] = [buffer.detach().clone() for buffer in _running_stats(layer)]
 
-    def settle(self, skipped: bool | Tensor | None, models: Iterable[nn.Module] | None = None) -> None:
+    def restore_if_skipped(self, verdict: StepVerdict, models: Iterable[nn.Module] | None = None) -> None:
         """After a step: drop the copies, and put them back first if the step was skipped.
 
         Args:
-            skipped: the step's verdict: a bool, a device flag (a 0-d tensor, True or > 0 when skipped; decided on
-                the device, without a sync), or None when the step was never checked (nothing goes back).
+            verdict: the step's verdict; where the device decided it, the copies go back with a ``torch.where`` on
+                its flag, without a sync.
             models: the models the step changed; None means every tracked model.
 
         """
         chosen = self._layers.values() if models is None else [self._layers.get(id(model), []) for model in models]
+        skipped, flag = verdict.skipped, verdict.flag
         with torch.no_grad():
             for layers in chosen:
                 for layer in layers:
                     saved = self._saved.pop(id(layer), None)
-                    if saved is None or skipped is None or skipped is False:
+                    if saved is None or not (skipped or flag is not None):
                         continue
                     for buffer, before in zip(_running_stats(layer), saved, strict=True):
-                        if skipped is True:
+                        if flag is None:
                             buffer.copy_(before)
                         else:
-                            flag = skipped.to(buffer.device)
-                            condition = flag if flag.dtype == torch.bool else flag > 0
+                            on_device = flag.to(buffer.device)
+                            condition = on_device if on_device.dtype == torch.bool else on_device > 0
                             buffer.copy_(torch.where(condition, before, buffer))
 
     def clear(self) -> None:
@@ -129,13 +147,17 @@ class RunningStats:
 
 
 def unwrapped(optimizer: Any) -> Any:
-    """The torch optimizer behind a wrapper that shares its ``param_groups`` (Lightning's and Fabric's), else itself.
+    """The torch optimizer behind Lightning's or Fabric's wrapper (a LightningOptimizer, Fabric's), else itself.
 
-    Both wrappers give the optimizer they wrap as their public ``optimizer`` property.
+    Both front ends wrap an optimizer in an object of a class made for it, a subclass of the optimizer's own class,
+    that shares its ``param_groups`` and gives it as the public ``optimizer`` property: such a wrapper steps the
+    very parameters of the optimizer it wraps, and the engines treat it as that optimizer. An optimizer that wraps
+    another of another class (a Lookahead, say) is an optimizer of its own, as the opt level and the scaler see it.
     """
     inner = getattr(optimizer, "optimizer", None)
-    shares_groups = isinstance(inner, Optimizer) and inner.param_groups is getattr(optimizer, "param_groups", None)
-    return inner if shares_groups else optimizer
+    if not isinstance(inner, Optimizer) or not isinstance(optimizer, type(inner)):
+        return optimizer
+    return inner if inner.param_groups is getattr(optimizer, "param_groups", None) else optimizer
 
 
 def check_loss(call: str, tensor: Any) -> None:
@@ -173,19 +195,22 @@ class StepEngine(ABC):
         self.loss_scaler = loss_scaler
         self.policy = policy
         self.running_stats = RunningStats()
-        self._skipped_by_optimizer: dict[int, bool | Tensor] = {}
-        """Per optimizer, its last step's verdict: a bool, or the device flag of a step skipped on the device."""
+        self._last_verdicts: dict[int, StepVerdict] = {}
+        """Per optimizer (by ``id``), the verdict of its last step, as :meth:`end_step` was given it."""
         self._prepared: set[int] = set()
         """The optimizers (by ``id``) whose gradients the opt level prepared since their last step and the last
-        backward: :meth:`prepare_step` asks it once per step, whichever of unscale, clip and step comes first."""
+        backward: :meth:`prepare_step` adds, :meth:`forget_prepared` removes; the scaler reads it."""
         loss_scaler.prepare_before_unscale(self.before_user_unscale, self._prepared)
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the most recent step of ``optimizer`` was skipped; False before one.
 
-        .. warning:: Where the verdict is a device flag, this reads it: one host sync.
+        .. warning:: Where the remembered verdict holds a device flag, this reads it: one host sync.
         """
-        return bool(self._skipped_by_optimizer.get(id(optimizer), False))
+        verdict = self._last_verdicts.get(id(optimizer))
+        if verdict is None:
+            return False
+        return bool(verdict.flag) if verdict.flag is not None else verdict.skipped
 
     @abstractmethod
     def connect(
@@ -251,7 +276,7 @@ class StepEngine(ABC):
     def optimizer_step(self, optimizer: Optimizer, model: Any, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         """Unscale, then step unless a gradient is inf or NaN."""
 
-    def settle(self) -> None:  # noqa: B027 (an engine whose scale moves right after the step leaves it empty)
+    def apply_pending_update(self) -> None:  # noqa: B027 (an engine whose scale moves right after a step has none)
         """Apply a scale update left pending after the last step."""
 
     def stats(self) -> PrecisionStats:
@@ -260,7 +285,7 @@ class StepEngine(ABC):
 
     def teardown(self) -> None:
         """The run ended: apply a pending update and release the models."""
-        self.settle()
+        self.apply_pending_update()
         self.running_stats.clear()
         self.loss_scaler.prepare_before_unscale(None)
 
@@ -269,13 +294,49 @@ class StepEngine(ABC):
     def prepare_step(self, optimizer: Optimizer) -> None:
         """Let the opt level prepare ``optimizer``'s gradients for its step (O2 moves them to the masters), once.
 
-        Unscaling, clipping and stepping each ask, and the first prepares. A backward makes new gradients, which the
-        next ask prepares; so does the end of the step (the engines discard ``optimizer`` from ``_prepared`` where
-        they tell the opt level ``after_optimizer_step``), also when no backward ran in between.
+        Unscaling, clipping and stepping each ask, and the first prepares. After :meth:`forget_prepared` (a
+        backward made new gradients, or the step ended) the next ask prepares again.
         """
         if id(optimizer) not in self._prepared:
             self._prepared.add(id(optimizer))
             self.policy.prepare_step(optimizer)
+
+    def forget_prepared(self, optimizer: Optimizer | None = None) -> None:
+        """Have the next :meth:`prepare_step` of ``optimizer`` (None: of every optimizer) prepare again.
+
+        For a backward, which makes new gradients, and for the end of a step, after which the opt level shows its
+        model weights again (O2), also when no backward runs before the next step.
+        """
+        if optimizer is None:
+            self._prepared.clear()
+        else:
+            self._prepared.discard(id(optimizer))
+
+    def end_step(
+        self,
+        optimizer: Optimizer,
+        verdict: StepVerdict,
+        models: Iterable[nn.Module] | None = None,
+        restore_running_stats: bool = True,
+    ) -> None:
+        """End a step of ``optimizer``, taken or skipped: the bookkeeping both front ends share.
+
+        Puts the running statistics of ``models`` back where the step was skipped, remembers the verdict for
+        :meth:`last_step_skipped`, has the next :meth:`prepare_step` prepare again, and tells the opt level.
+
+        Args:
+            optimizer: the optimizer that stepped or skipped.
+            verdict: the step's verdict; the opt level hears the host's answer (``verdict.skipped``).
+            models: the models the step changed, whose running statistics go back on a skip; None means all.
+            restore_running_stats: False where the running statistics go back once per iteration instead (the
+                Trainer's, after the scale update).
+
+        """
+        if restore_running_stats:
+            self.running_stats.restore_if_skipped(verdict, models)
+        self._last_verdicts[id(optimizer)] = verdict
+        self._prepared.discard(id(optimizer))
+        self.policy.after_optimizer_step(optimizer, verdict.skipped)
 
     def before_user_unscale(self, optimizer: Optimizer) -> None:
         """A user's ``scaler.unscale_(optimizer)`` is about to run: prepare the gradients it unscales, once per step.
@@ -322,21 +383,17 @@ class StepEngine(ABC):
         def checked_closure() -> Any:
             nonlocal finite
             loss = closure()
-            self._prepared.discard(id(optimizer))  # every evaluation made new gradients, however it ran backward
+            self.forget_prepared(optimizer)  # every evaluation made new gradients, however it ran backward
             self.prepare_step(optimizer)
             finite = all_finite(loss, parameters) and finite
             return loss
 
         output = take_step(checked_closure)
-        skipped = not finite
-        if skipped:
+        if not finite:
             with torch.no_grad():
                 for parameter, weight in zip(parameters, weights_before, strict=True):
                     parameter.copy_(weight)
             optimizer.load_state_dict(state_before)
-        self.running_stats.settle(skipped, models)
-        self._skipped_by_optimizer[id(optimizer)] = skipped
-        self.loss_scaler.record_unchecked_step(skipped)
-        self._prepared.discard(id(optimizer))
-        self.policy.after_optimizer_step(optimizer, skipped)
+        self.loss_scaler.record_unchecked_step(not finite)
+        self.end_step(optimizer, StepVerdict(skipped=not finite), models)
         return output

@@ -63,8 +63,9 @@ backward-and-steps iteration, gradient accumulation included. Reading the plugin
 :meth:`FabricEngine.stats` counts the pending update in on copies (:meth:`LossScaler.stats_with_pending`). Read the
 stats after the iteration's last step.
 
-A skipped step's running statistics are put back by :meth:`LossScaler.step_verdict`: a bool where the host already
-read the verdict, else the device flag, used in ``torch.where`` without a sync.
+Each step ends in :meth:`~lightning_mp.engine.base.StepEngine.end_step`, as under the Trainer, with a
+:class:`~lightning_mp.engine.verdict.StepVerdict`: the host's answer (the step's kernel did not run) and, where the
+device decided, its inf flag, on which the running statistics go back with ``torch.where``, without a sync.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_mp.engine.base import StepEngine, check_loss, unwrapped
+from lightning_mp.engine.verdict import SKIPPED, TAKEN, StepVerdict
 from lightning_mp.overrides import cast_low_precision
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.policies.sharded import refuse_sharding_after_conversion
@@ -150,7 +152,7 @@ class FabricEngine(StepEngine):
         """Whether an optimizer stepped (or clipped) in this loop: a later ``fabric.setup`` starts another run."""
         return bool(self._connected)
 
-    def settle(self) -> None:
+    def apply_pending_update(self) -> None:
         """Apply the pending scale update, if a step happened since the last one."""
         if not self.update_pending:
             return
@@ -160,6 +162,16 @@ class FabricEngine(StepEngine):
         if self.loss_scaler.last_step_skipped:
             self._skipped_on_device.extend(self._stepped_on_device)
         self._stepped_on_device.clear()
+
+    @override
+    def last_step_skipped(self, optimizer: Optimizer) -> bool:
+        """Whether the host saw the most recent step of ``optimizer`` skipped; False before one. Never syncs.
+
+        A step the device decided (step 4 of the module docstring) counts as taken here: the host learns of its skip
+        at the scale update, when the opt level hears of it.
+        """
+        verdict = self._last_verdicts.get(id(optimizer))
+        return verdict is not None and verdict.skipped
 
     @override
     def stats(self) -> PrecisionStats:
@@ -231,7 +243,7 @@ class FabricEngine(StepEngine):
         return tensor
 
     def backward(self, tensor: Tensor, module: Any, *args: Any, **kwargs: Any) -> None:
-        """Settle the previous iteration's scale, then back-propagate the scaled loss.
+        """Apply the previous iteration's pending scale update, then back-propagate the scaled loss.
 
         Raises:
             TypeError: if ``tensor`` is not a tensor (a loss read with ``.item()`` has no graph to differentiate).
@@ -240,10 +252,10 @@ class FabricEngine(StepEngine):
 
         """
         check_loss("fabric.backward", tensor)
-        self.settle()
+        self.apply_pending_update()
         while self._skipped_on_device:
             self.policy.after_optimizer_step(self._skipped_on_device.pop(), True)
-        self._prepared.clear()
+        self.forget_prepared()
         with self.policy.backward_context():
             self.loss_scaler.scale(tensor).backward(*args, **kwargs)
 
@@ -316,10 +328,14 @@ class FabricEngine(StepEngine):
         if closure is not None:
             output = closure_loss
         skipped = id(optimizer) not in self._ran
-        if not skipped and isinstance(self.loss_scaler.step_verdict(optimizer), Tensor):
-            # The kernel ran but may have skipped on the device (a fused optimizer, or bf16/fp32's fused hand-off).
-            self._stepped_on_device.append(optimizer)
-        self.running_stats.settle(self.loss_scaler.step_verdict(optimizer), self._modules_of(optimizer))
+        flag = self.loss_scaler.step_verdict(optimizer)
+        if isinstance(flag, Tensor):
+            if not skipped:
+                # The kernel ran but may have skipped on the device (a fused optimizer, or bf16/fp32's fused hand-off).
+                self._stepped_on_device.append(optimizer)
+            verdict = StepVerdict(skipped, flag)
+        else:
+            verdict = SKIPPED if skipped else TAKEN
         self._unscaled.discard(id(optimizer))
         self._stepped_since_update.add(id(optimizer))
         self.update_pending = True
@@ -332,9 +348,7 @@ class FabricEngine(StepEngine):
                 stacklevel=3,
             )
         self._finite_before_clipping.discard(id(optimizer))
-        self._skipped_by_optimizer[id(optimizer)] = skipped
-        self._prepared.discard(id(optimizer))
-        self.policy.after_optimizer_step(optimizer, skipped)
+        self.end_step(optimizer, verdict, self._modules_of(optimizer))
         return output
 
     def _closure_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
@@ -347,7 +361,7 @@ class FabricEngine(StepEngine):
                 " optimizer.step(closure), with a closure that runs the forward and fabric.backward and returns the"
                 " loss."
             )
-        self.settle()
+        self.apply_pending_update()
         self._connect(optimizer)
         return self.checked_closure_step(
             optimizer, closure, lambda checked: optimizer.step(checked, **kwargs), self._modules_of(optimizer)
@@ -392,7 +406,7 @@ class FabricEngine(StepEngine):
         self.prepare_step(optimizer)
         if id(optimizer) in self._stepped_since_update and not self.loss_scaler.is_unscaled(optimizer):
             # A second step of this optimizer with no backward in between: its gradients were made after the update.
-            self.settle()
+            self.apply_pending_update()
 
     def _connect(self, optimizer: Optimizer) -> None:
         if any(reference() is optimizer for reference in self._connected):

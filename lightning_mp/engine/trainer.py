@@ -32,9 +32,7 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -42,15 +40,11 @@ from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mp._schedulers import SkipAwareScheduler
-from lightning_mp.engine.base import StepEngine, check_loss
+from lightning_mp.engine.base import StepEngine, check_loss, unwrapped
+from lightning_mp.engine.verdict import SKIPPED, TAKEN, StepVerdict
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
 from lightning_mp.scaling.hand_off import supports_fused_protocol
-
-
-def raw_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer behind a LightningOptimizer (any other object as it is)."""
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def adopt_wrapper_unscale(scaler: LossScaler, wrappers: Sequence[Any], optimizer: Optimizer) -> None:
@@ -65,22 +59,12 @@ def adopt_wrapper_unscale(scaler: LossScaler, wrappers: Sequence[Any], optimizer
             scaler.adopt_unscale(wrapper, optimizer)
 
 
-def _any_skipped(verdicts: Sequence[bool | Tensor]) -> bool | Tensor:
-    """Whether a step of the iteration was skipped: a bool, or a bool device tensor where only the device knows.
-
-    Device flags are combined on the device and never read: ``bool()`` of one would synchronise the host, on every
-    step of a model with running statistics.
-    """
-    if any(verdict is True for verdict in verdicts):
-        return True
-    flags = [verdict for verdict in verdicts if isinstance(verdict, Tensor)]
-    if not flags:
-        return False
-    return torch.stack([flag.float() for flag in flags]).amax() > 0
-
-
 def _has_gradients(optimizer: Optimizer) -> bool:
-    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if parameter.grad is not None:
+                return True
+    return False
 
 
 class TrainerEngine(StepEngine):
@@ -106,8 +90,8 @@ class TrainerEngine(StepEngine):
         self.lightning = lightning
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
         self._stepped_this_iteration = False
-        self._iteration_verdicts: list[bool | Tensor] = []
-        """The verdicts of this iteration's steps: bools, or device flags where the device decided the step."""
+        self._iteration_verdicts: list[StepVerdict] = []
+        """In manual optimization, the verdicts of the steps the training step took, as the scaler gave them."""
 
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -149,7 +133,7 @@ class TrainerEngine(StepEngine):
 
         .. warning:: Where the step was decided on the device, this reads its inf flag: one host sync.
         """
-        return super().last_step_skipped(raw_optimizer(optimizer))
+        return super().last_step_skipped(unwrapped(optimizer))
 
     def begin_iteration(self) -> None:
         """Copy the running statistics before the iteration's first forward."""
@@ -174,7 +158,7 @@ class TrainerEngine(StepEngine):
 
     def backward(self, tensor: Tensor, module: LightningModule, *args: Any, **kwargs: Any) -> None:
         """Lightning's backward: ``module.backward`` of the loss ``pre_backward`` scaled, in the level's context."""
-        self._prepared.clear()
+        self.forget_prepared()
         with self.policy.backward_context():
             Precision.backward(self.lightning, tensor, module, *args, **kwargs)
 
@@ -193,8 +177,8 @@ class TrainerEngine(StepEngine):
 
     def clip_gradients(self, optimizer: Any, clip_val: float, algorithm: GradClipAlgorithmType) -> None:
         """Unscale first where that has not happened yet in this step, clip, then check the clipped gradients."""
-        wrapper, optimizer = optimizer, raw_optimizer(optimizer)
-        if isinstance(wrapper, LightningOptimizer):
+        wrapper, optimizer = optimizer, unwrapped(optimizer)
+        if wrapper is not optimizer:
             adopt_wrapper_unscale(self.loss_scaler, [wrapper], optimizer)
         if clip_val > 0:
             # Checked before clipping in every precision (bf16 and fp32 only read them): clipping by value would turn
@@ -217,13 +201,14 @@ class TrainerEngine(StepEngine):
         loss_scaler = self.loss_scaler
         closure_result = closure()
         self.prepare_step(optimizer)
+        automatic = model.automatic_optimization
         # In automatic optimization a training_step that returned None ran no backward: there is nothing to step.
         # Its forward left O2's half weights in the model; prepare_step showed the masters again, as after a step.
-        if closure_result is None and model.automatic_optimization:
+        if closure_result is None and automatic:
             self.lightning._after_closure(model, optimizer)
-            self._prepared.discard(id(optimizer))
+            self.forget_prepared(optimizer)
             return closure_result
-        if not model.automatic_optimization:
+        if not automatic:
             wrappers = model.optimizers(use_pl_optimizer=True)
             wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
             adopt_wrapper_unscale(loss_scaler, wrappers, optimizer)
@@ -231,30 +216,29 @@ class TrainerEngine(StepEngine):
         self.lightning._after_closure(model, optimizer)
         if not _has_gradients(optimizer):
             # Nothing to check or unscale (torch's GradScaler would refuse such a step): step as Lightning would.
-            self._skipped_by_optimizer[id(optimizer)] = False
             step_output = optimizer.step(**kwargs)
-            self._prepared.discard(id(optimizer))
-            self.policy.after_optimizer_step(optimizer, False)
+            self.end_step(optimizer, TAKEN, restore_running_stats=False)
             return step_output
         step_output = loss_scaler.step(optimizer, **kwargs)
         self._stepped_this_iteration = True
         # This step's own verdict, read before the update: on an accelerator the scaler's host view of a verdict
         # decided on the device is one iteration old after it.
-        verdict = loss_scaler.step_verdict(optimizer)
-        verdict = verdict if verdict is not None else False
-        self._iteration_verdicts.append(verdict)
-        if model.automatic_optimization:
-            self._end_iteration()
+        verdict = StepVerdict.of(loss_scaler.step_verdict(optimizer))
+        if automatic:
+            self._end_iteration(verdict)
             skipped = loss_scaler.last_step_skipped
             # On an accelerator that host view is one iteration old where the device decided the step, so the
             # schedulers ask the flag itself (two alternate: it holds this step's verdict through the next batch).
-            on_device = isinstance(verdict, Tensor) and verdict.device.type != "cpu"
-            self._skipped_by_optimizer[id(optimizer)] = verdict if on_device else skipped
+            flag = verdict.flag
+            if flag is not None and flag.device.type != "cpu":
+                verdict = StepVerdict(skipped, flag)
+            else:
+                verdict = SKIPPED if skipped else TAKEN
         else:
+            self._iteration_verdicts.append(verdict)
             # The scale moves when the training step returns; this optimizer's own verdict is needed now.
-            skipped = self._skipped_by_optimizer[id(optimizer)] = loss_scaler.found_inf(optimizer)
-        self._prepared.discard(id(optimizer))
-        self.policy.after_optimizer_step(optimizer, skipped)
+            verdict = SKIPPED if loss_scaler.found_inf(optimizer) else TAKEN
+        self.end_step(optimizer, verdict, restore_running_stats=False)
         return step_output
 
     def _closure_step(
@@ -274,12 +258,20 @@ class TrainerEngine(StepEngine):
         if unscale and _has_gradients(optimizer) and not self.loss_scaler.is_unscaled(optimizer):
             self.loss_scaler.unscale_(optimizer)
 
-    def _end_iteration(self) -> None:
-        """Move the scale once; put the running statistics back when the iteration's step was skipped."""
+    def _end_iteration(self, verdict: StepVerdict | None = None) -> None:
+        """Move the scale once; put the running statistics back when a step of the iteration was skipped.
+
+        Args:
+            verdict: the verdict of the iteration's one step (automatic optimization); None combines those of the
+                steps a manual training step took.
+
+        """
         self._stepped_this_iteration = False
         try:
             self.loss_scaler.update()
         finally:
-            verdicts, self._iteration_verdicts = self._iteration_verdicts, []
-            # Combined only when there are statistics to put back, so that models without them never read a verdict.
-            self.running_stats.settle(_any_skipped(verdicts) if self.running_stats.saved else None)
+            if verdict is None:
+                verdicts, self._iteration_verdicts = self._iteration_verdicts, []
+                # Combined only when there are statistics to put back, so that models without them combine no flags.
+                verdict = StepVerdict.any_of(verdicts) if self.running_stats.saved else TAKEN
+            self.running_stats.restore_if_skipped(verdict)

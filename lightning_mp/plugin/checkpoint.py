@@ -45,7 +45,7 @@ class CheckpointEntry(Precision):
     settings: PluginSettings
     _run: Run | None
     _engine: StepEngine | None
-    _pending_state: dict[str, Any] | None
+    _state_before_setup: dict[str, Any] | None
     _claim: RunClaim
     _start_new_run: Callable[[], None]
 
@@ -57,9 +57,9 @@ class CheckpointEntry(Precision):
         this entry under the same class name) resumes from it (:mod:`lightning_mp.plugin.checkpoint`).
         """
         if self._engine is not None:
-            self._engine.settle()
+            self._engine.apply_pending_update()
         if self._run is None:
-            return dict(self._pending_state or {})
+            return dict(self._state_before_setup or {})
         return run_state(self._run, self.settings.scaler.init_scale)
 
     @override
@@ -79,7 +79,7 @@ class CheckpointEntry(Precision):
             # Loaded between two runs: it is the next run's state, which starts as a new plugin would.
             self._start_new_run()
         if self._run is None:
-            self._pending_state = dict(state_dict)
+            self._state_before_setup = dict(state_dict)
             return
         load_run_state(self._run, state_dict)
         if self._engine is not None:

@@ -226,7 +226,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         """The run's resolved setup, opt level, loss scaler and FP8 (:mod:`lightning_mp.plugin.run`), built at setup."""
         self._engine: StepEngine | None = None
         """The step engine of the run, chosen at setup: the Trainer's or Fabric's."""
-        self._pending_state: dict[str, Any] | None = None
+        self._state_before_setup: dict[str, Any] | None = None
         """A state loaded before setup, which the run loads when it is built."""
         self._fp8_before_sharding: Fp8Mode | None = None
         """The FP8 layers :meth:`fp8_convert` converted before FSDP2 sharded the model; the run's from setup on."""
@@ -270,9 +270,9 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
             owner=type(self).__name__,
         )
         self._fp8_before_sharding = None
-        if self._pending_state is not None:
-            pending, self._pending_state = self._pending_state, None
-            self.load_state_dict(pending)
+        if self._state_before_setup is not None:
+            loaded, self._state_before_setup = self._state_before_setup, None
+            self.load_state_dict(loaded)
         return self._run
 
     def _policy_class(self, opt_level: str, sharded: bool) -> type[PrecisionPolicy]:
@@ -342,7 +342,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         """
         if self._engine is None:
             self.setup_for_device(trainer_device_type(model))
-        return self._steps().connect(model, optimizers, lr_schedulers)
+        return self._chosen_engine().connect(model, optimizers, lr_schedulers)
 
     # ------------------------------------------------------------------------------------------------ runs
 
@@ -364,7 +364,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         or a Fabric sets it up.
         """
         if self._engine is not None:
-            self._engine.settle()
+            self._engine.apply_pending_update()
         return {**self.__dict__, "_engine": None, "_claim": RunClaim(ended=self._claim.ended)}
 
     @override

@@ -67,7 +67,7 @@ class StepHooks(LightningMixedPrecision):
         In manual optimization the training step takes the optimizer steps itself, so the scale moves when it
         returns, once, after the last of them (:mod:`lightning_mp.engine.trainer`).
         """
-        engine = self._steps()
+        engine = self._chosen_engine()
         engine.begin_iteration()
         with self.forward_context():
             yield
@@ -100,17 +100,17 @@ class StepHooks(LightningMixedPrecision):
             TypeError: if ``tensor`` is not a tensor (``manual_backward(loss.item())``).
 
         """
-        return self._steps().pre_backward(tensor, module)
+        return self._chosen_engine().pre_backward(tensor, module)
 
     @override
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Back-propagate the loss; under Fabric, apply the pending scale update and scale the loss first."""
-        self._steps().backward(tensor, model, *args, **kwargs)
+        self._chosen_engine().backward(tensor, model, *args, **kwargs)
 
     @override
     def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Any:
         """Run the policy's and Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
-        return self._steps().post_backward(tensor, module)
+        return self._chosen_engine().post_backward(tensor, module)
 
     @override
     # Lightning's and Fabric's strategies hand the plugin the torch Optimizer; the base hook accepts any Steppable.
@@ -122,12 +122,12 @@ class StepHooks(LightningMixedPrecision):
         **kwargs: Any,
     ) -> Any:
         """Backward, unscale, hooks and clipping on true gradients, then a step that is skipped on inf/NaN."""
-        return self._steps().optimizer_step(optimizer, model, closure, **kwargs)
+        return self._chosen_engine().optimizer_step(optimizer, model, closure, **kwargs)
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale (and, in O2, move to the masters) the gradients before ``fabric.clip_gradients`` clips them."""
-        self._steps().unscale_gradients(optimizer)
+        self._chosen_engine().unscale_gradients(optimizer)
 
     @override
     # Fabric types this hook Iterator[Parameter]; its clipping only iterates what this returns, once.
@@ -137,7 +137,7 @@ class StepHooks(LightningMixedPrecision):
         .. warning:: Under Fabric, after ``fabric.clip_gradients`` unscaled the gradients, this reads the inf/NaN
             flag and synchronises the host with the device.
         """
-        return self._steps().main_params(optimizer)
+        return self._chosen_engine().main_params(optimizer)
 
     @override
     def clip_gradients(
@@ -163,9 +163,9 @@ class StepHooks(LightningMixedPrecision):
                 " nothing, inf computes the norm without clipping). A NaN threshold would write NaN into every"
                 " gradient."
             )
-        self._steps().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+        self._chosen_engine().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
-    def _steps(self) -> StepEngine:
+    def _chosen_engine(self) -> StepEngine:
         """The engine chosen at setup.
 
         Raises:
