@@ -27,7 +27,7 @@ from tests.helpers import TinyRegressor, loader, make_trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*opt_level='O3'")
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -486,7 +486,7 @@ def test_example_script_trains_skips_and_resumes(tmp_path: Path) -> None:
 )
 def test_fabric_ddp_ranks_agree_on_skips(tmp_path: Path, optimizer_and_clip: list[str]) -> None:
     """Fabric DDP on 2 CPU processes, clipped SGD or fused Adam (fp16, lean): an inf on rank 1 only skips both ranks."""
-    script = Path(__file__).with_name("ddp_scripts") / "fabric_train.py"
+    script = Path(__file__).parents[1] / "ddp_scripts" / "fabric_train.py"
     arguments = ["--out", str(tmp_path), "--inject-rank", "1", "--inject-at", "2,5", *optimizer_and_clip]
     process = subprocess.Popen(
         [sys.executable, str(script), *arguments],
