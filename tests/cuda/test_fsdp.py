@@ -1,8 +1,9 @@
 """FSDPMixedPrecision under Lightning's own ``strategy="fsdp"`` on one GPU: Trainer and Fabric, fp16 and bf16, resume.
 
-Lightning runs its FSDPStrategy on GPUs only (the CPU runs, on 2 processes, are in ``tests/test_fsdp.py``). With one
-device FSDP keeps whole parameters (``NO_SHARD``), but the wrapping, FSDP's mixed-precision policy, the plugin's type
-check, clipping through ``clip_grad_norm_`` and both state-dict types are the real ones.
+Lightning runs its FSDPStrategy on GPUs only (the CPU runs, on 2 processes, are in
+``tests/distributed/test_fsdp.py``). With one device FSDP keeps whole parameters (``NO_SHARD``), but the wrapping,
+FSDP's mixed-precision policy, the plugin's type check, clipping through ``clip_grad_norm_`` and both state-dict types
+are the real ones.
 """
 
 from __future__ import annotations

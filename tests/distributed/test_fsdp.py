@@ -55,7 +55,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 FP32 = torch.float32
-FSDP_TRAIN_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fsdp_train.py"
+FSDP_TRAIN_SCRIPT = Path(__file__).parents[1] / "ddp_scripts" / "fsdp_train.py"
 
 
 @pytest.fixture

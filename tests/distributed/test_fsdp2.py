@@ -23,8 +23,8 @@ from lightning_mp.policies.sharded import ShardedPrecisionError
 from tests.ddp_scripts.launch import reports, run
 from tests.helpers import read_events, scalars
 
-FSDP2_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fsdp2_train.py"
-FABRIC_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fabric_train.py"
+FSDP2_SCRIPT = Path(__file__).parents[1] / "ddp_scripts" / "fsdp2_train.py"
+FABRIC_SCRIPT = Path(__file__).parents[1] / "ddp_scripts" / "fabric_train.py"
 WORKING_CASES = ("32-true:O0", "16-mixed:O1", "bf16-mixed:O1", "16-mixed:O2", "bf16-mixed:O2")
 INJECT_AT = (2, 5)
 SENTINEL_TAGS = tuple(
