@@ -8,14 +8,12 @@ are the real ones.
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
@@ -28,19 +26,12 @@ from tests.helpers import FEATURES, BatchCostRecorder, ManualRegressor, TinyRegr
 pytestmark = [
     pytest.mark.cuda,
     CUDA,
+    pytest.mark.usefixtures("single_process_group"),
     pytest.mark.filterwarnings("ignore:lightning_mp:UserWarning", "ignore:FSDP is switching to use `NO_SHARD`"),
 ]
 
 PRECISION_LEVELS = [("16-mixed", "O1"), ("bf16-mixed", "O1"), ("16-mixed", "O2"), ("bf16-mixed", "O2")]
 INF_STEP = 2
-
-
-@pytest.fixture(autouse=True)
-def single_process_group() -> Generator[None, None, None]:
-    """Destroy the one-process NCCL group that an FSDP run leaves behind."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def counters(plugin: FSDPMixedPrecision) -> tuple[int, int]:
