@@ -1,4 +1,4 @@
-"""The tests' shared helpers: the tiny models, one Trainer builder, one TensorBoard event reader and a cost recorder.
+"""The tests' shared helpers: the tiny models, one Trainer builder, one TensorBoard event reader and two recorders.
 
 Import them with ``from tests.helpers import ...`` (pytest's configuration puts the repository root on ``sys.path``
 under every import mode; ``tests/ddp_scripts/launch.py`` puts it on the subprocesses' ``PYTHONPATH``).
@@ -259,6 +259,18 @@ class BatchCostRecorder(L.Callback):
                 recorder._region = None
 
         return _Close()
+
+
+class StepRecorder(L.Callback):
+    """The step, the plugin's loss scale and its skip flag after every batch."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, float, bool]] = []
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        stats = trainer.precision_plugin.stats  # type: ignore[attr-defined]
+        self.steps.append((trainer.global_step, stats.loss_scale, stats.last_step_skipped))
 
 
 def read_events(log_dir: str | Path) -> event_accumulator.EventAccumulator:
