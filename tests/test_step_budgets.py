@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 from lightning_mp import MixedPrecision
 from lightning_mp.counting import count_python_calls, count_syncs_and_ops
-from tests.engine.test_fabric import batch, train_step
-from tests.engine.test_fabric import setup as setup_fabric
+from tests.engine.fabric_helpers import batch, train_step
+from tests.engine.fabric_helpers import setup as setup_fabric
 from tests.policies.test_casting import layers, to_lean_half
 
 
