@@ -1,4 +1,4 @@
-"""Host budgets of the steady step: how many host syncs and Python calls a piece adds, counted, never timed.
+"""Host budgets: the host syncs, ops and Python calls a piece adds to a steady step, counted, never timed.
 
 A sync stalls the host until the device catches up, and every Python call is host time a small model's step cannot
 hide. :func:`lightning_mp.counting.count_syncs_and_ops` and :func:`~lightning_mp.counting.count_python_calls` count them
@@ -10,12 +10,19 @@ module that mirrors it; the budgets that guard a whole step sit beside their sub
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_mp import MixedPrecision
+from lightning_mp.bench.opt_level_counts import Task, count_opt_level, markov_counting_task
+from lightning_mp.bench.workloads import OPTIMIZER_KINDS, make_optimizer
 from lightning_mp.counting import count_python_calls, count_syncs_and_ops
+from lightning_mp.tasks import TinyTransformerLM
 from tests.engine.fabric_helpers import batch, train_step
 from tests.engine.fabric_helpers import setup as setup_fabric
 from tests.policies.test_casting import layers, to_lean_half
@@ -67,3 +74,46 @@ def test_fp8_cast_stats_run_on_the_device_without_a_host_sync() -> None:
             cast_stats(tensor, recipe.input)
             cast_stats(tensor, recipe.grad_output)
     assert counts.syncs == 0, counts.sync_ops
+
+
+class CountedLM(TinyTransformerLM):
+    """The steady-step counter's tiny LM, trained with the optimizer ``optimizer`` names (no scheduler)."""
+
+    def __init__(self, optimizer: str, **sizes: Any) -> None:
+        super().__init__(**sizes)
+        self.optimizer_name = optimizer
+
+    @override
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "sgd-momentum":
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return make_optimizer(self.optimizer_name, self.parameters())  # type: ignore[arg-type]
+
+
+def counted_task(optimizer: str) -> Task:
+    """The counter's Markov-text task, with the model trained by ``optimizer``."""
+
+    def task(steps: int) -> tuple[LightningModule, Any]:
+        model, data = markov_counting_task(steps)
+        return CountedLM(optimizer, **model.hparams), data
+
+    return task
+
+
+@pytest.mark.parametrize("optimizer", [*OPTIMIZER_KINDS, "sgd-momentum"])
+@pytest.mark.parametrize("opt_level", ["lean", "lean-kahan"])
+def test_a_steady_lean_step_makes_no_host_sync_and_casts_each_bf16_weight_twice(opt_level: str, optimizer: str) -> None:
+    """Lean with fused, foreach or single-tensor AdamW, or SGD: a steady Trainer step never waits for the device, and
+    casts each bf16 weight twice, in the optimizer step only (into the fp32 update, and the rounded result back)."""
+    counts = count_opt_level(opt_level, "bf16-mixed", counted_task(optimizer))
+    model, _ = markov_counting_task(1)
+    bf16_weights = sum(1 for name, _ in model.named_parameters() if "norm" not in name)
+    assert counts.syncs == 0
+    assert (counts.casts_forward, counts.casts_backward, counts.casts_step) == (0, 0, 2 * bf16_weights)
+
+
+def test_a_steady_lean_step_dispatches_no_more_ops_than_o1() -> None:
+    """Lean's step, the stochastic rounding included, launches no more kernels than O1's on the counter's LM."""
+    lean = count_opt_level("lean", "bf16-mixed", counted_task("fused"))
+    o1 = count_opt_level("O1", "bf16-mixed", counted_task("fused"))
+    assert lean.compute_ops <= o1.compute_ops
