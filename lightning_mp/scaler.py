@@ -6,7 +6,7 @@ learning from them. Multiplying the loss by a large factor ``S`` before ``backwa
 
 :class:`LossScaler` is a ``torch.amp.GradScaler`` (code that checks ``isinstance(scaler, GradScaler)``, Lightning's
 included, keeps working) and a thin facade: each job lives in a module of :mod:`lightning_mp.scaling`, whose
-docstring teaches it, and the scale rules in :mod:`lightning_mp._scale_rules`. One iteration (any number of
+docstring teaches it, and the scale rules in :mod:`lightning_mp.scaling.rules`. One iteration (any number of
 optimizers, torch's contract: ``update()`` once, after the last ``step``):
 
 * ``unscale_`` (explicit, or implicit in ``step``) runs one fused kernel per device and dtype over the optimizer's
@@ -34,7 +34,7 @@ optimizers, torch's contract: ``update()`` once, after the last ``step``):
   gradients' inf-norms and ``step`` reads them on the host (the same one sync). ``skip_nonfinite=False`` turns the
   check off in check mode, as Lightning's bf16 and fp32 plugins have none: no op and no sync for any optimizer, and
   a non-finite step then reaches the weights.
-* ``update`` moves the scale by the pure rules of :mod:`lightning_mp._scale_rules` (hysteresis, growth capped at
+* ``update`` moves the scale by the pure rules of :mod:`lightning_mp.scaling.rules` (hysteresis, growth capped at
   ``max_scale``, backoff, collapse at the floor). Where every flag of the iteration is already on the host they run
   there and the device scale is rewritten only when it changes; otherwise (fused optimizers) they run on the device
   (:mod:`~lightning_mp.scaling.device_rules`). The host replays the same rules on the flags once it can read them
@@ -49,7 +49,7 @@ optimizer whose gradients are never finite stops the run even if another one ste
 ``state_dict`` holds torch's five keys and the ledger; ``load_state_dict`` validates a dict field by field
 (:mod:`~lightning_mp.scaling.checkpoint`).
 
-The scaler's state is declared by its parts: the settings, the host :class:`~lightning_mp._scale_rules.ScaleState`
+The scaler's state is declared by its parts: the settings, the host :class:`~lightning_mp.scaling.rules.ScaleState`
 and the ledger are plain data and pickle as they are; the device tensors, flags, optimizer references and the
 iteration in progress pickle as empty (each part says so in its ``__getstate__``), so an unpickled scaler rebuilds
 them lazily.
@@ -76,7 +76,16 @@ from typing_extensions import override
 
 from lightning_mp._gradients import nonfinite_gradients
 from lightning_mp._knobs import with_knob_docs
-from lightning_mp._scale_rules import (
+from lightning_mp._validation import check_number
+from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
+from lightning_mp.scaling import hand_off, kernels, sharded
+from lightning_mp.scaling.checkpoint import validated_state
+from lightning_mp.scaling.device_rules import DeviceScale
+from lightning_mp.scaling.host_mirror import HostMirror
+from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
+from lightning_mp.scaling.ledger import StepLedger
+from lightning_mp.scaling.optimizers import OptimizerRegistry
+from lightning_mp.scaling.rules import (
     COLLAPSE_FLOOR,
     FLOAT32_MAX,
     SCALER_DEFAULTS,
@@ -87,15 +96,6 @@ from lightning_mp._scale_rules import (
     float32_within,
     next_state,
 )
-from lightning_mp._validation import check_number
-from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
-from lightning_mp.scaling import hand_off, kernels, sharded
-from lightning_mp.scaling.checkpoint import validated_state
-from lightning_mp.scaling.device_rules import DeviceScale
-from lightning_mp.scaling.host_mirror import HostMirror
-from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
-from lightning_mp.scaling.ledger import StepLedger
-from lightning_mp.scaling.optimizers import OptimizerRegistry
 from lightning_mp.stats import PrecisionStats
 
 __all__ = ["COLLAPSE_FLOOR", "LossScaler", "OnMinScale", "ScalerSettings", "ScalingMode"]
@@ -179,7 +179,7 @@ class LossScaler(torch.amp.GradScaler):
             into the weights, and ``skipped_steps`` stays 0. A scaled run (fp16) always skips: its overflows are
             routine.
 
-    Each knob is declared, documented and checked once, in :class:`~lightning_mp._scale_rules.ScalerSettings`;
+    Each knob is declared, documented and checked once, in :class:`~lightning_mp.scaling.rules.ScalerSettings`;
     :attr:`settings` holds them as validated.
 
     Raises:

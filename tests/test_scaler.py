@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_mp import LossScaleCollapseError, LossScaler, MixedPrecision, NonFiniteStepsError
-from lightning_mp._scale_rules import ScalerSettings
+from lightning_mp.scaling.rules import ScalerSettings
 
 
 def _step(scaler: LossScaler, model: nn.Linear, optimizer: torch.optim.Optimizer, overflow: bool) -> None:

@@ -1,10 +1,11 @@
 """The loss scaler's parts, one job per module, behind the facade :class:`~lightning_mp.scaler.LossScaler`.
 
+* :mod:`~lightning_mp.scaling.rules`: the scaler's settings and its scale rules, as plain data and a pure function;
 * :mod:`~lightning_mp.scaling.kernels`: unscale and check an optimizer's gradients in a fixed number of ops;
 * :mod:`~lightning_mp.scaling.sharded`: the inf check and gradient norms over sharded gradients (FSDP2, FSDP);
 * :mod:`~lightning_mp.scaling.inf_flags`: the preallocated inf flags and the record of one iteration;
 * :mod:`~lightning_mp.scaling.hand_off`: skipping a step on the device, through torch's fused kernels;
-* :mod:`~lightning_mp.scaling.device_rules`: the scale rules of :mod:`lightning_mp._scale_rules` as device ops;
+* :mod:`~lightning_mp.scaling.device_rules`: the scale rules as device ops;
 * :mod:`~lightning_mp.scaling.host_mirror`: host copies of the flags, read without a sync;
 * :mod:`~lightning_mp.scaling.ledger`: the counters and skip streaks;
 * :mod:`~lightning_mp.scaling.checkpoint`: validation of a scaler checkpoint;

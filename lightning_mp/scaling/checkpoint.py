@@ -25,9 +25,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mp._scale_rules import ScalerSettings, ScaleState, float32_within
 from lightning_mp._validation import check_number
 from lightning_mp.scaling.ledger import StepLedger
+from lightning_mp.scaling.rules import ScalerSettings, ScaleState, float32_within
 
 _CALLER_OF_LOAD = 3
 """The stack level of the scaler's caller, seen from a function that ``load_state_dict`` calls."""
