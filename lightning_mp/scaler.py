@@ -6,8 +6,10 @@ learning from them. Multiplying the loss by a large factor ``S`` before ``backwa
 
 :class:`LossScaler` is a ``torch.amp.GradScaler`` (code that checks ``isinstance(scaler, GradScaler)``, Lightning's
 included, keeps working) and a thin facade: each job lives in a module of :mod:`lightning_mp.scaling`, whose
-docstring teaches it, and the scale rules in :mod:`lightning_mp.scaling.rules`. One iteration (any number of
-optimizers, torch's contract: ``update()`` once, after the last ``step``):
+docstring teaches it, and the scale rules in :mod:`lightning_mp.scaling.rules`. What differs between the modes
+(dynamic, static, check-only) is one strategy object of :mod:`~lightning_mp.scaling.modes`, chosen when the scaler is
+built; the facade never asks which mode it runs in. One iteration (any number of optimizers, torch's contract:
+``update()`` once, after the last ``step``):
 
 * ``unscale_`` (explicit, or implicit in ``step``) runs one fused kernel per device and dtype over the optimizer's
   gradients (:mod:`~lightning_mp.scaling.kernels`): in fp16 it multiplies them by the preallocated ``1/S`` and sets
@@ -39,10 +41,11 @@ optimizers, torch's contract: ``update()`` once, after the last ``step``):
   there and the device scale is rewritten only when it changes; otherwise (fused optimizers) they run on the device
   (:mod:`~lightning_mp.scaling.device_rules`). The host replays the same rules on the flags once it can read them
   without waiting (:mod:`~lightning_mp.scaling.host_mirror`): at once on the CPU, one iteration late on an
-  accelerator. The replay counts the steps in the :mod:`~lightning_mp.scaling.ledger`, keeps
-  :meth:`LossScaler.get_scale` and :meth:`LossScaler.stats` free, and raises
-  :class:`~lightning_mp.errors.LossScaleCollapseError` and :class:`~lightning_mp.errors.NonFiniteStepsError` at most
-  one iteration late, naming the parameters whose gradients were not finite.
+  accelerator. The replay (:mod:`~lightning_mp.scaling.replay`) counts the steps in the
+  :mod:`~lightning_mp.scaling.ledger`, keeps :meth:`LossScaler.get_scale` and :meth:`LossScaler.stats` free, and
+  raises :class:`~lightning_mp.errors.LossScaleCollapseError` and :class:`~lightning_mp.errors.NonFiniteStepsError`
+  at most one iteration late, naming the parameters whose gradients were not finite
+  (:mod:`~lightning_mp.scaling.culprits`).
 
 Skips and streaks are counted per optimizer (:mod:`~lightning_mp.scaling.optimizers` gives each an index): an
 optimizer whose gradients are never finite stops the run even if another one steps cleanly, and the error names it.
@@ -63,71 +66,35 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 
 from __future__ import annotations
 
-import copy
 import inspect
 import warnings
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_mp._gradients import nonfinite_gradients
 from lightning_mp._knobs import with_knob_docs
-from lightning_mp._validation import check_number
-from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
-from lightning_mp.scaling import hand_off, kernels, sharded
+from lightning_mp.scaling import hand_off, kernels
 from lightning_mp.scaling.checkpoint import validated_state
+from lightning_mp.scaling.culprits import Culprits, nonfinite_parameters, raise_on_streak
 from lightning_mp.scaling.device_rules import DeviceScale
+from lightning_mp.scaling.devices import checked_device_type, default_device
+from lightning_mp.scaling.forecast import stats_after_update
 from lightning_mp.scaling.host_mirror import HostMirror
 from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
 from lightning_mp.scaling.ledger import StepLedger
+from lightning_mp.scaling.modes import scaling_for
 from lightning_mp.scaling.optimizers import OptimizerRegistry
-from lightning_mp.scaling.rules import (
-    COLLAPSE_FLOOR,
-    FLOAT32_MAX,
-    SCALER_DEFAULTS,
-    STATIC_SCALE_FLOOR,
-    OnMinScale,
-    ScalerSettings,
-    ScalingMode,
-    float32_within,
-    next_state,
-)
+from lightning_mp.scaling.replay import replay_iteration
+from lightning_mp.scaling.rules import COLLAPSE_FLOOR, SCALER_DEFAULTS, OnMinScale, ScalerSettings, ScalingMode
 from lightning_mp.stats import PrecisionStats
 
 __all__ = ["COLLAPSE_FLOOR", "LossScaler", "OnMinScale", "ScalerSettings", "ScalingMode"]
 
 _UNCHECKED = -1
 """The optimizer index of steps taken without a check (LBFGS): never skipped, never in a streak."""
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _check_device(owner: str, device: Any) -> str:
-    """The device type of ``device`` (a string or a ``torch.device``); ValueError if unknown or unavailable."""
-    try:
-        device_type = torch.device(device).type
-    except (RuntimeError, TypeError):
-        raise ValueError(
-            f"{owner}(device={device!r}) is not allowed: device must be a device type such as 'cpu' or 'cuda'."
-        ) from None
-    backend = getattr(torch, device_type, None)
-    available = device_type == "cpu" or (backend is not None and getattr(backend, "is_available", lambda: False)())
-    if not available:
-        raise ValueError(
-            f"{owner}(device={device!r}) is not available on this machine; use device='cpu', or leave device=None"
-            f" to pick {_default_device()!r}."
-        )
-    return device_type
 
 
 @dataclass
@@ -230,12 +197,9 @@ class LossScaler(torch.amp.GradScaler):
         return scaler
 
     def _setup(self, device: str | torch.device | None, settings: ScalerSettings) -> None:
-        device_type = _check_device(type(self).__name__, _default_device() if device is None else device)
-        if not settings.skip_nonfinite and settings.scales_loss:
-            raise ValueError(
-                f"{type(self).__name__}(mode={settings.mode!r}, skip_nonfinite=False) is not allowed: a scaled step"
-                " whose gradients overflowed must be skipped. Use skip_nonfinite=False with mode='check' (bf16, fp32)."
-            )
+        device_type = checked_device_type(type(self).__name__, default_device() if device is None else device)
+        self._scaling = scaling_for(settings, type(self).__name__)
+        """The mode's strategy (:mod:`~lightning_mp.scaling.modes`): whatever differs between the modes."""
         self.settings = settings
         self._state = settings.initial_state()
         super().__init__(
@@ -296,7 +260,7 @@ class LossScaler(torch.amp.GradScaler):
     @property
     def scales_loss(self) -> bool:
         """Whether the loss is multiplied at all (dynamic or static mode)."""
-        return self.settings.scales_loss
+        return self._scaling.scales_loss
 
     @override
     def get_growth_factor(self) -> float:
@@ -344,7 +308,7 @@ class LossScaler(torch.amp.GradScaler):
                 (p.device for group in optimizer.param_groups for p in group["params"] if p.grad is not None),
                 torch.device(self._device_type),
             )
-            self._device_scale.allocate(self._state, device, self.scales_loss)
+            self._device_scale.allocate(self._state, device, self._scaling.scales_loss)
         return self._device_scale
 
     @override
@@ -355,33 +319,7 @@ class LossScaler(torch.amp.GradScaler):
             ValueError: when ``outputs`` is neither a tensor nor an iterable of tensors.
 
         """
-        if not self.scales_loss:
-            return outputs
-        if isinstance(outputs, torch.Tensor):
-            if self._device_scale.scale is None:
-                self._device_scale.allocate(self._state, outputs.device, self.scales_loss)
-            assert self._device_scale.scale is not None
-            return outputs * self._device_scale.scale.to(device=outputs.device, non_blocking=True)
-        # As torch's GradScaler: one copy of the scale per device, shared by the outputs on it.
-        copies: dict[torch.device, torch.Tensor] = {}
-
-        def apply_scale(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                if self._device_scale.scale is None:
-                    self._device_scale.allocate(self._state, value.device, self.scales_loss)
-                assert self._device_scale.scale is not None
-                copy = copies.get(value.device)
-                if copy is None:
-                    copy = copies[value.device] = self._device_scale.scale.to(
-                        device=value.device, non_blocking=True, copy=True
-                    )
-                return value * copy
-            if isinstance(value, Iterable):
-                scaled = map(apply_scale, value)
-                return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
-
-        return apply_scale(outputs)
+        return self._scaling.scale(outputs, self._device_scale, self._state)
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether :meth:`unscale_` already ran for ``optimizer`` in this iteration (a second call would raise).
@@ -473,48 +411,13 @@ class LossScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         device_scale = self._device_tensors(optimizer)
         index = self._optimizers.index(optimizer)
-        if not self.settings.skip_nonfinite:
-            # Lightning's bf16 and fp32: nothing is checked, and every step is taken.
-            self._stages[id(optimizer)] = _OptimizerStage("unscaled")
-            self._iteration.host_flags[index] = 0.0
-            return {}
-        per_device = self._check_gradients(optimizer, index, device_scale, unscales)
-        if _distributed():
-            # Under DDP and under sharding alike (FSDP2's gradients are checked by their local shards), every rank
-            # skips when any rank found an inf.
-            for flag in per_device.values():
-                self._flag_pool.count_local_overflow(flag)
-                sharded.agree_on_found_inf(flag)
+        per_device = self._scaling.check_gradients(
+            optimizer, index, unscales, device_scale, self._flag_pool, self._iteration, self.allow_fp16_gradients
+        )
         self._stages[id(optimizer)] = _OptimizerStage("unscaled", per_device)
-        combined = kernels.combined_flag(per_device)
+        combined = kernels.combined_flag(per_device) if per_device else None
         if combined is not None:
             self._iteration.device_flags[index] = combined
-        return per_device
-
-    def _check_gradients(
-        self, optimizer: torch.optim.Optimizer, index: int, device_scale: DeviceScale, unscales: bool
-    ) -> dict[torch.device, torch.Tensor]:
-        refuse_fp16 = self.scales_loss and unscales and not self.allow_fp16_gradients
-        groups = kernels.gradient_groups(optimizer, refuse_fp16)
-        if not self.scales_loss and not _distributed() and not hand_off.skips_safely_on_device(optimizer):
-            norms = kernels.single_group_norms(groups)
-            if norms is not None:
-                # The step decides on the host anyway: it reads these norms (its one sync), and no flag is kept.
-                self._iteration.norms[index] = norms
-                return {}
-        assert device_scale.one is not None and device_scale.inv_scale is not None
-        multiplier = (device_scale.inv_scale if unscales else device_scale.one) if self.scales_loss else None
-        per_device = kernels.check_gradients(
-            groups,
-            lambda device: self._flag_pool.zeroed_flag(index, device, self._iteration),
-            multiplier,
-            device_scale.one,
-        )
-        if not per_device and _distributed():
-            # Every rank must join the all-reduce, even one whose optimizer has no gradient this iteration.
-            assert device_scale.scale is not None
-            home = device_scale.scale.device
-            per_device[home] = self._flag_pool.zeroed_flag(index, home, self._iteration)
         return per_device
 
     def recheck_gradients(self, optimizer: torch.optim.Optimizer) -> None:
@@ -530,21 +433,8 @@ class LossScaler(torch.amp.GradScaler):
 
         """
         index = self._optimizers.known_index(optimizer)
-        record = self._iteration
-        if index is None or index in record.stepped or not (index in record.norms or index in record.device_flags):
-            return
-        home = record.device_flags[index].device if index in record.device_flags else None
-        norms = kernels.recheck_norms(optimizer, home)
-        if not norms:
-            return
-        if index in record.norms:
-            if not record.host_flags.get(index):  # a skip already decided stays one; else read again at the step
-                record.host_flags.pop(index, None)
-                record.norms[index] = torch.cat([record.norms[index], *norms])
-            return
-        flag = record.device_flags[index]
-        nonfinite = (~torch.isfinite(torch.cat(norms))).any()
-        flag.copy_(torch.maximum(flag, nonfinite.to(flag.dtype)))
+        if index is not None:
+            self._iteration.recheck(index, optimizer)
 
     @property
     def local_overflow_count(self) -> torch.Tensor | int:
@@ -597,9 +487,8 @@ class LossScaler(torch.amp.GradScaler):
         self._iteration.stepped.add(index)
         self._mark_stepped(optimizer)
         flag = self._iteration.device_flags.get(index)
-        if flag is not None and not self.scales_loss and hand_off.skips_safely_on_device(optimizer):
-            # Check mode hands the step to torch's fused kernel of the same rule, which skips it on the device.
-            self._remember_culprits_if_on_cpu(index, flag)
+        if flag is not None and self._scaling.hands_off(optimizer):
+            self._remember_culprits(index, flag)
             return hand_off.step_on_device(optimizer, flag, None, *args, **kwargs)
         if self._host_verdict(index, flag):
             return None
@@ -619,7 +508,7 @@ class LossScaler(torch.amp.GradScaler):
         else:
             found_inf = self._iteration.host_flags[index] = float(flag.item())
         if found_inf:
-            self._remember_culprits_near_limit(index, found_inf)
+            self._remember_culprits(index, found_inf)
         return found_inf
 
     def _fused_protocol_step(
@@ -645,14 +534,11 @@ class LossScaler(torch.amp.GradScaler):
         if stage is None:
             # The kernel unscales: the gradients are only checked here, and it divides them by the scale.
             self._check_inf_per_device(optimizer)
-            if self.scales_loss:
-                scale = self._device_scale.scale
-                assert scale is not None
-                grad_scale = scale if user_scale is None else scale * user_scale
+            grad_scale = self._scaling.fused_grad_scale(self._device_scale, user_scale)
         self._mark_stepped(optimizer)
         flag = self._iteration.device_flags.get(index)
         if flag is not None and hand_off.skips_safely_on_device(optimizer):
-            self._remember_culprits_if_on_cpu(index, flag)
+            self._remember_culprits(index, flag)
             return hand_off.step_on_device(optimizer, flag, grad_scale, *args, **kwargs)
         if self._host_verdict(index, flag):
             return None
@@ -672,18 +558,19 @@ class LossScaler(torch.amp.GradScaler):
         stage = self._stages.get(id(optimizer))
         return stage.found_inf_per_device if stage is not None else {}
 
-    def _remember_culprits_if_on_cpu(self, index: int, flag: torch.Tensor) -> None:
-        if flag.device.type == "cpu":
-            self._remember_culprits_near_limit(index, flag)  # a CPU flag reads without waiting for a device
+    def _remember_culprits(self, index: int, found_inf: torch.Tensor | float) -> None:
+        """Name the non-finite gradients of a skipped step near the streak limit, while they still exist.
 
-    def _remember_culprits_near_limit(self, index: int, found_inf: torch.Tensor | float) -> None:
-        """Name the non-finite gradients of a skipped step that may end the streak, while they still exist.
-
-        Only within two steps of ``max_consecutive_skips`` (the host may replay an iteration one step late), so
-        that the flag and the gradients are read on a failing run only.
+        A flag still on an accelerator is left alone: it cannot be read without waiting
+        (:mod:`~lightning_mp.scaling.culprits`).
         """
-        if self._ledger.near_streak_limit(index, self.max_consecutive_skips) and bool(found_inf):
+        on_accelerator = isinstance(found_inf, torch.Tensor) and found_inf.device.type != "cpu"
+        limit = self.settings.max_consecutive_skips
+        if not on_accelerator and self._ledger.near_streak_limit(index, limit) and bool(found_inf):
             self._ledger.last_culprits[index] = self._culprits([index])
+
+    def _culprits(self, indices: list[int]) -> Culprits:
+        return nonfinite_parameters(self._optimizers, self.param_names, indices)
 
     @override
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -706,12 +593,11 @@ class LossScaler(torch.amp.GradScaler):
         self._flag_pool.next_iteration()
         self._stages = {}
         if new_scale is not None:
-            record.new_scale = self._checked_new_scale(new_scale)
+            owner = f"{type(self).__name__}.update"
+            record.new_scale = self._scaling.checked_new_scale(owner, new_scale, self.settings)
         elif not record.checked:
             raise AssertionError("No inf checks were recorded prior to update.")
-        if not record.on_host and record.new_scale is None and self.mode == "dynamic":
-            self._device_scale.update(self._state, list(record.device_flags.values()), self.settings)
-            record.device_ruled = True
+        self._scaling.move_on_device(record, self._device_scale, self._state, self.settings)
         if not record.on_host:
             record.readers = {i: self._mirror.publish(i, f) for i, f in record.device_flags.items()}
             record.ready = self._mirror.end_iteration(next(iter(record.device_flags.values())).device)
@@ -730,71 +616,20 @@ class LossScaler(torch.amp.GradScaler):
             previous, self._pending = self._pending, None
             self._replay(previous)
 
-    def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
-        owner = f"{type(self).__name__}.update"
-        if not self.scales_loss:
-            raise ValueError(f"{owner}(new_scale={new_scale!r}) is not allowed: check mode scales nothing.")
-        static = (STATIC_SCALE_FLOOR, FLOAT32_MAX)
-        low, high = (self.settings.floor, self.max_scale) if self.mode == "dynamic" else static
-        value = check_number(owner, "new_scale", new_scale, at_least=low, at_most=high)
-        return float32_within(value, low, high)
-
     def _replay(self, record: IterationRecord) -> None:
         """Apply the host rules and the per-optimizer counters to an iteration whose flags can be read now."""
-        flags = record.read()
-        self._flag_pool.mark_clean(record, flags)
-        found_inf = any(flags.values())
-        self._ledger.record_iteration(record.stepped, {index for index, skipped in flags.items() if skipped})
-        if record.new_scale is not None:
-            self._state = replace(self._state, scale=record.new_scale)
-            self._device_scale.write_scale(self._state, self.scales_loss)
-            return
         before = self._state
-        transition = next_state(before, found_inf, self.settings)
-        if transition.event == "collapsed":
-            raise LossScaleCollapseError(
-                step=self.optimizer_steps,
-                scale=before.scale,
-                floor=self.settings.floor,
-                nonfinite_parameters=self._culprits(sorted(flags)),
-            )
-        self._state = transition.state
-        self._ledger.record_scale_move(before.scale, transition.state.scale)
-        if transition.event == "held_at_floor":
-            warnings.warn(
-                f"The loss scale is at its floor {self.settings.floor:g} and gradients still overflow: steps keep"
-                " being skipped. Try precision='bf16-mixed', keep_fp32=[...] for the overflowing layers, or a lower"
-                " learning rate.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        self._state = replay_iteration(record, before, self.settings, self._ledger, self._flag_pool, self._culprits)
+        if record.new_scale is not None:
+            self._device_scale.write_scale(self._state, self._scaling.scales_loss)
+            return
         if not record.device_ruled:
             self._device_scale.trackers_current = False
-            if transition.state.scale != before.scale:
-                self._device_scale.write_scale(self._state, self.scales_loss)
-        self._raise_on_streak()
-
-    def _raise_on_streak(self) -> None:
-        for index, streak in self._ledger.streaks_reaching(self.max_consecutive_skips):
-            optimizer = self._optimizers.at(index)
-            optimizer = getattr(optimizer, "optimizer", optimizer)  # name the optimizer, not its wrapper
-            raise NonFiniteStepsError(
-                step=self.optimizer_steps,
-                consecutive_skips=streak,
-                scale=self.get_scale(),
-                nonfinite_parameters=self._culprits([index]) or self._ledger.last_culprits.get(index, []),
-                optimizer=f"optimizer {index} ({type(optimizer).__name__})" if optimizer is not None else None,
-            )
-
-    def _culprits(self, indices: list[int]) -> list[tuple[str, tuple[int, ...]]]:
-        named = (
-            (self.param_names.get(id(p), f"optimizers[{index}].param_groups[{g}][{i}]"), p)
-            for index in indices
-            if (optimizer := self._optimizers.at(index)) is not None
-            for g, group in enumerate(optimizer.param_groups)
-            for i, p in enumerate(group["params"])
+            if self._state.scale != before.scale:
+                self._device_scale.write_scale(self._state, self._scaling.scales_loss)
+        raise_on_streak(
+            self._ledger, self.settings.max_consecutive_skips, self._optimizers, self.param_names, self.get_scale
         )
-        return nonfinite_gradients(named)
 
     def record_unchecked_step(self, skipped: bool = False) -> None:
         """End an iteration whose one step was checked outside this scaler (LBFGS evaluates its own closure).
@@ -817,7 +652,7 @@ class LossScaler(torch.amp.GradScaler):
         Exact on the CPU. On an accelerator, after an iteration whose flag stayed on the device (fused
         optimizers), it is the scale as of the previous iteration until the next :meth:`update`.
         """
-        return self._state.scale if self.scales_loss else 1.0
+        return self._scaling.loss_scale(self._state.scale)
 
     @override
     def _get_growth_tracker(self) -> int:
@@ -875,22 +710,8 @@ class LossScaler(torch.amp.GradScaler):
         the update itself). Where a flag is still on an accelerator, this is :meth:`stats`, as fresh as
         :meth:`get_scale` is there.
         """
-        record = self._iteration
-        flags = record.peek() if record.stepped and record.new_scale is None else None
-        if flags is None:
-            return self.stats()
-        ledger = copy.deepcopy(self._ledger)
-        ledger.record_iteration(record.stepped, {index for index, skipped in flags.items() if skipped})
-        transition = next_state(self._state, any(flags.values()), self.settings)
-        scale = self._state.scale
-        if transition.event != "collapsed":
-            ledger.record_scale_move(scale, transition.state.scale)
-            scale = transition.state.scale
-        return PrecisionStats(
-            loss_scale=scale if self.scales_loss else 1.0,
-            last_step_skipped=ledger.last_step_skipped,
-            **ledger.counters(),
-        )
+        stats = stats_after_update(self._iteration, self._ledger, self._state, self.settings, self._scaling)
+        return self.stats() if stats is None else stats
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -957,5 +778,5 @@ class LossScaler(torch.amp.GradScaler):
         if loaded.scale_state is not None:
             self._state = loaded.scale_state
         self._device_scale.trackers_current = False
-        self._device_scale.write_scale(self._state, self.scales_loss)
+        self._device_scale.write_scale(self._state, self._scaling.scales_loss)
         self._device_scale.write_trackers(self._state)
