@@ -66,44 +66,34 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 
 from __future__ import annotations
 
-import inspect
-import warnings
+import operator
 from collections.abc import Callable, Container
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 import torch
 from typing_extensions import override
 
 from lightning_mp._knobs import with_knob_docs
-from lightning_mp.scaling import hand_off, kernels
-from lightning_mp.scaling.checkpoint import validated_state
+from lightning_mp.scaling.checkpoint import state_dict_of, validated_state
 from lightning_mp.scaling.culprits import Culprits, nonfinite_parameters, raise_on_streak
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.devices import checked_device_type, default_device
 from lightning_mp.scaling.forecast import stats_after_update
-from lightning_mp.scaling.host_mirror import HostMirror
-from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
+from lightning_mp.scaling.inf_flags import IterationRecord
 from lightning_mp.scaling.ledger import StepLedger
 from lightning_mp.scaling.modes import scaling_for
-from lightning_mp.scaling.optimizers import OptimizerRegistry
-from lightning_mp.scaling.replay import replay_iteration
+from lightning_mp.scaling.replay import DeferredReplay, replay_iteration
 from lightning_mp.scaling.rules import COLLAPSE_FLOOR, SCALER_DEFAULTS, OnMinScale, ScalerSettings, ScalingMode
+from lightning_mp.scaling.steps import StepGate
 from lightning_mp.stats import PrecisionStats
 
 __all__ = ["COLLAPSE_FLOOR", "LossScaler", "OnMinScale", "ScalerSettings", "ScalingMode"]
 
-_UNCHECKED = -1
-"""The optimizer index of steps taken without a check (LBFGS): never skipped, never in a streak."""
 
-
-@dataclass
-class _OptimizerStage:
-    """Where one optimizer is in the iteration (torch's contract: unscale at most once, then step once)."""
-
-    stage: Literal["unscaled", "stepped"]
-    found_inf_per_device: dict[Any, Any] = field(default_factory=dict)
-    """Device -> its inf flag, as torch's protocol getter returns it."""
+def _reads(path: str, doc: str) -> Any:
+    """A read-only property giving the scaler's ``path`` (``"settings.hysteresis"``), documented by ``doc``."""
+    return property(operator.attrgetter(path), doc=doc)
 
 
 @with_knob_docs(ScalerSettings)
@@ -210,57 +200,32 @@ class LossScaler(torch.amp.GradScaler):
             growth_interval=settings.growth_interval,
             enabled=True,
         )
-        self._device_type = device_type
-        """The device type of the gradients, where the scale lives before it meets one."""
         self.allow_fp16_gradients = False
         """Set by opt levels whose gradients are fp16 themselves (O3): torch refuses to unscale those by default."""
         self.param_names: dict[int, str] = {}
         """``id(parameter) -> qualified name``, so that errors can name the parameters that overflowed."""
         self._ledger = StepLedger()
         self._device_scale = DeviceScale()
-        self._flag_pool = InfFlagPool()
-        self._optimizers = OptimizerRegistry()
-        self._stages: dict[int, _OptimizerStage] = {}
-        """``id(optimizer)`` -> its stage in this iteration, for the optimizers that unscaled or stepped."""
-        self._iteration = IterationRecord()
-        self._pending: IterationRecord | None = None
-        """On an accelerator, the last iteration, replayed on the host at the next ``update``."""
-        self._mirror = HostMirror()
+        self._gate = StepGate(self._scaling, self._device_scale, device_type)
+        """The iteration's stages, flags and verdicts (:mod:`~lightning_mp.scaling.steps`)."""
+        self._deferred = DeferredReplay()
+        """Replays each iteration once its flags can be read without waiting (:mod:`~lightning_mp.scaling.replay`)."""
         self._before_unscale: Callable[[torch.optim.Optimizer], None] | None = None
         self._prepared: Container[int] = ()
         """The ``id`` of each optimizer whose gradients are in place: :meth:`unscale_` calls no preparation for it."""
 
     # ------------------------------------------------------------------------------------------------ knobs
 
-    @property
-    def mode(self) -> ScalingMode:
-        """``"dynamic"``, ``"static"`` or ``"check"``."""
-        return self.settings.mode
-
-    @property
-    def hysteresis(self) -> int:
-        """Overflows tolerated before the scale backs off."""
-        return self.settings.hysteresis
-
-    @property
-    def min_scale(self) -> float | None:
-        """The floor asked for; None means ``2**-24``."""
-        return self.settings.min_scale
-
-    @property
-    def max_scale(self) -> float:
-        """The ceiling."""
-        return self.settings.max_scale
-
-    @property
-    def max_consecutive_skips(self) -> int | None:
-        """Skipped steps in a row of one optimizer that stop the run; None never stops."""
-        return self.settings.max_consecutive_skips
-
-    @property
-    def scales_loss(self) -> bool:
-        """Whether the loss is multiplied at all (dynamic or static mode)."""
-        return self._scaling.scales_loss
+    mode: ScalingMode = _reads("settings.mode", '``"dynamic"``, ``"static"`` or ``"check"``.')
+    hysteresis: int = _reads("settings.hysteresis", "Overflows tolerated before the scale backs off.")
+    min_scale: float | None = _reads("settings.min_scale", "The floor asked for; None means ``2**-24``.")
+    max_scale: float = _reads("settings.max_scale", "The ceiling.")
+    max_consecutive_skips: int | None = _reads(
+        "settings.max_consecutive_skips", "Skipped steps in a row of one optimizer that stop the run; None never stops."
+    )
+    scales_loss: bool = _reads(
+        "_scaling.scales_loss", "Whether the loss is multiplied at all (dynamic or static mode)."
+    )
 
     @override
     def get_growth_factor(self) -> float:
@@ -301,16 +266,6 @@ class LossScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------------------------------------ the step
 
-    def _device_tensors(self, optimizer: torch.optim.Optimizer) -> DeviceScale:
-        """The device scale, allocated on the device of ``optimizer``'s first gradient if it is not yet."""
-        if self._device_scale.scale is None:
-            device = next(
-                (p.device for group in optimizer.param_groups for p in group["params"] if p.grad is not None),
-                torch.device(self._device_type),
-            )
-            self._device_scale.allocate(self._state, device, self._scaling.scales_loss)
-        return self._device_scale
-
     @override
     def scale(self, outputs: Any) -> Any:
         """Multiply the loss (a tensor, or an iterable of tensors) by the current scale; in check mode return it.
@@ -326,8 +281,7 @@ class LossScaler(torch.amp.GradScaler):
 
         Asking records nothing for an optimizer the scaler has not seen.
         """
-        stage = self._stages.get(id(optimizer))
-        return stage is not None and stage.stage == "unscaled"
+        return self._gate.is_unscaled(optimizer)
 
     def adopt_unscale(self, wrapper: Any, optimizer: torch.optim.Optimizer) -> None:
         """Record an :meth:`unscale_` made through ``wrapper`` in this iteration as made on ``optimizer``.
@@ -335,8 +289,7 @@ class LossScaler(torch.amp.GradScaler):
         For a wrapper that shares ``optimizer``'s ``param_groups`` (Lightning's ``LightningOptimizer``): it unscaled
         the very gradients ``optimizer`` steps, so a later ``unscale_(optimizer)`` must not unscale them again.
         """
-        if wrapper.param_groups is optimizer.param_groups and self.is_unscaled(wrapper):
-            self._stages[id(optimizer)] = self._stages.pop(id(wrapper))
+        self._gate.adopt_unscale(wrapper, optimizer)
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the gradients unscaled for ``optimizer`` in this iteration hold an inf or NaN: its step is skipped.
@@ -345,9 +298,7 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: Reads the device flag on the host: a synchronisation on CUDA.
         """
-        if id(optimizer) not in self._stages:
-            return False
-        return bool(self.step_verdict(optimizer))
+        return id(optimizer) in self._gate.stages and bool(self._gate.verdict(optimizer))
 
     def step_verdict(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor | None:
         """Whether ``optimizer``'s step of this iteration is (or will be) skipped, without waiting for a device.
@@ -357,13 +308,7 @@ class LossScaler(torch.amp.GradScaler):
             sync-free use such as ``torch.where``; None before :meth:`unscale_` ran for it.
 
         """
-        index = self._optimizers.known_index(optimizer)
-        if index is None:
-            return None
-        record = self._iteration
-        if index in record.host_flags or index in record.norms:
-            return bool(record.verdict_from_norms(index))
-        return record.device_flags.get(index)
+        return self._gate.verdict(optimizer)
 
     def prepare_before_unscale(
         self, prepare: Callable[[torch.optim.Optimizer], None] | None, prepared: Container[int] = ()
@@ -374,7 +319,7 @@ class LossScaler(torch.amp.GradScaler):
         moves them from the half weights to the fp32 masters): a user's ``scaler.unscale_(optimizer)`` before the
         step ("unscale, clip, step") then unscales and checks the gradients the step will apply. The engine lists
         each optimizer it has prepared in ``prepared`` (a set it keeps updating), so that its own unscale, which
-        prepares first, pays no call here. ``None`` removes the preparation (at the end of a run).
+        prepares first, is not prepared twice. ``None`` removes the preparation (at the end of a run).
 
         Args:
             prepare: called with the optimizer (or the wrapper) given to :meth:`unscale_`.
@@ -400,25 +345,7 @@ class LossScaler(torch.amp.GradScaler):
         prepare = self._before_unscale
         if prepare is not None and id(optimizer) not in self._prepared:
             prepare(optimizer)
-        self._unscale(optimizer, unscales=True)
-
-    def _unscale(self, optimizer: torch.optim.Optimizer, unscales: bool) -> dict[Any, Any]:
-        """:meth:`unscale_`, or with ``unscales=False`` torch's check before a fused step, which multiplies by one."""
-        stage = self._stages.get(id(optimizer))
-        if stage is not None and stage.stage == "unscaled":
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if stage is not None and stage.stage == "stepped":
-            raise RuntimeError("unscale_() is being called after step().")
-        device_scale = self._device_tensors(optimizer)
-        index = self._optimizers.index(optimizer)
-        per_device = self._scaling.check_gradients(
-            optimizer, index, unscales, device_scale, self._flag_pool, self._iteration, self.allow_fp16_gradients
-        )
-        self._stages[id(optimizer)] = _OptimizerStage("unscaled", per_device)
-        combined = kernels.combined_flag(per_device) if per_device else None
-        if combined is not None:
-            self._iteration.device_flags[index] = combined
-        return per_device
+        self._gate.unscale(optimizer, True, self._state, self.allow_fp16_gradients)
 
     def recheck_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Check ``optimizer``'s unscaled gradients again before its step, and skip the step if one is now inf or NaN.
@@ -432,9 +359,7 @@ class LossScaler(torch.amp.GradScaler):
             already read it (bf16 and fp32 with an optimizer that is not fused), the step reads it once more.
 
         """
-        index = self._optimizers.known_index(optimizer)
-        if index is not None:
-            self._iteration.recheck(index, optimizer)
+        self._gate.recheck(optimizer)
 
     @property
     def local_overflow_count(self) -> torch.Tensor | int:
@@ -443,7 +368,7 @@ class LossScaler(torch.amp.GradScaler):
         A 0-d device tensor where the scaler counts on the device (under DDP), else the host count; for telemetry
         that gathers it with other counters in one collective.
         """
-        local = self._flag_pool.local_overflows
+        local = self._gate.flags.local_overflows
         return local if local is not None else self.skipped_steps
 
     def local_overflows(self) -> int:
@@ -451,20 +376,15 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: Under DDP this reads a device counter and synchronises; call it on logging steps only.
         """
-        local = self._flag_pool.local_overflows
+        local = self._gate.flags.local_overflows
         return self.skipped_steps if local is None else int(local.item())
 
     @override
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, then run ``optimizer.step()`` unless a gradient is inf or NaN.
 
-        Fused optimizers (``_step_supports_amp_scaling``, a custom one included) follow torch's protocol: they get
-        ``found_inf`` and ``grad_scale`` (the scale times a ``grad_scale`` the user set, when nothing unscaled the
-        gradients yet; else the user's own) and skip on the device; an optimizer whose ``step`` takes
-        ``grad_scaler=`` gets this scaler instead. In check mode (bf16, fp32) Adam, AdamW, SGD and Adagrad in
-        their foreach or single-tensor form take their step through torch's fused kernel of the same rule, given
-        ``found_inf``, so they skip on the device too (:mod:`~lightning_mp.scaling.hand_off`). Other optimizers skip
-        on the host.
+        Fused optimizers follow torch's protocol and skip on the device, as do Adam, AdamW, SGD and Adagrad in check
+        mode; the module docstring says which optimizer skips where (:mod:`~lightning_mp.scaling.steps`).
 
         .. warning:: An optimizer that cannot skip on the device (fp16 with a non-fused optimizer, custom optimizers
             without the protocol, complex parameters, sparse gradients, fused SGD's first momentum step) reads the
@@ -476,73 +396,7 @@ class LossScaler(torch.amp.GradScaler):
         """
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        stage = self._stages.get(id(optimizer))
-        if stage is not None and stage.stage == "stepped":
-            raise RuntimeError("step() has already been called since the last update().")
-        if hand_off.supports_fused_protocol(optimizer):
-            return self._fused_protocol_step(optimizer, stage, *args, **kwargs)
-        if stage is None:
-            self.unscale_(optimizer)
-        index = self._optimizers.index(optimizer)
-        self._iteration.stepped.add(index)
-        self._mark_stepped(optimizer)
-        flag = self._iteration.device_flags.get(index)
-        if flag is not None and self._scaling.hands_off(optimizer):
-            self._remember_culprits(index, flag)
-            return hand_off.step_on_device(optimizer, flag, None, *args, **kwargs)
-        if self._host_verdict(index, flag):
-            return None
-        return optimizer.step(*args, **kwargs)
-
-    def _mark_stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        stage = self._stages.setdefault(id(optimizer), _OptimizerStage("stepped"))
-        stage.stage = "stepped"
-
-    def _host_verdict(self, index: int, flag: torch.Tensor | None) -> float:
-        """Optimizer ``index``'s verdict read on the host (1.0: skip); remembers the culprits of a skip."""
-        if index in self._iteration.norms:
-            found_inf = self._iteration.verdict_from_norms(index)  # check mode's one host read
-        elif flag is None:
-            # No gradient at all: torch's optimizers skip such parameters, so there is nothing to check.
-            found_inf = self._iteration.host_flags[index] = 0.0
-        else:
-            found_inf = self._iteration.host_flags[index] = float(flag.item())
-        if found_inf:
-            self._remember_culprits(index, found_inf)
-        return found_inf
-
-    def _fused_protocol_step(
-        self, optimizer: torch.optim.Optimizer, stage: _OptimizerStage | None, *args: Any, **kwargs: Any
-    ) -> Any:
-        """Step an optimizer that declares ``_step_supports_amp_scaling``, exactly as torch's ``GradScaler.step``."""
-        index = self._optimizers.index(optimizer)
-        self._iteration.stepped.add(index)
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            warnings.warn(
-                "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the"
-                " near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed"
-                " optimizer and let the optimizer use them directly.",
-                FutureWarning,
-                stacklevel=3,
-            )
-            # torch's Optimizer.step declares no grad_scaler; this optimizer's own step does.
-            output = optimizer.step(*args, **kwargs, grad_scaler=self)  # type: ignore[call-overload]
-            self._mark_stepped(optimizer)
-            return output
-        user_scale = getattr(optimizer, "grad_scale", None)
-        grad_scale = user_scale
-        if stage is None:
-            # The kernel unscales: the gradients are only checked here, and it divides them by the scale.
-            self._check_inf_per_device(optimizer)
-            grad_scale = self._scaling.fused_grad_scale(self._device_scale, user_scale)
-        self._mark_stepped(optimizer)
-        flag = self._iteration.device_flags.get(index)
-        if flag is not None and hand_off.skips_safely_on_device(optimizer):
-            self._remember_culprits(index, flag)
-            return hand_off.step_on_device(optimizer, flag, grad_scale, *args, **kwargs)
-        if self._host_verdict(index, flag):
-            return None
-        return hand_off.step_with_protocol(optimizer, grad_scale, flag, *args, **kwargs)
+        return self._gate.step(optimizer, self, self._remember_culprits, *args, **kwargs)
 
     @override
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -550,13 +404,12 @@ class LossScaler(torch.amp.GradScaler):
 
         The same pass as :meth:`unscale_`, multiplying by one; fp16 gradients are allowed, as in torch.
         """
-        return self._unscale(optimizer, unscales=False)
+        return self._gate.unscale(optimizer, False, self._state, self.allow_fp16_gradients)
 
     @override
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The inf flag of each device found for ``optimizer`` in this iteration (torch's protocol getter)."""
-        stage = self._stages.get(id(optimizer))
-        return stage.found_inf_per_device if stage is not None else {}
+        return self._gate.found_inf_per_device(optimizer)
 
     def _remember_culprits(self, index: int, found_inf: torch.Tensor | float) -> None:
         """Name the non-finite gradients of a skipped step near the streak limit, while they still exist.
@@ -570,7 +423,7 @@ class LossScaler(torch.amp.GradScaler):
             self._ledger.last_culprits[index] = self._culprits([index])
 
     def _culprits(self, indices: list[int]) -> Culprits:
-        return nonfinite_parameters(self._optimizers, self.param_names, indices)
+        return nonfinite_parameters(self._gate.optimizers, self.param_names, indices)
 
     @override
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -589,37 +442,19 @@ class LossScaler(torch.amp.GradScaler):
         .. warning:: A ``new_scale`` tensor is read on the host (one sync) to be validated.
 
         """
-        record, self._iteration = self._iteration, IterationRecord()
-        self._flag_pool.next_iteration()
-        self._stages = {}
+        record = self._gate.close()
         if new_scale is not None:
             owner = f"{type(self).__name__}.update"
             record.new_scale = self._scaling.checked_new_scale(owner, new_scale, self.settings)
         elif not record.checked:
             raise AssertionError("No inf checks were recorded prior to update.")
         self._scaling.move_on_device(record, self._device_scale, self._state, self.settings)
-        if not record.on_host:
-            record.readers = {i: self._mirror.publish(i, f) for i, f in record.device_flags.items()}
-            record.ready = self._mirror.end_iteration(next(iter(record.device_flags.values())).device)
-        if record.ready is not None:
-            # An accelerator: read the previous iteration now, this one at the next update.
-            previous, self._pending = self._pending, record
-            if previous is not None:
-                self._replay(previous)
-            return
-        self._settle_pending()
-        self._replay(record)
-
-    def _settle_pending(self) -> None:
-        """Replay the iteration still waiting for its flags' host copies, if any (waiting for them)."""
-        if self._pending is not None:
-            previous, self._pending = self._pending, None
-            self._replay(previous)
+        self._deferred.end_iteration(record, self._replay)
 
     def _replay(self, record: IterationRecord) -> None:
         """Apply the host rules and the per-optimizer counters to an iteration whose flags can be read now."""
         before = self._state
-        self._state = replay_iteration(record, before, self.settings, self._ledger, self._flag_pool, self._culprits)
+        self._state = replay_iteration(record, before, self.settings, self._ledger, self._gate.flags, self._culprits)
         if record.new_scale is not None:
             self._device_scale.write_scale(self._state, self._scaling.scales_loss)
             return
@@ -628,7 +463,7 @@ class LossScaler(torch.amp.GradScaler):
             if self._state.scale != before.scale:
                 self._device_scale.write_scale(self._state, self._scaling.scales_loss)
         raise_on_streak(
-            self._ledger, self.settings.max_consecutive_skips, self._optimizers, self.param_names, self.get_scale
+            self._ledger, self.settings.max_consecutive_skips, self._gate.optimizers, self.param_names, self.get_scale
         )
 
     def record_unchecked_step(self, skipped: bool = False) -> None:
@@ -639,8 +474,7 @@ class LossScaler(torch.amp.GradScaler):
                 skipped step (and towards ``max_consecutive_skips``) like any other.
 
         """
-        self._iteration.stepped.add(_UNCHECKED)
-        self._iteration.host_flags[_UNCHECKED] = float(skipped)
+        self._gate.record_unchecked_step(skipped)
         self.update()
 
     # ------------------------------------------------------------------------------------------------ reading
@@ -658,40 +492,17 @@ class LossScaler(torch.amp.GradScaler):
     def _get_growth_tracker(self) -> int:
         return self._state.growth_tracker
 
-    @property
-    def hysteresis_tracker(self) -> int:
-        """Overflows still tolerated before the next backoff."""
-        return self._state.hysteresis_left
-
-    @property
-    def optimizer_steps(self) -> int:
-        """Optimizer steps asked for, skipped ones included."""
-        return self._ledger.optimizer_steps
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped because a gradient held an inf or a NaN."""
-        return self._ledger.skipped_steps
-
-    @property
-    def scale_backoffs(self) -> int:
-        """Iterations after which the scale moved down."""
-        return self._ledger.scale_backoffs
-
-    @property
-    def scale_growths(self) -> int:
-        """Iterations after which the scale moved up."""
-        return self._ledger.scale_growths
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether a step of the last counted iteration was skipped."""
-        return self._ledger.last_step_skipped
-
-    @property
-    def consecutive_skips(self) -> int:
-        """The longest current streak of skipped steps among the optimizers."""
-        return self._ledger.consecutive_skips
+    hysteresis_tracker: int = _reads("_state.hysteresis_left", "Overflows still tolerated before the next backoff.")
+    optimizer_steps: int = _reads("_ledger.optimizer_steps", "Optimizer steps asked for, skipped ones included.")
+    skipped_steps: int = _reads("_ledger.skipped_steps", "Steps skipped because a gradient held an inf or a NaN.")
+    scale_backoffs: int = _reads("_ledger.scale_backoffs", "Iterations after which the scale moved down.")
+    scale_growths: int = _reads("_ledger.scale_growths", "Iterations after which the scale moved up.")
+    last_step_skipped: bool = _reads(
+        "_ledger.last_step_skipped", "Whether a step of the last counted iteration was skipped."
+    )
+    consecutive_skips: int = _reads(
+        "_ledger.consecutive_skips", "The longest current streak of skipped steps among the optimizers."
+    )
 
     def stats(self) -> PrecisionStats:
         """A snapshot of the counters; see :class:`~lightning_mp.stats.PrecisionStats`. Never synchronises.
@@ -710,7 +521,7 @@ class LossScaler(torch.amp.GradScaler):
         the update itself). Where a flag is still on an accelerator, this is :meth:`stats`, as fresh as
         :meth:`get_scale` is there.
         """
-        stats = stats_after_update(self._iteration, self._ledger, self._state, self.settings, self._scaling)
+        stats = stats_after_update(self._gate.record, self._ledger, self._state, self.settings, self._scaling)
         return self.stats() if stats is None else stats
 
     # ------------------------------------------------------------------------------------------------ state
@@ -723,8 +534,8 @@ class LossScaler(torch.amp.GradScaler):
             AssertionError: in the middle of an iteration, as torch's GradScaler.
 
         """
-        self._settle_pending()
-        if self._stages:
+        self._deferred.settle(self._replay)
+        if self._gate.stages:
             raise AssertionError(
                 "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after"
                 " scaler.update()."
@@ -740,23 +551,8 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: On an accelerator, when the last iteration's flag is still on the device, this waits for it.
         """
-        self._settle_pending()
-        return {
-            "scale": self._state.scale,
-            "growth_factor": self.settings.growth_factor,
-            "backoff_factor": self.settings.backoff_factor,
-            "growth_interval": self.settings.growth_interval,
-            "_growth_tracker": self._state.growth_tracker,
-            "hysteresis": self.settings.hysteresis,
-            "hysteresis_tracker": self._state.hysteresis_left,
-            "consecutive_hysteresis": self.settings.consecutive_hysteresis,
-            "min_scale": self.settings.min_scale,
-            "max_scale": self.settings.max_scale,
-            "mode": self.mode,
-            "last_step_skipped": self.last_step_skipped,
-            "counters": self._ledger.counters(),
-            "streaks": self._ledger.streak_list(len(self._optimizers)),
-        }
+        self._deferred.settle(self._replay)
+        return state_dict_of(self.settings, self._state, self._ledger, len(self._gate.optimizers))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@
 A strategy says how the loss is scaled, what an unscale does to the gradients, which steps skip on the device, whether
 the scale moves there and what scale a user may set.
 
-:class:`~lightning_mp.LossScaler` picks one strategy when it is built (:func:`scaling_for`) and asks it whenever the
+:class:`~lightning_mp.LossScaler` picks one strategy when it is built (:func:`scaling_for`) and asks it wherever the
 modes differ; it never asks which mode it runs in.
 
 * :class:`DynamicScaling` (fp16): the loss is multiplied by the scale ``S``; an unscale multiplies the gradients by
@@ -20,7 +20,8 @@ modes differ; it never asks which mode it runs in.
   step is taken, as in Lightning's ``"bf16-mixed"`` and ``"32-true"``.
 
 The strategies are stateless: the host :class:`~lightning_mp.scaling.rules.ScaleState`, the device tensors
-(:class:`~lightning_mp.scaling.device_rules.DeviceScale`) and the flags stay with the scaler, which hands them in.
+(:class:`~lightning_mp.scaling.device_rules.DeviceScale`) and the flags stay with the scaler and its step gate
+(:mod:`~lightning_mp.scaling.steps`), which hand them in.
 
 Under DDP every mode that checks all-reduces each flag (max) right after the check, so every rank takes the same
 decision; a rank without gradients still joins with a zero flag (:mod:`~lightning_mp.scaling.sharded`).
@@ -54,7 +55,7 @@ FlagsPerDevice = dict[torch.device, torch.Tensor]
 
 
 class Scaling(ABC):
-    """What one scaling mode decides; every method is called by :class:`~lightning_mp.LossScaler`."""
+    """What one scaling mode decides, asked by :class:`~lightning_mp.LossScaler` and its step gate."""
 
     scales_loss: ClassVar[bool]
     """Whether the loss is multiplied at all."""

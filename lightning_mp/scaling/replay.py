@@ -13,6 +13,13 @@ hands the iteration's record to :func:`replay_iteration`:
 
 The scaler then writes the new scale to the device where the device did not move it already, and raises on a streak
 of skipped steps (:mod:`~lightning_mp.scaling.culprits`).
+
+When the host can read an iteration is :class:`DeferredReplay`'s job. Where every flag is already on the host (the
+steps read them, or they live in CPU memory) the iteration is replayed at its update. Where a flag stays on an
+accelerator, its update publishes a non-blocking copy of each flag (:mod:`~lightning_mp.scaling.host_mirror`) and
+the iteration waits: the next update replays it, by then without waiting, and a checkpoint or a pickle replays it
+first (waiting for the copy). So the host is at most one iteration behind, and never waits for the device on a
+steady step.
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ from dataclasses import replace
 
 from lightning_mp.errors import LossScaleCollapseError
 from lightning_mp.scaling.culprits import Culprits
+from lightning_mp.scaling.host_mirror import HostMirror
 from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
 from lightning_mp.scaling.ledger import StepLedger
 from lightning_mp.scaling.rules import ScalerSettings, ScaleState, next_state
 
-__all__ = ["replay_iteration"]
+__all__ = ["DeferredReplay", "replay_iteration"]
 
 
 def replay_iteration(
@@ -71,6 +79,35 @@ def replay_iteration(
             f"The loss scale is at its floor {settings.floor:g} and gradients still overflow: steps keep being skipped."
             " Try precision='bf16-mixed', keep_fp32=[...] for the overflowing layers, or a lower learning rate.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
     return transition.state
+
+
+class DeferredReplay:
+    """Replays each closed iteration once the host can read its flags: at once, or at the next update."""
+
+    def __init__(self) -> None:
+        self.pending: IterationRecord | None = None
+        """On an accelerator, the last iteration, replayed on the host at the next update."""
+        self.mirror = HostMirror()
+
+    def end_iteration(self, record: IterationRecord, replay: Callable[[IterationRecord], None]) -> None:
+        """Replay ``record`` now where its flags are on the host; else publish them and replay the previous one."""
+        if not record.on_host:
+            record.readers = {i: self.mirror.publish(i, f) for i, f in record.device_flags.items()}
+            record.ready = self.mirror.end_iteration(next(iter(record.device_flags.values())).device)
+        if record.ready is not None:
+            # An accelerator: read the previous iteration now, this one at the next update.
+            previous, self.pending = self.pending, record
+            if previous is not None:
+                replay(previous)
+            return
+        self.settle(replay)
+        replay(record)
+
+    def settle(self, replay: Callable[[IterationRecord], None]) -> None:
+        """Replay the iteration still waiting for its flags' host copies, if any (waiting for them)."""
+        if self.pending is not None:
+            previous, self.pending = self.pending, None
+            replay(previous)
