@@ -76,14 +76,11 @@ from typing_extensions import override
 
 from lightning_mp._knobs import with_knob_docs
 from lightning_mp.scaling.checkpoint import state_dict_of, validated_state
-from lightning_mp.scaling.culprits import Culprits, nonfinite_parameters, raise_on_streak
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.devices import checked_device_type, default_device
 from lightning_mp.scaling.forecast import stats_after_update
-from lightning_mp.scaling.inf_flags import IterationRecord
-from lightning_mp.scaling.ledger import StepLedger
 from lightning_mp.scaling.modes import scaling_for
-from lightning_mp.scaling.replay import DeferredReplay, replay_iteration
+from lightning_mp.scaling.replay import HostReplay
 from lightning_mp.scaling.rules import COLLAPSE_FLOOR, SCALER_DEFAULTS, OnMinScale, ScalerSettings, ScalingMode
 from lightning_mp.scaling.steps import StepGate
 from lightning_mp.stats import PrecisionStats
@@ -191,10 +188,9 @@ class LossScaler(torch.amp.GradScaler):
         self._scaling = scaling_for(settings, type(self).__name__)
         """The mode's strategy (:mod:`~lightning_mp.scaling.modes`): whatever differs between the modes."""
         self.settings = settings
-        self._state = settings.initial_state()
         super().__init__(
             device_type,
-            init_scale=self._state.scale,
+            init_scale=settings.initial_state().scale,
             growth_factor=settings.growth_factor,
             backoff_factor=settings.backoff_factor,
             growth_interval=settings.growth_interval,
@@ -204,12 +200,11 @@ class LossScaler(torch.amp.GradScaler):
         """Set by opt levels whose gradients are fp16 themselves (O3): torch refuses to unscale those by default."""
         self.param_names: dict[int, str] = {}
         """``id(parameter) -> qualified name``, so that errors can name the parameters that overflowed."""
-        self._ledger = StepLedger()
         self._device_scale = DeviceScale()
         self._gate = StepGate(self._scaling, self._device_scale, device_type)
         """The iteration's stages, flags and verdicts (:mod:`~lightning_mp.scaling.steps`)."""
-        self._deferred = DeferredReplay()
-        """Replays each iteration once its flags can be read without waiting (:mod:`~lightning_mp.scaling.replay`)."""
+        self._host = HostReplay(settings, self._scaling, self._device_scale, self._gate.flags, self._gate.optimizers)
+        """The host's scale and counters, replayed from each iteration (:mod:`~lightning_mp.scaling.replay`)."""
         self._before_unscale: Callable[[torch.optim.Optimizer], None] | None = None
         self._prepared: Container[int] = ()
         """The ``id`` of each optimizer whose gradients are in place: :meth:`unscale_` calls no preparation for it."""
@@ -258,9 +253,10 @@ class LossScaler(torch.amp.GradScaler):
         self._replace_settings(growth_interval=new_interval)
 
     def _replace_settings(self, **changes: Any) -> None:
-        self.settings = replace(self.settings, init_scale=self._state.scale, owner=type(self).__name__, **changes)
-        self._state = replace(
-            self._state, growth_tracker=min(self._state.growth_tracker, self.settings.growth_interval - 1)
+        host = self._host
+        self.settings = replace(self.settings, init_scale=host.state.scale, owner=type(self).__name__, **changes)
+        host.state = replace(
+            host.state, growth_tracker=min(host.state.growth_tracker, self.settings.growth_interval - 1)
         )
         self._device_scale.trackers_current = False
 
@@ -274,7 +270,7 @@ class LossScaler(torch.amp.GradScaler):
             ValueError: when ``outputs`` is neither a tensor nor an iterable of tensors.
 
         """
-        return self._scaling.scale(outputs, self._device_scale, self._state)
+        return self._scaling.scale(outputs, self._device_scale, self._host.state)
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether :meth:`unscale_` already ran for ``optimizer`` in this iteration (a second call would raise).
@@ -345,7 +341,7 @@ class LossScaler(torch.amp.GradScaler):
         prepare = self._before_unscale
         if prepare is not None and id(optimizer) not in self._prepared:
             prepare(optimizer)
-        self._gate.unscale(optimizer, True, self._state, self.allow_fp16_gradients)
+        self._gate.unscale(optimizer, True, self._host.state, self.allow_fp16_gradients)
 
     def recheck_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Check ``optimizer``'s unscaled gradients again before its step, and skip the step if one is now inf or NaN.
@@ -404,7 +400,7 @@ class LossScaler(torch.amp.GradScaler):
 
         The same pass as :meth:`unscale_`, multiplying by one; fp16 gradients are allowed, as in torch.
         """
-        return self._gate.unscale(optimizer, False, self._state, self.allow_fp16_gradients)
+        return self._gate.unscale(optimizer, False, self._host.state, self.allow_fp16_gradients)
 
     @override
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -412,18 +408,7 @@ class LossScaler(torch.amp.GradScaler):
         return self._gate.found_inf_per_device(optimizer)
 
     def _remember_culprits(self, index: int, found_inf: torch.Tensor | float) -> None:
-        """Name the non-finite gradients of a skipped step near the streak limit, while they still exist.
-
-        A flag still on an accelerator is left alone: it cannot be read without waiting
-        (:mod:`~lightning_mp.scaling.culprits`).
-        """
-        on_accelerator = isinstance(found_inf, torch.Tensor) and found_inf.device.type != "cpu"
-        limit = self.settings.max_consecutive_skips
-        if not on_accelerator and self._ledger.near_streak_limit(index, limit) and bool(found_inf):
-            self._ledger.last_culprits[index] = self._culprits([index])
-
-    def _culprits(self, indices: list[int]) -> Culprits:
-        return nonfinite_parameters(self._gate.optimizers, self.param_names, indices)
+        self._host.remember_culprits(index, found_inf, self.settings.max_consecutive_skips, self.param_names)
 
     @override
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -448,23 +433,8 @@ class LossScaler(torch.amp.GradScaler):
             record.new_scale = self._scaling.checked_new_scale(owner, new_scale, self.settings)
         elif not record.checked:
             raise AssertionError("No inf checks were recorded prior to update.")
-        self._scaling.move_on_device(record, self._device_scale, self._state, self.settings)
-        self._deferred.end_iteration(record, self._replay)
-
-    def _replay(self, record: IterationRecord) -> None:
-        """Apply the host rules and the per-optimizer counters to an iteration whose flags can be read now."""
-        before = self._state
-        self._state = replay_iteration(record, before, self.settings, self._ledger, self._gate.flags, self._culprits)
-        if record.new_scale is not None:
-            self._device_scale.write_scale(self._state, self._scaling.scales_loss)
-            return
-        if not record.device_ruled:
-            self._device_scale.trackers_current = False
-            if self._state.scale != before.scale:
-                self._device_scale.write_scale(self._state, self._scaling.scales_loss)
-        raise_on_streak(
-            self._ledger, self.settings.max_consecutive_skips, self._gate.optimizers, self.param_names, self.get_scale
-        )
+        self._scaling.move_on_device(record, self._device_scale, self._host.state, self.settings)
+        self._host.end_iteration(record, self.settings, self.param_names)
 
     def record_unchecked_step(self, skipped: bool = False) -> None:
         """End an iteration whose one step was checked outside this scaler (LBFGS evaluates its own closure).
@@ -486,22 +456,24 @@ class LossScaler(torch.amp.GradScaler):
         Exact on the CPU. On an accelerator, after an iteration whose flag stayed on the device (fused
         optimizers), it is the scale as of the previous iteration until the next :meth:`update`.
         """
-        return self._scaling.loss_scale(self._state.scale)
+        return self._scaling.loss_scale(self._host.state.scale)
 
     @override
     def _get_growth_tracker(self) -> int:
-        return self._state.growth_tracker
+        return self._host.state.growth_tracker
 
-    hysteresis_tracker: int = _reads("_state.hysteresis_left", "Overflows still tolerated before the next backoff.")
-    optimizer_steps: int = _reads("_ledger.optimizer_steps", "Optimizer steps asked for, skipped ones included.")
-    skipped_steps: int = _reads("_ledger.skipped_steps", "Steps skipped because a gradient held an inf or a NaN.")
-    scale_backoffs: int = _reads("_ledger.scale_backoffs", "Iterations after which the scale moved down.")
-    scale_growths: int = _reads("_ledger.scale_growths", "Iterations after which the scale moved up.")
+    hysteresis_tracker: int = _reads(
+        "_host.state.hysteresis_left", "Overflows still tolerated before the next backoff."
+    )
+    optimizer_steps: int = _reads("_host.ledger.optimizer_steps", "Optimizer steps asked for, skipped ones included.")
+    skipped_steps: int = _reads("_host.ledger.skipped_steps", "Steps skipped because a gradient held an inf or a NaN.")
+    scale_backoffs: int = _reads("_host.ledger.scale_backoffs", "Iterations after which the scale moved down.")
+    scale_growths: int = _reads("_host.ledger.scale_growths", "Iterations after which the scale moved up.")
     last_step_skipped: bool = _reads(
-        "_ledger.last_step_skipped", "Whether a step of the last counted iteration was skipped."
+        "_host.ledger.last_step_skipped", "Whether a step of the last counted iteration was skipped."
     )
     consecutive_skips: int = _reads(
-        "_ledger.consecutive_skips", "The longest current streak of skipped steps among the optimizers."
+        "_host.ledger.consecutive_skips", "The longest current streak of skipped steps among the optimizers."
     )
 
     def stats(self) -> PrecisionStats:
@@ -510,7 +482,7 @@ class LossScaler(torch.amp.GradScaler):
         As fresh as :meth:`get_scale`: exact on the CPU, at most one iteration old on an accelerator.
         """
         return PrecisionStats(
-            loss_scale=self.get_scale(), last_step_skipped=self.last_step_skipped, **self._ledger.counters()
+            loss_scale=self.get_scale(), last_step_skipped=self.last_step_skipped, **self._host.ledger.counters()
         )
 
     def stats_with_pending(self) -> PrecisionStats:
@@ -521,7 +493,7 @@ class LossScaler(torch.amp.GradScaler):
         the update itself). Where a flag is still on an accelerator, this is :meth:`stats`, as fresh as
         :meth:`get_scale` is there.
         """
-        stats = stats_after_update(self._gate.record, self._ledger, self._state, self.settings, self._scaling)
+        stats = stats_after_update(self._gate.record, self._host.ledger, self._host.state, self.settings, self._scaling)
         return self.stats() if stats is None else stats
 
     # ------------------------------------------------------------------------------------------------ state
@@ -534,7 +506,7 @@ class LossScaler(torch.amp.GradScaler):
             AssertionError: in the middle of an iteration, as torch's GradScaler.
 
         """
-        self._deferred.settle(self._replay)
+        self._host.settle(self.settings, self.param_names)
         if self._gate.stages:
             raise AssertionError(
                 "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after"
@@ -551,8 +523,8 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: On an accelerator, when the last iteration's flag is still on the device, this waits for it.
         """
-        self._deferred.settle(self._replay)
-        return state_dict_of(self.settings, self._state, self._ledger, len(self._gate.optimizers))
+        self._host.settle(self.settings, self.param_names)
+        return state_dict_of(self.settings, self._host.state, self._host.ledger, len(self._gate.optimizers))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -570,9 +542,10 @@ class LossScaler(torch.amp.GradScaler):
 
         """
         loaded = validated_state(f"{type(self).__name__}.load_state_dict", state_dict, self.settings)
-        self._ledger = replace(loaded.ledger, last_culprits=self._ledger.last_culprits)
+        host = self._host
+        host.ledger = replace(loaded.ledger, last_culprits=host.ledger.last_culprits)
         if loaded.scale_state is not None:
-            self._state = loaded.scale_state
+            host.state = loaded.scale_state
         self._device_scale.trackers_current = False
-        self._device_scale.write_scale(self._state, self._scaling.scales_loss)
-        self._device_scale.write_trackers(self._state)
+        self._device_scale.write_scale(self._host.state, self._scaling.scales_loss)
+        self._device_scale.write_trackers(self._host.state)
