@@ -506,7 +506,7 @@ class LossScaler(torch.amp.GradScaler):
             AssertionError: in the middle of an iteration, as torch's GradScaler.
 
         """
-        self._host.settle(self.settings, self.param_names)
+        self._host.replay_waiting_iteration(self.settings, self.param_names)
         if self._gate.stages:
             raise AssertionError(
                 "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after"
@@ -523,7 +523,7 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: On an accelerator, when the last iteration's flag is still on the device, this waits for it.
         """
-        self._host.settle(self.settings, self.param_names)
+        self._host.replay_waiting_iteration(self.settings, self.param_names)
         return state_dict_of(self.settings, self._host.state, self._host.ledger, len(self._gate.optimizers))
 
     @override

@@ -112,7 +112,7 @@ class HostReplay:
         self.state = settings.initial_state()
         """The scale and its trackers, as of the last replayed iteration."""
         self.ledger = StepLedger()
-        self.pending: IterationRecord | None = None
+        self.waiting_iteration: IterationRecord | None = None
         """On an accelerator, the last iteration, replayed on the host at the next update."""
         self.mirror = HostMirror()
         self._scaling = scaling
@@ -134,17 +134,17 @@ class HostReplay:
             record.ready = self.mirror.end_iteration(next(iter(record.device_flags.values())).device)
         if record.ready is not None:
             # An accelerator: read the previous iteration now, this one at the next update.
-            previous, self.pending = self.pending, record
+            previous, self.waiting_iteration = self.waiting_iteration, record
             if previous is not None:
                 self.replay(previous, settings, names)
             return
-        self.settle(settings, names)
+        self.replay_waiting_iteration(settings, names)
         self.replay(record, settings, names)
 
-    def settle(self, settings: ScalerSettings, names: Mapping[int, str]) -> None:
+    def replay_waiting_iteration(self, settings: ScalerSettings, names: Mapping[int, str]) -> None:
         """Replay the iteration still waiting for its flags' host copies, if any (waiting for them)."""
-        if self.pending is not None:
-            previous, self.pending = self.pending, None
+        if self.waiting_iteration is not None:
+            previous, self.waiting_iteration = self.waiting_iteration, None
             self.replay(previous, settings, names)
 
     def replay(self, record: IterationRecord, settings: ScalerSettings, names: Mapping[int, str]) -> None:
