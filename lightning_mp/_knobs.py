@@ -1,6 +1,6 @@
 """Settings fields that carry their own documentation and check, and the docstrings written from them.
 
-A knob is a field of a frozen settings dataclass (:class:`~lightning_mp._scale_rules.ScalerSettings`,
+A knob is a field of a frozen settings dataclass (:class:`~lightning_mp.scaling.rules.ScalerSettings`,
 :class:`~lightning_mp.settings.PluginSettings`) whose ``metadata`` is :func:`knob`'s: the one text that documents it
 and the one ``check(owner, name, value)`` that validates it (returning the value as a plain Python value, or raising
 a ``ValueError`` that names ``owner``, the argument, the value and what is allowed). The classes that take the knobs

@@ -128,7 +128,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "GradScaler._check_inf_per_device",
         "torch",
-        ("scaler.py",),
+        ("scaler.py", "scaling/steps.py"),
         "overridden: torch's check without unscaling, which the fused optimizers' protocol calls",
     ),
     PrivateName(

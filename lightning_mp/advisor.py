@@ -64,8 +64,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp._hardware import AMPERE, DeviceCapabilities
-from lightning_mp._scale_rules import SCALER_DEFAULTS
 from lightning_mp._validation import check_choice, check_number
+from lightning_mp.scaling.rules import SCALER_DEFAULTS
 
 FP16_MAX = 65504.0
 FP16_SMALLEST_SUBNORMAL = 2.0**-24
