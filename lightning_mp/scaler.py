@@ -74,7 +74,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_mp._knobs import with_knob_docs
+from lightning_mp.arguments.knobs import with_knob_docs
 from lightning_mp.scaling.checkpoint import state_dict_of, validated_state
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.devices import checked_device_type, default_device
@@ -82,8 +82,8 @@ from lightning_mp.scaling.forecast import stats_after_update
 from lightning_mp.scaling.modes import scaling_for
 from lightning_mp.scaling.replay import HostReplay
 from lightning_mp.scaling.rules import COLLAPSE_FLOOR, SCALER_DEFAULTS, OnMinScale, ScalerSettings, ScalingMode
+from lightning_mp.scaling.stats import PrecisionStats
 from lightning_mp.scaling.steps import StepGate
-from lightning_mp.stats import PrecisionStats
 
 __all__ = ["COLLAPSE_FLOOR", "LossScaler", "OnMinScale", "ScalerSettings", "ScalingMode"]
 
@@ -477,7 +477,7 @@ class LossScaler(torch.amp.GradScaler):
     )
 
     def stats(self) -> PrecisionStats:
-        """A snapshot of the counters; see :class:`~lightning_mp.stats.PrecisionStats`. Never synchronises.
+        """A snapshot of the counters; see :class:`~lightning_mp.scaling.stats.PrecisionStats`. Never synchronises.
 
         As fresh as :meth:`get_scale`: exact on the CPU, at most one iteration old on an accelerator.
         """

@@ -2,7 +2,8 @@
 
 :class:`PluginSettings` holds the plugin's own knobs (precision, device, opt level, static loss scale, ...) and the
 loss scaler's (:class:`~lightning_mp.scaling.rules.ScalerSettings`, the same object :class:`~lightning_mp.LossScaler`
-takes). Each knob is a field with its default, its one documentation and its one check (:mod:`lightning_mp._knobs`);
+takes). Each knob is a field with its default, its one documentation and its one check
+(:mod:`lightning_mp.arguments.knobs`);
 the rules that involve two knobs (fp16 with ``skip_nonfinite=False``, a static scale outside fp16, an opt level the
 precision cannot run) are in ``__post_init__``, and :meth:`PluginSettings.check_resolved` refuses a static scale or
 a scaler once ``precision="auto"`` has chosen another precision than fp16 at setup, and
@@ -26,8 +27,8 @@ from typing import Any, Literal, cast
 
 import torch
 
-from lightning_mp._knobs import knob
-from lightning_mp._validation import check_choice, check_flag, check_number, exact, plain_scalar
+from lightning_mp.arguments.checks import check_choice, check_flag, check_number, exact, plain_scalar
+from lightning_mp.arguments.knobs import knob
 from lightning_mp.overrides import Fp32Overrides, KeepFp32Pattern
 from lightning_mp.policies import POLICIES
 from lightning_mp.scaler import LossScaler

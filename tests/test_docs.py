@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_mp
 from lightning_mp import LossScaler, MixedPrecision
-from lightning_mp._knobs import knob_disagreements, with_knob_docs
+from lightning_mp.arguments.knobs import knob_disagreements, with_knob_docs
 from lightning_mp.callbacks import (
     AdvisorCallback,
     GradientHealthMonitor,

@@ -20,7 +20,7 @@ from lightning.fabric.loggers import CSVLogger
 from torch import nn
 
 from lightning_mp import MixedPrecision
-from lightning_mp.counting import count_syncs_and_ops
+from lightning_mp.bench.counting import count_syncs_and_ops
 from lightning_mp.policies.o2 import HalfOverflowError
 from tests.ddp_scripts.launch import clean_environment, finish, reports
 from tests.helpers import TinyRegressor, loader, make_trainer

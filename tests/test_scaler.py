@@ -413,7 +413,7 @@ def _check_mode_backward(model: nn.Linear, overflow: bool) -> None:
 
 def test_check_mode_with_a_host_decided_step_keeps_no_flag_between_iterations(model_and_optimizer):
     """Check mode with an optimizer that has no fused form reads the gradient norms at the step and keeps no flag."""
-    from lightning_mp.counting import count_syncs_and_ops
+    from lightning_mp.bench.counting import count_syncs_and_ops
 
     model, _ = model_and_optimizer
     optimizer = torch.optim.RMSprop(model.parameters(), lr=0.01)

@@ -72,7 +72,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp._knobs import with_knob_docs
+from lightning_mp.arguments.knobs import with_knob_docs
 from lightning_mp.engine import FabricEngine, StepEngine, TrainerEngine
 from lightning_mp.fp8.convert import require_torchao
 from lightning_mp.fp8.mode import Fp8Mode, check_fp8_combination

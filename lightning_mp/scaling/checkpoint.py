@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mp._validation import check_number
+from lightning_mp.arguments.checks import check_number
 from lightning_mp.scaling.ledger import StepLedger
 from lightning_mp.scaling.rules import ScalerSettings, ScaleState, float32_within
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from lightning_mp._gradients import nonfinite_gradients
 from lightning_mp.errors import NonFiniteStepsError
+from lightning_mp.scaling.gradients import nonfinite_gradients
 from lightning_mp.scaling.ledger import StepLedger
 from lightning_mp.scaling.optimizers import OptimizerRegistry
 

@@ -16,7 +16,7 @@ from lightning_mp.scaling.inf_flags import IterationRecord
 from lightning_mp.scaling.ledger import StepLedger
 from lightning_mp.scaling.modes import Scaling
 from lightning_mp.scaling.rules import ScalerSettings, ScaleState, next_state
-from lightning_mp.stats import PrecisionStats
+from lightning_mp.scaling.stats import PrecisionStats
 
 __all__ = ["stats_after_update"]
 

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 from typing_extensions import override
 
-from lightning_mp._validation import check_number
+from lightning_mp.arguments.checks import check_number
 from lightning_mp.scaling import hand_off, kernels, sharded
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.devices import distributed

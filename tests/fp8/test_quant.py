@@ -12,7 +12,7 @@ pytest.importorskip("torchao")
 from torchao.float8.config import Float8LinearConfig
 from torchao.float8.float8_utils import compute_error
 
-from lightning_mp.counting import count_syncs_and_ops
+from lightning_mp.bench.counting import count_syncs_and_ops
 from lightning_mp.fp8.quant import (
     MAX_SQNR_DB,
     RECIPES,

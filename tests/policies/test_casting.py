@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_mp.counting import count_python_calls
+from lightning_mp.bench.counting import count_python_calls
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies.casting import convert_to_half
 

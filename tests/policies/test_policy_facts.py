@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_mp._hardware import DeviceCapabilities, precision_for
+from lightning_mp.plugin.hardware import DeviceCapabilities, precision_for
 from lightning_mp.policies import POLICIES
 from lightning_mp.policies.sharded import ShardedPrecisionError, refuse_half_weights
 
