@@ -230,7 +230,7 @@ def measure_counts() -> None:
     write_result(
         "counts",
         "TinyTransformerLM (vocab 16, d_model 16, 2 layers, 2 heads, seq_len 8, batch 2), the third iteration,"
-        " counted with lightning_mp.counting.",
+        " counted with lightning_mp.bench.counting.",
         rows=rows,
     )
 

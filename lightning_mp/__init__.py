@@ -19,7 +19,7 @@ from lightning_mp.fsdp import FSDPMixedPrecision
 from lightning_mp.inference import ParityReport, compare, to_inference
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.scaler import LossScaler
-from lightning_mp.stats import PrecisionStats, ScalerView
+from lightning_mp.scaling.stats import PrecisionStats, ScalerView
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,8 @@ the floor for everyone. Each degradation, and the releases it applies to:
 
 - **torch < 2.12: ``keep_fp32`` regions split a compiled graph.** Dynamo learned to trace
   ``torch.set_autocast_enabled`` in 2.12. Before that, each ``keep_fp32`` region (:mod:`lightning_mp.overrides`) and
-  the plugin's autocast inside a model compiled after ``fabric.setup`` (:mod:`lightning_mp._compile`) cause a graph
+  the plugin's autocast inside a model compiled after ``fabric.setup`` (:mod:`lightning_mp.plugin.compile`) cause a
+  graph
   break: dynamo runs the flag toggle eagerly and compiles the code on either side as separate graphs. The numbers are
   those of eager mode (the region still runs in fp32); only the speed-up of one whole graph is lost. The first such
   break warns once, naming the fix (a newer torch).
@@ -17,13 +18,14 @@ the floor for everyone. Each degradation, and the releases it applies to:
   runs eagerly and the numbers are those of eager mode. ``torch.compile`` before ``fabric.setup``, a compiled
   submodule, and the Trainer are unaffected.
 - **torch < 2.9: no switch for the autocast state of compiled backward passes.** AOT autograd's
-  ``backward_pass_autocast`` setting (:mod:`lightning_mp._compile`) appeared in 2.9; before, the plugin leaves
+  ``backward_pass_autocast`` setting (:mod:`lightning_mp.plugin.compile`) appeared in 2.9; before, the plugin leaves
   AOT autograd's default. ``keep_fp32`` regions still differentiate in fp32 there: the same torch releases cannot
   compile their autocast toggles (above), so the regions run, forward and backward, eagerly.
 - **torch >= 2.15: a model compiled after ``fabric.setup`` splits its graph once, at the backward switch.** torch
   2.15 keeps AOT autograd's ``backward_pass_autocast`` setting in a ``ContextVar``, and dynamo cannot trace its
   ``set()``. Where Fabric's wrapper already split the graph, dynamo compiles the plugin's switch
-  (:class:`lightning_mp._compile.backward_outside_autocast`) as a frame of its own and breaks there; the switch then
+  (:class:`lightning_mp.plugin.compile.backward_outside_autocast`) as a frame of its own and breaks there; the
+  switch then
   runs eagerly and the compiled backward computes what eager computes. ``torch.compile`` before ``fabric.setup``, and
   the Trainer, are unaffected.
 - **torch < 2.12: Adagrad's fused kernel is CPU-only and outside torch's fused-step protocol.** In bf16 and fp32 a

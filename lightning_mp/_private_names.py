@@ -88,11 +88,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "torch._foreach_*",
         "torch",
         (
-            "_gradients.py",
+            "scaling/gradients.py",
             "scaling/kernels.py",
             "callbacks/precision_sentinel.py",
             "stochastic_rounding.py",
-            "counting.py",
+            "bench/counting.py",
             "policies/o2/parameters.py",
         ),
         'a family: documented in torch\'s reference as "Foreach operations" (beta), spelled with an underscore.'
@@ -128,7 +128,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "GradScaler._check_inf_per_device",
         "torch",
-        ("scaler.py",),
+        ("scaler.py", "scaling/steps.py"),
         "overridden: torch's check without unscaling, which the fused optimizers' protocol calls",
     ),
     PrivateName(
@@ -157,20 +157,20 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "torch._functorch.config.backward_pass_autocast",
         "torch",
-        ("_compat.py", "_compile.py"),
+        ("_compat.py", "plugin/compile.py"),
         "the only switch for how AOT autograd traces the backward under autocast; without it keep_fp32 regions lose"
         " fp32 in compiled backward passes",
     ),
     PrivateName(
         "torch.utils._python_dispatch.TorchDispatchMode",
         "torch",
-        ("counting.py",),
+        ("bench/counting.py",),
         "the only way to see every dispatched op (torch's FlopCounterMode uses it), for the op and sync counters",
     ),
     PrivateName(
         "torch.ops.aten._*",
         "torch",
-        ("counting.py",),
+        ("bench/counting.py",),
         "a family: ATen ops of torch's documented Core ATen IR opset (tagged torch.Tag.core), spelled with an"
         " underscore. The op and sync counters recognise them by identity: an op, not an API. The ops used: "
         + ", ".join(_CORE_ATEN_OPS),

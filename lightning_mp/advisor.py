@@ -63,9 +63,9 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp._hardware import AMPERE, DeviceCapabilities
-from lightning_mp._scale_rules import SCALER_DEFAULTS
-from lightning_mp._validation import check_choice, check_number
+from lightning_mp.arguments.checks import check_choice, check_number
+from lightning_mp.plugin.hardware import AMPERE, DeviceCapabilities
+from lightning_mp.scaling.rules import SCALER_DEFAULTS
 
 FP16_MAX = 65504.0
 FP16_SMALLEST_SUBNORMAL = 2.0**-24
@@ -324,7 +324,7 @@ def recommend_precision(
     """The precision to recommend on a device, why, and what a GPU would get: a pure function.
 
     Args:
-        capabilities: the device's (see :meth:`~lightning_mp._hardware.DeviceCapabilities.detect`).
+        capabilities: the device's (see :meth:`~lightning_mp.plugin.hardware.DeviceCapabilities.detect`).
         keep_fp32: the layers at risk in fp16.
         init_scale: the recommended first fp16 loss scale.
 

@@ -40,9 +40,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mp._hardware import choose_precision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
 from lightning_mp.plugin import MixedPrecision
+from lightning_mp.plugin.hardware import choose_precision
 from lightning_mp.policies import POLICIES
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
 

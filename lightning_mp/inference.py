@@ -73,7 +73,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_mp._validation import check_number
+from lightning_mp.arguments.checks import check_number
 from lightning_mp.overrides import Fp32Overrides, KeepFp32Pattern, cast_low_precision, deepcopy_with_hooks
 from lightning_mp.policies.casting import HALF_DTYPES, convert_to_half
 

@@ -6,8 +6,10 @@ learning from them. Multiplying the loss by a large factor ``S`` before ``backwa
 
 :class:`LossScaler` is a ``torch.amp.GradScaler`` (code that checks ``isinstance(scaler, GradScaler)``, Lightning's
 included, keeps working) and a thin facade: each job lives in a module of :mod:`lightning_mp.scaling`, whose
-docstring teaches it, and the scale rules in :mod:`lightning_mp._scale_rules`. One iteration (any number of
-optimizers, torch's contract: ``update()`` once, after the last ``step``):
+docstring teaches it, and the scale rules in :mod:`lightning_mp.scaling.rules`. What differs between the modes
+(dynamic, static, check-only) is one strategy object of :mod:`~lightning_mp.scaling.modes`, chosen when the scaler is
+built; the facade never asks which mode it runs in. One iteration (any number of optimizers, torch's contract:
+``update()`` once, after the last ``step``):
 
 * ``unscale_`` (explicit, or implicit in ``step``) runs one fused kernel per device and dtype over the optimizer's
   gradients (:mod:`~lightning_mp.scaling.kernels`): in fp16 it multiplies them by the preallocated ``1/S`` and sets
@@ -34,22 +36,23 @@ optimizers, torch's contract: ``update()`` once, after the last ``step``):
   gradients' inf-norms and ``step`` reads them on the host (the same one sync). ``skip_nonfinite=False`` turns the
   check off in check mode, as Lightning's bf16 and fp32 plugins have none: no op and no sync for any optimizer, and
   a non-finite step then reaches the weights.
-* ``update`` moves the scale by the pure rules of :mod:`lightning_mp._scale_rules` (hysteresis, growth capped at
+* ``update`` moves the scale by the pure rules of :mod:`lightning_mp.scaling.rules` (hysteresis, growth capped at
   ``max_scale``, backoff, collapse at the floor). Where every flag of the iteration is already on the host they run
   there and the device scale is rewritten only when it changes; otherwise (fused optimizers) they run on the device
   (:mod:`~lightning_mp.scaling.device_rules`). The host replays the same rules on the flags once it can read them
   without waiting (:mod:`~lightning_mp.scaling.host_mirror`): at once on the CPU, one iteration late on an
-  accelerator. The replay counts the steps in the :mod:`~lightning_mp.scaling.ledger`, keeps
-  :meth:`LossScaler.get_scale` and :meth:`LossScaler.stats` free, and raises
-  :class:`~lightning_mp.errors.LossScaleCollapseError` and :class:`~lightning_mp.errors.NonFiniteStepsError` at most
-  one iteration late, naming the parameters whose gradients were not finite.
+  accelerator. The replay (:mod:`~lightning_mp.scaling.replay`) counts the steps in the
+  :mod:`~lightning_mp.scaling.ledger`, keeps :meth:`LossScaler.get_scale` and :meth:`LossScaler.stats` free, and
+  raises :class:`~lightning_mp.errors.LossScaleCollapseError` and :class:`~lightning_mp.errors.NonFiniteStepsError`
+  at most one iteration late, naming the parameters whose gradients were not finite
+  (:mod:`~lightning_mp.scaling.culprits`).
 
 Skips and streaks are counted per optimizer (:mod:`~lightning_mp.scaling.optimizers` gives each an index): an
 optimizer whose gradients are never finite stops the run even if another one steps cleanly, and the error names it.
 ``state_dict`` holds torch's five keys and the ledger; ``load_state_dict`` validates a dict field by field
 (:mod:`~lightning_mp.scaling.checkpoint`).
 
-The scaler's state is declared by its parts: the settings, the host :class:`~lightning_mp._scale_rules.ScaleState`
+The scaler's state is declared by its parts: the settings, the host :class:`~lightning_mp.scaling.rules.ScaleState`
 and the ledger are plain data and pickle as they are; the device tensors, flags, optimizer references and the
 iteration in progress pickle as empty (each part says so in its ``__getstate__``), so an unpickled scaler rebuilds
 them lazily.
@@ -63,80 +66,31 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 
 from __future__ import annotations
 
-import copy
-import inspect
-import warnings
-from collections.abc import Callable, Container, Iterable
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+import operator
+from collections.abc import Callable, Container
+from dataclasses import replace
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_mp._gradients import nonfinite_gradients
-from lightning_mp._knobs import with_knob_docs
-from lightning_mp._scale_rules import (
-    COLLAPSE_FLOOR,
-    FLOAT32_MAX,
-    SCALER_DEFAULTS,
-    STATIC_SCALE_FLOOR,
-    OnMinScale,
-    ScalerSettings,
-    ScalingMode,
-    float32_within,
-    next_state,
-)
-from lightning_mp._validation import check_number
-from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
-from lightning_mp.scaling import hand_off, kernels, sharded
-from lightning_mp.scaling.checkpoint import validated_state
+from lightning_mp.arguments.knobs import with_knob_docs
+from lightning_mp.scaling.checkpoint import state_dict_of, validated_state
 from lightning_mp.scaling.device_rules import DeviceScale
-from lightning_mp.scaling.host_mirror import HostMirror
-from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
-from lightning_mp.scaling.ledger import StepLedger
-from lightning_mp.scaling.optimizers import OptimizerRegistry
-from lightning_mp.stats import PrecisionStats
+from lightning_mp.scaling.devices import checked_device_type, default_device
+from lightning_mp.scaling.forecast import stats_after_update
+from lightning_mp.scaling.modes import scaling_for
+from lightning_mp.scaling.replay import HostReplay
+from lightning_mp.scaling.rules import COLLAPSE_FLOOR, SCALER_DEFAULTS, OnMinScale, ScalerSettings, ScalingMode
+from lightning_mp.scaling.stats import PrecisionStats
+from lightning_mp.scaling.steps import StepGate
 
 __all__ = ["COLLAPSE_FLOOR", "LossScaler", "OnMinScale", "ScalerSettings", "ScalingMode"]
 
-_UNCHECKED = -1
-"""The optimizer index of steps taken without a check (LBFGS): never skipped, never in a streak."""
 
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _check_device(owner: str, device: Any) -> str:
-    """The device type of ``device`` (a string or a ``torch.device``); ValueError if unknown or unavailable."""
-    try:
-        device_type = torch.device(device).type
-    except (RuntimeError, TypeError):
-        raise ValueError(
-            f"{owner}(device={device!r}) is not allowed: device must be a device type such as 'cpu' or 'cuda'."
-        ) from None
-    backend = getattr(torch, device_type, None)
-    available = device_type == "cpu" or (backend is not None and getattr(backend, "is_available", lambda: False)())
-    if not available:
-        raise ValueError(
-            f"{owner}(device={device!r}) is not available on this machine; use device='cpu', or leave device=None"
-            f" to pick {_default_device()!r}."
-        )
-    return device_type
-
-
-@dataclass
-class _OptimizerStage:
-    """Where one optimizer is in the iteration (torch's contract: unscale at most once, then step once)."""
-
-    stage: Literal["unscaled", "stepped"]
-    found_inf_per_device: dict[Any, Any] = field(default_factory=dict)
-    """Device -> its inf flag, as torch's protocol getter returns it."""
+def _reads(path: str, doc: str) -> Any:
+    """A read-only property giving the scaler's ``path`` (``"settings.hysteresis"``), documented by ``doc``."""
+    return property(operator.attrgetter(path), doc=doc)
 
 
 @with_knob_docs(ScalerSettings)
@@ -179,7 +133,7 @@ class LossScaler(torch.amp.GradScaler):
             into the weights, and ``skipped_steps`` stays 0. A scaled run (fp16) always skips: its overflows are
             routine.
 
-    Each knob is declared, documented and checked once, in :class:`~lightning_mp._scale_rules.ScalerSettings`;
+    Each knob is declared, documented and checked once, in :class:`~lightning_mp.scaling.rules.ScalerSettings`;
     :attr:`settings` holds them as validated.
 
     Raises:
@@ -230,73 +184,43 @@ class LossScaler(torch.amp.GradScaler):
         return scaler
 
     def _setup(self, device: str | torch.device | None, settings: ScalerSettings) -> None:
-        device_type = _check_device(type(self).__name__, _default_device() if device is None else device)
-        if not settings.skip_nonfinite and settings.scales_loss:
-            raise ValueError(
-                f"{type(self).__name__}(mode={settings.mode!r}, skip_nonfinite=False) is not allowed: a scaled step"
-                " whose gradients overflowed must be skipped. Use skip_nonfinite=False with mode='check' (bf16, fp32)."
-            )
+        device_type = checked_device_type(type(self).__name__, default_device() if device is None else device)
+        self._scaling = scaling_for(settings, type(self).__name__)
+        """The mode's strategy (:mod:`~lightning_mp.scaling.modes`): whatever differs between the modes."""
         self.settings = settings
-        self._state = settings.initial_state()
         super().__init__(
             device_type,
-            init_scale=self._state.scale,
+            init_scale=settings.initial_state().scale,
             growth_factor=settings.growth_factor,
             backoff_factor=settings.backoff_factor,
             growth_interval=settings.growth_interval,
             enabled=True,
         )
-        self._device_type = device_type
-        """The device type of the gradients, where the scale lives before it meets one."""
         self.allow_fp16_gradients = False
         """Set by opt levels whose gradients are fp16 themselves (O3): torch refuses to unscale those by default."""
         self.param_names: dict[int, str] = {}
         """``id(parameter) -> qualified name``, so that errors can name the parameters that overflowed."""
-        self._ledger = StepLedger()
         self._device_scale = DeviceScale()
-        self._flag_pool = InfFlagPool()
-        self._optimizers = OptimizerRegistry()
-        self._stages: dict[int, _OptimizerStage] = {}
-        """``id(optimizer)`` -> its stage in this iteration, for the optimizers that unscaled or stepped."""
-        self._iteration = IterationRecord()
-        self._waiting_iteration: IterationRecord | None = None
-        """On an accelerator, the last iteration, replayed on the host at the next ``update``."""
-        self._mirror = HostMirror()
+        self._gate = StepGate(self._scaling, self._device_scale, device_type)
+        """The iteration's stages, flags and verdicts (:mod:`~lightning_mp.scaling.steps`)."""
+        self._host = HostReplay(settings, self._scaling, self._device_scale, self._gate.flags, self._gate.optimizers)
+        """The host's scale and counters, replayed from each iteration (:mod:`~lightning_mp.scaling.replay`)."""
         self._before_unscale: Callable[[torch.optim.Optimizer], None] | None = None
         self._prepared: Container[int] = ()
         """The ``id`` of each optimizer whose gradients are in place: :meth:`unscale_` calls no preparation for it."""
 
     # ------------------------------------------------------------------------------------------------ knobs
 
-    @property
-    def mode(self) -> ScalingMode:
-        """``"dynamic"``, ``"static"`` or ``"check"``."""
-        return self.settings.mode
-
-    @property
-    def hysteresis(self) -> int:
-        """Overflows tolerated before the scale backs off."""
-        return self.settings.hysteresis
-
-    @property
-    def min_scale(self) -> float | None:
-        """The floor asked for; None means ``2**-24``."""
-        return self.settings.min_scale
-
-    @property
-    def max_scale(self) -> float:
-        """The ceiling."""
-        return self.settings.max_scale
-
-    @property
-    def max_consecutive_skips(self) -> int | None:
-        """Skipped steps in a row of one optimizer that stop the run; None never stops."""
-        return self.settings.max_consecutive_skips
-
-    @property
-    def scales_loss(self) -> bool:
-        """Whether the loss is multiplied at all (dynamic or static mode)."""
-        return self.settings.scales_loss
+    mode: ScalingMode = _reads("settings.mode", '``"dynamic"``, ``"static"`` or ``"check"``.')
+    hysteresis: int = _reads("settings.hysteresis", "Overflows tolerated before the scale backs off.")
+    min_scale: float | None = _reads("settings.min_scale", "The floor asked for; None means ``2**-24``.")
+    max_scale: float = _reads("settings.max_scale", "The ceiling.")
+    max_consecutive_skips: int | None = _reads(
+        "settings.max_consecutive_skips", "Skipped steps in a row of one optimizer that stop the run; None never stops."
+    )
+    scales_loss: bool = _reads(
+        "_scaling.scales_loss", "Whether the loss is multiplied at all (dynamic or static mode)."
+    )
 
     @override
     def get_growth_factor(self) -> float:
@@ -329,23 +253,14 @@ class LossScaler(torch.amp.GradScaler):
         self._replace_settings(growth_interval=new_interval)
 
     def _replace_settings(self, **changes: Any) -> None:
-        self.settings = replace(self.settings, init_scale=self._state.scale, owner=type(self).__name__, **changes)
-        self._state = replace(
-            self._state, growth_tracker=min(self._state.growth_tracker, self.settings.growth_interval - 1)
+        host = self._host
+        self.settings = replace(self.settings, init_scale=host.state.scale, owner=type(self).__name__, **changes)
+        host.state = replace(
+            host.state, growth_tracker=min(host.state.growth_tracker, self.settings.growth_interval - 1)
         )
         self._device_scale.trackers_current = False
 
     # ------------------------------------------------------------------------------------------------ the step
-
-    def _device_tensors(self, optimizer: torch.optim.Optimizer) -> DeviceScale:
-        """The device scale, allocated on the device of ``optimizer``'s first gradient if it is not yet."""
-        if self._device_scale.scale is None:
-            device = next(
-                (p.device for group in optimizer.param_groups for p in group["params"] if p.grad is not None),
-                torch.device(self._device_type),
-            )
-            self._device_scale.allocate(self._state, device, self.scales_loss)
-        return self._device_scale
 
     @override
     def scale(self, outputs: Any) -> Any:
@@ -355,41 +270,14 @@ class LossScaler(torch.amp.GradScaler):
             ValueError: when ``outputs`` is neither a tensor nor an iterable of tensors.
 
         """
-        if not self.scales_loss:
-            return outputs
-        if isinstance(outputs, torch.Tensor):
-            if self._device_scale.scale is None:
-                self._device_scale.allocate(self._state, outputs.device, self.scales_loss)
-            assert self._device_scale.scale is not None
-            return outputs * self._device_scale.scale.to(device=outputs.device, non_blocking=True)
-        # As torch's GradScaler: one copy of the scale per device, shared by the outputs on it.
-        copies: dict[torch.device, torch.Tensor] = {}
-
-        def apply_scale(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                if self._device_scale.scale is None:
-                    self._device_scale.allocate(self._state, value.device, self.scales_loss)
-                assert self._device_scale.scale is not None
-                copy = copies.get(value.device)
-                if copy is None:
-                    copy = copies[value.device] = self._device_scale.scale.to(
-                        device=value.device, non_blocking=True, copy=True
-                    )
-                return value * copy
-            if isinstance(value, Iterable):
-                scaled = map(apply_scale, value)
-                return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
-
-        return apply_scale(outputs)
+        return self._scaling.scale(outputs, self._device_scale, self._host.state)
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether :meth:`unscale_` already ran for ``optimizer`` in this iteration (a second call would raise).
 
         Asking records nothing for an optimizer the scaler has not seen.
         """
-        stage = self._stages.get(id(optimizer))
-        return stage is not None and stage.stage == "unscaled"
+        return self._gate.is_unscaled(optimizer)
 
     def adopt_unscale(self, wrapper: Any, optimizer: torch.optim.Optimizer) -> None:
         """Record an :meth:`unscale_` made through ``wrapper`` in this iteration as made on ``optimizer``.
@@ -397,8 +285,7 @@ class LossScaler(torch.amp.GradScaler):
         For a wrapper that shares ``optimizer``'s ``param_groups`` (Lightning's ``LightningOptimizer``): it unscaled
         the very gradients ``optimizer`` steps, so a later ``unscale_(optimizer)`` must not unscale them again.
         """
-        if wrapper.param_groups is optimizer.param_groups and self.is_unscaled(wrapper):
-            self._stages[id(optimizer)] = self._stages.pop(id(wrapper))
+        self._gate.adopt_unscale(wrapper, optimizer)
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the gradients unscaled for ``optimizer`` in this iteration hold an inf or NaN: its step is skipped.
@@ -407,9 +294,7 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: Reads the device flag on the host: a synchronisation on CUDA.
         """
-        if id(optimizer) not in self._stages:
-            return False
-        return bool(self.step_verdict(optimizer))
+        return id(optimizer) in self._gate.stages and bool(self._gate.verdict(optimizer))
 
     def step_verdict(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor | None:
         """Whether ``optimizer``'s step of this iteration is (or will be) skipped, without waiting for a device.
@@ -419,13 +304,7 @@ class LossScaler(torch.amp.GradScaler):
             sync-free use such as ``torch.where``; None before :meth:`unscale_` ran for it.
 
         """
-        index = self._optimizers.known_index(optimizer)
-        if index is None:
-            return None
-        record = self._iteration
-        if index in record.host_flags or index in record.norms:
-            return bool(record.verdict_from_norms(index))
-        return record.device_flags.get(index)
+        return self._gate.verdict(optimizer)
 
     def prepare_before_unscale(
         self, prepare: Callable[[torch.optim.Optimizer], None] | None, prepared: Container[int] = ()
@@ -436,7 +315,7 @@ class LossScaler(torch.amp.GradScaler):
         moves them from the half weights to the fp32 masters): a user's ``scaler.unscale_(optimizer)`` before the
         step ("unscale, clip, step") then unscales and checks the gradients the step will apply. The engine lists
         each optimizer it has prepared in ``prepared`` (a set it keeps updating), so that its own unscale, which
-        prepares first, pays no call here. ``None`` removes the preparation (at the end of a run).
+        prepares first, is not prepared twice. ``None`` removes the preparation (at the end of a run).
 
         Args:
             prepare: called with the optimizer (or the wrapper) given to :meth:`unscale_`.
@@ -462,60 +341,7 @@ class LossScaler(torch.amp.GradScaler):
         prepare = self._before_unscale
         if prepare is not None and id(optimizer) not in self._prepared:
             prepare(optimizer)
-        self._unscale(optimizer, unscales=True)
-
-    def _unscale(self, optimizer: torch.optim.Optimizer, unscales: bool) -> dict[Any, Any]:
-        """:meth:`unscale_`, or with ``unscales=False`` torch's check before a fused step, which multiplies by one."""
-        stage = self._stages.get(id(optimizer))
-        if stage is not None and stage.stage == "unscaled":
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if stage is not None and stage.stage == "stepped":
-            raise RuntimeError("unscale_() is being called after step().")
-        device_scale = self._device_tensors(optimizer)
-        index = self._optimizers.index(optimizer)
-        if not self.settings.skip_nonfinite:
-            # Lightning's bf16 and fp32: nothing is checked, and every step is taken.
-            self._stages[id(optimizer)] = _OptimizerStage("unscaled")
-            self._iteration.host_flags[index] = 0.0
-            return {}
-        per_device = self._check_gradients(optimizer, index, device_scale, unscales)
-        if _distributed():
-            # Under DDP and under sharding alike (FSDP2's gradients are checked by their local shards), every rank
-            # skips when any rank found an inf.
-            for flag in per_device.values():
-                self._flag_pool.count_local_overflow(flag)
-                sharded.agree_on_found_inf(flag)
-        self._stages[id(optimizer)] = _OptimizerStage("unscaled", per_device)
-        combined = kernels.combined_flag(per_device)
-        if combined is not None:
-            self._iteration.device_flags[index] = combined
-        return per_device
-
-    def _check_gradients(
-        self, optimizer: torch.optim.Optimizer, index: int, device_scale: DeviceScale, unscales: bool
-    ) -> dict[torch.device, torch.Tensor]:
-        refuse_fp16 = self.scales_loss and unscales and not self.allow_fp16_gradients
-        groups = kernels.gradient_groups(optimizer, refuse_fp16)
-        if not self.scales_loss and not _distributed() and not hand_off.skips_safely_on_device(optimizer):
-            norms = kernels.single_group_norms(groups)
-            if norms is not None:
-                # The step decides on the host anyway: it reads these norms (its one sync), and no flag is kept.
-                self._iteration.norms[index] = norms
-                return {}
-        assert device_scale.one is not None and device_scale.inv_scale is not None
-        multiplier = (device_scale.inv_scale if unscales else device_scale.one) if self.scales_loss else None
-        per_device = kernels.check_gradients(
-            groups,
-            lambda device: self._flag_pool.zeroed_flag(index, device, self._iteration),
-            multiplier,
-            device_scale.one,
-        )
-        if not per_device and _distributed():
-            # Every rank must join the all-reduce, even one whose optimizer has no gradient this iteration.
-            assert device_scale.scale is not None
-            home = device_scale.scale.device
-            per_device[home] = self._flag_pool.zeroed_flag(index, home, self._iteration)
-        return per_device
+        self._gate.unscale(optimizer, True, self._host.state, self.allow_fp16_gradients)
 
     def recheck_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Check ``optimizer``'s unscaled gradients again before its step, and skip the step if one is now inf or NaN.
@@ -529,22 +355,7 @@ class LossScaler(torch.amp.GradScaler):
             already read it (bf16 and fp32 with an optimizer that is not fused), the step reads it once more.
 
         """
-        index = self._optimizers.known_index(optimizer)
-        record = self._iteration
-        if index is None or index in record.stepped or not (index in record.norms or index in record.device_flags):
-            return
-        home = record.device_flags[index].device if index in record.device_flags else None
-        norms = kernels.recheck_norms(optimizer, home)
-        if not norms:
-            return
-        if index in record.norms:
-            if not record.host_flags.get(index):  # a skip already decided stays one; else read again at the step
-                record.host_flags.pop(index, None)
-                record.norms[index] = torch.cat([record.norms[index], *norms])
-            return
-        flag = record.device_flags[index]
-        nonfinite = (~torch.isfinite(torch.cat(norms))).any()
-        flag.copy_(torch.maximum(flag, nonfinite.to(flag.dtype)))
+        self._gate.recheck(optimizer)
 
     @property
     def local_overflow_count(self) -> torch.Tensor | int:
@@ -553,7 +364,7 @@ class LossScaler(torch.amp.GradScaler):
         A 0-d device tensor where the scaler counts on the device (under DDP), else the host count; for telemetry
         that gathers it with other counters in one collective.
         """
-        local = self._flag_pool.local_overflows
+        local = self._gate.flags.local_overflows
         return local if local is not None else self.skipped_steps
 
     def local_overflows(self) -> int:
@@ -561,20 +372,15 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: Under DDP this reads a device counter and synchronises; call it on logging steps only.
         """
-        local = self._flag_pool.local_overflows
+        local = self._gate.flags.local_overflows
         return self.skipped_steps if local is None else int(local.item())
 
     @override
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, then run ``optimizer.step()`` unless a gradient is inf or NaN.
 
-        Fused optimizers (``_step_supports_amp_scaling``, a custom one included) follow torch's protocol: they get
-        ``found_inf`` and ``grad_scale`` (the scale times a ``grad_scale`` the user set, when nothing unscaled the
-        gradients yet; else the user's own) and skip on the device; an optimizer whose ``step`` takes
-        ``grad_scaler=`` gets this scaler instead. In check mode (bf16, fp32) Adam, AdamW, SGD and Adagrad in
-        their foreach or single-tensor form take their step through torch's fused kernel of the same rule, given
-        ``found_inf``, so they skip on the device too (:mod:`~lightning_mp.scaling.hand_off`). Other optimizers skip
-        on the host.
+        Fused optimizers follow torch's protocol and skip on the device, as do Adam, AdamW, SGD and Adagrad in check
+        mode; the module docstring says which optimizer skips where (:mod:`~lightning_mp.scaling.steps`).
 
         .. warning:: An optimizer that cannot skip on the device (fp16 with a non-fused optimizer, custom optimizers
             without the protocol, complex parameters, sparse gradients, fused SGD's first momentum step) reads the
@@ -586,77 +392,7 @@ class LossScaler(torch.amp.GradScaler):
         """
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        stage = self._stages.get(id(optimizer))
-        if stage is not None and stage.stage == "stepped":
-            raise RuntimeError("step() has already been called since the last update().")
-        if hand_off.supports_fused_protocol(optimizer):
-            return self._fused_protocol_step(optimizer, stage, *args, **kwargs)
-        if stage is None:
-            self.unscale_(optimizer)
-        index = self._optimizers.index(optimizer)
-        self._iteration.stepped.add(index)
-        self._mark_stepped(optimizer)
-        flag = self._iteration.device_flags.get(index)
-        if flag is not None and not self.scales_loss and hand_off.skips_safely_on_device(optimizer):
-            # Check mode hands the step to torch's fused kernel of the same rule, which skips it on the device.
-            self._remember_culprits_if_on_cpu(index, flag)
-            return hand_off.step_on_device(optimizer, flag, None, *args, **kwargs)
-        if self._host_verdict(index, flag):
-            return None
-        return optimizer.step(*args, **kwargs)
-
-    def _mark_stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        stage = self._stages.setdefault(id(optimizer), _OptimizerStage("stepped"))
-        stage.stage = "stepped"
-
-    def _host_verdict(self, index: int, flag: torch.Tensor | None) -> float:
-        """Optimizer ``index``'s verdict read on the host (1.0: skip); remembers the culprits of a skip."""
-        if index in self._iteration.norms:
-            found_inf = self._iteration.verdict_from_norms(index)  # check mode's one host read
-        elif flag is None:
-            # No gradient at all: torch's optimizers skip such parameters, so there is nothing to check.
-            found_inf = self._iteration.host_flags[index] = 0.0
-        else:
-            found_inf = self._iteration.host_flags[index] = float(flag.item())
-        if found_inf:
-            self._remember_culprits_near_limit(index, found_inf)
-        return found_inf
-
-    def _fused_protocol_step(
-        self, optimizer: torch.optim.Optimizer, stage: _OptimizerStage | None, *args: Any, **kwargs: Any
-    ) -> Any:
-        """Step an optimizer that declares ``_step_supports_amp_scaling``, exactly as torch's ``GradScaler.step``."""
-        index = self._optimizers.index(optimizer)
-        self._iteration.stepped.add(index)
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            warnings.warn(
-                "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the"
-                " near future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed"
-                " optimizer and let the optimizer use them directly.",
-                FutureWarning,
-                stacklevel=3,
-            )
-            # torch's Optimizer.step declares no grad_scaler; this optimizer's own step does.
-            output = optimizer.step(*args, **kwargs, grad_scaler=self)  # type: ignore[call-overload]
-            self._mark_stepped(optimizer)
-            return output
-        user_scale = getattr(optimizer, "grad_scale", None)
-        grad_scale = user_scale
-        if stage is None:
-            # The kernel unscales: the gradients are only checked here, and it divides them by the scale.
-            self._check_inf_per_device(optimizer)
-            if self.scales_loss:
-                scale = self._device_scale.scale
-                assert scale is not None
-                grad_scale = scale if user_scale is None else scale * user_scale
-        self._mark_stepped(optimizer)
-        flag = self._iteration.device_flags.get(index)
-        if flag is not None and hand_off.skips_safely_on_device(optimizer):
-            self._remember_culprits_if_on_cpu(index, flag)
-            return hand_off.step_on_device(optimizer, flag, grad_scale, *args, **kwargs)
-        if self._host_verdict(index, flag):
-            return None
-        return hand_off.step_with_protocol(optimizer, grad_scale, flag, *args, **kwargs)
+        return self._gate.step(optimizer, self, self._remember_culprits, *args, **kwargs)
 
     @override
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -664,26 +400,15 @@ class LossScaler(torch.amp.GradScaler):
 
         The same pass as :meth:`unscale_`, multiplying by one; fp16 gradients are allowed, as in torch.
         """
-        return self._unscale(optimizer, unscales=False)
+        return self._gate.unscale(optimizer, False, self._host.state, self.allow_fp16_gradients)
 
     @override
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The inf flag of each device found for ``optimizer`` in this iteration (torch's protocol getter)."""
-        stage = self._stages.get(id(optimizer))
-        return stage.found_inf_per_device if stage is not None else {}
+        return self._gate.found_inf_per_device(optimizer)
 
-    def _remember_culprits_if_on_cpu(self, index: int, flag: torch.Tensor) -> None:
-        if flag.device.type == "cpu":
-            self._remember_culprits_near_limit(index, flag)  # a CPU flag reads without waiting for a device
-
-    def _remember_culprits_near_limit(self, index: int, found_inf: torch.Tensor | float) -> None:
-        """Name the non-finite gradients of a skipped step that may end the streak, while they still exist.
-
-        Only within two steps of ``max_consecutive_skips`` (the host may replay an iteration one step late), so
-        that the flag and the gradients are read on a failing run only.
-        """
-        if self._ledger.near_streak_limit(index, self.max_consecutive_skips) and bool(found_inf):
-            self._ledger.last_culprits[index] = self._culprits([index])
+    def _remember_culprits(self, index: int, found_inf: torch.Tensor | float) -> None:
+        self._host.remember_culprits(index, found_inf, self.settings.max_consecutive_skips, self.param_names)
 
     @override
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -702,99 +427,14 @@ class LossScaler(torch.amp.GradScaler):
         .. warning:: A ``new_scale`` tensor is read on the host (one sync) to be validated.
 
         """
-        record, self._iteration = self._iteration, IterationRecord()
-        self._flag_pool.next_iteration()
-        self._stages = {}
+        record = self._gate.close()
         if new_scale is not None:
-            record.new_scale = self._checked_new_scale(new_scale)
+            owner = f"{type(self).__name__}.update"
+            record.new_scale = self._scaling.checked_new_scale(owner, new_scale, self.settings)
         elif not record.checked:
             raise AssertionError("No inf checks were recorded prior to update.")
-        if not record.on_host and record.new_scale is None and self.mode == "dynamic":
-            self._device_scale.update(self._state, list(record.device_flags.values()), self.settings)
-            record.device_ruled = True
-        if not record.on_host:
-            record.readers = {i: self._mirror.publish(i, f) for i, f in record.device_flags.items()}
-            record.ready = self._mirror.end_iteration(next(iter(record.device_flags.values())).device)
-        if record.ready is not None:
-            # An accelerator: read the previous iteration now, this one at the next update.
-            previous, self._waiting_iteration = self._waiting_iteration, record
-            if previous is not None:
-                self._replay(previous)
-            return
-        self._replay_waiting_iteration()
-        self._replay(record)
-
-    def _replay_waiting_iteration(self) -> None:
-        """Replay the iteration still waiting for its flags' host copies, if any (waiting for them)."""
-        if self._waiting_iteration is not None:
-            previous, self._waiting_iteration = self._waiting_iteration, None
-            self._replay(previous)
-
-    def _checked_new_scale(self, new_scale: float | torch.Tensor) -> float:
-        owner = f"{type(self).__name__}.update"
-        if not self.scales_loss:
-            raise ValueError(f"{owner}(new_scale={new_scale!r}) is not allowed: check mode scales nothing.")
-        static = (STATIC_SCALE_FLOOR, FLOAT32_MAX)
-        low, high = (self.settings.floor, self.max_scale) if self.mode == "dynamic" else static
-        value = check_number(owner, "new_scale", new_scale, at_least=low, at_most=high)
-        return float32_within(value, low, high)
-
-    def _replay(self, record: IterationRecord) -> None:
-        """Apply the host rules and the per-optimizer counters to an iteration whose flags can be read now."""
-        flags = record.read()
-        self._flag_pool.mark_clean(record, flags)
-        found_inf = any(flags.values())
-        self._ledger.record_iteration(record.stepped, {index for index, skipped in flags.items() if skipped})
-        if record.new_scale is not None:
-            self._state = replace(self._state, scale=record.new_scale)
-            self._device_scale.write_scale(self._state, self.scales_loss)
-            return
-        before = self._state
-        transition = next_state(before, found_inf, self.settings)
-        if transition.event == "collapsed":
-            raise LossScaleCollapseError(
-                step=self.optimizer_steps,
-                scale=before.scale,
-                floor=self.settings.floor,
-                nonfinite_parameters=self._culprits(sorted(flags)),
-            )
-        self._state = transition.state
-        self._ledger.record_scale_move(before.scale, transition.state.scale)
-        if transition.event == "held_at_floor":
-            warnings.warn(
-                f"The loss scale is at its floor {self.settings.floor:g} and gradients still overflow: steps keep"
-                " being skipped. Try precision='bf16-mixed', keep_fp32=[...] for the overflowing layers, or a lower"
-                " learning rate.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        if not record.device_ruled:
-            self._device_scale.trackers_current = False
-            if transition.state.scale != before.scale:
-                self._device_scale.write_scale(self._state, self.scales_loss)
-        self._raise_on_streak()
-
-    def _raise_on_streak(self) -> None:
-        for index, streak in self._ledger.streaks_reaching(self.max_consecutive_skips):
-            optimizer = self._optimizers.at(index)
-            optimizer = getattr(optimizer, "optimizer", optimizer)  # name the optimizer, not its wrapper
-            raise NonFiniteStepsError(
-                step=self.optimizer_steps,
-                consecutive_skips=streak,
-                scale=self.get_scale(),
-                nonfinite_parameters=self._culprits([index]) or self._ledger.last_culprits.get(index, []),
-                optimizer=f"optimizer {index} ({type(optimizer).__name__})" if optimizer is not None else None,
-            )
-
-    def _culprits(self, indices: list[int]) -> list[tuple[str, tuple[int, ...]]]:
-        named = (
-            (self.param_names.get(id(p), f"optimizers[{index}].param_groups[{g}][{i}]"), p)
-            for index in indices
-            if (optimizer := self._optimizers.at(index)) is not None
-            for g, group in enumerate(optimizer.param_groups)
-            for i, p in enumerate(group["params"])
-        )
-        return nonfinite_gradients(named)
+        self._scaling.move_on_device(record, self._device_scale, self._host.state, self.settings)
+        self._host.end_iteration(record, self.settings, self.param_names)
 
     def record_unchecked_step(self, skipped: bool = False) -> None:
         """End an iteration whose one step was checked outside this scaler (LBFGS evaluates its own closure).
@@ -804,8 +444,7 @@ class LossScaler(torch.amp.GradScaler):
                 skipped step (and towards ``max_consecutive_skips``) like any other.
 
         """
-        self._iteration.stepped.add(_UNCHECKED)
-        self._iteration.host_flags[_UNCHECKED] = float(skipped)
+        self._gate.record_unchecked_step(skipped)
         self.update()
 
     # ------------------------------------------------------------------------------------------------ reading
@@ -817,54 +456,33 @@ class LossScaler(torch.amp.GradScaler):
         Exact on the CPU. On an accelerator, after an iteration whose flag stayed on the device (fused
         optimizers), it is the scale as of the previous iteration until the next :meth:`update`.
         """
-        return self._state.scale if self.scales_loss else 1.0
+        return self._scaling.loss_scale(self._host.state.scale)
 
     @override
     def _get_growth_tracker(self) -> int:
-        return self._state.growth_tracker
+        return self._host.state.growth_tracker
 
-    @property
-    def hysteresis_tracker(self) -> int:
-        """Overflows still tolerated before the next backoff."""
-        return self._state.hysteresis_left
-
-    @property
-    def optimizer_steps(self) -> int:
-        """Optimizer steps asked for, skipped ones included."""
-        return self._ledger.optimizer_steps
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped because a gradient held an inf or a NaN."""
-        return self._ledger.skipped_steps
-
-    @property
-    def scale_backoffs(self) -> int:
-        """Iterations after which the scale moved down."""
-        return self._ledger.scale_backoffs
-
-    @property
-    def scale_growths(self) -> int:
-        """Iterations after which the scale moved up."""
-        return self._ledger.scale_growths
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether a step of the last counted iteration was skipped."""
-        return self._ledger.last_step_skipped
-
-    @property
-    def consecutive_skips(self) -> int:
-        """The longest current streak of skipped steps among the optimizers."""
-        return self._ledger.consecutive_skips
+    hysteresis_tracker: int = _reads(
+        "_host.state.hysteresis_left", "Overflows still tolerated before the next backoff."
+    )
+    optimizer_steps: int = _reads("_host.ledger.optimizer_steps", "Optimizer steps asked for, skipped ones included.")
+    skipped_steps: int = _reads("_host.ledger.skipped_steps", "Steps skipped because a gradient held an inf or a NaN.")
+    scale_backoffs: int = _reads("_host.ledger.scale_backoffs", "Iterations after which the scale moved down.")
+    scale_growths: int = _reads("_host.ledger.scale_growths", "Iterations after which the scale moved up.")
+    last_step_skipped: bool = _reads(
+        "_host.ledger.last_step_skipped", "Whether a step of the last counted iteration was skipped."
+    )
+    consecutive_skips: int = _reads(
+        "_host.ledger.consecutive_skips", "The longest current streak of skipped steps among the optimizers."
+    )
 
     def stats(self) -> PrecisionStats:
-        """A snapshot of the counters; see :class:`~lightning_mp.stats.PrecisionStats`. Never synchronises.
+        """A snapshot of the counters; see :class:`~lightning_mp.scaling.stats.PrecisionStats`. Never synchronises.
 
         As fresh as :meth:`get_scale`: exact on the CPU, at most one iteration old on an accelerator.
         """
         return PrecisionStats(
-            loss_scale=self.get_scale(), last_step_skipped=self.last_step_skipped, **self._ledger.counters()
+            loss_scale=self.get_scale(), last_step_skipped=self.last_step_skipped, **self._host.ledger.counters()
         )
 
     def stats_with_pending(self) -> PrecisionStats:
@@ -875,22 +493,8 @@ class LossScaler(torch.amp.GradScaler):
         the update itself). Where a flag is still on an accelerator, this is :meth:`stats`, as fresh as
         :meth:`get_scale` is there.
         """
-        record = self._iteration
-        flags = record.peek() if record.stepped and record.new_scale is None else None
-        if flags is None:
-            return self.stats()
-        ledger = copy.deepcopy(self._ledger)
-        ledger.record_iteration(record.stepped, {index for index, skipped in flags.items() if skipped})
-        transition = next_state(self._state, any(flags.values()), self.settings)
-        scale = self._state.scale
-        if transition.event != "collapsed":
-            ledger.record_scale_move(scale, transition.state.scale)
-            scale = transition.state.scale
-        return PrecisionStats(
-            loss_scale=scale if self.scales_loss else 1.0,
-            last_step_skipped=ledger.last_step_skipped,
-            **ledger.counters(),
-        )
+        stats = stats_after_update(self._gate.record, self._host.ledger, self._host.state, self.settings, self._scaling)
+        return self.stats() if stats is None else stats
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -902,8 +506,8 @@ class LossScaler(torch.amp.GradScaler):
             AssertionError: in the middle of an iteration, as torch's GradScaler.
 
         """
-        self._replay_waiting_iteration()
-        if self._stages:
+        self._host.replay_waiting_iteration(self.settings, self.param_names)
+        if self._gate.stages:
             raise AssertionError(
                 "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after"
                 " scaler.update()."
@@ -919,23 +523,8 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: On an accelerator, when the last iteration's flag is still on the device, this waits for it.
         """
-        self._replay_waiting_iteration()
-        return {
-            "scale": self._state.scale,
-            "growth_factor": self.settings.growth_factor,
-            "backoff_factor": self.settings.backoff_factor,
-            "growth_interval": self.settings.growth_interval,
-            "_growth_tracker": self._state.growth_tracker,
-            "hysteresis": self.settings.hysteresis,
-            "hysteresis_tracker": self._state.hysteresis_left,
-            "consecutive_hysteresis": self.settings.consecutive_hysteresis,
-            "min_scale": self.settings.min_scale,
-            "max_scale": self.settings.max_scale,
-            "mode": self.mode,
-            "last_step_skipped": self.last_step_skipped,
-            "counters": self._ledger.counters(),
-            "streaks": self._ledger.streak_list(len(self._optimizers)),
-        }
+        self._host.replay_waiting_iteration(self.settings, self.param_names)
+        return state_dict_of(self.settings, self._host.state, self._host.ledger, len(self._gate.optimizers))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -953,9 +542,10 @@ class LossScaler(torch.amp.GradScaler):
 
         """
         loaded = validated_state(f"{type(self).__name__}.load_state_dict", state_dict, self.settings)
-        self._ledger = replace(loaded.ledger, last_culprits=self._ledger.last_culprits)
+        host = self._host
+        host.ledger = replace(loaded.ledger, last_culprits=host.ledger.last_culprits)
         if loaded.scale_state is not None:
-            self._state = loaded.scale_state
+            host.state = loaded.scale_state
         self._device_scale.trackers_current = False
-        self._device_scale.write_scale(self._state, self.scales_loss)
-        self._device_scale.write_trackers(self._state)
+        self._device_scale.write_scale(self._host.state, self._scaling.scales_loss)
+        self._device_scale.write_trackers(self._host.state)

@@ -1,8 +1,9 @@
 """The plugin's settings: every argument of :class:`~lightning_mp.MixedPrecision` declared, documented, checked once.
 
 :class:`PluginSettings` holds the plugin's own knobs (precision, device, opt level, static loss scale, ...) and the
-loss scaler's (:class:`~lightning_mp._scale_rules.ScalerSettings`, the same object :class:`~lightning_mp.LossScaler`
-takes). Each knob is a field with its default, its one documentation and its one check (:mod:`lightning_mp._knobs`);
+loss scaler's (:class:`~lightning_mp.scaling.rules.ScalerSettings`, the same object :class:`~lightning_mp.LossScaler`
+takes). Each knob is a field with its default, its one documentation and its one check
+(:mod:`lightning_mp.arguments.knobs`);
 the rules that involve two knobs (fp16 with ``skip_nonfinite=False``, a static scale outside fp16, an opt level the
 precision cannot run) are in ``__post_init__``, and :meth:`PluginSettings.check_resolved` refuses a static scale or
 a scaler once ``precision="auto"`` has chosen another precision than fp16 at setup, and
@@ -26,12 +27,12 @@ from typing import Any, Literal, cast
 
 import torch
 
-from lightning_mp._knobs import knob
-from lightning_mp._scale_rules import FLOAT32_MAX, SCALER_DEFAULTS, STATIC_SCALE_FLOOR, ScalerSettings
-from lightning_mp._validation import check_choice, check_flag, check_number, exact, plain_scalar
+from lightning_mp.arguments.checks import check_choice, check_flag, check_number, exact, plain_scalar
+from lightning_mp.arguments.knobs import knob
 from lightning_mp.overrides import Fp32Overrides, KeepFp32Pattern
 from lightning_mp.policies import POLICIES
 from lightning_mp.scaler import LossScaler
+from lightning_mp.scaling.rules import FLOAT32_MAX, SCALER_DEFAULTS, STATIC_SCALE_FLOOR, ScalerSettings
 
 __all__ = ["HALF_DTYPES", "PRECISIONS", "TORCH_SCALER_KNOBS", "PluginSettings", "PrecisionName"]
 

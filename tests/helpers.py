@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lightning_mp.counting import StepCounts, count_syncs_and_ops
+from lightning_mp.bench.counting import StepCounts, count_syncs_and_ops
 from lightning_mp.scaling.sharded import is_sharded, local_shard
 
 FEATURES = 8

@@ -60,7 +60,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_mp import MixedPrecision
-from lightning_mp.stats import PrecisionStats
+from lightning_mp.scaling.stats import PrecisionStats
 from tests import helpers
 
 FEATURES = 8

@@ -14,9 +14,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
-from lightning_mp import _hardware as hardware
-from lightning_mp._hardware import DeviceCapabilities, native_bf16, precision_for
 from lightning_mp.advisor import FP16_MAX, GRADIENT_HEADROOM, Advice, advise
+from lightning_mp.plugin import hardware
+from lightning_mp.plugin.hardware import DeviceCapabilities, native_bf16, precision_for
 from lightning_mp.policies.o2 import HalfOverflowError
 from tests.helpers import make_trainer
 
@@ -233,6 +233,8 @@ def test_emulated_bf16_advice_explains_itself_and_still_names_the_fp16_settings(
         (EMULATING_CPU, "O1", "32-true"),
         (EMULATING_CPU, "O2", "bf16-mixed"),
         (EMULATING_CPU, "O3", "bf16-mixed"),
+        (EMULATING_CPU, "lean", "bf16-mixed"),
+        (EMULATING_CPU, "lean-kahan", "bf16-mixed"),
         (NATIVE_CPU, "O1", "bf16-mixed"),
         (DeviceCapabilities("cuda", False, (7, 0)), "O2", "16-mixed"),
         (DeviceCapabilities("cuda", True, (9, 0)), "O1", "bf16-mixed"),
@@ -241,10 +243,11 @@ def test_emulated_bf16_advice_explains_itself_and_still_names_the_fp16_settings(
 def test_auto_precision_is_a_function_of_the_hardware(
     capabilities: DeviceCapabilities, opt_level: str, precision: str
 ) -> None:
-    """precision="auto" picks bf16 only where it is native, except where O2/O3 need a half type (and says so)."""
+    """precision="auto" picks bf16 only where it is native, except for the levels that compute with half weights (O2,
+    O3, lean), which fp32 would turn into O0 (and it says so)."""
     chosen, reason = precision_for(capabilities, opt_level)
     assert chosen == precision
-    if capabilities is EMULATING_CPU and opt_level in ("O2", "O3"):
+    if capabilities is EMULATING_CPU and opt_level not in ("O0", "O1"):
         assert "slower than fp32" in reason and "opt_level='O1'" in reason
 
 

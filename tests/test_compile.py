@@ -3,7 +3,7 @@
 The point is dynamo tracing, so the runs use the ``eager`` backend (dynamo's graph capture alone) or ``aot_eager``
 (with AOT autograd), never inductor's slow code generation. The plugin must cause no graph break, and the numbers
 must match the same run without compilation. Under O1 that needs the plugin to compile backward passes outside
-autocast (:mod:`lightning_mp._compile`): by default AOT autograd would differentiate the fp32 region in fp16.
+autocast (:mod:`lightning_mp.plugin.compile`): by default AOT autograd would differentiate the fp32 region in fp16.
 """
 
 from __future__ import annotations

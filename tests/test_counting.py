@@ -8,7 +8,7 @@ import weakref
 import torch
 from torch import nn
 
-from lightning_mp.counting import WeightCastCounter, count_python_calls, count_syncs_and_ops
+from lightning_mp.bench.counting import WeightCastCounter, count_python_calls, count_syncs_and_ops
 
 
 def _scaled_step_setup(fused: bool) -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:

@@ -24,8 +24,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_mp
 from lightning_mp import LossScaler, MixedPrecision
-from lightning_mp._knobs import knob_disagreements, with_knob_docs
-from lightning_mp._scale_rules import ScalerSettings
+from lightning_mp.arguments.knobs import knob_disagreements, with_knob_docs
 from lightning_mp.callbacks import (
     AdvisorCallback,
     GradientHealthMonitor,
@@ -34,6 +33,7 @@ from lightning_mp.callbacks import (
     PrecisionSentinel,
 )
 from lightning_mp.fp8.convert import fp8_unavailable
+from lightning_mp.scaling.rules import ScalerSettings
 from lightning_mp.settings import PluginSettings
 from tests.helpers import TinyRegressor, loader, make_trainer, read_events
 

@@ -1,11 +1,11 @@
 """Host budgets: the host syncs, ops and Python calls a piece adds to a steady step, counted, never timed.
 
 A sync stalls the host until the device catches up, and every Python call is host time a small model's step cannot
-hide. :func:`lightning_mp.counting.count_syncs_and_ops` and :func:`~lightning_mp.counting.count_python_calls` count them
-exactly and deterministically, so each budget is an exact or upper bound. The behaviour of each piece is tested in the
-module that mirrors it; the budgets that guard a whole step sit beside their subject: ``bench/test_step_counts.py``
-(lightning_mp against torch's loop and Lightning), ``policies/o2/test_step_costs.py`` (O2 against O1) and
-``callbacks/test_telemetry_costs.py`` (the callbacks' logging).
+hide. :func:`lightning_mp.bench.counting.count_syncs_and_ops` and
+:func:`~lightning_mp.bench.counting.count_python_calls` count them exactly and deterministically, so each budget is an
+exact or upper bound. The behaviour of each piece is tested in the module that mirrors it; the budgets that guard a
+whole step sit beside their subject: ``bench/test_step_counts.py`` (lightning_mp against torch's loop and Lightning),
+``policies/o2/test_step_costs.py`` (O2 against O1) and ``callbacks/test_telemetry_costs.py`` (the callbacks' logging).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mp import MixedPrecision
+from lightning_mp.bench.counting import count_python_calls, count_syncs_and_ops
 from lightning_mp.bench.opt_level_counts import Task, count_opt_level, markov_counting_task
 from lightning_mp.bench.workloads import OPTIMIZER_KINDS, make_optimizer
-from lightning_mp.counting import count_python_calls, count_syncs_and_ops
 from lightning_mp.tasks import TinyTransformerLM
 from tests.engine.fabric_helpers import batch, train_step
 from tests.engine.fabric_helpers import setup as setup_fabric

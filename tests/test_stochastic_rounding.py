@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mp.counting import StepCounts, count_syncs_and_ops
+from lightning_mp.bench.counting import StepCounts, count_syncs_and_ops
 from lightning_mp.scaling import hand_off
 from lightning_mp.stochastic_rounding import (
     COMPENSATION_KEY,

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from lightning_mp._hardware import device_has_native_bf16
 from lightning_mp.bench.configurations import (
     CONFIGURATIONS,
     GPU_WORKLOAD_CONFIGURATIONS,
@@ -51,6 +50,7 @@ from lightning_mp.bench.workloads import (
     TimeBudgets,
     auto_size,
 )
+from lightning_mp.plugin.hardware import device_has_native_bf16
 
 GPU_WORKLOAD_SIZES = ("tiny", "full")
 """The sizes of a GPU workload: ``full`` is what the GPU runs, ``tiny`` the same code small enough for the CPU."""

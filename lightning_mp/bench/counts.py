@@ -10,7 +10,7 @@ Four contestants run the same iteration (forward under autocast, scaled backward
 * ``LossScaler``: this project's scaler used by hand, exactly like the torch loop.
 
 Two warm-up iterations create the optimizer state and the scaler's preallocated tensors; the third is counted with
-:func:`lightning_mp.counting.count_syncs_and_ops`. Counts are deterministic: they do not depend on the machine.
+:func:`lightning_mp.bench.counting.count_syncs_and_ops`. Counts are deterministic: they do not depend on the machine.
 
 The table (:func:`counts_table`) covers each of torch's three implementations of Adam, AdamW and SGD with momentum
 (``fused=True``, ``foreach=True`` and single-tensor ``foreach=False``) in fp16, bf16 and fp32. On the CPU the
@@ -31,7 +31,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from torch import nn
 
-from lightning_mp.counting import StepCounts, count_syncs_and_ops
+from lightning_mp.bench.counting import StepCounts, count_syncs_and_ops
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.scaler import LossScaler
 from lightning_mp.tasks import TinyTransformerLM
@@ -201,5 +201,5 @@ def counts_report(quick: bool) -> str:
         table = counts_table(PRECISIONS, tuple(OPTIMIZERS))
     return (
         "Host syncs / compute ops per training iteration (TinyTransformerLM, 2 layers, steady state, counted on the"
-        f" CPU with lightning_mp.counting):\n\n{table}"
+        f" CPU with lightning_mp.bench.counting):\n\n{table}"
     )

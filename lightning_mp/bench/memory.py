@@ -13,7 +13,7 @@ The timeline is read through torch's public ``profile.export_memory_timeline(pat
 order (:data:`TIMELINE_COLUMNS`, the same from torch 2.8 to 2.15). torch deprecates that export in favour of CUDA's
 memory snapshots, which know no categories and no CPU; the deprecation warning is silenced where it is called.
 
-Two more steps count the host work of a steady step with :mod:`lightning_mp.counting`: its compute ops in one
+Two more steps count the host work of a steady step with :mod:`lightning_mp.bench.counting`: its compute ops in one
 batch, its Python calls in the next (so that the op counter's own frames are not counted as Python calls).
 """
 
@@ -34,8 +34,8 @@ import torch
 from typing_extensions import override
 
 from lightning_mp.bench.configurations import CONFIGURATIONS, FP32
+from lightning_mp.bench.counting import PythonCalls, StepCounts, count_python_calls, count_syncs_and_ops
 from lightning_mp.bench.workloads import QUIET_TRAINER, SIZES, ModelSize, markov_task
-from lightning_mp.counting import PythonCalls, StepCounts, count_python_calls, count_syncs_and_ops
 
 MEMORY_CONFIGURATIONS = (FP32, "lightning-bf16", "O1-bf16", "O2-bf16", "lean-bf16", "O1-fp16", "O2-fp16")
 """What ``--memory`` measures by default: the fp16 ones too, since byte counts need no fast fp16."""
@@ -317,7 +317,7 @@ def memory_report(results: Sequence[MemoryBreakdown], size_name: str, size: Mode
         "",
         memory_table(results),
         "",
-        "Host work of one steady training batch (hooks to hooks), counted with lightning_mp.counting:",
+        "Host work of one steady training batch (hooks to hooks), counted with lightning_mp.bench.counting:",
         "",
         host_work_table(results),
         "",

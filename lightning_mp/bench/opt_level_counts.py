@@ -7,7 +7,7 @@ baseline row (lean's step-time reference). After ``2`` warm-up batches (the opti
 and autocast's first calls exist by then) :class:`SteadyStepCounter` counts, from the start of one batch to its
 end:
 
-* **Weight casts**, with :class:`~lightning_mp.counting.WeightCastCounter`: every dispatched copy that changes the
+* **Weight casts**, with :class:`~lightning_mp.bench.counting.WeightCastCounter`: every dispatched copy that changes the
   dtype of a weight or writes another dtype into one (``aten._to_copy``, ``copy_``, ``_foreach_copy_``). A tensor
   is a weight when its storage (``untyped_storage().data_ptr()``) is the storage of one of the model's parameters
   or of a tensor in an optimizer's ``param_groups``, so fp32 masters kept by the optimizer count as weights, and
@@ -17,9 +17,9 @@ end:
   ``on_after_backward``, *step* up to the batch's end (unscaling, clipping, the optimizer step, whatever the level
   does after it). Which storages are weights is asked again at each phase, for levels that swap tensors in and out
   of the modules.
-* **Compute ops and host syncs**, with :func:`~lightning_mp.counting.count_syncs_and_ops` in the same batch: every
+* **Compute ops and host syncs**, with :func:`~lightning_mp.bench.counting.count_syncs_and_ops` in the same batch: every
   dispatched ATen op that is neither a view nor a host read (on a GPU at least one kernel launch each).
-* **Python calls**, with :func:`~lightning_mp.counting.count_python_calls` in the next batch, so that the dispatch
+* **Python calls**, with :func:`~lightning_mp.bench.counting.count_python_calls` in the next batch, so that the dispatch
   modes' own Python frames are not counted. The counting callback's own hooks are left out; what Lightning does to
   call them is the same at every level. The garbage collector is off during that batch: a collection could run
   finalizers or weakref callbacks (Python calls) at a moment that depends on the process's history.
@@ -51,8 +51,8 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_mp.bench.allreduced_bytes import AllReducedBytes, measure_allreduced_bytes
+from lightning_mp.bench.counting import StepCounts, WeightCastCounter, count_python_calls, count_syncs_and_ops
 from lightning_mp.bench.workloads import QUIET_TRAINER, SIZES, markov_task
-from lightning_mp.counting import StepCounts, WeightCastCounter, count_python_calls, count_syncs_and_ops
 from lightning_mp.plugin import MixedPrecision
 
 Phase = Literal["forward", "backward", "step"]
@@ -385,8 +385,8 @@ def opt_level_report(quick: bool) -> str:
     size = SIZES["tiny"]
     parts = [
         f"Per opt level, one steady training step (Trainer, TinyTransformerLM {size.describe()}, AdamW; counted on the"
-        " CPU with lightning_mp.counting; DDP: gloo, 2 processes). Weight casts per trainable parameter tensor, split"
-        " at on_before_backward and on_after_backward:",
+        " CPU with lightning_mp.bench.counting; DDP: gloo, 2 processes). Weight casts per trainable parameter tensor,"
+        " split at on_before_backward and on_after_backward:",
         "",
         opt_level_table(counts, allreduced),
         "",

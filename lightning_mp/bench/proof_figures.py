@@ -14,7 +14,7 @@ The targets (:data:`FIGURES`):
   O2 bf16 at most 0.95x O1's step time and 0.92x its peak memory; lean at most 0.55x fp32's peak memory at no
   more than 1.05x ``bf16-true``'s step time;
 - ResNet-50 (batch 256, ``channels_last``, foreach AdamW): O1 within 2% of ``bf16-mixed`` and of ``16-mixed``;
-- host syncs per step (``torch.cuda.set_sync_debug_mode("warn")`` on CUDA, :mod:`lightning_mp.counting` on the
+- host syncs per step (``torch.cuda.set_sync_debug_mode("warn")`` on CUDA, :mod:`lightning_mp.bench.counting` on the
   CPU) of every package setup no more than Lightning's built-in at the same precision (lean: also no more than
   ``bf16-true``), with fused and with foreach AdamW, on the launch-bound LM; counts are deterministic, so one run
   each;

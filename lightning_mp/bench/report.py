@@ -298,7 +298,7 @@ def _sync_line(context: ReportContext) -> list[str]:
     how = (
         'torch.cuda.set_sync_debug_mode("warn"), one warning per operation that made the host wait'
         if context.accelerator == "gpu"
-        else "lightning_mp.counting (host reads of tensor values)"
+        else "lightning_mp.bench.counting (host reads of tensor values)"
     )
     return [f"- Host syncs per step: counted over {context.sync_steps} steps after the timed ones with {how}"]
 

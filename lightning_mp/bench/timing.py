@@ -18,8 +18,8 @@ How it measures:
 5. On the GPU workloads, :class:`SyncCounter` counts host syncs over ``--sync-steps`` more steps after the timed
    ones (counting slows a step, so it never overlaps the timing): on CUDA with
    ``torch.cuda.set_sync_debug_mode("warn")``, which warns at every operation that makes the host wait for the
-   device, and on the CPU with :func:`lightning_mp.counting.count_syncs_and_ops`, which counts host reads of tensor
-   values (there the foreach optimizers' reads of their CPU step counters count too; on CUDA they are no sync).
+   device, and on the CPU with :func:`lightning_mp.bench.counting.count_syncs_and_ops`, which counts host reads of
+   tensor values (there the foreach optimizers' reads of their CPU step counters count too; on CUDA they are no sync).
 6. A configuration that raises is not retried: its row in the report says ``crash: <error>``, and the others run on.
 
 With ``--profile`` one more run per configuration goes under ``torch.profiler`` (:class:`StepProfiler`), which
@@ -50,6 +50,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from lightning_mp.bench.configurations import CONFIGURATIONS, FP32, MONITOR_EVERY_N_STEPS, float32_matmul
+from lightning_mp.bench.counting import StepCounts, count_syncs_and_ops
 from lightning_mp.bench.machine import current_rss_mib, peak_rss_mib, scheduler_seconds
 from lightning_mp.bench.workloads import (
     MARKOV,
@@ -63,7 +64,6 @@ from lightning_mp.bench.workloads import (
     markov_task,
     workload_shape,
 )
-from lightning_mp.counting import StepCounts, count_syncs_and_ops
 
 CRASH = "crash: "
 """How the report starts the row of a configuration whose run raised."""
@@ -224,7 +224,7 @@ class SyncCounter(L.Callback):
 
     On CUDA it turns on ``torch.cuda.set_sync_debug_mode("warn")`` and counts the warnings it raises, one per
     operation that made the host wait for the device; on the CPU it counts host reads of tensor values with
-    :func:`lightning_mp.counting.count_syncs_and_ops`. Either way the counting slows the steps, so the timed steps
+    :func:`lightning_mp.bench.counting.count_syncs_and_ops`. Either way the counting slows the steps, so the timed steps
     come before it.
     """
 

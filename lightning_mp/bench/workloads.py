@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from torch.nn import functional
 from typing_extensions import override
 
-from lightning_mp._hardware import cpu_has_native_bf16
 from lightning_mp.bench.models import GPTLike, ResNet, resnet50
+from lightning_mp.plugin.hardware import cpu_has_native_bf16
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
 
 OptimizerKind = Literal["fused", "foreach", "single-tensor"]

@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_mp._validation import plain_scalar
+from lightning_mp.arguments.checks import plain_scalar
 from lightning_mp.plugin import MixedPrecision
 
 if TYPE_CHECKING:

@@ -21,7 +21,8 @@ which is what gradient clipping thresholds are compared with.
 
 **Under FSDP** (Lightning's ``FSDPStrategy``, sharded), **FSDP2** (``fully_shard``: ``DTensor`` gradients) and
 **tensor parallelism** (``parallelize_module``) each rank holds only parts of the gradients, so on a logging step
-every rank summarises its parts and two all-reduces combine them (:func:`lightning_mp._gradients.summary_over_shards`):
+every rank summarises its parts and two all-reduces combine them
+(:func:`lightning_mp.scaling.gradients.summary_over_shards`):
 the scalars and the histogram are those of the whole gradients, as under DDP. A tensor that several ranks hold whole
 (a ``Replicate()`` DTensor, a plain norm beside tensor-parallel layers) counts once, not once per rank. Overflow
 reports name each parameter by its full name, with the shape the model declared, not its shard's.
@@ -38,11 +39,11 @@ known on the host once the step returns (``plugin.stats``); only then, and only 
 read, in one transfer. So the names survive a ``zero_grad`` that follows ``opt.step()`` in manual optimization, and
 a clean step never reads anything.
 
-**Cost**, counted with :mod:`lightning_mp.counting`:
+**Cost**, counted with :mod:`lightning_mp.bench.counting`:
 
 - a step that does not log: one op (the batched ``max |g|``), no synchronisation;
 - a logging step: one ``view`` per gradient, one ``cat`` into a flat float32 copy, then one op per statistic and
-  one ``histc`` for the whole histogram (:func:`lightning_mp._gradients.gradient_summary`). The resulting vector
+  one ``histc`` for the whole histogram (:func:`lightning_mp.scaling.gradients.gradient_summary`). The resulting vector
   is read at the end of the batch in the one transfer the monitors share (:mod:`lightning_mp.callbacks._host_reads`).
   The flat copy holds twice the gradients' size for the duration of the hook;
 - a skipped step: one more transfer, of one number per parameter tensor.
@@ -64,13 +65,6 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp._gradients import (
-    LOG2_HISTOGRAM_RANGE,
-    SUMMARY_FIELDS,
-    gradient_summary,
-    largest_magnitudes,
-    summary_over_shards,
-)
 from lightning_mp.callbacks._host_reads import Consumer, host_reads
 from lightning_mp.callbacks._logging import (
     log_scalars,
@@ -84,6 +78,13 @@ from lightning_mp.callbacks._logging import (
     validate_positive_int,
 )
 from lightning_mp.callbacks._sharding import gradient_copies
+from lightning_mp.scaling.gradients import (
+    LOG2_HISTOGRAM_RANGE,
+    SUMMARY_FIELDS,
+    gradient_summary,
+    largest_magnitudes,
+    summary_over_shards,
+)
 from lightning_mp.scaling.hand_off import supports_fused_protocol
 from lightning_mp.scaling.sharded import local_shard
 

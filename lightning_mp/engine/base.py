@@ -55,7 +55,7 @@ from torch.optim import Optimizer
 from lightning_mp.engine.verdict import StepVerdict
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
-from lightning_mp.stats import PrecisionStats
+from lightning_mp.scaling.stats import PrecisionStats
 
 RUNNING_STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 

@@ -88,7 +88,7 @@ from lightning_mp.overrides import cast_low_precision
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.policies.sharded import refuse_sharding_after_conversion
 from lightning_mp.scaler import LossScaler
-from lightning_mp.stats import PrecisionStats
+from lightning_mp.scaling.stats import PrecisionStats
 
 
 def check_input_device(data: Any, device_type: str) -> None:

@@ -39,8 +39,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
-from lightning_mp._schedulers import SkipAwareScheduler
 from lightning_mp.engine.base import StepEngine, check_loss, unwrapped
+from lightning_mp.engine.schedulers import SkipAwareScheduler
 from lightning_mp.engine.verdict import SKIPPED, TAKEN, StepVerdict
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler

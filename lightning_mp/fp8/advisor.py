@@ -49,8 +49,8 @@ from lightning.pytorch import LightningModule
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_mp._validation import check_choice, check_flag, check_number
 from lightning_mp.advisor import LossFunction, _attach_manual_optimization, _loader_generators, _training_loss
+from lightning_mp.arguments.checks import check_choice, check_flag, check_number
 from lightning_mp.fp8.quant import RECIPES, STAT_NAMES, Operand, cast_stats, recipe_casts
 from lightning_mp.fp8.telemetry import FallbackRule
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from lightning_mp._validation import check_choice, check_flag, check_number
+from lightning_mp.arguments.checks import check_choice, check_flag, check_number
 
 __all__ = ["RECIPES", "REGEX_PREFIX", "ExcludePattern", "FP8Settings", "Fp8Recipe", "fp8_settings_from_argument"]
 

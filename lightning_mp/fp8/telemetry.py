@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_mp._validation import check_number
+from lightning_mp.arguments.checks import check_number
 from lightning_mp.callbacks._heatmaps import HeatmapStyle, render_heatmap, require_matplotlib
 from lightning_mp.callbacks._host_reads import host_reads
 from lightning_mp.callbacks._logging import (

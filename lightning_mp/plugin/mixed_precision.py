@@ -72,8 +72,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp._knobs import with_knob_docs
-from lightning_mp._scale_rules import SCALER_DEFAULTS, ScalerSettings
+from lightning_mp.arguments.knobs import with_knob_docs
 from lightning_mp.engine import FabricEngine, StepEngine, TrainerEngine
 from lightning_mp.fp8.convert import require_torchao
 from lightning_mp.fp8.mode import Fp8Mode, check_fp8_combination
@@ -88,11 +87,12 @@ from lightning_mp.plugin.step_hooks import StepHooks
 from lightning_mp.plugin.views import RunViews
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
+from lightning_mp.scaling.rules import SCALER_DEFAULTS, ScalerSettings
 from lightning_mp.scaling.sharded import has_sharded_parameters
 from lightning_mp.settings import PluginSettings, PrecisionName
 
 PLUGIN_DEFAULTS = PluginSettings()
-"""The defaults of the plugin's own arguments; the scaler's are :data:`~lightning_mp._scale_rules.SCALER_DEFAULTS`."""
+"""The defaults of the plugin's own arguments; the scaler's are :data:`~lightning_mp.scaling.rules.SCALER_DEFAULTS`."""
 
 
 # RunViews makes Lightning's writable ``precision``, ``device`` and ``scaler`` read-only views of the run.
@@ -148,7 +148,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
             ``"O2"`` only (:mod:`lightning_mp.fp8.mode`); needs the ``fp8`` extra. None (the default) runs no FP8.
 
     Every knob is declared, documented and checked once, in :class:`~lightning_mp.settings.PluginSettings` and
-    :class:`~lightning_mp._scale_rules.ScalerSettings`; :attr:`settings` holds them as validated. Numbers may be
+    :class:`~lightning_mp.scaling.rules.ScalerSettings`; :attr:`settings` holds them as validated. Numbers may be
     Python, numpy or 0-d tensor scalars; booleans must be ``True`` or ``False``.
 
     Raises:

@@ -5,7 +5,7 @@ known only when the Trainer or Fabric sets the run up. :func:`resolve_setup` the
 into one frozen :class:`ResolvedSetup`, which the plugin's hooks read and none derives again:
 
 * ``precision="auto"`` becomes bf16 where the device runs it natively, else fp16 on GPUs and MPS and fp32 on CPUs
-  (:func:`~lightning_mp._hardware.choose_precision`), with the reason, logged once;
+  (:func:`~lightning_mp.plugin.hardware.choose_precision`), with the reason, logged once;
 * fp32 runs the ``O0`` opt level, whichever level was asked for: there is nothing to cast;
 * an opt level that keeps half weights with no fp32 masters (O3, lean) is shown to Lightning as ``"16-true"`` or
   ``"bf16-true"``, the names of Lightning's own half-weight runs, so that its ``ModelSummary`` sizes the model by its
@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_mp._hardware import (
+from lightning_mp.plugin.hardware import (
     ResolvedPrecision,
     choose_precision,
     device_has_native_bf16,

@@ -92,7 +92,7 @@ def build_run(
     """
     setup = resolve_setup(settings, device_type, policy_class_for)
     if sharded:
-        refuse_half_weights(setup.opt_level, setup.precision)
+        refuse_half_weights(setup.policy_class, setup.precision)
     fp8 = None
     if fp8_settings is not None:
         check_fp8_device(owner, fp8_settings.recipe, device_type)

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp._compile import autocast_by_flags, backward_outside_autocast
 from lightning_mp.engine import StepEngine
+from lightning_mp.plugin.compile import autocast_by_flags, backward_outside_autocast
 from lightning_mp.plugin.run import Run
 
 
@@ -51,11 +51,11 @@ class StepHooks(LightningMixedPrecision):
                 yield
                 return
             if compiling:
-                # Traced inside a compiled model (torch.compile after fabric.setup): lightning_mp._compile.
+                # Traced inside a compiled model (torch.compile after fabric.setup): lightning_mp.plugin.compile.
                 with autocast_by_flags(setup.device, setup.half_dtype):
                     yield
                 return
-            # Compiled regions differentiate outside autocast, as eager autograd does (lightning_mp._compile).
+            # Compiled regions differentiate outside autocast, as eager autograd does (lightning_mp.plugin.compile).
             with torch.autocast(setup.device, dtype=setup.half_dtype, cache_enabled=False), backward_outside_autocast():
                 yield
 

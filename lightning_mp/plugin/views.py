@@ -19,8 +19,8 @@ from lightning_mp.plugin.run import Run
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.policies.sharded import fsdp2_mixed_precision_policy
 from lightning_mp.scaler import LossScaler
+from lightning_mp.scaling.stats import PrecisionStats, ScalerView
 from lightning_mp.settings import HALF_DTYPES, PluginSettings, PrecisionName
-from lightning_mp.stats import PrecisionStats, ScalerView
 
 
 class RunViews:

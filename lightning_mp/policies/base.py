@@ -65,6 +65,10 @@ class PrecisionPolicy:
     """Whether the gradients the scaler unscales are themselves fp16 (O3): torch refuses those unless allowed."""
     half_weights: ClassVar[bool] = False
     """Whether the model's own weights are half (O3, lean): Lightning then sees the run as ``16-true``/``bf16-true``."""
+    computes_with_half_weights: ClassVar[bool] = False
+    """Whether the forward computes with weights stored in a half type (O2's model parameters, O3's and lean's own
+    weights): fp32 would leave the level nothing to do, so ``precision="auto"`` picks a half type for it even where
+    the device only emulates bf16."""
     kahan: ClassVar[bool] = False
     """Whether each weight keeps a Kahan compensation buffer in its optimizer state (``lean-kahan``)."""
 

@@ -84,6 +84,7 @@ class LeanPolicy(PrecisionPolicy):
     """
 
     half_weights: ClassVar[bool] = True
+    computes_with_half_weights: ClassVar[bool] = True
 
     opt_level = "lean"
     uses_autocast = False

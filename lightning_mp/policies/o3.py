@@ -134,6 +134,7 @@ class O3Policy(PrecisionPolicy):
     scales_by_default = False
     half_gradients: ClassVar[bool] = True
     half_weights: ClassVar[bool] = True
+    computes_with_half_weights: ClassVar[bool] = True
     """The optimizer steps half gradients, which the loss scaler must accept."""
 
     def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:

@@ -68,18 +68,15 @@ class ShardedPrecisionError(ValueError):
     """A sharded model's parameters compute in a dtype its opt level does not allow; names the module and the fix."""
 
 
-HALF_WEIGHT_LEVELS = ("O3", "lean", "lean-kahan")
-"""The opt levels that keep half weights without fp32 masters: refused on a sharded model."""
-
-
-def refuse_half_weights(opt_level: str, precision: str) -> None:
-    """Refuse an opt level that keeps half weights (:data:`HALF_WEIGHT_LEVELS`) on an FSDP2-sharded model.
+def refuse_half_weights(policy_class: type[PrecisionPolicy], precision: str) -> None:
+    """Refuse an opt level whose policy keeps half weights without fp32 masters (O3, lean) on an FSDP2-sharded model.
 
     Raises:
         ShardedPrecisionError: naming the combination and the alternatives.
 
     """
-    if opt_level in HALF_WEIGHT_LEVELS:
+    if policy_class.half_weights:
+        opt_level = policy_class.opt_level
         raise ShardedPrecisionError(
             f"MixedPrecision(precision={precision!r}, opt_level={opt_level!r}) is not allowed on a sharded model"
             f" (FSDP2's fully_shard): {opt_level} casts the weights themselves to half, but FSDP2 owns the sharded"
@@ -171,8 +168,7 @@ def refuse_sharding_after_conversion(policy: PrecisionPolicy, modules: list[nn.M
         ShardedPrecisionError: naming the combination and the alternatives.
 
     """
-    refused_levels = ("O2", *(level for level in HALF_WEIGHT_LEVELS if level != "O3"))
-    if policy.opt_level not in (*refused_levels, "O3") or isinstance(policy, ShardedO2Policy):
+    if not (policy.opt_level == "O2" or policy.half_weights) or isinstance(policy, ShardedO2Policy):
         return
     if not any(has_sharded_parameters(module) for module in modules):
         return

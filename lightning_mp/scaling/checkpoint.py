@@ -1,10 +1,10 @@
-"""Checkpoint validation for the loss scaler: a dict in, a validated state out, or an error naming the field.
+"""The loss scaler's checkpoint: the dict it writes, and its validation (a dict in, a validated state out).
 
-A scaler's ``state_dict`` holds torch's five GradScaler keys (``scale``, ``growth_factor``, ``backoff_factor``,
-``growth_interval``, ``_growth_tracker``), then the hysteresis and its tracker, the bounds, the mode, the
-``counters`` of :class:`~lightning_mp.scaling.ledger.StepLedger`, the per-optimizer ``streaks`` and
-``last_step_skipped``. :func:`validated_state` reads such a dict, or torch's five-key one, against this run's
-settings:
+A scaler's ``state_dict`` (:func:`state_dict_of`) holds torch's five GradScaler keys (``scale``,
+``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``), then the hysteresis and its
+tracker, the bounds, the mode, the ``counters`` of :class:`~lightning_mp.scaling.ledger.StepLedger`, the
+per-optimizer ``streaks`` and ``last_step_skipped``. :func:`validated_state` reads such a dict, or torch's five-key
+one, against this run's settings:
 
 * the run's settings win over the dict's knobs; a difference is warned about, naming the knob and both values;
 * counters and streaks must be non-negative integers with ``consecutive_skips <= skipped_steps <= optimizer_steps``;
@@ -25,9 +25,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mp._scale_rules import ScalerSettings, ScaleState, float32_within
-from lightning_mp._validation import check_number
+from lightning_mp.arguments.checks import check_number
 from lightning_mp.scaling.ledger import StepLedger
+from lightning_mp.scaling.rules import ScalerSettings, ScaleState, float32_within
 
 _CALLER_OF_LOAD = 3
 """The stack level of the scaler's caller, seen from a function that ``load_state_dict`` calls."""
@@ -41,6 +41,34 @@ class LoadedScalerState:
     """The scale and its trackers; None where this run's mode keeps its own (static, check)."""
     ledger: StepLedger
     """The counters and streaks."""
+
+
+def state_dict_of(settings: ScalerSettings, state: ScaleState, ledger: StepLedger, optimizers: int) -> dict[str, Any]:
+    """The scaler's ``state_dict``: torch's five keys, then the trackers, bounds, mode and counters.
+
+    Args:
+        settings: the run's knobs.
+        state: the host scale and its trackers.
+        ledger: the counters and streaks.
+        optimizers: how many optimizers the scaler has seen (each gets a streak).
+
+    """
+    return {
+        "scale": state.scale,
+        "growth_factor": settings.growth_factor,
+        "backoff_factor": settings.backoff_factor,
+        "growth_interval": settings.growth_interval,
+        "_growth_tracker": state.growth_tracker,
+        "hysteresis": settings.hysteresis,
+        "hysteresis_tracker": state.hysteresis_left,
+        "consecutive_hysteresis": settings.consecutive_hysteresis,
+        "min_scale": settings.min_scale,
+        "max_scale": settings.max_scale,
+        "mode": settings.mode,
+        "last_step_skipped": ledger.last_step_skipped,
+        "counters": ledger.counters(),
+        "streaks": ledger.streak_list(optimizers),
+    }
 
 
 def validated_state(owner: str, state_dict: Any, settings: ScalerSettings) -> LoadedScalerState:

@@ -1,4 +1,4 @@
-"""The scale rules of :func:`~lightning_mp._scale_rules.next_state`, as a few in-place device ops.
+"""The scale rules of :func:`~lightning_mp.scaling.rules.next_state`, as a few in-place device ops.
 
 Where the inf flag never reaches the host (a fused optimizer skipped on the device), the scale must still move by
 the same rules without a sync. torch's ``_amp_update_scale_`` kernel implements ``hysteresis=1``: back off on an
@@ -14,7 +14,7 @@ overflow, grow after ``growth_interval`` clean iterations. Around it:
 * ``1/scale`` is recomputed in place for the next unscale.
 
 :class:`DeviceScale` holds those tensors: allocated on the gradients' device at first use from the host's
-:class:`~lightning_mp._scale_rules.ScaleState`, rewritten from it (an asynchronous ``fill_``, no sync) when the host
+:class:`~lightning_mp.scaling.rules.ScaleState`, rewritten from it (an asynchronous ``fill_``, no sync) when the host
 rules moved the scale, and never pickled (an unpickled scaler allocates them again).
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lightning_mp._scale_rules import FLOAT32_MAX, ScalerSettings, ScaleState
+from lightning_mp.scaling.rules import FLOAT32_MAX, ScalerSettings, ScaleState
 
 
 def update_scale_on_device(

@@ -15,7 +15,8 @@ float32 roundings of the weights, tested). And ``state["step"]``, which the fore
 the CPU, moves once to the parameter's device as the fused kernel needs it (:func:`place_steps_for_fused`); torch
 loads a checkpoint's step count onto either device for every form, so checkpoints resume both ways.
 
-Two alternatives were measured on the CPU (``lightning_mp.counting``, foreach AdamW on a 30-tensor LM): the hand-off
+Two alternatives were measured on the CPU (``lightning_mp.bench.counting``, foreach AdamW on a 30-tensor LM): the
+hand-off
 adds 0 syncs and runs the update in 5 ops against foreach's 11; a device-side select of the old or the new weights
 and states would cost 253 ops and 2x the state's memory, and still read the CPU step count on the host.
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lightning_mp.scaling import kernels
 from lightning_mp.scaling.host_mirror import Reader
 
 FlagSlot = tuple[int, torch.device, int]
@@ -69,6 +70,28 @@ class IterationRecord:
         if found_inf is None:
             found_inf = self.host_flags[index] = float(not all(map(math.isfinite, self.norms[index].tolist())))
         return found_inf
+
+    def recheck(self, index: int, optimizer: torch.optim.Optimizer) -> None:
+        """Fold a new check of optimizer ``index``'s gradients into its verdict, before its step.
+
+        Where the verdict is a device flag, it is raised on the device (no sync); where the step reads norms on the
+        host, the new norms join them (a skip already decided stays one). Nothing happens after the step, nor for an
+        optimizer whose gradients were not checked.
+        """
+        if index in self.stepped or not (index in self.norms or index in self.device_flags):
+            return
+        home = self.device_flags[index].device if index in self.device_flags else None
+        norms = kernels.recheck_norms(optimizer, home)
+        if not norms:
+            return
+        if index in self.norms:
+            if not self.host_flags.get(index):  # a skip already decided stays one; else read again at the step
+                self.host_flags.pop(index, None)
+                self.norms[index] = torch.cat([self.norms[index], *norms])
+            return
+        flag = self.device_flags[index]
+        nonfinite = (~torch.isfinite(torch.cat(norms))).any()
+        flag.copy_(torch.maximum(flag, nonfinite.to(flag.dtype)))
 
     @property
     def on_host(self) -> bool:

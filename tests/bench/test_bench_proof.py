@@ -37,10 +37,12 @@ def test_cpu_smoke_run_writes_a_json_and_markdown_report_within_its_budget(tmp_p
     )
     took = time.monotonic() - start
     assert completed.returncode == 0, completed.stderr[-3000:]
-    # The budget counts from the command's own start; the few seconds over are this test's process start-up.
-    assert took < SMOKE_BUDGET_SECONDS + 5
     (json_path,) = tmp_path.glob("*-cpu-smoke.json")
     report = json.loads(json_path.read_text())
+    # The command counts its budget from its own process start, imports included, and keeps a reserve for the report.
+    assert report["wall_seconds"] <= SMOKE_BUDGET_SECONDS
+    # Around it: this test's launch and the interpreter's exit, which a loaded machine stretches.
+    assert took < SMOKE_BUDGET_SECONDS + 15
     assert json_path.with_suffix(".md").read_text() == render_markdown(report)
     assert [part["name"] for part in report["parts"]] == [part.name for part in PARTS]
     statuses = {part["name"]: part["status"] for part in report["parts"]}

@@ -1,7 +1,7 @@
 """Host syncs and compute ops of one steady-state iteration: lightning_mp against the torch loop and Lightning.
 
 Every count is taken in the same test, on the same tiny transformer LM and batch, with
-:func:`lightning_mp.counting.count_syncs_and_ops`; counts are deterministic, so they are asserted exactly.
+:func:`lightning_mp.bench.counting.count_syncs_and_ops`; counts are deterministic, so they are asserted exactly.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from lightning_mp import LossScaler, MixedPrecision
+from lightning_mp.bench.counting import count_syncs_and_ops
 from lightning_mp.bench.counts import OPTIMIZERS, PRECISIONS, count_iteration, tiny_language_model
-from lightning_mp.counting import count_syncs_and_ops
 from tests.helpers import TinyRegressor, loader, make_trainer
 
 FUSED = ("fused Adam", "fused AdamW", "fused SGD")

@@ -7,7 +7,7 @@ Run by ``test_telemetry_costs.py`` in a subprocess, once without and once with t
 with the repository root on ``PYTHONPATH`` (``tests/ddp_scripts/launch.py``'s ``clean_environment`` puts it there).
 
 Every rank writes ``DIR/rank<global rank>.json``: for each batch the host syncs, the dispatched ops and the
-collectives (``c10d`` ops) counted by :mod:`lightning_mp.counting`.
+collectives (``c10d`` ops) counted by :mod:`lightning_mp.bench.counting`.
 """
 
 from __future__ import annotations

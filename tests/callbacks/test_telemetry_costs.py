@@ -1,4 +1,4 @@
-"""What the monitors cost, counted per batch with lightning_mp.counting against the same run without them."""
+"""What the monitors cost, counted per batch with lightning_mp.bench.counting against the same run without them."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_mp import MixedPrecision
+from lightning_mp.bench.counting import StepCounts, count_syncs_and_ops
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
-from lightning_mp.counting import StepCounts, count_syncs_and_ops
 from tests.ddp_scripts.launch import clean_environment, finish
 from tests.helpers import BatchCostRecorder, TinyLanguageModel, make_trainer
 

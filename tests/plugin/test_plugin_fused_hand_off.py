@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_mp import MixedPrecision
 from lightning_mp._compat import FUSED_ADAGRAD_TAKES_FOUND_INF, fused_sgd_updates_half
-from lightning_mp.counting import count_syncs_and_ops
+from lightning_mp.bench.counting import count_syncs_and_ops
 from tests.helpers import (
     OPTIMIZER_FORMS,
     BatchCostRecorder,

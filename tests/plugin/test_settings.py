@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_mp import LossScaler, MixedPrecision
-from lightning_mp._scale_rules import ScalerSettings
-from lightning_mp._validation import exact
+from lightning_mp.arguments.checks import exact
+from lightning_mp.scaling.rules import ScalerSettings
 from lightning_mp.settings import TORCH_SCALER_KNOBS, PluginSettings
 from tests.helpers import TinyRegressor, loader, make_trainer
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_mp import LossScaleCollapseError, LossScaler, MixedPrecision, NonFiniteStepsError
-from lightning_mp._scale_rules import ScalerSettings
+from lightning_mp.scaling.rules import ScalerSettings
 
 
 def _step(scaler: LossScaler, model: nn.Linear, optimizer: torch.optim.Optimizer, overflow: bool) -> None:
@@ -413,7 +413,7 @@ def _check_mode_backward(model: nn.Linear, overflow: bool) -> None:
 
 def test_check_mode_with_a_host_decided_step_keeps_no_flag_between_iterations(model_and_optimizer):
     """Check mode with an optimizer that has no fused form reads the gradient norms at the step and keeps no flag."""
-    from lightning_mp.counting import count_syncs_and_ops
+    from lightning_mp.bench.counting import count_syncs_and_ops
 
     model, _ = model_and_optimizer
     optimizer = torch.optim.RMSprop(model.parameters(), lr=0.01)
@@ -428,7 +428,7 @@ def test_check_mode_with_a_host_decided_step_keeps_no_flag_between_iterations(mo
         scaler.update()
         assert counts.syncs == 1 and found is overflow
         assert torch.equal(model.weight, before) is overflow
-        assert len(scaler._flag_pool) == 0  # nothing on the device outlives the iteration
+        assert len(scaler._gate.flags) == 0  # nothing on the device outlives the iteration
     assert scaler.skipped_steps == 1 and scaler.optimizer_steps == 3
 
 

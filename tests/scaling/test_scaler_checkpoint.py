@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from lightning_mp._scale_rules import ScalerSettings, ScaleState
 from lightning_mp.scaling.checkpoint import validated_state
 from lightning_mp.scaling.ledger import StepLedger
+from lightning_mp.scaling.rules import ScalerSettings, ScaleState
 
 OWNER = "LossScaler.load_state_dict"
 SETTINGS = ScalerSettings(init_scale=2.0**10, growth_interval=10, hysteresis=2, max_consecutive_skips=5)

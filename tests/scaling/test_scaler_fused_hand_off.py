@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_mp import LossScaler
-from lightning_mp.counting import count_syncs_and_ops
+from lightning_mp.bench.counting import count_syncs_and_ops
 from tests.helpers import OPTIMIZER_FORMS, assert_within_rounding
 
 HANDED_OFF = [name for name in OPTIMIZER_FORMS if not name.startswith("fused")]

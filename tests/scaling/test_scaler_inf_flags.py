@@ -4,7 +4,7 @@ import pickle
 
 import torch
 
-from lightning_mp.counting import count_syncs_and_ops
+from lightning_mp.bench.counting import count_syncs_and_ops
 from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
 
 CPU = torch.device("cpu")

@@ -1,6 +1,6 @@
 """Properties of the scale rules and of the LossScaler that applies them, over any sequence of iterations.
 
-:func:`~lightning_mp._scale_rules.next_state` is checked against the documented invariants on its own; then the real
+:func:`~lightning_mp.scaling.rules.next_state` is checked against the documented invariants on its own; then the real
 scaler is driven with real (tiny) tensors, with a plain optimizer (rules on the host) and a fused one (rules on the
 device), and must follow the pure function step by step.
 """
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_mp import LossScaleCollapseError, LossScaler, MixedPrecision
-from lightning_mp._scale_rules import COLLAPSE_FLOOR, FLOAT32_MAX, ScalerSettings, ScaleState, next_state
+from lightning_mp.scaling.rules import COLLAPSE_FLOOR, FLOAT32_MAX, ScalerSettings, ScaleState, next_state
 
 # Derandomized: CI must not fail on an example no earlier run saw; raise max_examples locally to search further.
 PROPERTY_SETTINGS = settings(

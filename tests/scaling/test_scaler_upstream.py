@@ -30,7 +30,7 @@ from torch import nn
 
 from lightning_mp import LossScaler
 from lightning_mp._compat import FUSED_ADAGRAD_TAKES_FOUND_INF
-from lightning_mp._scale_rules import FLOAT32_MAX
+from lightning_mp.scaling.rules import FLOAT32_MAX
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 

@@ -76,6 +76,7 @@ class O2Policy(PrecisionPolicy):
 
     opt_level = "O2"
     uses_autocast = True
+    computes_with_half_weights = True
 
     def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
         super().__init__(check_half_dtype(type(self).__name__, half_dtype), keep_fp32)

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_mp import MixedPrecision
-from lightning_mp.counting import count_python_calls, count_syncs_and_ops
+from lightning_mp.bench.counting import count_python_calls, count_syncs_and_ops
 from tests.policies.o2.helpers import HALF, PRECISIONS
 
 

@@ -30,8 +30,8 @@ import struct
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal
 
-from lightning_mp._knobs import knob
-from lightning_mp._validation import INT32_MAX, check_choice, check_flag, check_number, exact
+from lightning_mp.arguments.checks import INT32_MAX, check_choice, check_flag, check_number, exact
+from lightning_mp.arguments.knobs import knob
 
 __all__ = [
     "COLLAPSE_FLOOR",
@@ -99,7 +99,8 @@ class ScalerSettings:
     """Every knob of the loss scaler, with its default, its documentation and its check, declared once.
 
     :class:`~lightning_mp.LossScaler` and :class:`~lightning_mp.MixedPrecision` take these knobs as keyword arguments
-    with these defaults, and their docstrings are written from the fields' ``doc`` (:mod:`lightning_mp._knobs`). Each
+    with these defaults, and their docstrings are written from the fields' ``doc``
+    (:mod:`lightning_mp.arguments.knobs`). Each
     field's ``metadata`` holds its ``doc`` and its ``check``; ``__post_init__`` runs the checks, then the ones that
     involve two knobs. Numbers may be Python numbers, numpy scalars or 0-d tensors; booleans must be ``True`` or
     ``False``. They are stored as Python ``int``/``float``/``bool``.

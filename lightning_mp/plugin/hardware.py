@@ -28,8 +28,14 @@ CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 """CPU flags (as ``/proc/cpuinfo`` names them) of native bf16 matrix products."""
 AMPERE = (8, 0)
 """The first CUDA compute capability with native bf16 tensor cores."""
-HALF_WEIGHT_OPT_LEVELS = frozenset({"O2", "O3"})
-"""Opt levels that store weights in a half type, so they cannot run in fp32."""
+
+
+def computes_with_half_weights(opt_level: str) -> bool:
+    """Whether ``opt_level``'s forward computes with half weights, as its policy declares; False for an unknown name."""
+    from lightning_mp.policies import POLICIES  # imported on use: the policies module imports torch's optimizers
+
+    policy = POLICIES.get(opt_level)
+    return policy is not None and policy.computes_with_half_weights
 
 
 @functools.cache
@@ -116,8 +122,9 @@ def precision_for(capabilities: DeviceCapabilities, opt_level: str = "O1") -> tu
     - native bf16: ``"bf16-mixed"``;
     - a GPU (or MPS) without it: ``"16-mixed"`` with dynamic loss scaling;
     - a CPU without it: ``"32-true"``, because both half types are emulated there and slower than fp32, except at
-      O2 and O3, whose weights must be a half type: then ``"bf16-mixed"`` (no loss scaler to tune), and the reason
-      says that it will be slower than fp32 and how to get fp32's speed.
+      the levels whose policy computes with half weights (O2, O3, lean: ``computes_with_half_weights``), which fp32
+      would turn into O0: then ``"bf16-mixed"`` (no loss scaler to tune), and the reason says that it will be slower
+      than fp32 and how to get fp32's speed.
 
     Returns:
         ``(precision, reason)``.
@@ -135,7 +142,7 @@ def precision_for(capabilities: DeviceCapabilities, opt_level: str = "O1") -> tu
         return "bf16-mixed", f"{device} runs bf16 natively, and bf16 needs no loss scaling"
     if capabilities.device_type in ("cuda", "mps"):
         return "16-mixed", f"{device} has no fast bf16, so fp16 with dynamic loss scaling"
-    if opt_level in HALF_WEIGHT_OPT_LEVELS:
+    if computes_with_half_weights(opt_level):
         return "bf16-mixed", (
             f"opt_level={opt_level!r} keeps the weights in a half type and bf16 needs no loss scaling, but {device}"
             " emulates bf16, so this run will be slower than fp32; precision='auto' with opt_level='O1' trains in"

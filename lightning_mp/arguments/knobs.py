@@ -1,6 +1,6 @@
 """Settings fields that carry their own documentation and check, and the docstrings written from them.
 
-A knob is a field of a frozen settings dataclass (:class:`~lightning_mp._scale_rules.ScalerSettings`,
+A knob is a field of a frozen settings dataclass (:class:`~lightning_mp.scaling.rules.ScalerSettings`,
 :class:`~lightning_mp.settings.PluginSettings`) whose ``metadata`` is :func:`knob`'s: the one text that documents it
 and the one ``check(owner, name, value)`` that validates it (returning the value as a plain Python value, or raising
 a ``ValueError`` that names ``owner``, the argument, the value and what is allowed). The classes that take the knobs
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from lightning_mp._validation import exact
+from lightning_mp.arguments.checks import exact
 
 __all__ = ["knob", "knob_disagreements", "knob_doc", "with_knob_docs"]
 
@@ -82,7 +82,7 @@ def knob_disagreements(cls: type, *settings: type) -> list[str]:
     Each argument of ``cls.__init__`` that is a field of one of ``settings`` (the first that declares it wins) must
     have an entry in the ``Args:`` section whose text, whitespace aside, is the knob's documentation, optionally
     followed by a sentence of the class's own; where that sentence reads ``None means X.``, ``X`` must be the knob's
-    default as :func:`~lightning_mp._validation.exact` writes it. A class without a docstring (``python -OO``)
+    default as :func:`~lightning_mp.arguments.checks.exact` writes it. A class without a docstring (``python -OO``)
     has nothing to disagree.
     """
     if cls.__doc__ is None:

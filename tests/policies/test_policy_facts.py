@@ -1,0 +1,32 @@
+"""Each fact about an opt level is declared once, by its policy, and every rule that depends on it reads it there."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_mp.plugin.hardware import DeviceCapabilities, precision_for
+from lightning_mp.policies import POLICIES
+from lightning_mp.policies.sharded import ShardedPrecisionError, refuse_half_weights
+
+EMULATING_CPU = DeviceCapabilities("cpu", native_bf16=False)
+
+
+@pytest.mark.parametrize("opt_level", list(POLICIES))
+def test_auto_keeps_a_half_type_exactly_for_the_levels_that_compute_with_half_weights(opt_level: str) -> None:
+    """On a CPU that emulates bf16, "auto" picks fp32 (which runs O0) only for a level whose forward needs no half
+    weights; O2, O3 and lean would otherwise lose what they are for."""
+    chosen, _ = precision_for(EMULATING_CPU, opt_level)
+    assert (chosen == "bf16-mixed") is POLICIES[opt_level].computes_with_half_weights
+    assert POLICIES[opt_level].computes_with_half_weights is (opt_level in ("O2", "O3", "lean", "lean-kahan"))
+
+
+@pytest.mark.parametrize("opt_level", list(POLICIES))
+def test_a_sharded_model_refuses_exactly_the_levels_without_fp32_masters(opt_level: str) -> None:
+    """FSDP2 owns the sharded weights, so the levels whose own weights are half (no masters) are refused by name."""
+    policy = POLICIES[opt_level]
+    if policy.half_weights:
+        with pytest.raises(ShardedPrecisionError, match=rf"opt_level={opt_level!r}"):
+            refuse_half_weights(policy, "bf16-mixed")
+    else:
+        refuse_half_weights(policy, "bf16-mixed")
+    assert policy.half_weights is (opt_level in ("O3", "lean", "lean-kahan"))
