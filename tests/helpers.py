@@ -72,6 +72,13 @@ def make_trainer(plugin: Any = None, **kwargs: Any) -> L.Trainer:
     return L.Trainer(**options)
 
 
+def fit(model: L.LightningModule, plugin: Any = None, data: Any = None, **trainer_kwargs: Any) -> L.Trainer:
+    """Fit ``model`` on ``data`` (its own loaders when None) with :func:`make_trainer`'s Trainer; that Trainer."""
+    trainer = make_trainer(plugin, **trainer_kwargs)
+    trainer.fit(model, data)
+    return trainer
+
+
 def regression_data(n: int = 64, features: int = FEATURES, seed: int = 0) -> TensorDataset:
     """A seeded linear regression problem with a little noise."""
     generator = torch.Generator().manual_seed(seed)
