@@ -14,6 +14,7 @@ import bisect
 import contextlib
 import functools
 import gc
+import hashlib
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
@@ -266,6 +268,17 @@ class BatchCostRecorder(L.Callback):
                 recorder._region = None
 
         return _Close()
+
+
+def parameter_checksum(module: nn.Module) -> str:
+    """A SHA-256 of ``module``'s state dict (names and bytes, each DTensor gathered whole): equal on ranks that hold
+    the same weights."""
+    digest = hashlib.sha256()
+    for name, parameter in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+        digest.update(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 class StepRecorder(L.Callback):
