@@ -18,8 +18,8 @@ collect_ignore = ["ddp_scripts"]
 
 @pytest.fixture
 def single_process_group() -> Generator[None, None, None]:
-    """For a test that runs FSDP on one CPU process: destroys the one-process gloo group that Lightning's FSDP
-    strategy starts, so that the next test starts without one."""
+    """For a test that runs a strategy on one process (DDP, FSDP, ModelParallelStrategy; gloo or NCCL): destroys the
+    one-process group that the strategy starts, so that the next test starts without one."""
     yield
     if dist.is_initialized():
         dist.destroy_process_group()

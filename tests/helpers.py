@@ -1,4 +1,4 @@
-"""The tests' shared helpers: the tiny models, one Trainer builder, one TensorBoard event reader and a cost recorder.
+"""The tests' shared helpers: the tiny models, one Trainer builder, one TensorBoard event reader and two recorders.
 
 Import them with ``from tests.helpers import ...`` (pytest's configuration puts the repository root on ``sys.path``
 under every import mode; ``tests/ddp_scripts/launch.py`` puts it on the subprocesses' ``PYTHONPATH``).
@@ -14,6 +14,7 @@ import bisect
 import contextlib
 import functools
 import gc
+import hashlib
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from tensorboard.backend.event_processing import event_accumulator
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
@@ -70,6 +72,13 @@ def make_trainer(plugin: Any = None, **kwargs: Any) -> L.Trainer:
     if plugin is not None:
         options["plugins"] = [plugin]
     return L.Trainer(**options)
+
+
+def fit(model: L.LightningModule, plugin: Any = None, data: Any = None, **trainer_kwargs: Any) -> L.Trainer:
+    """Fit ``model`` on ``data`` (its own loaders when None) with :func:`make_trainer`'s Trainer; that Trainer."""
+    trainer = make_trainer(plugin, **trainer_kwargs)
+    trainer.fit(model, data)
+    return trainer
 
 
 def regression_data(n: int = 64, features: int = FEATURES, seed: int = 0) -> TensorDataset:
@@ -259,6 +268,29 @@ class BatchCostRecorder(L.Callback):
                 recorder._region = None
 
         return _Close()
+
+
+def parameter_checksum(module: nn.Module) -> str:
+    """A SHA-256 of ``module``'s state dict (names and bytes, each DTensor gathered whole): equal on ranks that hold
+    the same weights."""
+    digest = hashlib.sha256()
+    for name, parameter in sorted(module.state_dict().items()):
+        digest.update(name.encode())
+        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+        digest.update(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class StepRecorder(L.Callback):
+    """The step, the plugin's loss scale and its skip flag after every batch."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, float, bool]] = []
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        stats = trainer.precision_plugin.stats  # type: ignore[attr-defined]
+        self.steps.append((trainer.global_step, stats.loss_scale, stats.last_step_skipped))
 
 
 def read_events(log_dir: str | Path) -> event_accumulator.EventAccumulator:

@@ -462,7 +462,7 @@ def ema_weight_averaging(level: Level | None) -> Outcome:
     return fit_regressor(level, {"max_epochs": 2, "callbacks": [callback]}, data=3, validation={"limit_val_batches": 1})
 
 
-class ManualRegressor(Regressor):
+class ManualRecipeRegressor(Regressor):
     """The regressor under manual optimization: ``zero_grad``, ``manual_backward``, ``step``.
 
     Args:
@@ -495,7 +495,7 @@ class ManualRegressor(Regressor):
 
 def manual(level: Level | None) -> Outcome:
     """Manual optimization: ``zero_grad``, ``manual_backward``, ``step``."""
-    return fit_module(level, ManualRegressor(), {"max_steps": 6})
+    return fit_module(level, ManualRecipeRegressor(), {"max_steps": 6})
 
 
 def manual_discarded_backward(discard: str, zero_grad: str) -> Callable[[Level | None], Outcome]:
@@ -503,7 +503,7 @@ def manual_discarded_backward(discard: str, zero_grad: str) -> Callable[[Level |
     ``step``: the step must see the second backward's gradients only (and take no inf from the first)."""
 
     def recipe(level: Level | None) -> Outcome:
-        return fit_module(level, ManualRegressor(discard, zero_grad), {"max_steps": 6})
+        return fit_module(level, ManualRecipeRegressor(discard, zero_grad), {"max_steps": 6})
 
     return recipe
 

@@ -14,8 +14,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
-from lightning_mp.plugin import hardware
 from lightning_mp.advisor import FP16_MAX, GRADIENT_HEADROOM, Advice, advise
+from lightning_mp.plugin import hardware
 from lightning_mp.plugin.hardware import DeviceCapabilities, native_bf16, precision_for
 from lightning_mp.policies.o2 import HalfOverflowError
 from tests.helpers import make_trainer

@@ -14,14 +14,14 @@ from typing import Any, ClassVar
 import pytest
 import torch
 from lightning.fabric import Fabric
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.overrides import Fp32Overrides
-from tests.helpers import make_trainer
+from tests.helpers import fit, make_trainer
 
 
 class Block(nn.Module):
@@ -69,12 +69,6 @@ class Classifier(LightningModule):
         generator = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(16, 8, generator=generator), torch.randint(0, 4, (16,), generator=generator))
         return DataLoader(data, batch_size=8)
-
-
-def fit(model: LightningModule, plugin: MixedPrecision, max_steps: int = 2) -> Trainer:
-    trainer = make_trainer(plugin, max_steps=max_steps)
-    trainer.fit(model)
-    return trainer
 
 
 @pytest.mark.parametrize(
@@ -195,7 +189,7 @@ def test_hooked_model_and_plugin_pickle_and_deepcopy() -> None:
 def test_keep_fp32_under_the_default_o1_plugin() -> None:
     """MixedPrecision('bf16-mixed', keep_fp32=[type, name, regex]) runs those layers in fp32 during training."""
     model = Classifier()
-    fit(model, MixedPrecision("bf16-mixed", keep_fp32=[nn.LayerNorm, "head", "re:.*attn.*"]))
+    fit(model, MixedPrecision("bf16-mixed", keep_fp32=[nn.LayerNorm, "head", "re:.*attn.*"]), max_steps=2)
     assert {name: model.output_dtypes[name] for name in ("block.norm", "head", "block.attn_proj", "stem")} == {
         "block.norm": torch.float32,
         "head": torch.float32,
@@ -207,7 +201,7 @@ def test_keep_fp32_under_the_default_o1_plugin() -> None:
 def test_keep_fp32_under_o2_keeps_matched_weights_fp32() -> None:
     """Under O2 kept modules compute in fp32 and output fp32, while the rest computes and outputs bf16."""
     model = Classifier()
-    fit(model, MixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["head", "re:block\\.attn.*"]))
+    fit(model, MixedPrecision("bf16-mixed", opt_level="O2", keep_fp32=["head", "re:block\\.attn.*"]), max_steps=2)
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # after fit O2's model holds its fp32 masters
     assert model.output_dtypes["head"] == torch.float32
     assert model.output_dtypes["stem"] == torch.bfloat16
@@ -263,7 +257,7 @@ def test_custom_fwd_function_behaves_under_the_plugin(
     function = make_square_function(cast_inputs)
     model = CustomFunctionModel(function)
     before = model.stem.weight.detach().clone()
-    trainer = fit(model, MixedPrecision("bf16-mixed"))
+    trainer = fit(model, MixedPrecision("bf16-mixed"), max_steps=2)
     assert model.output_dtypes["stem"] == torch.bfloat16  # the plugin's autocast was on around the function
     assert model.output_dtypes["custom"] == forward_seen[0]
     assert function.seen["forward"] == forward_seen

@@ -11,7 +11,12 @@ import pytest
 
 from tests.upstream_inventory import INVENTORY, UpstreamTest
 
-MODULES = ("test_scaler_upstream.py", "test_plugin_upstream.py", "test_fabric_upstream.py", "test_fsdp_upstream.py")
+MODULES = (
+    "scaling/test_scaler_upstream.py",
+    "plugin/test_plugin_upstream.py",
+    "engine/test_fabric_upstream.py",
+    "distributed/test_fsdp_upstream.py",
+)
 LISTED = [entry for entry in INVENTORY if entry.status != "skipped"]
 
 

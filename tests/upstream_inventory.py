@@ -2,9 +2,9 @@
 
 torch's grad-scaling tests and Lightning's precision-plugin tests describe how a loss scaler and an AMP plugin
 behave. Users rely on that behaviour. The package runs them, rewritten against :class:`~lightning_mp.LossScaler` and
-:class:`~lightning_mp.MixedPrecision`, in four modules: ``test_scaler_upstream.py``, ``test_plugin_upstream.py``,
-``test_fabric_upstream.py`` and ``test_fsdp_upstream.py``. This module is the one list of what was done with each
-upstream test, and why:
+:class:`~lightning_mp.MixedPrecision`, in four modules under ``tests/``: ``scaling/test_scaler_upstream.py``,
+``plugin/test_plugin_upstream.py``, ``engine/test_fabric_upstream.py`` and ``distributed/test_fsdp_upstream.py``. This
+module is the one list of what was done with each upstream test, and why:
 
 * ``adapted``: the upstream assertions hold here. Mocks are replaced by real runs, CUDA by the CPU, private torch
   calls by the public API.
@@ -40,10 +40,10 @@ FABRIC_AMP_INTEGRATION = _FABRIC + "plugins/precision/test_amp_integration.py"
 FABRIC_ALL = _FABRIC + "plugins/precision/test_all.py"
 FABRIC_FSDP = _FABRIC + "plugins/precision/test_fsdp.py"
 
-SCALER = "test_scaler_upstream.py"
-PLUGIN = "test_plugin_upstream.py"
-FABRIC = "test_fabric_upstream.py"
-FSDP = "test_fsdp_upstream.py"
+SCALER = "scaling/test_scaler_upstream.py"
+PLUGIN = "plugin/test_plugin_upstream.py"
+FABRIC = "engine/test_fabric_upstream.py"
+FSDP = "distributed/test_fsdp_upstream.py"
 
 
 @dataclass(frozen=True)

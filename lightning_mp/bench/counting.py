@@ -35,8 +35,8 @@ Use the counters around one steady-state step::
         loss.backward()
     assert casts.by_phase["backward"] == 0
 
-The method was checked on known cases (``tests/test_counting.py``): torch's ``GradScaler.step`` makes 1 sync with a
-foreach optimizer and 0 with a fused one, ``.item()`` and ``.tolist()`` each count 1, and a pure compute region
+The method was checked on known cases (``tests/bench/test_counting.py``): torch's ``GradScaler.step`` makes 1 sync
+with a foreach optimizer and 0 with a fused one, ``.item()`` and ``.tolist()`` each count 1, and a pure compute region
 counts 0. Counting Python calls and dispatched ops at the same time would count the dispatch mode's own Python
 frames, so the two are separate context managers.
 

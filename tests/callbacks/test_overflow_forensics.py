@@ -19,7 +19,7 @@ from tests.helpers import BatchCostRecorder, make_trainer, read_events
 INJECT_AT = (1, 3)
 
 
-class ManualRegressor(LightningModule):
+class ZeroGradOrderRegressor(LightningModule):
     """Manual optimization in either zero_grad order; an inf is written into ``head.weight``'s gradient at steps."""
 
     def __init__(self, zero_grad_first: bool, inject_at: tuple[int, ...] = INJECT_AT) -> None:
@@ -62,7 +62,7 @@ def fit_manual(tmp_path, zero_grad_first: bool, callbacks: list, name: str = "ru
         log_every_n_steps=50,
         callbacks=callbacks,
     )
-    trainer.fit(ManualRegressor(zero_grad_first))
+    trainer.fit(ZeroGradOrderRegressor(zero_grad_first))
     return logger
 
 

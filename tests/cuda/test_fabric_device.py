@@ -1,6 +1,6 @@
 """Fabric on a GPU: without ``device=`` the plugin autocasts where Fabric's accelerator put the model.
 
-``tests/test_fabric_device.py`` proves the same logic on the CPU, with ``meta`` standing for the other device.
+``tests/engine/test_fabric_device.py`` proves the same logic on the CPU, with ``meta`` standing for the other device.
 """
 
 from __future__ import annotations

@@ -6,14 +6,12 @@ Each body runs on ``"cuda"`` (``pytest -m cuda tests/cuda``) and, where the CPU 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
@@ -54,14 +52,6 @@ def test_a_torch_grad_scaler_passed_as_scaler_is_honoured(device: str, front_end
     # 256 grows to 512 after two clean steps, halves at the inf step, and grows again after the next two.
     assert (stats.scale_growths, stats.scale_backoffs, stats.skipped_steps) == (2, 1, 1)
     assert stats.loss_scale == 2.0**9
-
-
-@pytest.fixture
-def single_process_group() -> Generator[None, None, None]:
-    """Destroy the one-process group that a ``strategy="ddp"`` run with one device leaves behind."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("device", [on_device("cpu", pytest.mark.slow), on_device("cuda")])

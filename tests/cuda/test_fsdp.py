@@ -1,20 +1,19 @@
 """FSDPMixedPrecision under Lightning's own ``strategy="fsdp"`` on one GPU: Trainer and Fabric, fp16 and bf16, resume.
 
-Lightning runs its FSDPStrategy on GPUs only (the CPU runs, on 2 processes, are in ``tests/test_fsdp.py``). With one
-device FSDP keeps whole parameters (``NO_SHARD``), but the wrapping, FSDP's mixed-precision policy, the plugin's type
-check, clipping through ``clip_grad_norm_`` and both state-dict types are the real ones.
+Lightning runs its FSDPStrategy on GPUs only (the CPU runs, on 2 processes, are in
+``tests/distributed/test_fsdp.py``). With one device FSDP keeps whole parameters (``NO_SHARD``), but the wrapping,
+FSDP's mixed-precision policy, the plugin's type check, clipping through ``clip_grad_norm_`` and both state-dict types
+are the real ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
@@ -27,19 +26,12 @@ from tests.helpers import FEATURES, BatchCostRecorder, ManualRegressor, TinyRegr
 pytestmark = [
     pytest.mark.cuda,
     CUDA,
+    pytest.mark.usefixtures("single_process_group"),
     pytest.mark.filterwarnings("ignore:lightning_mp:UserWarning", "ignore:FSDP is switching to use `NO_SHARD`"),
 ]
 
 PRECISION_LEVELS = [("16-mixed", "O1"), ("bf16-mixed", "O1"), ("16-mixed", "O2"), ("bf16-mixed", "O2")]
 INF_STEP = 2
-
-
-@pytest.fixture(autouse=True)
-def single_process_group() -> Generator[None, None, None]:
-    """Destroy the one-process NCCL group that an FSDP run leaves behind."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def counters(plugin: FSDPMixedPrecision) -> tuple[int, int]:

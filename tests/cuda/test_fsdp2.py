@@ -1,8 +1,8 @@
 """FSDP2 (Lightning's ModelParallelStrategy, ``fully_shard``) on one GPU against the same model under DDP there.
 
-The CPU suite runs the 2-process comparisons (``tests/test_fsdp2.py``, gloo); here NCCL and CUDA's kernels run the
-same model sharded over one device, where the shards are whole and FSDP2's casts, the sharded inf check and the
-all-reduce of the flag all still run. Both runs use a one-process group, torn down after each fit.
+The CPU suite runs the 2-process comparisons (``tests/distributed/test_fsdp2.py``, gloo); here NCCL and CUDA's
+kernels run the same model sharded over one device, where the shards are whole and FSDP2's casts, the sharded inf check
+and the all-reduce of the flag all still run. Both runs use a one-process group, torn down after each fit.
 """
 
 from __future__ import annotations

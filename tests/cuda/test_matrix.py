@@ -2,7 +2,7 @@
 
 The bodies run on ``"cuda"`` (``pytest -m cuda tests/cuda``) for every case, and on ``"cpu"`` for a few (two eager
 ones in the fast loop, some compiled ones marked slow), which keeps the test logic proven where no GPU is present;
-``tests/test_cuda_kernel_dtypes.py`` trains every eager case on the CPU under its dtype guard.
+``tests/scaling/test_cuda_kernel_dtypes.py`` trains every eager case on the CPU under its dtype guard.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.cuda.matrix import (
 pytestmark = pytest.mark.filterwarnings("ignore:.*opt_level='O3'", "ignore:lightning_mp:UserWarning")
 
 _ON_CPU_FAST = {("bf16-mixed", "lean", "fused-adamw"), ("16-mixed", "O2", "sgd-momentum")}
-"""The eager cases the CPU runs, in the fast loop: tests/test_cuda_kernel_dtypes.py runs every eager case on the CPU."""
+"""The eager cases the CPU runs, in the fast loop: tests/scaling/test_cuda_kernel_dtypes.py runs every eager one."""
 _ON_CPU_COMPILED = {("32-true", "O0"), ("16-mixed", "O2"), ("bf16-mixed", "O3"), ("bf16-mixed", "lean")}
 """The compiled cases the CPU runs (slow); tests/test_compile.py covers O1 and O2's compiled regions in depth."""
 COMPILE_BACKEND = {"cuda": "inductor", "cpu": "aot_eager"}

@@ -20,7 +20,6 @@ plugin, whose scale is reported too.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -39,15 +38,7 @@ from lightning_mp import MixedPrecision
 from lightning_mp.policies.sharded import ShardedPrecisionError
 from lightning_mp.scaling.sharded import local_shard
 from tests.ddp_scripts.launch import leave_process_group
-
-
-def parameter_checksum(module: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, parameter in sorted(module.state_dict().items()):
-        digest.update(name.encode())
-        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-        digest.update(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+from tests.helpers import parameter_checksum
 
 
 def strategy_for(name: str, plugin: MixedPrecision) -> Any:

@@ -51,6 +51,7 @@ from tests.ddp_scripts.launch import leave_process_group
 from tests.helpers import (
     BatchCostRecorder,
     ProfiledSteps,
+    StepRecorder,
     TinyRegressor,
     loader,
     make_trainer,
@@ -106,18 +107,6 @@ def full_parameters(module: nn.Module) -> dict[str, list[float]]:
     """Every parameter, whole (gathered from the shards under FSDP2), as lists."""
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
     return {name: tensor.float().flatten().tolist() for name, tensor in sorted(state.items())}
-
-
-class StepRecorder(L.Callback):
-    """The plugin's scale and skip flag after every batch."""
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[int, float, bool]] = []
-
-    @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        stats = trainer.precision_plugin.stats
-        self.steps.append((trainer.global_step, stats.loss_scale, stats.last_step_skipped))
 
 
 def fit(

@@ -112,7 +112,7 @@ class ManualRankInjectingRegressor(RankInjectingRegressor):
         return loss
 
 
-class StepRecorder(L.Callback):
+class StepRecorderWithStartStats(L.Callback):
     """Record each batch's loss scale and skip flag, and the plugin's counters when a (resumed) fit starts."""
 
     def __init__(self) -> None:
@@ -143,7 +143,7 @@ def build_model(args: argparse.Namespace, inject_at: tuple[int, ...]) -> RankInj
 def run_trainer(args: argparse.Namespace, inject_at: tuple[int, ...]) -> dict[str, Any]:
     """Fit, save a checkpoint, then resume from it with a fresh plugin for one more step."""
 
-    def trainer(plugin: MixedPrecision, recorder: StepRecorder, max_steps: int) -> L.Trainer:
+    def trainer(plugin: MixedPrecision, recorder: StepRecorderWithStartStats, max_steps: int) -> L.Trainer:
         strategy: Any = CPUFSDPStrategy(state_dict_type=args.state_dict_type) if args.strategy == "fsdp" else "ddp"
         # Under manual optimization the model clips, through self.clip_gradients.
         automatic_clip = args.clip != "none" and not args.manual
@@ -165,14 +165,14 @@ def run_trainer(args: argparse.Namespace, inject_at: tuple[int, ...]) -> dict[st
             **telemetry,
         )
 
-    plugin, recorder = build_plugin(args), StepRecorder()
+    plugin, recorder = build_plugin(args), StepRecorderWithStartStats()
     L.seed_everything(7, verbose=False)
     model = build_model(args, inject_at)
     first = trainer(plugin, recorder, args.steps)
     first.fit(model, loader(n=8 * args.steps, seed=first.global_rank))
     checkpoint = args.out / f"{args.tag}trainer.ckpt"
     first.save_checkpoint(checkpoint)
-    resumed_plugin, resumed_recorder = build_plugin(args), StepRecorder()
+    resumed_plugin, resumed_recorder = build_plugin(args), StepRecorderWithStartStats()
     resumed = trainer(resumed_plugin, resumed_recorder, args.steps + 1)
     resumed.fit(build_model(args, ()), loader(seed=resumed.global_rank), ckpt_path=checkpoint)
     return {

@@ -44,7 +44,7 @@ from typing_extensions import override
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, PrecisionSentinel
 from tests.ddp_scripts.launch import leave_process_group
-from tests.helpers import FEATURES, loader, make_trainer, plant_inf_in_rank_ones_part
+from tests.helpers import FEATURES, StepRecorder, loader, make_trainer, plant_inf_in_rank_ones_part
 
 DDP_BATCH = 8
 
@@ -94,18 +94,6 @@ class TensorParallelRegressor(L.LightningModule):
         whole = [*self.norm.parameters(), *self.head.parameters()]
         groups = [{"params": split}, {"params": whole}, {"params": [self.down.bias], "lr": 1e-12}]
         return torch.optim.Adam(groups, lr=1e-3)
-
-
-class StepRecorder(L.Callback):
-    """The plugin's scale and skip flag after every batch."""
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[int, float, bool]] = []
-
-    @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        stats = trainer.precision_plugin.stats
-        self.steps.append((trainer.global_step, stats.loss_scale, stats.last_step_skipped))
 
 
 def fit(args: argparse.Namespace, case: str, strategy: str) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import pickle
@@ -28,13 +27,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from typing_extensions import override
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor
-from tests.helpers import TinyRegressor, loader, make_trainer
+from tests.helpers import TinyRegressor, loader, make_trainer, parameter_checksum
 
 
 class RankInjectingRegressor(TinyRegressor):
@@ -71,14 +69,6 @@ class RankInjectingRegressor(TinyRegressor):
             return super().configure_optimizers()
         momentum = {"momentum": 0.9} if fused is torch.optim.SGD else {}
         return fused(self.parameters(), lr=self.lr, fused=True, **momentum)
-
-
-def parameter_checksum(module: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, parameter in sorted(module.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 class ReducedBytes:

@@ -15,7 +15,7 @@ import pytest
 from tests.ddp_scripts.launch import reports, run
 from tests.helpers import read_events, scalars, texts
 
-TENSOR_PARALLEL_SCRIPT = Path(__file__).parent / "ddp_scripts" / "tensor_parallel_train.py"
+TENSOR_PARALLEL_SCRIPT = Path(__file__).parents[1] / "ddp_scripts" / "tensor_parallel_train.py"
 INJECT_AT = (2, 5)
 GRADIENT_TAGS = ("precision/grad_norm", "precision/grad_zero_fraction")
 SENTINEL_TAGS = ("precision_sentinel/total_grad_underflow_share", "precision_sentinel/max_stale_update_share")

@@ -16,7 +16,7 @@ from lightning_mp.scaling.sharded import (
 )
 from tests.ddp_scripts.launch import free_port, reports, run
 
-SHARDED_CHECK_SCRIPT = Path(__file__).parent / "ddp_scripts" / "sharded_check.py"
+SHARDED_CHECK_SCRIPT = Path(__file__).parents[1] / "ddp_scripts" / "sharded_check.py"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

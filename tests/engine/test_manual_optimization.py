@@ -22,7 +22,7 @@ OPTIMIZERS = {
 }
 
 
-class ManualRegressor(L.LightningModule):
+class OneLayerManualRegressor(L.LightningModule):
     """One linear layer, plain SGD with lr=1 (unless ``optimizer`` names another of :data:`OPTIMIZERS`): a step
     moves the weights by exactly the gradient, clipped to ``clip_value``; an inf is planted in a gradient at the
     ``inject_at`` batches, after backward."""
@@ -94,7 +94,7 @@ class ManualRegressor(L.LightningModule):
 @pytest.mark.parametrize("clip", ["clip_gradients", "explicit_unscale", "explicit_unscale_of_the_wrapper"])
 def test_clip_gradients_in_manual_optimization_clips_true_gradients(clip):
     """self.clip_gradients clips the unscaled gradients (the update has the clip norm), also after scaler.unscale_."""
-    model = ManualRegressor(clip=clip)
+    model = OneLayerManualRegressor(clip=clip)
     make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=3).fit(model, loader())
     assert model.update_norms == pytest.approx([CLIP] * 3, rel=1e-2)
 
@@ -102,8 +102,8 @@ def test_clip_gradients_in_manual_optimization_clips_true_gradients(clip):
 def test_an_explicit_unscale_of_self_optimizers_is_not_repeated_by_the_step():
     """scaler.unscale_(self.optimizers()) then opt.step(): the update is the true gradient, unscaled once."""
     torch.manual_seed(0)
-    model = ManualRegressor(clip="explicit_unscale_without_clipping")
-    reference = ManualRegressor()
+    model = OneLayerManualRegressor(clip="explicit_unscale_without_clipping")
+    reference = OneLayerManualRegressor()
     reference.load_state_dict(model.state_dict())
     make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=2).fit(model, loader())
     make_trainer(MixedPrecision("32-true"), max_steps=2).fit(reference, loader())
@@ -126,7 +126,7 @@ def test_o2_unscale_clip_step_recipe_trains_as_o1(clip):
     for opt_level in ("O1", "O2"):
         torch.manual_seed(0)
         # A threshold the true gradients (norms 9 to 16) reach only on some steps, the scaled ones on every step.
-        model = ManualRegressor(clip=clip, clip_value=10.0)
+        model = OneLayerManualRegressor(clip=clip, clip_value=10.0)
         before = torch.cat([p.detach().flatten() for p in model.parameters()])
         plugin = MixedPrecision("16-mixed", init_scale=2.0**8, opt_level=opt_level)
         make_trainer(plugin, max_steps=3).fit(model, loader())
@@ -153,7 +153,7 @@ def test_an_inf_in_a_gradient_skips_a_manual_step_and_counts_it(opt_level, preci
     skipped and counted, and the weights stay as they were and finite."""
     weights: list[torch.Tensor] = []
 
-    class RecordsWeights(ManualRegressor):
+    class RecordsWeights(OneLayerManualRegressor):
         def on_train_batch_end(self, *args: Any) -> None:
             weights.append(self.layer.weight.detach().clone())
 
@@ -168,14 +168,14 @@ def test_an_inf_in_a_gradient_skips_a_manual_step_and_counts_it(opt_level, preci
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 def test_clip_gradients_in_manual_optimization_unscaled_precisions(precision):
     """In bf16 and fp32 self.clip_gradients clips as it does without the plugin."""
-    model = ManualRegressor(clip="clip_gradients")
+    model = OneLayerManualRegressor(clip="clip_gradients")
     make_trainer(MixedPrecision(precision), max_steps=2).fit(model, loader())
     assert model.update_norms == pytest.approx([CLIP] * 2, rel=1e-2)
 
 
 def test_manual_accumulation_uses_one_scale_until_the_step():
     """Stepping every 2 batches: both backwards use the same scale, which moves once per optimizer step."""
-    model = ManualRegressor(accumulate=2)
+    model = OneLayerManualRegressor(accumulate=2)
     plugin = MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=1)
     make_trainer(plugin, max_steps=3).fit(model, loader())
     assert model.scales_at_backward == [2.0**8, 2.0**8, 2.0**9, 2.0**9, 2.0**10, 2.0**10]
@@ -185,8 +185,8 @@ def test_manual_accumulation_uses_one_scale_until_the_step():
 def test_manual_step_with_a_closure_is_unscaled():
     """opt.step(closure=...) in manual optimization runs the closure once and steps on unscaled gradients."""
     torch.manual_seed(0)
-    model = ManualRegressor(use_closure=True)
-    reference = ManualRegressor(use_closure=True)
+    model = OneLayerManualRegressor(use_closure=True)
+    reference = OneLayerManualRegressor(use_closure=True)
     reference.load_state_dict(model.state_dict())
     make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8), max_steps=2).fit(model, loader())
     make_trainer(MixedPrecision("32-true"), max_steps=2).fit(reference, loader())

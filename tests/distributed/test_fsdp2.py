@@ -6,13 +6,11 @@ in the same two processes, with an inf planted on rank 1 at steps 2 and 5, and c
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
@@ -23,8 +21,8 @@ from lightning_mp.policies.sharded import ShardedPrecisionError
 from tests.ddp_scripts.launch import reports, run
 from tests.helpers import read_events, scalars
 
-FSDP2_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fsdp2_train.py"
-FABRIC_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fabric_train.py"
+FSDP2_SCRIPT = Path(__file__).parents[1] / "ddp_scripts" / "fsdp2_train.py"
+FABRIC_SCRIPT = Path(__file__).parents[1] / "ddp_scripts" / "fabric_train.py"
 WORKING_CASES = ("32-true:O0", "16-mixed:O1", "bf16-mixed:O1", "16-mixed:O2", "bf16-mixed:O2")
 INJECT_AT = (2, 5)
 SENTINEL_TAGS = tuple(
@@ -212,14 +210,6 @@ def test_fabric_fsdp2_skips_an_inf_on_one_rank_refuses_o2_and_trains_o3_sharded_
     assert all(o3["sharded"] and o3["shard_dtypes"] == ["torch.float16"] for o3 in o3_runs)
     assert all(o3["trained"] and o3["optimizer_steps"] == 3 for o3 in o3_runs)
     assert len({checksum for o3 in o3_runs for checksum in o3["checksums"]}) == 1, "the O3 ranks diverged"
-
-
-@pytest.fixture
-def single_process_group() -> Generator[None, None, None]:
-    """Destroy the one-process group that a ModelParallelStrategy run with one device leaves behind."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("opt_level", ["lean", "lean-kahan"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -55,15 +54,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 FP32 = torch.float32
-FSDP_TRAIN_SCRIPT = Path(__file__).parent / "ddp_scripts" / "fsdp_train.py"
-
-
-@pytest.fixture
-def single_process_group() -> Generator[None, None, None]:
-    """Destroy the one-process group that an FSDP run with one device leaves behind."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+FSDP_TRAIN_SCRIPT = Path(__file__).parents[1] / "ddp_scripts" / "fsdp_train.py"
 
 
 def test_both_fsdp_strategies_accept_the_plugin_and_it_stays_a_mixed_precision() -> None:

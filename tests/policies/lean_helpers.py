@@ -1,0 +1,107 @@
+"""The lean tests' shared pieces: a tiny classifier with a norm, its data, and readers of the optimizer's state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp.stochastic_rounding import COMPENSATION_KEY, STATE_KEY
+
+ELEMENTWISE_STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer", COMPENSATION_KEY)
+
+
+class LeanNet(LightningModule):
+    """Linear, LayerNorm, ReLU and a head, with a per-step scheduler; optionally an inf gradient at chosen steps."""
+
+    def __init__(self, optimizer: str = "adamw", norm: bool = True, inject_at: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32) if norm else nn.Identity(), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+        self.optimizer_name = optimizer
+        self.inject_at = set(inject_at)
+        self.losses: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(x))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        features, target = batch
+        loss = F.cross_entropy(self(features).float(), target)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_after_backward(self) -> None:
+        if self.global_step in self.inject_at:
+            self.body[0].weight.grad[0, 0] = float("inf")
+
+    def configure_optimizers(self) -> Any:
+        optimizers = {
+            "adamw": lambda: torch.optim.AdamW(self.parameters(), lr=3e-2),
+            "adamw-fused": lambda: torch.optim.AdamW(self.parameters(), lr=3e-2, fused=True),
+            "adam": lambda: torch.optim.Adam(self.parameters(), lr=3e-2, weight_decay=1e-3),
+            "sgd": lambda: torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+            "rmsprop": lambda: torch.optim.RMSprop(self.parameters(), lr=1e-2),
+        }
+        optimizer = optimizers[self.optimizer_name]()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.97**step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def classification_loader(batches: int = 4) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(8 * batches, 8, generator=generator)
+    target = (features[:, :4].argmax(dim=1)).long()
+    return DataLoader(TensorDataset(features, target), batch_size=8, shuffle=False)
+
+
+def optimizer_tensors(trainer: Trainer) -> dict[str, Tensor]:
+    optimizer = trainer.optimizers[0]
+    state = optimizer.state_dict()
+    tensors = {
+        f"{index}.{key}": value
+        for index, entry in state["state"].items()
+        for key, value in entry.items()
+        if isinstance(value, Tensor)
+    }
+    tensors["generator"] = state[STATE_KEY]["generators"]["cpu"]
+    return tensors
+
+
+class RecordStep(Callback):
+    """Keep copies of the weights and the optimizer state around one chosen batch."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.before: dict[str, Tensor] = {}
+        self.after: dict[str, Tensor] = {}
+
+    def _snapshot(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Tensor]:
+        weights = {name: value.clone() for name, value in pl_module.state_dict().items()}
+        state = trainer.optimizers[0].state_dict()
+        weights.update({f"{i}.{k}": v.clone() for i, s in state["state"].items() for k, v in s.items()})
+        return weights
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.batch:
+            self.before = self._snapshot(trainer, pl_module)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == self.batch:
+            self.after = self._snapshot(trainer, pl_module)
+
+
+def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of weights, gradients and elementwise optimizer states."""
+    total = 0
+    for parameter in model.parameters():
+        total += parameter.nbytes + (parameter.grad.nbytes if parameter.grad is not None else 0)
+        total += sum(value.nbytes for key, value in optimizer.state[parameter].items() if key in ELEMENTWISE_STATES)
+    return total
