@@ -1,4 +1,4 @@
-"""The upstream inventory (``tests/upstream_inventory.py``) stays true to the four modules that adapt upstream tests."""
+"""The upstream inventory (``tests/upstream_inventory.py``) stays true to the five modules that adapt upstream tests."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tests.upstream_inventory import INVENTORY, UpstreamTest
 
 MODULES = (
     "scaling/test_scaler_upstream.py",
+    "scaling/test_scaler_upstream_side_by_side.py",
     "plugin/test_plugin_upstream.py",
     "engine/test_fabric_upstream.py",
     "distributed/test_fsdp_upstream.py",
@@ -52,7 +53,7 @@ def test_every_adapted_or_differing_upstream_test_names_local_tests_that_name_it
 
 
 def test_every_test_of_the_upstream_modules_is_listed():
-    """No test in the four modules is missing from the inventory, so each says which upstream test it adapts."""
+    """No test in the five modules is missing from the inventory, so each says which upstream test it adapts."""
     listed = {local for entry in LISTED for local in entry.local}
     present = {f"{module_file}::{name}" for module_file in MODULES for name in _tests_of(module_file)}
     assert present - listed == set()

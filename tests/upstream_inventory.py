@@ -2,9 +2,10 @@
 
 torch's grad-scaling tests and Lightning's precision-plugin tests describe how a loss scaler and an AMP plugin
 behave. Users rely on that behaviour. The package runs them, rewritten against :class:`~lightning_mp.LossScaler` and
-:class:`~lightning_mp.MixedPrecision`, in four modules under ``tests/``: ``scaling/test_scaler_upstream.py``,
-``plugin/test_plugin_upstream.py``, ``engine/test_fabric_upstream.py`` and ``distributed/test_fsdp_upstream.py``. This
-module is the one list of what was done with each upstream test, and why:
+:class:`~lightning_mp.MixedPrecision`, in five modules under ``tests/``: ``scaling/test_scaler_upstream.py`` and
+``scaling/test_scaler_upstream_side_by_side.py``, ``plugin/test_plugin_upstream.py``,
+``engine/test_fabric_upstream.py`` and ``distributed/test_fsdp_upstream.py``. This module is the one list of what was
+done with each upstream test, and why:
 
 * ``adapted``: the upstream assertions hold here. Mocks are replaced by real runs, CUDA by the CPU, private torch
   calls by the public API.
@@ -20,7 +21,9 @@ and names its upstream test in its docstring, and that every test of the four mo
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 Status = Literal["adapted", "differs", "skipped"]
@@ -41,6 +44,8 @@ FABRIC_ALL = _FABRIC + "plugins/precision/test_all.py"
 FABRIC_FSDP = _FABRIC + "plugins/precision/test_fsdp.py"
 
 SCALER = "scaling/test_scaler_upstream.py"
+SCALER_SIDE_BY_SIDE = "scaling/test_scaler_upstream_side_by_side.py"
+"""torch's scaler tests run beside torch's own scaler; the others are in :data:`SCALER`."""
 PLUGIN = "plugin/test_plugin_upstream.py"
 FABRIC = "engine/test_fabric_upstream.py"
 FSDP = "distributed/test_fsdp_upstream.py"
@@ -59,8 +64,17 @@ class UpstreamTest:
     """The tests that adapt it, ``"<module>::<function>"``; none for a skipped entry."""
 
 
+def _test_names(module: str) -> frozenset[str]:
+    tree = ast.parse((Path(__file__).parent / module).read_text())
+    return frozenset(node.name for node in tree.body if isinstance(node, ast.FunctionDef))
+
+
 def _at(module: str, *names: str) -> tuple[str, ...]:
-    return tuple(f"{module}::{name}" for name in names)
+    """``"<module>::<name>"`` for each name; torch's scaler tests are found in whichever of their two modules."""
+    if module != SCALER:
+        return tuple(f"{module}::{name}" for name in names)
+    beside = _test_names(SCALER_SIDE_BY_SIDE)
+    return tuple(f"{SCALER_SIDE_BY_SIDE if name in beside else SCALER}::{name}" for name in names)
 
 
 _NO_ENABLED_FLAG = (
