@@ -7,7 +7,10 @@
   Lightning's built-in plugins, ``MixedPrecision`` at each opt level, with and without the monitors);
 - :mod:`~lightning_mp.bench.workloads` and :mod:`~lightning_mp.bench.models`: what is trained (the Markov-text model
   on the CPU; a 219M-parameter GPT-like LM, ResNet-50 and a launch-bound LM on CUDA, each with a tiny CPU shape);
-- :mod:`~lightning_mp.bench.timing`: step time from paired, alternating, repeated runs, and host syncs per step;
+- :mod:`~lightning_mp.bench.timing`: one timed run of a configuration: its step times, peak memory and host syncs,
+  measured by the Trainer callbacks of :mod:`~lightning_mp.bench.step_callbacks`;
+- :mod:`~lightning_mp.bench.comparison`: step time compared from paired, alternating, repeated runs in fresh
+  processes;
 - :mod:`~lightning_mp.bench.machine`: the machine and its load, which decide whether a timing can be trusted;
 - :mod:`~lightning_mp.bench.report`: the timing report, its paired differences and the targets;
 - :mod:`~lightning_mp.bench.memory`: tensor memory of one step, split by category (``--memory``);
@@ -18,7 +21,8 @@
 
 ``python -m lightning_mp.bench gpu-proof`` runs the GPU proof, one time-boxed command for a short GPU slot:
 
-- :mod:`~lightning_mp.bench.proof`: its parts, their time boxes in child processes, and the JSON report;
+- :mod:`~lightning_mp.bench.proof`: the command, its parts and their shares, the versions and the JSON report;
+- :mod:`~lightning_mp.bench.proof_boxes`: the time boxes, each part's child process and its status;
 - :mod:`~lightning_mp.bench.smoke_matrix`: every precision x opt level x optimizer x front end skips a planted inf;
 - :mod:`~lightning_mp.bench.outcome_log`: the pytest plugin that records each CUDA test's outcome as it is known;
 - :mod:`~lightning_mp.bench.proof_figures`: the paired figures and their targets;
@@ -27,6 +31,7 @@
 
 from lightning_mp.bench.allreduced_bytes import AllReducedBytes, measure_allreduced_bytes
 from lightning_mp.bench.cli import main, parse_args
+from lightning_mp.bench.comparison import paired_ratios, resolution, unresolved_comparisons
 from lightning_mp.bench.configurations import CONFIGURATIONS, FP32, Configuration, default_configurations
 from lightning_mp.bench.counts import counts_report, counts_table
 from lightning_mp.bench.machine import load_warnings, machine_description, matmul_rates
@@ -46,14 +51,7 @@ from lightning_mp.bench.opt_level_counts import (
     opt_level_table,
 )
 from lightning_mp.bench.report import ReportContext, Summary, report, summarize
-from lightning_mp.bench.timing import (
-    RunResult,
-    RunSpec,
-    paired_ratios,
-    resolution,
-    run_configuration,
-    unresolved_comparisons,
-)
+from lightning_mp.bench.timing import RunResult, RunSpec, run_configuration
 from lightning_mp.bench.workloads import SIZES, WORKLOADS, ModelSize, Workload
 
 __all__ = [

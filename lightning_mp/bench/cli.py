@@ -3,8 +3,9 @@
 Three benchmarks share it, and ``gpu-proof`` as the first argument runs the GPU proof instead
 (:mod:`~lightning_mp.bench.proof`, its own flags):
 
-- the default, step time (:mod:`~lightning_mp.bench.timing`, reported by :mod:`~lightning_mp.bench.report`): on
-  the CPU the Markov-text model, on CUDA the three GPU-sized workloads (:mod:`~lightning_mp.bench.workloads`);
+- the default, step time (runs timed by :mod:`~lightning_mp.bench.timing`, compared by
+  :mod:`~lightning_mp.bench.comparison`, reported by :mod:`~lightning_mp.bench.report`): on the CPU the
+  Markov-text model, on CUDA the three GPU-sized workloads (:mod:`~lightning_mp.bench.workloads`);
   ``--workload`` picks others, ``--quick`` runs a smoke test in this process;
 - ``--memory``: tensor memory of one step per configuration (:mod:`~lightning_mp.bench.memory`);
 - ``--counts``: host syncs and ops per iteration (:mod:`~lightning_mp.bench.counts`), then weight casts, ops,
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_mp.bench.comparison import profile_all, run_all
 from lightning_mp.bench.configurations import (
     CONFIGURATIONS,
     GPU_WORKLOAD_CONFIGURATIONS,
@@ -40,7 +42,7 @@ from lightning_mp.bench.opt_level_counts import opt_level_report
 from lightning_mp.bench.proof import COMMAND as PROOF_COMMAND
 from lightning_mp.bench.proof import main as proof_main
 from lightning_mp.bench.report import ReportContext, report, summarize
-from lightning_mp.bench.timing import RunSpec, profile_all, run_all, run_configuration, step_units
+from lightning_mp.bench.timing import RunSpec, run_configuration, step_units
 from lightning_mp.bench.workloads import (
     GPU_WORKLOADS,
     MARKOV,

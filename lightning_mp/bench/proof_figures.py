@@ -29,7 +29,7 @@ The targets (:data:`FIGURES`):
   full proof leaves it: ``--figures fp8-lm-1b`` runs it alone.
 
 A step-time ratio is the median over the repeats of the configuration's median step over its reference's in the
-same repeat (:func:`~lightning_mp.bench.timing.paired_ratios`, inverted); a peak-memory ratio compares the
+same repeat (:func:`~lightning_mp.bench.comparison.paired_ratios`, inverted); a peak-memory ratio compares the
 medians of ``torch.cuda.max_memory_allocated``. On the CPU the peak is the process's resident set, which only
 grows within one process, so the memory targets are not judged there; no CPU figure is a GPU figure.
 
@@ -45,9 +45,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lightning_mp.bench.comparison import paired_ratios, resolution
 from lightning_mp.bench.configurations import CONFIGURATIONS, FP32
 from lightning_mp.bench.report import summarize
-from lightning_mp.bench.timing import RunResult, RunSpec, paired_ratios, resolution, run_configuration, step_units
+from lightning_mp.bench.timing import RunResult, RunSpec, run_configuration, step_units
 from lightning_mp.bench.workloads import WORKLOADS, OptimizerKind
 
 TargetKind = Literal["step", "mean-step", "peak", "syncs"]

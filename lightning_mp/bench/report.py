@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_mp.bench.comparison import paired_ratios, resolution
 from lightning_mp.bench.configurations import CONFIGURATIONS, FP32
 from lightning_mp.bench.machine import load_warnings
-from lightning_mp.bench.timing import CRASH, RunResult, paired_ratios, resolution
+from lightning_mp.bench.timing import CRASH, RunResult
 from lightning_mp.bench.workloads import TimeBudgets
 
 DEFAULT_BUDGETS = TimeBudgets()

@@ -1,57 +1,42 @@
-"""Step time of each configuration: paired, alternating, repeated runs, each in a fresh process by default.
+"""One timed run: train one configuration for a fixed number of steps, and measure its steps, memory and host syncs.
 
-How it measures:
+How a run measures (:func:`run_configuration`):
 
-1. Each run of a configuration is a fresh Python process (``--worker``), so peak memory belongs to that
-   configuration alone: the peak resident set size on the CPU, and ``torch.cuda.max_memory_allocated`` (reset
-   before each run) on CUDA. ``--quick`` and ``--in-process`` run everything in this process instead.
-2. The runs alternate: repeat 1 runs the configurations in order, repeat 2 in reverse, and so on, so that a
-   machine that slowly speeds up or slows down favours no configuration.
-3. A step's time is the time between the ends of two consecutive training batches (data loading, forward,
+1. It fits the workload of :class:`RunSpec` for ``warmup + steps`` optimizer steps under one configuration, in
+   this process. Peak memory is the peak resident set size on the CPU, and ``torch.cuda.max_memory_allocated``
+   (reset before the fit) on CUDA: a run in a fresh process
+   (:func:`~lightning_mp.bench.comparison.run_worker`) measures that configuration alone.
+2. A step's time is the time between the ends of two consecutive training batches (data loading, forward,
    backward, optimizer step and every callback included; on CUDA the device is synchronised first), measured by
-   :class:`StepTimer`. The first ``--warmup`` steps of each run are dropped; the report gives the median of the
-   rest, pooled over the repeats, and the mean, which also counts the occasional expensive logging step.
-4. Ratios are speed-ups (above 1 is faster) and **paired** (:func:`paired_ratios`): each repeat runs every
-   configuration back to back, and the ratio of their medians in that repeat is one paired ratio. A difference is
-   *resolved* only when every paired ratio falls on the same side of 1.00x (:func:`resolution`); while one is not,
-   :func:`run_all` adds repeats, up to ``--max-repeats``.
-5. On the GPU workloads, :class:`SyncCounter` counts host syncs over ``--sync-steps`` more steps after the timed
-   ones (counting slows a step, so it never overlaps the timing): on CUDA with
-   ``torch.cuda.set_sync_debug_mode("warn")``, which warns at every operation that makes the host wait for the
-   device, and on the CPU with :func:`lightning_mp.bench.counting.count_syncs_and_ops`, which counts host reads of
-   tensor values (there the foreach optimizers' reads of their CPU step counters count too; on CUDA they are no sync).
-6. A configuration that raises is not retried: its row in the report says ``crash: <error>``, and the others run on.
+   :class:`~lightning_mp.bench.step_callbacks.StepTimer`. The first ``--warmup`` steps of each run are dropped; the
+   report gives the median of the rest, pooled over the repeats, and the mean, which also counts the occasional
+   expensive logging step.
+3. On the GPU workloads, :class:`~lightning_mp.bench.step_callbacks.SyncCounter` counts host syncs over
+   ``--sync-steps`` more steps after the timed ones (counting slows a step, so it never overlaps the timing).
+4. A run that raises returns its error instead (:meth:`RunResult.crashed`): the report's row of that configuration
+   says ``crash: <error>``.
 
-With ``--profile`` one more run per configuration goes under ``torch.profiler`` (:class:`StepProfiler`), which
-slows it: its breakdown says where each step's CPU time goes, not how long a step takes.
+With ``--profile`` the timed steps also run under ``torch.profiler``
+(:class:`~lightning_mp.bench.step_callbacks.StepProfiler`), which slows them: such a run says where each step's CPU
+time goes, not how long a step takes. How the runs are repeated, ordered and compared:
+:mod:`~lightning_mp.bench.comparison`.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import gc
-import json
-import os
-import statistics
-import subprocess
-import sys
 import tempfile
-import time
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from typing_extensions import override
 
-from lightning_mp.bench.configurations import CONFIGURATIONS, FP32, MONITOR_EVERY_N_STEPS, float32_matmul
-from lightning_mp.bench.counting import StepCounts, count_syncs_and_ops
-from lightning_mp.bench.machine import current_rss_mib, peak_rss_mib, scheduler_seconds
+from lightning_mp.bench.configurations import CONFIGURATIONS, MONITOR_EVERY_N_STEPS, float32_matmul
+from lightning_mp.bench.machine import current_rss_mib, peak_rss_mib
+from lightning_mp.bench.step_callbacks import StepProfiler, StepTimer, SyncCounter
 from lightning_mp.bench.workloads import (
     MARKOV,
     QUIET_TRAINER,
@@ -67,8 +52,6 @@ from lightning_mp.bench.workloads import (
 
 CRASH = "crash: "
 """How the report starts the row of a configuration whose run raised."""
-_SYNC_WARNING = "called a synchronizing CUDA operation"
-"""What ``torch.cuda.set_sync_debug_mode("warn")`` says at each operation that makes the host wait."""
 
 
 @dataclass(frozen=True)
@@ -108,172 +91,6 @@ class RunSpec:
     def shape(self) -> Shape:
         """The GPU workload's shape at this size and batch size."""
         return workload_shape(self.workload, "full" if self.size == "full" else "tiny", self.batch_size)
-
-
-class StepTimer(L.Callback):
-    """Record the wall time between the ends of consecutive training batches, and the last timed batch's loss.
-
-    Only the first ``batches`` batches are timed (None: all), so that later steps (the sync counting) are not.
-    Each step's process CPU time and the scheduler's run and wait times (:func:`scheduler_seconds`) are recorded
-    beside it, so that a run can say how much of its time it spent waiting for a core.
-
-    The loss stays a tensor until training ends, so that reading it adds no host synchronisation to the steps.
-    """
-
-    def __init__(self, synchronize: bool, batches: int | None = None) -> None:
-        self.synchronize = synchronize
-        self.batches = batches
-        self.step_seconds: list[float] = []
-        self.step_cpu_seconds: list[float] = []
-        self.last_loss: torch.Tensor | None = None
-        self._last_end: float | None = None
-        self._last_cpu: float | None = None
-        self.scheduler_by_step: list[tuple[float, float] | None] = []
-
-    def _now(self) -> float:
-        if self.synchronize:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    @override
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self._last_end is None:
-            self._last_end = self._now()
-            self._last_cpu = time.process_time()
-            self.scheduler_by_step.append(scheduler_seconds())
-
-    @override
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self.batches is not None and batch_idx >= self.batches:
-            return
-        now, cpu = self._now(), time.process_time()
-        assert self._last_end is not None and self._last_cpu is not None
-        self.step_seconds.append(now - self._last_end)
-        self.step_cpu_seconds.append(cpu - self._last_cpu)
-        self._last_end, self._last_cpu = now, cpu
-        self.scheduler_by_step.append(scheduler_seconds())
-        self.last_loss = outputs["loss"].detach()
-
-    def wait_share(self, first_step: int) -> float | None:
-        """Share of runnable time spent waiting for a core, from the start of step ``first_step`` to the last end."""
-        start, end = self.scheduler_by_step[first_step], self.scheduler_by_step[-1]
-        if start is None or end is None:
-            return None
-        running, waiting = end[0] - start[0], end[1] - start[1]
-        return waiting / (running + waiting) if running + waiting > 0 else None
-
-    @property
-    def final_loss(self) -> float:
-        """The loss of the last training batch; NaN before the first."""
-        return float("nan") if self.last_loss is None else float(self.last_loss)
-
-
-_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul")
-_CAST_OPS = ("aten::copy_", "aten::_to_copy")
-
-
-class StepProfiler(L.Callback):
-    """Run ``torch.profiler`` over the timed steps and split each step's CPU time into where it went.
-
-    Matrix products include attention (``scaled_dot_product`` kernels); casts are ``copy_`` and ``_to_copy``
-    (autocast's casts, O2's half copies of the weights). Times are self times, so nothing is counted twice.
-    """
-
-    def __init__(self, first_batch: int, last_batch: int) -> None:
-        self.first_batch = first_batch
-        self.last_batch = last_batch
-        self.breakdown: dict[str, Any] | None = None
-        self._profiler: torch.profiler.profile | None = None
-
-    @override
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx == self.first_batch:
-            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            self._profiler.__enter__()
-
-    @override
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx != self.last_batch or self._profiler is None:
-            return
-        self._profiler.__exit__(None, None, None)
-        steps = self.last_batch - self.first_batch + 1
-        events = self._profiler.key_averages()
-
-        def milliseconds(keep: Callable[[str], bool]) -> float:
-            return sum(event.self_cpu_time_total for event in events if keep(event.key)) / steps / 1e3
-
-        top = sorted(events, key=lambda event: -event.self_cpu_time_total)[:3]
-        self.breakdown = {
-            "total_ms": milliseconds(lambda key: True),
-            "matmul_ms": milliseconds(lambda key: key in _MATMUL_OPS or "scaled_dot_product" in key),
-            "cast_ms": milliseconds(lambda key: key in _CAST_OPS),
-            "top": [(event.key, event.self_cpu_time_total / steps / 1e3) for event in top],
-        }
-
-
-class SyncCounter(L.Callback):
-    """Count the host syncs of ``batches`` training batches from ``first_batch`` on, hooks to hooks.
-
-    On CUDA it turns on ``torch.cuda.set_sync_debug_mode("warn")`` and counts the warnings it raises, one per
-    operation that made the host wait for the device; on the CPU it counts host reads of tensor values with
-    :func:`lightning_mp.bench.counting.count_syncs_and_ops`. Either way the counting slows the steps, so the timed steps
-    come before it.
-    """
-
-    def __init__(self, first_batch: int, batches: int, on_cuda: bool) -> None:
-        self.first_batch = first_batch
-        self.batches = batches
-        self.on_cuda = on_cuda
-        self.syncs_per_step: float | None = None
-        self._region: contextlib.ExitStack | None = None
-        self._caught: list[warnings.WarningMessage] = []
-        self._counts: StepCounts | None = None
-
-    @override
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx != self.first_batch:
-            return
-        self._region = contextlib.ExitStack()
-        if self.on_cuda:
-            self._caught = self._region.enter_context(warnings.catch_warnings(record=True))
-            warnings.simplefilter("always")
-            self._region.callback(torch.cuda.set_sync_debug_mode, torch.cuda.get_sync_debug_mode())
-            torch.cuda.set_sync_debug_mode("warn")
-        else:
-            self._counts = self._region.enter_context(count_syncs_and_ops())
-
-    @override
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx != self.first_batch + self.batches - 1 or self._region is None:
-            return
-        self._close()
-        if self.on_cuda:
-            syncs = sum(_SYNC_WARNING in str(caught.message) for caught in self._caught)
-        else:
-            assert self._counts is not None
-            syncs = self._counts.syncs
-        self.syncs_per_step = syncs / self.batches
-
-    @override
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._region is not None:
-            self._region.close()
-            self._region = None
 
 
 @dataclass
@@ -423,142 +240,3 @@ def _train_and_measure(name: str, spec: RunSpec, profile: bool, repeat: int) -> 
         timer.wait_share(spec.warmup),
         sync_counter.syncs_per_step,
     )
-
-
-def paired_ratios(results: Sequence[RunResult], reference: str, name: str) -> list[float]:
-    """Per repeat, the reference's median step time over the configuration's: one speed-up per pair of runs.
-
-    The two runs of a pair ran back to back in the same repeat, so a machine that speeds up or slows down between
-    repeats moves both; the spread of the paired ratios is the uncertainty of the speed-up. Crashed runs pair with
-    nothing.
-    """
-    medians: dict[tuple[str, int], float] = {
-        (run.configuration, run.repeat): statistics.median(run.step_seconds) for run in results if run.step_seconds
-    }
-    repeats = sorted({run.repeat for run in results})
-    return [
-        medians[reference, repeat] / medians[name, repeat]
-        for repeat in repeats
-        if (reference, repeat) in medians and (name, repeat) in medians
-    ]
-
-
-def resolution(ratios: Sequence[float]) -> str:
-    """Whether paired speed-ups resolve a difference: all on one side of 1.00x, over at least two pairs.
-
-    Example:
-        >>> resolution([0.05, 0.06, 0.04]), resolution([0.9, 1.1, 1.0]), resolution([1.9])
-        ('resolved: slower', 'NOT resolved: the paired ratios straddle 1.00x', 'NOT resolved: one pair has no spread')
-
-    """
-    if len(ratios) < 2:
-        return "NOT resolved: one pair has no spread" if ratios else "NOT resolved: no pairs"
-    if min(ratios) > 1:
-        return "resolved: faster"
-    if max(ratios) < 1:
-        return "resolved: slower"
-    return "NOT resolved: the paired ratios straddle 1.00x"
-
-
-def worker_command(name: str, spec: RunSpec, threads: int, result_file: Path, profile: bool = False) -> list[str]:
-    """The command line of a worker process that runs configuration ``name`` of ``spec`` once."""
-    command = [sys.executable, "-m", "lightning_mp.bench", "--worker", name, "--result-file", str(result_file)]
-    command += ["--workload", spec.workload, "--accelerator", spec.accelerator, "--size", spec.size]
-    command += ["--warmup", str(spec.warmup), "--steps", str(spec.steps), "--sync-steps", str(spec.sync_steps)]
-    command += ["--seed", str(spec.seed), "--threads", str(threads)]
-    if spec.batch_size is not None:
-        command += ["--batch-size", str(spec.batch_size)]
-    if spec.optimizer is not None:
-        command += ["--optimizer", spec.optimizer]
-    if spec.compile:
-        command.append("--compile")
-    if spec.compile_blocks:
-        command.append("--compile-blocks")
-    return [*command, "--profile"] if profile else command
-
-
-def run_worker(name: str, spec: RunSpec, threads: int, result_file: Path, profile: bool = False) -> RunResult:
-    """Run configuration ``name`` of ``spec`` once in a fresh process; a process that fails gives a crashed result."""
-    completed = subprocess.run(
-        worker_command(name, spec, threads, result_file, profile), capture_output=True, text=True, check=False
-    )
-    if completed.returncode != 0:
-        # A worker that dies outside Python's reach (a CUDA fault, the OOM killer) leaves its last words on stderr.
-        last_line = next((line for line in reversed(completed.stderr.splitlines()) if line.strip()), "")
-        return RunResult.crashed(name, f"exit code {completed.returncode}: {last_line.strip()}")
-    return RunResult(**json.loads(result_file.read_text()))
-
-
-def unresolved_comparisons(results: Sequence[RunResult], configurations: Sequence[str]) -> list[str]:
-    """The comparisons the report will make (against fp32 and the built-in) that the paired ratios do not resolve.
-
-    A comparison with a configuration that crashed is left out: more repeats cannot resolve it.
-    """
-    crashed = {result.configuration for result in results if result.error is not None}
-    unresolved = []
-    for name in configurations:
-        for reference in (FP32, CONFIGURATIONS[name].builtin):
-            if reference == name or reference not in configurations or {name, reference} & crashed:
-                continue
-            if resolution(paired_ratios(results, reference, name)).startswith("NOT"):
-                unresolved.append(f"{name} vs {reference}")
-    return list(dict.fromkeys(unresolved))
-
-
-def _progress_line(result: RunResult, count: int, seconds: float) -> str:
-    where = f"[{count}] {result.configuration} (repeat {result.repeat + 1}):"
-    if result.error is not None:
-        return f"{where} {CRASH}{result.error} ({seconds:.1f} s)"
-    wait = "n/a" if result.wait_share is None else format(result.wait_share, ".0%")
-    return (
-        f"{where} median {statistics.median(result.step_seconds) * 1e3:.1f} ms/step,"
-        f" peak {result.peak_memory_mib:,.0f} MiB, final loss {result.final_loss:.4f}"
-        f" ({seconds:.1f} s, CPU share {result.cpu_share:.0%}, run-queue wait {wait},"
-        f" load {os.getloadavg()[0]:.2f})"
-    )
-
-
-def run_all(args: argparse.Namespace, spec: RunSpec, configurations: Sequence[str]) -> list[RunResult]:
-    """Run every configuration in paired repeats, alternating the order; in worker processes or in this one.
-
-    After ``args.repeats`` repeats, it adds repeats while a comparison is not resolved, up to ``args.max_repeats``.
-    A configuration that crashed is not run again.
-    """
-    results: list[RunResult] = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for repeat in range(args.max_repeats):
-            if repeat >= args.repeats:
-                unresolved = unresolved_comparisons(results, configurations)
-                if not unresolved:
-                    break
-                print(
-                    f"not resolved after {repeat} repeats: {', '.join(unresolved)}; adding repeat {repeat + 1}"
-                    f" (at most {args.max_repeats})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            crashed = {result.configuration for result in results if result.error is not None}
-            order = list(configurations) if repeat % 2 == 0 else list(reversed(configurations))
-            for name in (name for name in order if name not in crashed):
-                start = time.perf_counter()
-                if args.in_process:
-                    result = run_configuration(name, spec, threads=args.threads, repeat=repeat)
-                else:
-                    result = run_worker(name, spec, args.threads, Path(scratch) / f"{name}-{repeat}.json")
-                    result.repeat = repeat
-                results.append(result)
-                print(_progress_line(result, len(results), time.perf_counter() - start), file=sys.stderr, flush=True)
-    return results
-
-
-def profile_all(args: argparse.Namespace, spec: RunSpec, configurations: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """One extra run per configuration under ``torch.profiler``: where each step's CPU time goes (crashes left out)."""
-    breakdowns = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for name in configurations:
-            result = run_worker(name, spec, args.threads, Path(scratch) / f"{name}-profile.json", profile=True)
-            if result.profile is None:
-                continue
-            breakdowns[name] = result.profile
-            print(f"[profile] {name}: {result.profile['total_ms']:.1f} ms of CPU per step", file=sys.stderr, flush=True)
-    return breakdowns

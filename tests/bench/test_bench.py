@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from lightning_mp import bench
+from lightning_mp.bench.comparison import paired_ratios, resolution, unresolved_comparisons
 from lightning_mp.bench.machine import load_warnings, matmul_rates
-from lightning_mp.bench.timing import RunResult, paired_ratios, resolution, unresolved_comparisons
+from lightning_mp.bench.timing import RunResult
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

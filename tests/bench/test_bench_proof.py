@@ -13,7 +13,8 @@ import torch
 
 from lightning_mp import bench
 from lightning_mp.bench.configurations import CONFIGURATIONS
-from lightning_mp.bench.proof import PARTS, Part, run_parts
+from lightning_mp.bench.proof import PARTS
+from lightning_mp.bench.proof_boxes import Part, run_parts
 from lightning_mp.bench.proof_figures import FIGURES, Target, fp8_skip_reason, judge, skipped_figure
 from lightning_mp.bench.proof_report import NOT_GPU, render_markdown
 from lightning_mp.bench.smoke_matrix import PRECISION_LEVELS

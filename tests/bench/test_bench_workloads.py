@@ -14,6 +14,7 @@ import torch
 
 from lightning_mp import MixedPrecision, bench
 from lightning_mp.bench.cli import run_spec
+from lightning_mp.bench.comparison import run_worker
 from lightning_mp.bench.configurations import (
     CONFIGURATIONS,
     GPU_WORKLOAD_CONFIGURATIONS,
@@ -22,7 +23,7 @@ from lightning_mp.bench.configurations import (
     float32_matmul,
 )
 from lightning_mp.bench.report import ReportContext, difference_lines, report, summarize, target_lines
-from lightning_mp.bench.timing import RunResult, RunSpec, run_configuration, run_worker, step_units
+from lightning_mp.bench.timing import RunResult, RunSpec, run_configuration, step_units
 from lightning_mp.bench.workloads import GPU_WORKLOADS, WORKLOADS, auto_size
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
