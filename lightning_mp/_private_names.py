@@ -91,7 +91,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
             "scaling/gradients.py",
             "scaling/kernels.py",
             "callbacks/precision_sentinel.py",
-            "stochastic_rounding.py",
+            "stochastic_rounding/step.py",
             "bench/counting.py",
             "policies/o2/parameters.py",
         ),

@@ -35,7 +35,7 @@ The pieces:
 4. A skipped step (non-finite gradients) changes no weight, moment estimate or compensation buffer, and is decided
    on the device with every optimizer form (fused, foreach, single-tensor): the loss scaler hands the inf flag to
    torch's fused kernel, which the rounding step hands it on to, so a steady step makes no host sync
-   (:mod:`~lightning_mp.stochastic_rounding`, point 4). Casts per step: two per bf16 weight, in the optimizer step
+   (:mod:`~lightning_mp.stochastic_rounding.step`, point 4). Casts per step: two per bf16 weight, in the optimizer step
    (none in forward or backward); the same module says why both are needed.
 
 Only ``torch.optim.Adam``, ``AdamW`` and ``SGD`` are supported (their ``fused`` and ``foreach`` forms included);
