@@ -90,7 +90,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         (
             "scaling/gradients.py",
             "scaling/kernels.py",
-            "callbacks/precision_sentinel.py",
+            "callbacks/_sentinel_measures.py",
             "stochastic_rounding/step.py",
             "bench/counting.py",
             "policies/o2/parameters.py",

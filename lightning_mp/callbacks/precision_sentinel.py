@@ -54,14 +54,11 @@ image must not share a tag: TensorBoard's server would show only one of them.)
 per leaf module, about ten batched ops for the gradients and weights, and its values join the one device-to-host
 transfer the monitors share per batch (:mod:`lightning_mp.callbacks._host_reads`). The heatmaps are drawn on the
 host from numbers already read.
-
-Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -84,9 +81,26 @@ from lightning_mp.callbacks._logging import (
     validate_bool,
     validate_positive_int,
 )
+from lightning_mp.callbacks._sentinel_measures import (
+    ALL_LAYERS,
+    HALF_NAMES,
+    Sample,
+    Snapshot,
+    first_floating_tensor,
+    largest_magnitude,
+    layer_of,
+    measured_layers,
+    parameter_names,
+    per_layer_shares,
+    run_facts,
+    skipped_steps,
+    stepped_parameters,
+    summary_scalars,
+    take_snapshot,
+    update_counts,
+)
 from lightning_mp.callbacks._sentinel_rules import (
     Finding,
-    RunFacts,
     headroom_log2,
     misconfigurations,
     overflow_risk_finding,
@@ -95,9 +109,7 @@ from lightning_mp.callbacks._sentinel_rules import (
 )
 from lightning_mp.callbacks._sharding import CopiesOf, gradient_copies
 from lightning_mp.plugin import MixedPrecision
-from lightning_mp.scaling.sharded import local_shard
 
-_HALF_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 HEADROOM_STYLE = HeatmapStyle("activation headroom (doublings to fp16 max)", "log2(65504 / max|a|)", "RdYlGn", 0, 16)
 UNDERFLOW_STYLE = HeatmapStyle("gradient underflow share (exact zeros)", "share of elements", "viridis", 0, 1)
 STALE_STYLE = HeatmapStyle("stale-update share (update below half an ulp)", "share of elements", "magma", 0, 1)
@@ -106,25 +118,6 @@ HEATMAP_TAGS = {
     "precision_sentinel/grad_underflow_share": ("underflow", UNDERFLOW_STYLE),
     "precision_sentinel/stale_update_share": ("stale", STALE_STYLE),
 }
-
-
-@dataclass
-class _Sample:
-    """What one sampled step measured, per layer, on the host."""
-
-    step: int
-    headroom: dict[str, float] = field(default_factory=dict)
-    underflow: dict[str, float] = field(default_factory=dict)
-    stale: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class _Snapshot:
-    """The weights and gradient signs of the tensors one optimizer is about to step, kept on the device."""
-
-    parameters: list[torch.Tensor]
-    weights_before: list[torch.Tensor]
-    grad_signs: list[torch.Tensor]
 
 
 class PrecisionSentinel(Callback):
@@ -177,7 +170,7 @@ class PrecisionSentinel(Callback):
         self.headroom_log2 = _validate_in_range("headroom_log2", headroom_log2, 0.0, 16.0)
         self.log_heatmaps = validate_bool("log_heatmaps", log_heatmaps)
         self.heatmap_every_n_samples = validate_positive_int("heatmap_every_n_samples", heatmap_every_n_samples)
-        self.samples: list[_Sample] = []
+        self.samples: list[Sample] = []
         self.warned: set[str] = set()
         self._samples_drawn = 0
         self._lowest_zero_share = math.inf
@@ -185,7 +178,7 @@ class PrecisionSentinel(Callback):
         self._sampling = False
         self._handles: list[RemovableHandle] = []
         self._activation_maxima: list[tuple[str, torch.Tensor]] = []
-        self._snapshots: list[_Snapshot] = []
+        self._snapshots: list[Snapshot] = []
         self._skipped_before: int | None = None
         self._copies: CopiesOf | None = None
         """Under FSDP and tensor parallelism, how many ranks hold each parameter's local part
@@ -221,12 +214,9 @@ class PrecisionSentinel(Callback):
         self._sampling = sampling_rank and (step == 0 or (step + 1) % self.every_n_steps == 0)
         if not self._sampling or not trainer.is_global_zero:
             return
-        plugin = trainer.precision_plugin
-        self._skipped_before = plugin.stats.skipped_steps if isinstance(plugin, MixedPrecision) else None
-        for name, module in pl_module.named_modules():
-            is_leaf = next(module.children(), None) is None
-            if is_leaf or next(module.parameters(recurse=False), None) is not None:
-                self._handles.append(module.register_forward_hook(self._activation_recorder(name or "model")))
+        self._skipped_before = skipped_steps(trainer.precision_plugin)
+        for name, module in measured_layers(pl_module):
+            self._handles.append(module.register_forward_hook(self._activation_recorder(name)))
 
     @override
     def on_before_optimizer_step(
@@ -235,28 +225,10 @@ class PrecisionSentinel(Callback):
         if not self._sampling:
             return
         seen = {id(p) for snapshot in self._snapshots for p in snapshot.parameters}
-        stepped = [p for group in optimizer.param_groups if not _is_zero(group.get("lr", 1.0)) for p in group["params"]]
-        if self._copies is None:
-            parameters = [
-                p
-                for p in stepped
-                if p.grad is not None and not p.grad.is_sparse and p.grad.numel() > 0 and id(p) not in seen
-            ]
-        else:
-            # The same tensors, in the same order, on every rank, whatever its shards hold: the counts are summed.
-            parameters = [p for p in stepped if id(p) not in seen]
+        parameters = stepped_parameters(optimizer, seen, every_rank_counts=self._copies is not None)
         if not parameters:
             return
-        with torch.no_grad():
-            grads = [
-                local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p)) for p in parameters
-            ]
-            # x - 0.0 is x (-0.0 included): a copy of a whole list in one op, where allocating each destination for
-            # a copy would cost one op per tensor.
-            grad_signs = list(torch._foreach_sub(grads, 0.0))
-            torch._foreach_sign_(grad_signs)
-            weights_before = list(torch._foreach_sub([local_shard(p) for p in parameters], 0.0))
-        self._snapshots.append(_Snapshot(parameters, weights_before, grad_signs))
+        self._snapshots.append(take_snapshot(parameters))
 
     @override
     def on_train_batch_end(
@@ -281,7 +253,7 @@ class PrecisionSentinel(Callback):
         parameters = [p for snapshot in snapshots for p in snapshot.parameters]
         device_values = [torch.stack([value for _, value in maxima])] if maxima else []
         if snapshots:
-            device_values.append(_update_counts(snapshots))
+            device_values.append(update_counts(snapshots))
         sizes = [p.numel() for p in parameters]
         copies = [1] * len(parameters)
         if self._copies is not None and snapshots:
@@ -299,25 +271,21 @@ class PrecisionSentinel(Callback):
             return
         step = logging_step(trainer, finished_batch=batch_idx)
         layers = [layer for layer, _ in maxima]
-        names = _parameter_names(trainer, pl_module)
-        parameter_layers = [_layer_of(names.get(id(p), "unnamed")) for p in parameters]
-        plugin = trainer.precision_plugin
-        skipped = (
-            plugin.stats.skipped_steps > self._skipped_before
-            if isinstance(plugin, MixedPrecision) and self._skipped_before is not None
-            else None
-        )
+        names = parameter_names(trainer, pl_module)
+        parameter_layers = [layer_of(names.get(id(p), "unnamed")) for p in parameters]
+        skipped_so_far, before = skipped_steps(trainer.precision_plugin), self._skipped_before
+        skipped = None if skipped_so_far is None or before is None else skipped_so_far > before
         # The parameter dtypes are known on the host; collect them now, before an opt level can swap tensors.
-        parameter_half = {_HALF_NAMES[p.dtype] for p in pl_module.parameters() if p.dtype in _HALF_NAMES}
+        parameter_half = {HALF_NAMES[p.dtype] for p in pl_module.parameters() if p.dtype in HALF_NAMES}
 
         def consume(values: list[float]) -> None:
-            sample = _Sample(step)
+            sample = Sample(step)
             for layer, value in zip(layers, values, strict=False):
                 sample.headroom[layer] = min(sample.headroom.get(layer, math.inf), headroom_log2(value))
             # The counts are [with a gradient, per tensor..., moved, per tensor...].
             counts = [count / held_by for count, held_by in zip(values[len(layers) :], copies + copies, strict=True)]
             if counts:
-                _per_layer_shares(sample, parameter_layers, sizes, counts, skipped)
+                per_layer_shares(sample, parameter_layers, sizes, counts, skipped)
             self._record(trainer, pl_module, sample, parameter_half)
 
         host_reads(trainer).submit(trainer, self, torch.cat([v.reshape(-1).float() for v in device_values]), consume)
@@ -341,21 +309,30 @@ class PrecisionSentinel(Callback):
     # ------------------------------------------------------------------------------------------------ rules
 
     def _record(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, sample: _Sample, parameter_half: set[str]
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, sample: Sample, parameter_half: set[str]
     ) -> None:
         self.samples.append(sample)
-        findings: list[Finding | None] = list(misconfigurations(self._facts(trainer, pl_module, parameter_half)))
+        findings: list[Finding | None] = list(
+            misconfigurations(
+                run_facts(
+                    trainer.precision_plugin,
+                    model_device=pl_module.device.type,
+                    half_dtypes=frozenset(self._output_dtypes | parameter_half),
+                    outputs_seen=bool(self.samples and self.samples[-1].headroom),
+                )
+            )
+        )
         if sample.stale:
             findings.append(stale_update_finding(sample.stale, self.stale_update_share))
         if "float16" in self._output_dtypes | parameter_half and sample.headroom:
             findings.append(overflow_risk_finding(sample.headroom, self.headroom_log2))
-        zero_share = sample.underflow.get(_ALL_LAYERS)
+        zero_share = sample.underflow.get(ALL_LAYERS)
         if zero_share is not None:
             findings.append(self._underflow(trainer, zero_share))
             self._lowest_zero_share = min(self._lowest_zero_share, zero_share)
         for finding in findings:
             self._warn(finding)
-        log_scalars(trainer, _summary_scalars(sample), step=sample.step)
+        log_scalars(trainer, summary_scalars(sample), step=sample.step)
         if len(self.samples) - self._samples_drawn >= self.heatmap_every_n_samples:
             self._draw(trainer)
 
@@ -371,28 +348,6 @@ class PrecisionSentinel(Callback):
             zero_share, self._lowest_zero_share, self.underflow_growth, plugin.stats.loss_scale, ceiling
         )
 
-    def _facts(self, trainer: pl.Trainer, pl_module: pl.LightningModule, parameter_half: set[str]) -> RunFacts:
-        plugin = trainer.precision_plugin
-        precision = str(getattr(plugin, "precision", ""))
-        autocast_device = getattr(plugin, "device", None) if precision.endswith("-mixed") else None
-        plugin_mixed = precision.endswith("-mixed")
-        if isinstance(plugin, MixedPrecision):
-            uses_autocast = plugin.policy is not None and plugin.policy.uses_autocast and plugin.half_dtype is not None
-            plugin_mixed = uses_autocast
-            autocast_device = plugin.device if uses_autocast else None
-            scaler_active = plugin.scaler is not None
-        else:
-            scaler = getattr(plugin, "scaler", None)
-            scaler_active = scaler is not None and (not hasattr(scaler, "is_enabled") or scaler.is_enabled())
-        return RunFacts(
-            model_device=pl_module.device.type,
-            autocast_device=autocast_device if isinstance(autocast_device, str) else None,
-            half_dtypes=frozenset(self._output_dtypes | parameter_half),
-            plugin_mixed=plugin_mixed,
-            scaler_active=scaler_active,
-            outputs_seen=bool(self.samples and self.samples[-1].headroom),
-        )
-
     def _warn(self, finding: Finding | None) -> None:
         if finding is None or finding.kind in self.warned:
             return
@@ -403,14 +358,12 @@ class PrecisionSentinel(Callback):
 
     def _activation_recorder(self, layer: str) -> Any:
         def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            tensor = _first_floating_tensor(output)
+            tensor = first_floating_tensor(output)
             if tensor is None or tensor.numel() == 0:
                 return
-            if tensor.dtype in _HALF_NAMES:
-                self._output_dtypes.add(_HALF_NAMES[tensor.dtype])
-            with torch.no_grad():
-                largest = torch.linalg.vector_norm(tensor, ord=math.inf, dtype=torch.float32)
-            self._activation_maxima.append((layer, largest))
+            if tensor.dtype in HALF_NAMES:
+                self._output_dtypes.add(HALF_NAMES[tensor.dtype])
+            self._activation_maxima.append((layer, largest_magnitude(tensor)))
 
         return hook
 
@@ -422,7 +375,7 @@ class PrecisionSentinel(Callback):
         steps = [sample.step for sample in self.samples]
         for tag, (attribute, style) in HEATMAP_TAGS.items():
             layers = list(dict.fromkeys(layer for s in self.samples for layer in getattr(s, attribute)))
-            layers = [layer for layer in layers if layer != _ALL_LAYERS]
+            layers = [layer for layer in layers if layer != ALL_LAYERS]
             if not layers:
                 continue
             values = [[getattr(s, attribute).get(layer, math.nan) for s in self.samples] for layer in layers]
@@ -435,90 +388,6 @@ class PrecisionSentinel(Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-_ALL_LAYERS = "(all layers)"
-
-
-def _update_counts(snapshots: list[_Snapshot]) -> torch.Tensor:
-    """Per stepped tensor: elements with a non-zero gradient, then those of them whose weight moved; one vector."""
-    with torch.no_grad():
-        parameters = [local_shard(p) for snapshot in snapshots for p in snapshot.parameters]
-        before = [w for snapshot in snapshots for w in snapshot.weights_before]
-        grad_signs = [s for snapshot in snapshots for s in snapshot.grad_signs]
-        moved = torch._foreach_sub(parameters, before)
-        # The update's sign, not the update, is multiplied: an update that overflowed to inf, times a zero gradient
-        # sign, must count 0, where inf * 0 would be NaN and count 1.
-        torch._foreach_sign_(moved)
-        torch._foreach_mul_(moved, grad_signs)
-        with_gradient = torch._foreach_norm(grad_signs, 0)
-        with_gradient_and_moved = torch._foreach_norm(moved, 0)
-        return torch.stack([*with_gradient, *with_gradient_and_moved]).float()
-
-
-def _per_layer_shares(
-    sample: _Sample, layers: list[str], sizes: list[int], counts: list[float], skipped: bool | None
-) -> None:
-    """Fill the underflow and stale shares per layer from the per-tensor counts; a skipped step gives no stale share.
-
-    ``skipped`` is None where the plugin does not say; a step on which no element moved is then taken as skipped.
-    """
-    tensors = len(layers)
-    with_gradient, moved = counts[:tensors], counts[tensors : 2 * tensors]
-    if skipped is None:
-        skipped = sum(moved) == 0
-    totals: dict[str, list[float]] = {}
-    for layer, size, active, changed in zip(layers, sizes, with_gradient, moved, strict=True):
-        total = totals.setdefault(layer, [0.0, 0.0, 0.0])
-        total[0] += size
-        total[1] += active
-        total[2] += changed
-    for layer, (elements, active, changed) in totals.items():
-        sample.underflow[layer] = 1.0 - active / elements
-        if not skipped and active > 0:
-            sample.stale[layer] = (active - changed) / active
-    sample.underflow[_ALL_LAYERS] = 1.0 - sum(with_gradient) / sum(sizes)
-
-
-def _summary_scalars(sample: _Sample) -> dict[str, float]:
-    scalars = {}
-    finite_headroom = [value for value in sample.headroom.values() if math.isfinite(value)]
-    if finite_headroom:
-        scalars["precision_sentinel/min_activation_headroom_log2"] = min(finite_headroom)
-    if _ALL_LAYERS in sample.underflow:
-        scalars["precision_sentinel/total_grad_underflow_share"] = sample.underflow[_ALL_LAYERS]
-    if sample.stale:
-        scalars["precision_sentinel/max_stale_update_share"] = max(sample.stale.values())
-    return scalars
-
-
-def _parameter_names(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[int, str]:
-    """``id(tensor) -> name`` for the stepped tensors, named as the model names them (the policy may add names)."""
-    policy = getattr(trainer.precision_plugin, "policy", None)
-    names = {id(parameter): name for name, parameter in pl_module.named_parameters()}
-    if policy is not None:
-        names.update(policy.parameter_names(pl_module))
-    return names
-
-
-def _layer_of(parameter_name: str) -> str:
-    return parameter_name.rsplit(".", 1)[0] if "." in parameter_name else parameter_name
-
-
-def _first_floating_tensor(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output if output.is_floating_point() else None
-    if isinstance(output, (list, tuple)):
-        for item in output:
-            found = _first_floating_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
-def _is_zero(learning_rate: object) -> bool:
-    # A tensor learning rate is not read: that would synchronise. Treat it as non-zero.
-    return isinstance(learning_rate, (int, float)) and learning_rate == 0
 
 
 def _validate_in_range(name: str, value: object, low: float, high: float) -> float:
