@@ -218,13 +218,13 @@ def _train_and_measure(name: str, spec: RunSpec, profile: bool, repeat: int) -> 
             # Each run compiles afresh: in one process, earlier runs' graphs would otherwise count towards dynamo's
             # recompile limit, past which it silently runs eagerly.
             torch.compiler.reset()
-        if spec.compile_blocks and isinstance(model, WorkloadModule) and hasattr(model.network, "blocks"):
-            for block in model.network.get_submodule("blocks").children():
-                block.compile()
-        elif spec.compile or spec.compile_blocks:
-            # Compiles the module's forward in place: the plugins and Lightning still see the same module tree, and
-            # training_step (with its logging) runs eagerly around the compiled forward.
-            model.compile()
+            if spec.compile_blocks and isinstance(model, WorkloadModule) and hasattr(model.network, "blocks"):
+                for block in model.network.get_submodule("blocks").children():
+                    block.compile()
+            else:
+                # Compiles the module's forward in place: the plugins and Lightning still see the same module tree,
+                # and training_step (with its logging) runs eagerly around the compiled forward.
+                model.compile()
         fit(trainer, model)
         peak = torch.cuda.max_memory_allocated() / 2**20 if on_cuda else peak_rss_mib()
     return RunResult(

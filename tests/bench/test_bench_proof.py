@@ -66,9 +66,9 @@ def test_cpu_smoke_run_writes_a_json_and_markdown_report_within_its_budget(tmp_p
         assert all(target["verdict"] in ("met", "MISSED", "not measured") for target in figure["targets"])
 
 
-def test_render_writes_the_markdown_of_a_json_report_again(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """`gpu-proof --render FILE.json` regenerates FILE.md from the JSON alone."""
-    report = {
+def gpu_report(gpu: str, parts: list[dict] | None = None) -> dict:
+    """A full-mode report of a run on ``gpu`` (driver 550.54, torch 2.13.0, CUDA 12.8, Lightning 2.6.6)."""
+    return {
         "command": "python -m lightning_mp.bench gpu-proof --out x",
         "date": "2026-01-31",
         "device": "cuda",
@@ -78,7 +78,7 @@ def test_render_writes_the_markdown_of_a_json_report_again(tmp_path: Path, capsy
         "wall_seconds": 12.0,
         "stamp": {
             "device": "cuda",
-            "gpu": "NVIDIA H100",
+            "gpu": gpu,
             "driver": "550.54",
             "torch": "2.13.0",
             "cuda": "12.8",
@@ -86,8 +86,13 @@ def test_render_writes_the_markdown_of_a_json_report_again(tmp_path: Path, capsy
             "lightning_mp": "0.1.0",
             "python": "3.11.7",
         },
-        "parts": [],
+        "parts": parts or [],
     }
+
+
+def test_render_writes_the_markdown_of_a_json_report_again(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`gpu-proof --render FILE.json` regenerates FILE.md from the JSON alone."""
+    report = gpu_report("NVIDIA H100")
     json_path = tmp_path / "2026-01-31-nvidia-h100.json"
     json_path.write_text(json.dumps(report))
     assert bench.main(["gpu-proof", "--render", str(json_path)]) == 0
@@ -221,14 +226,12 @@ def test_the_fp8_figure_runs_the_fp8_mode_and_bare_torchao_on_the_same_layers() 
 def test_a_figure_that_cannot_run_is_reported_skipped_with_its_reason() -> None:
     """Without torchao or an FP8 GPU the FP8 figure is listed as skipped, with the reason, and judges no target."""
     figure = next(figure for figure in FIGURES if figure.needs_fp8)
-    stamp = {"device": "cuda", "gpu": "NVIDIA A100", "driver": "1", "torch": "2.13.0", "cuda": "12.8"}
-    stamp |= {"lightning": "2.6.6", "lightning_mp": "0.1.0", "python": "3.11"}
-    record = {**skipped_figure(figure, "needs compute capability >= 8.9; NVIDIA A100 has 8.0"), "stamp": stamp}
+    report = gpu_report("NVIDIA A100")
+    reason = "needs compute capability >= 8.9; NVIDIA A100 has 8.0"
+    record = {**skipped_figure(figure, reason), "stamp": report["stamp"]}
     part = {"name": "figures", "title": "the paired figures", "status": "passed", "reason": "", "box_seconds": 1.0}
     part |= {"wall_seconds": 1.0, "exit_code": 0, "log_tail": [], "records": [record]}
-    report = {"date": "2026-01-31", "command": "c", "stamp": stamp, "budget_seconds": 540.0, "wall_seconds": 9.0}
-    report |= {"smoke": False, "device": "cuda", "parts": [part]}
-    markdown = render_markdown(report)
+    markdown = render_markdown({**report, "parts": [part]})
     assert f"#### {figure.name}: {figure.title}\n\nSkipped: needs compute capability >= 8.9; NVIDIA A100 has 8.0" in (
         markdown
     )
