@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from lightning_mp.policies import POLICIES
+
 ResolvedPrecision = Literal["16-mixed", "bf16-mixed", "32-true"]
 """What ``precision="auto"`` resolves to: one of Lightning's own precision strings."""
 
@@ -32,8 +34,6 @@ AMPERE = (8, 0)
 
 def computes_with_half_weights(opt_level: str) -> bool:
     """Whether ``opt_level``'s forward computes with half weights, as its policy declares; False for an unknown name."""
-    from lightning_mp.policies import POLICIES  # imported on use: the policies module imports torch's optimizers
-
     policy = POLICIES.get(opt_level)
     return policy is not None and policy.computes_with_half_weights
 
