@@ -42,6 +42,7 @@ def fit_from_example_config(*overrides: str) -> LightningCLI:
     )
 
 
+@pytest.mark.slow
 def test_cli_yaml_with_plugin_and_monitors_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """The example YAML builds MixedPrecision from class_path/init_args, attaches the monitors and trains."""
     monkeypatch.chdir(tmp_path)
@@ -59,6 +60,7 @@ def test_cli_yaml_with_plugin_and_monitors_trains(tmp_path: Path, monkeypatch: p
     assert "precision/loss_scale" in events.Tags()["scalars"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argument", "given", "message"),
     [

@@ -137,6 +137,7 @@ def test_compiled_fp32_regions_warn_once_where_torch_splits_the_graph() -> None:
     assert len(splits) == (0 if DYNAMO_TRACES_AUTOCAST_FLAGS else 1), [str(w.message) for w in caught]
 
 
+@pytest.mark.slow
 def test_fp32_region_restores_autocast_inside_a_compiled_graph() -> None:
     """Layers after a keep_fp32 region run under autocast again inside the compiled graph, as in eager."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
@@ -168,7 +169,8 @@ def trainer_run(opt_level: str, compile_what: str, backend: str = BACKEND) -> tu
 
 
 @pytest.mark.parametrize(
-    ("opt_level", "compile_what", "backend"), [("O1", "model", "eager"), ("O2", "submodule", "aot_eager")]
+    ("opt_level", "compile_what", "backend"),
+    [("O1", "model", "eager"), pytest.param("O2", "submodule", "aot_eager", marks=pytest.mark.slow)],
 )
 def test_compiled_training_matches_eager_in_the_trainer(opt_level: str, compile_what: str, backend: str) -> None:
     """A Trainer run of a compiled model (or submodule) with keep_fp32 matches the eager run, without graph breaks."""
@@ -204,7 +206,7 @@ def fabric_run(opt_level: str, compile_what: str, backend: str = BACKEND) -> tup
     ("opt_level", "compile_what", "backend"),
     [
         ("O1", "submodule", "eager"),
-        ("O2", "model", "eager"),
+        pytest.param("O2", "model", "eager", marks=pytest.mark.slow),
         # Compiling after setup recompiles the wrapped module: the slowest cases, kept for the full run.
         pytest.param("O1", "after setup", "aot_eager", marks=pytest.mark.slow),
         pytest.param("O2", "after setup", "eager", marks=pytest.mark.slow),
@@ -221,6 +223,7 @@ def test_compiled_training_matches_eager_in_fabric(opt_level: str, compile_what:
         torch.testing.assert_close(compiled, eager)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not AOT_BACKWARD_AUTOCAST_CONFIGURABLE, reason="torch<2.9 has no backward_pass_autocast (lightning_mp._compat)"
 )

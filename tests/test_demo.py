@@ -10,7 +10,8 @@ import pytest
 from lightning_mp import demo
 from tests.helpers import read_events
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+# Slow: runs the demo as a user runs it: the fast loop leaves the module out.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 def run_demo(argv: list[str], capsys: pytest.CaptureFixture) -> str:

@@ -37,6 +37,9 @@ from lightning_mp.scaling.rules import ScalerSettings
 from lightning_mp.settings import PluginSettings
 from tests.helpers import TinyRegressor, loader, make_trainer, read_events
 
+# Slow: runs the documentation's code blocks and quickstarts: the fast loop leaves the module out.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
@@ -348,7 +351,6 @@ def test_the_private_names_table_is_the_registry() -> None:
     )
 
 
-@pytest.mark.slow
 def test_the_committed_opt_level_counts_are_what_the_benchmark_counts_today() -> None:
     """Recounting O2 in bf16 gives the committed row, on the versions the file was stamped with: the figures on the
     performance page are measured, not typed (counts are deterministic).

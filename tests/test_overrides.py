@@ -313,6 +313,7 @@ def assert_plain_and_exportable(model: nn.Module, layers: nn.Sequential) -> None
     torch.export.export(model, (example,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 def test_after_fit_the_model_is_plain_torch_and_exports(opt_level: str) -> None:
     """After fit, with keep_fp32 at any opt level, the model holds no hook of the plugin and exports as usual."""

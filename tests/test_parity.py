@@ -27,6 +27,9 @@ from lightning_mp import MixedPrecision
 from lightning_mp.tasks import MarkovTextDataModule, TinyTransformerLM
 from tests.helpers import make_trainer
 
+# Slow: trains the reference task at every opt level: the fast loop leaves the module out.
+pytestmark = pytest.mark.slow
+
 VOCAB = 32
 CONFIGS = [("32-true", "O0"), ("bf16-mixed", "O1"), ("bf16-mixed", "O2"), ("16-mixed", "O1"), ("16-mixed", "O2")]
 

@@ -87,6 +87,7 @@ def _names(requirements: list[str]) -> set[str]:
     }
 
 
+@pytest.mark.slow
 def test_every_direct_import_of_the_package_is_a_declared_dependency() -> None:
     """`pip install lightning_mp` brings every library the package imports itself, not only through another one;
     the FP8 mode's torchao comes with the `fp8` extra, and only the FP8 package imports it."""

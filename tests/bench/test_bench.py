@@ -13,7 +13,8 @@ from lightning_mp.bench.comparison import paired_ratios, resolution, unresolved_
 from lightning_mp.bench.machine import load_warnings, matmul_rates
 from lightning_mp.bench.timing import RunResult
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+# Slow: the benchmark's own timed runs: the fast loop leaves the module out.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 def test_quick_benchmark_runs_in_process_and_reports_paired_spread(tmp_path: Path, capsys) -> None:

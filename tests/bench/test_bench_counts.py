@@ -6,6 +6,9 @@ import pytest
 
 from lightning_mp.bench.counts import OPTIMIZERS, PRECISIONS, SHOWN_CONTESTANTS, counts_table
 
+# Slow: the counts table runs every precision and optimizer: the fast loop leaves the module out.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def rows() -> dict[tuple[str, str], dict[str, int]]:

@@ -28,6 +28,9 @@ from lightning_mp.bench.memory import (
 from lightning_mp.bench.workloads import SIZES, ModelSize
 from lightning_mp.tasks import TinyTransformerLM
 
+# Slow: the memory benchmark's profiled runs: the fast loop leaves the module out.
+pytestmark = pytest.mark.slow
+
 SMALL = ModelSize(d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=8, vocab_size=128)
 
 

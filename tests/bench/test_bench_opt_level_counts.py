@@ -25,6 +25,9 @@ from lightning_mp.bench.opt_level_counts import (
 )
 from tests.helpers import TinyRegressor, loader
 
+# Slow: the benchmark's own runs, counted per opt level: the fast loop leaves the module out.
+pytestmark = pytest.mark.slow
+
 
 def regressor_task(steps: int) -> tuple[L.LightningModule, Any]:
     """Two linear layers (4 weights, each used by one matrix product) and ``steps`` batches."""
@@ -136,7 +139,6 @@ def test_counts_report_has_the_opt_level_table(capsys: pytest.CaptureFixture[str
     assert "O2 16-mixed weight casts: none in forward or backward, <= 1 per weight in the step" in report
 
 
-@pytest.mark.slow
 def test_ddp_all_reduces_4_bytes_per_parameter_in_fp32_and_2_with_half_weights() -> None:
     """Under DDP (gloo, 2 processes) fp32 gradients (fp32 training, O1) cost 4 bytes per parameter per step on the
     wire, O3's bf16 gradients 2, each in buckets of its dtype."""

@@ -22,10 +22,12 @@ from lightning_mp.bench.timing import RunResult, RunSpec, run_configuration
 from lightning_mp.bench.workloads import WORKLOADS
 from lightning_mp.fp8.convert import fp8_layer_names
 
+# Slow: the GPU proof's CPU runs: the fast loop leaves the module out.
+pytestmark = pytest.mark.slow
+
 SMOKE_BUDGET_SECONDS = 55
 
 
-@pytest.mark.slow  # about a minute by design: CI's main run takes it on every commit
 def test_cpu_smoke_run_writes_a_json_and_markdown_report_within_its_budget(tmp_path: Path) -> None:
     """`gpu-proof --device cpu --smoke` ends within its budget with a report whose Markdown is its JSON's rendering."""
     command = [sys.executable, "-m", "lightning_mp.bench", "gpu-proof", "--device", "cpu", "--smoke"]
@@ -124,7 +126,6 @@ def test_errors(broken):
 """
 
 
-@pytest.mark.slow
 def test_outcome_log_records_each_outcome_with_its_message(tmp_path: Path) -> None:
     """The pytest plugin writes one JSON line per test: passed, failed, skipped or error, with the reason."""
     (tmp_path / "test_outcomes.py").write_text(OUTCOMES_SUITE)

@@ -37,6 +37,7 @@ def table_rows(text: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", GPU_WORKLOADS)
 @pytest.mark.parametrize("configuration", ["lightning-bf16", "O1-bf16"])
 def test_each_gpu_workload_trains_a_timed_step_in_its_tiny_shape(workload: str, configuration: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -96,6 +97,7 @@ def test_python_calls_leave_out_the_excluded_functions() -> None:
     assert calls.python_calls == 1
 
 
+@pytest.mark.slow
 def test_python_calls_leave_out_what_the_garbage_collector_runs() -> None:
     """No garbage collection runs in the block, so garbage piled up before it adds no weak-reference callback to the
     count; the collector is back on after it."""

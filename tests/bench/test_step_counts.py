@@ -19,6 +19,9 @@ from lightning_mp.bench.counting import count_syncs_and_ops
 from lightning_mp.bench.counts import OPTIMIZERS, PRECISIONS, count_iteration, tiny_language_model
 from tests.helpers import TinyRegressor, loader, make_trainer
 
+# Slow: each test counts a whole iteration of three loops side by side: the fast loop leaves the module out.
+pytestmark = pytest.mark.slow
+
 FUSED = ("fused Adam", "fused AdamW", "fused SGD")
 
 
@@ -83,7 +86,6 @@ def test_a_fused_step_and_update_never_sync_and_still_skip(optimizer_name, mode)
     assert scaler.get_scale() == (256.0 * 2**3 / 2 if mode == "dynamic" else 1.0)  # three growths, one backoff
 
 
-@pytest.mark.slow
 def test_bench_counts_prints_a_markdown_table_of_syncs_and_ops(capsys, tmp_path):
     """python -m lightning_mp.bench --counts --quick prints one row per configuration with each contestant's counts,
     and writes the same report to --out."""

@@ -30,6 +30,9 @@ from lightning_mp.callbacks._sentinel_rules import (
 from lightning_mp.callbacks.precision_sentinel import HEADROOM_STYLE, STALE_STYLE, UNDERFLOW_STYLE
 from tests.helpers import make_trainer, read_events
 
+# Slow: each test trains a model until the sentinel has something to say: the fast loop leaves the module out.
+pytestmark = pytest.mark.slow
+
 HEATMAP_TAGS = (
     "precision_sentinel/activation_headroom_log2",
     "precision_sentinel/grad_underflow_share",

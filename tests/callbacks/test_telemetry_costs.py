@@ -17,6 +17,9 @@ from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, Los
 from tests.ddp_scripts.launch import clean_environment, finish
 from tests.helpers import BatchCostRecorder, TinyLanguageModel, make_trainer
 
+# Slow: each cost is counted against a second run without the monitors: the fast loop leaves the module out.
+pytestmark = pytest.mark.slow
+
 LOG_EVERY = 3
 MAX_STEPS = 6
 
@@ -126,7 +129,6 @@ def start_ddp_costs(out: Path, monitors: bool) -> subprocess.Popen:
     )
 
 
-@pytest.mark.slow
 def test_ddp_logging_step_reduces_every_counter_in_one_collective_and_one_sync(tmp_path):
     """Under DDP (2 processes) with the three monitors and the sentinel, a logging step adds 1 collective and at most
     1 sync per rank, other steps add no collective and no sync (but the sentinel's first sample on rank 0)."""

@@ -64,6 +64,7 @@ def test_ddp_with_one_device_trains_and_skips_the_inf_step(
     assert_trained_and_skipped(network, plugin)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", [on_device("cpu"), on_device("cuda")])
 def test_the_four_monitors_write_tensorboard_events_on_the_device(device: str, tmp_path: Path) -> None:
     """The four monitors log the scale, the skip, gradient health, layer dtypes and heatmaps into real event files."""

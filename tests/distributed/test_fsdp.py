@@ -235,6 +235,7 @@ def test_fabric_refuses_the_fsdp_plugin_under_another_strategy_at_the_first_forw
         model(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", ["before setup", "after setup"])
 def test_fabric_refuses_the_fsdp_plugin_on_a_compiled_model_under_another_strategy(
     single_process_group: None, compiled: str
@@ -253,6 +254,7 @@ def test_fabric_refuses_the_fsdp_plugin_on_a_compiled_model_under_another_strate
         model(x)
 
 
+@pytest.mark.slow
 def test_fabric_fsdp_accepts_the_plugin_on_a_compiled_model_without_a_hook_warning(single_process_group: None) -> None:
     """Under Fabric's FSDPStrategy a compiled model passes the first forward's check, and torch warns of no hooks."""
     plugin = FSDPMixedPrecision("bf16-mixed", opt_level="O2")
@@ -294,6 +296,7 @@ def test_trainer_fsdp_manual_optimization_trains_like_the_plain_plugin(
     torch.testing.assert_close(fsdp.losses, plain.losses, rtol=0.0, atol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings(
     "ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available",
     "ignore:CUDA is not available or torch_xla is imported. Disabling autocast",

@@ -235,6 +235,7 @@ def test_fabric_trains_in_fp8_and_teardown_restores_plain_layers():
     assert all(type(layer) is nn.Linear for layer in model if isinstance(layer, nn.Linear))
 
 
+@pytest.mark.slow
 def test_fabric_fp8_under_torch_compile_matches_eager():
     """A model compiled after fabric.setup traces torchao's FP8 layers and trains as the eager FP8 model does."""
     x, y = regression_loader().dataset.tensors

@@ -78,6 +78,7 @@ def per_tensor_reference(tensor: torch.Tensor, dtype: torch.dtype) -> dict[str, 
     }
 
 
+@pytest.mark.slow
 def test_logged_stats_match_a_per_tensor_reference(tmp_path):
     """Under tensorwise scaling, the logged amax, scale, underflow share and SQNR of a layer's input, weight (e4m3)
     and output gradient (e5m2) equal plain torch casts of the same tensors, as read back from TensorBoard."""
@@ -96,6 +97,7 @@ def test_logged_stats_match_a_per_tensor_reference(tmp_path):
             assert logged[EVERY - 1] == pytest.approx(value, rel=1e-5, abs=1e-7), (operand, stat)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_a_planted_outlier_is_named_worst_within_one_logging_interval(tmp_path, recipe):
     """One feature of a layer's input scaled by 1e4 makes that layer the worst at the first logging step, in the
@@ -112,6 +114,7 @@ def test_a_planted_outlier_is_named_worst_within_one_logging_interval(tmp_path, 
     assert {"fp8_monitor/heatmap/underflow_share", "fp8_monitor/heatmap/sqnr_db"} <= set(events.Tags()["images"])
 
 
+@pytest.mark.slow
 def test_no_sync_and_no_op_between_logging_steps_and_one_sync_on_them(tmp_path):
     """A step that does not log costs nothing (same syncs and ops as without the monitor); a logging step adds at
     most one host sync."""
@@ -130,6 +133,7 @@ def test_no_sync_and_no_op_between_logging_steps_and_one_sync_on_them(tmp_path):
             assert monitored[batch].ops > plain[batch].ops
 
 
+@pytest.mark.slow
 def test_fallback_returns_the_outlier_layer_and_only_it_to_bf16(tmp_path):
     """With fallback on, the layer whose underflow crosses the limit on 2 logging steps in a row, and only it, is
     handed to the fallback function after the second, with the reason; training goes on with its same weights."""
@@ -156,6 +160,7 @@ def test_fallback_returns_the_outlier_layer_and_only_it_to_bf16(tmp_path):
     assert "net.fc2" in texts(read_events(tmp_path / "fp8" / "version_0"), "fp8_monitor/fallback")[2 * EVERY - 1]
 
 
+@pytest.mark.slow
 def test_a_layer_fallen_back_stays_in_bf16_after_a_resume(tmp_path):
     """The layers that fell back are in the checkpoint: a run resumed from it returns them to bf16 before its first
     step, and measures only the layers still in FP8."""

@@ -40,6 +40,7 @@ def _steady_syncs(name: str) -> int:
     return 1 if name == "fused Adagrad" and not FUSED_ADAGRAD_TAKES_FOUND_INF else 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTIMIZER_FORMS))
 @pytest.mark.parametrize("precision", CHECKED)
 def test_trainer_skips_every_nonfinite_step_without_a_sync(precision, name):
@@ -54,6 +55,7 @@ def test_trainer_skips_every_nonfinite_step_without_a_sync(precision, name):
     assert [counts.syncs for counts in recorder.per_batch[2:]] == steady, [c.sync_ops for c in recorder.per_batch]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTIMIZER_FORMS))
 @pytest.mark.parametrize("precision", CHECKED)
 def test_fabric_skips_every_nonfinite_step_without_a_sync(precision, name):

@@ -197,6 +197,7 @@ def reference_losses() -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_level", ["lean", "lean-kahan"])
 def test_lean_reaches_the_validation_loss_of_o0_and_o1(reference_losses: dict[str, float], opt_level: str) -> None:
     """On the reference task (60 steps), lean ends within 2% of O0's and 1% of O1's validation loss, never skipping."""

@@ -58,6 +58,7 @@ class ParameterWatch(L.Callback):
             self.skipped_steps.append(trainer.global_step - 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_random_faults_are_skipped_and_training_still_converges(precision):
     """8% of 300 steps get an inf/NaN loss or gradient: each is skipped, weights stay finite, the loss goes down."""

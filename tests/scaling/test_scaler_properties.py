@@ -107,6 +107,7 @@ def _drive(scaler: LossScaler, model: nn.Linear, optimizer: torch.optim.Optimize
     scaler.update()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True], ids=["rules-on-host", "rules-on-device"])
 @PROPERTY_SETTINGS
 @given(knobs=valid_knobs(), overflows=st.lists(st.booleans(), max_size=30))

@@ -381,6 +381,7 @@ def test_o2_under_real_ddp_all_reduces_half_gradients(tmp_path: Path) -> None:
     assert reduced["O2"][0]["reduced_bytes"] <= 0.55 * reduced["O1"][0]["reduced_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_o2_validation_loss_is_within_2_percent_of_o0_on_the_reference_task(precision: str) -> None:
     """On the reference task O2 ends within 2% of the fp32 baseline's validation loss, without a skipped step."""
