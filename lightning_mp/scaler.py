@@ -18,9 +18,9 @@ built; the facade never asks which mode it runs in. One iteration (any number of
   rewritten. Under DDP the flag is all-reduced (max) right there, on every path, so every rank takes the same
   decision: one collective per step, always issued in the same order, no deadlock. Under FSDP2 each rank checks
   its local shard of every gradient, empty shards left out, and the same all-reduce makes the decision unanimous
-  (:mod:`~lightning_mp.scaling.sharded`). Under :class:`~lightning_mp.MixedPrecision` an explicit ``unscale_`` first
-  has the opt level put the step's gradients in place (O2 moves them to its fp32 masters), so that it unscales and
-  checks what the step applies (:meth:`LossScaler.prepare_before_unscale`).
+  (:mod:`~lightning_mp.scaling.sharded`). Under :class:`~lightning_mp.MixedPrecision` the step engine wraps
+  ``unscale_`` for the run, so that an explicit call first has the opt level put the step's gradients in place (O2
+  moves them to its fp32 masters) and unscales and checks what the step applies (:mod:`lightning_mp.engine.base`).
 * ``step`` of a fused optimizer (Adam, AdamW, SGD, Adagrad with ``fused=True``, or any optimizer that declares
   ``_step_supports_amp_scaling``) follows torch's ``GradScaler.step``: the optimizer gets the flag as ``found_inf``
   and, when nothing unscaled its gradients yet, the scale as ``grad_scale`` (times a ``grad_scale`` the user set),
@@ -67,7 +67,6 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Container
 from dataclasses import replace
 from typing import Any
 
@@ -205,9 +204,6 @@ class LossScaler(torch.amp.GradScaler):
         """The iteration's stages, flags and verdicts (:mod:`~lightning_mp.scaling.steps`)."""
         self._host = HostReplay(settings, self._scaling, self._device_scale, self._gate.flags, self._gate.optimizers)
         """The host's scale and counters, replayed from each iteration (:mod:`~lightning_mp.scaling.replay`)."""
-        self._before_unscale: Callable[[torch.optim.Optimizer], None] | None = None
-        self._prepared: Container[int] = ()
-        """The ``id`` of each optimizer whose gradients are in place: :meth:`unscale_` calls no preparation for it."""
 
     # ------------------------------------------------------------------------------------------------ knobs
 
@@ -273,24 +269,19 @@ class LossScaler(torch.amp.GradScaler):
         return self._scaling.scale(outputs, self._device_scale, self._host.state)
 
     def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether :meth:`unscale_` already ran for ``optimizer`` in this iteration (a second call would raise).
-
-        Asking records nothing for an optimizer the scaler has not seen.
-        """
+        """Whether :meth:`unscale_` already ran for ``optimizer`` in this iteration (a second call would raise)."""
         return self._gate.is_unscaled(optimizer)
 
     def adopt_unscale(self, wrapper: Any, optimizer: torch.optim.Optimizer) -> None:
         """Record an :meth:`unscale_` made through ``wrapper`` in this iteration as made on ``optimizer``.
 
-        For a wrapper that shares ``optimizer``'s ``param_groups`` (Lightning's ``LightningOptimizer``): it unscaled
-        the very gradients ``optimizer`` steps, so a later ``unscale_(optimizer)`` must not unscale them again.
+        For a wrapper that shares its ``param_groups`` (Lightning's ``LightningOptimizer``), whose unscale_ therefore
+        unscaled the very gradients ``optimizer`` steps.
         """
         self._gate.adopt_unscale(wrapper, optimizer)
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the gradients unscaled for ``optimizer`` in this iteration hold an inf or NaN: its step is skipped.
-
-        False before :meth:`unscale_` ran for it. Asking records nothing for an optimizer the scaler has not seen.
+        """Whether the gradients unscaled for ``optimizer`` in this iteration hold an inf or NaN (False before).
 
         .. warning:: Reads the device flag on the host: a synchronisation on CUDA.
         """
@@ -299,71 +290,36 @@ class LossScaler(torch.amp.GradScaler):
     def step_verdict(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor | None:
         """Whether ``optimizer``'s step of this iteration is (or will be) skipped, without waiting for a device.
 
-        Returns:
-            a bool where the host already knows; else the device flag (a 0-d tensor, 1.0 when skipped), for
-            sync-free use such as ``torch.where``; None before :meth:`unscale_` ran for it.
-
+        A bool where the host already knows; else the device flag (a 0-d tensor, 1.0 when skipped), for sync-free
+        use such as ``torch.where``; None before :meth:`unscale_` ran for it.
         """
         return self._gate.verdict(optimizer)
-
-    def prepare_before_unscale(
-        self, prepare: Callable[[torch.optim.Optimizer], None] | None, prepared: Container[int] = ()
-    ) -> None:
-        """Have :meth:`unscale_` call ``prepare(optimizer)`` first, unless ``id(optimizer)`` is in ``prepared``.
-
-        For the step engine of an opt level whose gradients reach the optimizer's parameters only at the step (O2
-        moves them from the half weights to the fp32 masters): a user's ``scaler.unscale_(optimizer)`` before the
-        step ("unscale, clip, step") then unscales and checks the gradients the step will apply. The engine lists
-        each optimizer it has prepared in ``prepared`` (a set it keeps updating), so that its own unscale, which
-        prepares first, is not prepared twice. ``None`` removes the preparation (at the end of a run).
-
-        Args:
-            prepare: called with the optimizer (or the wrapper) given to :meth:`unscale_`.
-            prepared: the ``id`` of each optimizer whose gradients are in place.
-
-        """
-        self._before_unscale = prepare
-        self._prepared = prepared if prepare is not None else ()
 
     @override
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place (fp16) and check them for inf/NaN.
 
         In check mode (bf16, fp32) the gradients are only read. Runs at most once per optimizer and iteration, like
-        torch's (use :meth:`is_unscaled` to ask first). Under DDP the flag is all-reduced with ``max``. Under
-        :class:`~lightning_mp.MixedPrecision` the opt level first puts the step's gradients in place
-        (:meth:`prepare_before_unscale`).
+        torch's (use :meth:`is_unscaled` to ask first). Under DDP the flag is all-reduced with ``max``.
 
         Raises:
             RuntimeError: when called twice for ``optimizer`` in one iteration, or after its ``step``.
 
         """
-        prepare = self._before_unscale
-        if prepare is not None and id(optimizer) not in self._prepared:
-            prepare(optimizer)
         self._gate.unscale(optimizer, True, self._host.state, self.allow_fp16_gradients)
 
     def recheck_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Check ``optimizer``'s unscaled gradients again before its step, and skip the step if one is now inf or NaN.
 
-        For code that changes the gradients between :meth:`unscale_` and :meth:`step`: clipping with a NaN
-        threshold, for one, turns finite gradients into NaN after they were checked. The new check is folded into
-        the step's verdict, so such a step is skipped and counted like an overflow. Does nothing before
-        :meth:`unscale_`. Under DDP the gradients were already averaged, so every rank finds the same.
-
-        .. warning:: Where the verdict is a device flag, it is updated on the device (no sync). Where the host
-            already read it (bf16 and fp32 with an optimizer that is not fused), the step reads it once more.
-
+        For code that changes the gradients after :meth:`unscale_` (clipping with a NaN threshold makes them NaN):
+        the check is folded into the step's verdict, on the device where the verdict is a device flag, and such a
+        step is skipped and counted like an overflow. Does nothing before :meth:`unscale_`.
         """
         self._gate.recheck(optimizer)
 
     @property
     def local_overflow_count(self) -> torch.Tensor | int:
-        """This rank's overflow count as :meth:`local_overflows` counts it, read without a synchronisation.
-
-        A 0-d device tensor where the scaler counts on the device (under DDP), else the host count; for telemetry
-        that gathers it with other counters in one collective.
-        """
+        """:meth:`local_overflows` without a sync: a 0-d device tensor under DDP (for one gathering collective)."""
         local = self._gate.flags.local_overflows
         return local if local is not None else self.skipped_steps
 
@@ -379,12 +335,8 @@ class LossScaler(torch.amp.GradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if needed, then run ``optimizer.step()`` unless a gradient is inf or NaN.
 
-        Fused optimizers follow torch's protocol and skip on the device, as do Adam, AdamW, SGD and Adagrad in check
-        mode; the module docstring says which optimizer skips where (:mod:`~lightning_mp.scaling.steps`).
-
-        .. warning:: An optimizer that cannot skip on the device (fp16 with a non-fused optimizer, custom optimizers
-            without the protocol, complex parameters, sparse gradients, fused SGD's first momentum step) reads the
-            inf flag: one host sync, as in torch.
+        .. warning:: An optimizer that cannot skip on the device reads the inf flag: one host sync, as in torch. The
+            module docstring says which optimizer skips where.
 
         Raises:
             RuntimeError: when called twice for ``optimizer`` in one iteration, or with a ``closure``.
@@ -439,10 +391,7 @@ class LossScaler(torch.amp.GradScaler):
     def record_unchecked_step(self, skipped: bool = False) -> None:
         """End an iteration whose one step was checked outside this scaler (LBFGS evaluates its own closure).
 
-        Args:
-            skipped: whether the caller found a non-finite loss or gradient and undid the step; it counts as a
-                skipped step (and towards ``max_consecutive_skips``) like any other.
-
+        ``skipped``: the caller found a non-finite loss or gradient and undid the step; it counts like any skip.
         """
         self._gate.record_unchecked_step(skipped)
         self.update()
@@ -486,12 +435,10 @@ class LossScaler(torch.amp.GradScaler):
         )
 
     def stats_with_pending(self) -> PrecisionStats:
-        """:meth:`stats` as they will read once this iteration's :meth:`update` has run, without running it.
+        """:meth:`stats` as they will read after this iteration's :meth:`update`, computed on copies; changes nothing.
 
-        For a caller whose update waits (Fabric's, until the next backward): the iteration's steps are counted and
-        the scale moved by the same rules on copies; nothing here changes, and nothing raises (a collapse raises at
-        the update itself). Where a flag is still on an accelerator, this is :meth:`stats`, as fresh as
-        :meth:`get_scale` is there.
+        For a caller whose update waits (Fabric's, until the next backward). Never raises (a collapse raises at the
+        update itself). Where a flag is still on an accelerator, this is :meth:`stats`.
         """
         stats = stats_after_update(self._gate.record, self._host.ledger, self._host.state, self.settings, self._scaling)
         return self.stats() if stats is None else stats
@@ -512,8 +459,8 @@ class LossScaler(torch.amp.GradScaler):
                 "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after"
                 " scaler.update()."
             )
-        # The preparation belongs to the running engine: a copy keeps no tie to its model and optimizers.
-        return {**self.__dict__, "_before_unscale": None, "_prepared": ()}
+        # A step engine's wrapper of unscale_ belongs to its run: a copy keeps no tie to its model and optimizers.
+        return {name: value for name, value in self.__dict__.items() if name != "unscale_"}
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -530,11 +477,8 @@ class LossScaler(torch.amp.GradScaler):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the scale, the trackers and the counters, validated and fitted to this run's settings.
 
-        Accepts torch's five-key GradScaler dict as well (counters then start from zero). This run's settings win
-        over the dict's (a difference is warned about); a positive scale outside ``[floor, max_scale]`` and trackers
-        beyond this run's ``growth_interval``/``hysteresis`` are clamped with a warning naming the key and both
-        values. A scale of 0, a negative one or a non-finite one cannot come from training and is refused
-        (:mod:`~lightning_mp.scaling.checkpoint`).
+        Accepts torch's five-key GradScaler dict as well (counters then start from zero). This run's settings win,
+        with a warning; what is clamped and what is refused is in :mod:`~lightning_mp.scaling.checkpoint`.
 
         Raises:
             RuntimeError: if ``state_dict`` is empty.

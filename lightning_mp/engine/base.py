@@ -23,8 +23,10 @@ back where the step was skipped, remembers the :class:`~lightning_mp.engine.verd
 (``after_optimizer_step``: O2 copies its fp32 masters into the half weights).
 
 The engine owns the set of optimizers whose gradients the opt level prepared for the step (:meth:`prepare_step`
-adds, :meth:`forget_prepared` removes, after a backward and at the end of a step); the scaler only reads it, to
-prepare before a user's own ``scaler.unscale_``.
+adds, :meth:`forget_prepared` removes, after a backward and at the end of a step). For the run it wraps the scaler's
+``unscale_`` (:meth:`StepEngine.user_unscale`), so that a user's own ``scaler.unscale_(optimizer)`` ("unscale, clip,
+step") unscales the gradients the step will apply; the engine's own unscales call the scaler's method directly, and
+the scaler knows nothing of the engine.
 
 Two pieces are shared, so that the engines cannot drift apart:
 
@@ -45,6 +47,7 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
+from types import MethodType
 from typing import Any
 
 import torch
@@ -199,8 +202,10 @@ class StepEngine(ABC):
         """Per optimizer (by ``id``), the verdict of its last step, as :meth:`end_step` was given it."""
         self._prepared: set[int] = set()
         """The optimizers (by ``id``) whose gradients the opt level prepared since their last step and the last
-        backward: :meth:`prepare_step` adds, :meth:`forget_prepared` removes; the scaler reads it."""
-        loss_scaler.prepare_before_unscale(self.before_user_unscale, self._prepared)
+        backward: :meth:`prepare_step` adds, :meth:`forget_prepared` removes."""
+        self.scaler_unscale = MethodType(type(loss_scaler).unscale_, loss_scaler)
+        """The scaler's own ``unscale_``, which the engine's steps call (they prepare first themselves)."""
+        loss_scaler.unscale_ = self.user_unscale  # type: ignore[method-assign]
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the most recent step of ``optimizer`` was skipped; False before one.
@@ -287,7 +292,8 @@ class StepEngine(ABC):
         """The run ended: apply a pending update and release the models."""
         self.apply_pending_update()
         self.running_stats.clear()
-        self.loss_scaler.prepare_before_unscale(None)
+        if vars(self.loss_scaler).get("unscale_") == self.user_unscale:
+            del self.loss_scaler.unscale_
 
     # ------------------------------------------------------------------------------------------------ shared
 
@@ -338,14 +344,19 @@ class StepEngine(ABC):
         self._prepared.discard(id(optimizer))
         self.policy.after_optimizer_step(optimizer, verdict.skipped)
 
-    def before_user_unscale(self, optimizer: Optimizer) -> None:
-        """A user's ``scaler.unscale_(optimizer)`` is about to run: prepare the gradients it unscales, once per step.
+    def user_unscale(self, optimizer: Optimizer) -> None:
+        """The scaler's ``unscale_`` while the engine runs: ready ``optimizer`` (:meth:`before_user_unscale`), unscale.
 
-        The scaler calls this (:meth:`LossScaler.prepare_before_unscale`) for an optimizer, or the
-        LightningOptimizer or Fabric wrapper around it, that :meth:`prepare_step` has not prepared yet: without it
-        O2's fp32 masters would hold no gradient yet, the scaler would record the optimizer as unscaled having
-        unscaled and checked nothing, and the step would apply the scaled half gradients.
+        ``optimizer`` may be the LightningOptimizer or Fabric wrapper around the one the engine steps. Without the
+        preparation O2's fp32 masters would hold no gradient yet, the scaler would record the optimizer as unscaled
+        having unscaled and checked nothing, and the step would apply the scaled half gradients.
         """
+        if id(optimizer) not in self._prepared:
+            self.before_user_unscale(optimizer)
+        self.scaler_unscale(optimizer)
+
+    def before_user_unscale(self, optimizer: Optimizer) -> None:
+        """A user's ``scaler.unscale_(optimizer)`` is about to run: prepare the gradients it unscales, once per step."""
         self.prepare_step(unwrapped(optimizer))
 
     @abstractmethod

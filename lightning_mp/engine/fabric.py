@@ -397,7 +397,7 @@ class FabricEngine(StepEngine):
         if wrapper is not None:
             self.loss_scaler.adopt_unscale(wrapper, optimizer)
         if not self.loss_scaler.is_unscaled(optimizer):  # else the user's scaler.unscale_ did it, on true gradients
-            self.loss_scaler.unscale_(optimizer)
+            self.scaler_unscale(optimizer)
         self._unscaled.add(id(optimizer))
 
     def _ready_for_unscale(self, optimizer: Optimizer) -> None:

@@ -256,7 +256,7 @@ class TrainerEngine(StepEngine):
         # Without gradients (a training_step that returned None) there is nothing to unscale, and an unscale_
         # recorded now would wrongly mark the next batch's gradients as already unscaled.
         if unscale and _has_gradients(optimizer) and not self.loss_scaler.is_unscaled(optimizer):
-            self.loss_scaler.unscale_(optimizer)
+            self.scaler_unscale(optimizer)
 
     def _end_iteration(self, verdict: StepVerdict | None = None) -> None:
         """Move the scale once; put the running statistics back when a step of the iteration was skipped.

@@ -6,6 +6,7 @@ a real Trainer step and a real Fabric step, to show that each front end runs its
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from collections.abc import Callable
@@ -324,3 +325,21 @@ def test_a_front_ends_wrapper_is_the_optimizer_it_wraps_and_a_lookahead_is_an_op
     assert unwrapped(fabric.setup_optimizers(optimizer)) is optimizer
     lookahead = Lookahead(optimizer)
     assert unwrapped(lookahead) is lookahead and unwrapped(optimizer) is optimizer
+
+
+def test_the_engine_wraps_the_scalers_unscale_for_its_run_only() -> None:
+    """While a run is on, ``scaler.unscale_`` readies the step first; a copy and the scaler after teardown are plain."""
+    model = tiny_model()
+    engine = fabric_engine(model)
+    scaler = engine.loss_scaler
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert "unscale_" not in vars(copy.deepcopy(scaler))  # a copy keeps no tie to the engine and its model
+    engine.backward(model(torch.ones(2, 4)).sum(), model)
+    readied: list[torch.optim.Optimizer] = []
+    engine.before_user_unscale = readied.append  # type: ignore[method-assign]
+    scaler.unscale_(optimizer)  # a user's "unscale, clip, step"
+    assert readied == [optimizer] and scaler.is_unscaled(optimizer)
+    engine.optimizer_step(optimizer, model, None)
+    engine.teardown()
+    assert "unscale_" not in vars(scaler)
+    assert scaler.unscale_.__func__ is LossScaler.unscale_
