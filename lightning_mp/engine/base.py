@@ -205,7 +205,7 @@ class StepEngine(ABC):
         backward: :meth:`prepare_step` adds, :meth:`forget_prepared` removes."""
         self.scaler_unscale = MethodType(type(loss_scaler).unscale_, loss_scaler)
         """The scaler's own ``unscale_``, which the engine's steps call (they prepare first themselves)."""
-        loss_scaler.unscale_ = self.user_unscale  # type: ignore[method-assign]
+        loss_scaler.unscale_ = self.user_unscale  # type: ignore[method-assign]  # shadows the method for the run
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the most recent step of ``optimizer`` was skipped; False before one.
