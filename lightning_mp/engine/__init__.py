@@ -1,7 +1,8 @@
 """The step engines: one contract (:mod:`~lightning_mp.engine.base`), one engine per front end."""
 
-from lightning_mp.engine.base import RunningStats, StepEngine
+from lightning_mp.engine.base import StepEngine
 from lightning_mp.engine.fabric import FabricEngine
+from lightning_mp.engine.running_stats import RunningStats
 from lightning_mp.engine.trainer import TrainerEngine
 from lightning_mp.engine.verdict import StepVerdict
 

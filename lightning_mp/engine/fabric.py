@@ -42,7 +42,7 @@ Fabric saves only what the user puts in the state, so the plugin goes there besi
    skip at the next ``fabric.backward``, after the scale update.
 5. BatchNorm's running statistics are copied at the first forward after a model's step, and put back after a
    skipped step, with a device-side select on the inf flag (no host synchronisation, fused optimizers included;
-   :class:`~lightning_mp.engine.base.RunningStats`). A model compiled after ``fabric.setup`` traces the forward
+   :class:`~lightning_mp.engine.running_stats.RunningStats`). A model compiled after ``fabric.setup`` traces the forward
    context, so it gets no such copy.
 6. LBFGS, which evaluates its closure itself, steps through the shared
    :meth:`~lightning_mp.engine.base.StepEngine.checked_closure_step`, as under the Trainer: fp16 refuses it, and

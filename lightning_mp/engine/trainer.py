@@ -17,7 +17,7 @@ The Trainer calls the plugin at these points of an iteration, and this engine do
 2. The step runs only if every gradient is finite (:class:`~lightning_mp.LossScaler`).
 3. The scale moves once per iteration: in automatic optimization right after the step, in manual optimization when
    the training step returns, if any optimizer stepped. A skipped iteration's running statistics then go back
-   (:class:`~lightning_mp.engine.base.RunningStats`).
+   (:class:`~lightning_mp.engine.running_stats.RunningStats`).
 4. LBFGS goes through the shared :meth:`~lightning_mp.engine.base.StepEngine.checked_closure_step`.
 
 The engine calls Lightning's own hooks (``Precision.pre_backward``, ``post_backward``, ``optimizer_step``,

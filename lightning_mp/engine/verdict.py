@@ -10,7 +10,7 @@ would synchronise with the device on every step, so a verdict carries both answe
 
 The engine's ``last_step_skipped`` reads the flag where there is one (one sync, asked for); nothing on the step's
 path does: :meth:`StepVerdict.any_of` combines an iteration's steps on the device, and the running statistics of a
-skipped step go back with a ``torch.where`` on the flag (:class:`~lightning_mp.engine.base.RunningStats`).
+skipped step go back with a ``torch.where`` on the flag (:class:`~lightning_mp.engine.running_stats.RunningStats`).
 
 Example:
     >>> StepVerdict.of(True).skipped, StepVerdict.of(None).skipped
