@@ -183,12 +183,16 @@ def engine_modules_run(run: Callable[[], Any]) -> set[str]:
     return seen
 
 
+SHARED_ENGINE_MODULES = {"lightning_mp.engine.verdict", "lightning_mp.engine.running_stats"}
+"""The pieces both engines use besides the contract: a step's verdict and the running statistics kept across it."""
+
+
 def test_a_trainer_step_runs_the_trainer_engine_and_no_fabric_code() -> None:
     """A Trainer's steps go through the shared contract and the Trainer's engine, never through Fabric's."""
     plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
     trainer = make_trainer(plugin, max_steps=2)
     seen = engine_modules_run(lambda: trainer.fit(TinyRegressor(inject_at=(1,)), loader(n=16)))
-    assert seen - {"lightning_mp.engine.verdict"} == {"lightning_mp.engine.base", "lightning_mp.engine.trainer"}
+    assert seen - SHARED_ENGINE_MODULES == {"lightning_mp.engine.base", "lightning_mp.engine.trainer"}
     assert plugin.stats.skipped_steps == 1
 
 
@@ -206,7 +210,7 @@ def test_a_fabric_step_runs_the_fabric_engine_and_no_trainer_code() -> None:
             optimizer.zero_grad()
 
     seen = engine_modules_run(train)
-    assert seen - {"lightning_mp.engine.verdict"} == {"lightning_mp.engine.base", "lightning_mp.engine.fabric"}
+    assert seen - SHARED_ENGINE_MODULES == {"lightning_mp.engine.base", "lightning_mp.engine.fabric"}
     assert plugin.stats.optimizer_steps == 2
 
 
