@@ -74,10 +74,18 @@ def make_trainer(plugin: Any = None, **kwargs: Any) -> L.Trainer:
     return L.Trainer(**options)
 
 
-def fit(model: L.LightningModule, plugin: Any = None, data: Any = None, **trainer_kwargs: Any) -> L.Trainer:
-    """Fit ``model`` on ``data`` (its own loaders when None) with :func:`make_trainer`'s Trainer; that Trainer."""
+def fit(
+    model: L.LightningModule,
+    plugin: Any = None,
+    data: Any = None,
+    *,
+    ckpt_path: str | Path | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
+    """Fit ``model`` on ``data`` (its own loaders when None) with :func:`make_trainer`'s Trainer, resuming from
+    ``ckpt_path`` when given; that Trainer."""
     trainer = make_trainer(plugin, **trainer_kwargs)
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
     return trainer
 
 

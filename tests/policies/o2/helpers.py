@@ -1,9 +1,8 @@
 """The model, data and plugin O2's tests share: a small classifier (Linear, LayerNorm, ReLU, Linear) that records the
-dtypes its weights had in the step, its loader, an O2 plugin and a fit."""
+dtypes its weights had in the step, its loader and an O2 plugin (they fit with :func:`tests.helpers.fit`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -13,7 +12,6 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
-from tests.helpers import make_trainer
 
 HALF = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 PRECISIONS = ["bf16-mixed", "16-mixed"]
@@ -74,14 +72,6 @@ def o2(precision: str = "bf16-mixed", **kwargs: Any) -> MixedPrecision:
     if precision == "16-mixed":
         kwargs.setdefault("init_scale", 2.0**10)
     return MixedPrecision(precision, opt_level="O2", **kwargs)  # type: ignore[arg-type]
-
-
-def fit(
-    model: L.LightningModule, plugin: Any = None, max_steps: int = STEPS, ckpt_path: Path | None = None, **kwargs: Any
-) -> L.Trainer:
-    trainer = make_trainer(plugin, max_steps=max_steps, **kwargs)
-    trainer.fit(model, ckpt_path=ckpt_path)
-    return trainer
 
 
 def hook_count(model: nn.Module) -> int:

@@ -23,7 +23,7 @@ from lightning_mp import MixedPrecision
 from lightning_mp.inference import compare, to_inference
 from lightning_mp.policies.o2 import O2Policy
 from tests.ddp_scripts.launch import reports, run
-from tests.helpers import make_trainer
+from tests.helpers import fit, make_trainer
 from tests.policies.o2.helpers import (
     HALF,
     PRECISIONS,
@@ -31,7 +31,6 @@ from tests.policies.o2.helpers import (
     Net,
     StartWeights,
     converted,
-    fit,
     hook_count,
     loader,
     o2,
@@ -87,7 +86,7 @@ def test_o2_matches_a_hand_written_o2_loop(precision: str) -> None:
     """After N steps the plugin's fp32 parameters equal those of O2 written out by hand with functional_call."""
     loss_scale = 2.0**10 if precision == "16-mixed" else 1.0
     model = Net()
-    trainer = fit(model, o2(precision))
+    trainer = fit(model, o2(precision), max_steps=STEPS)
     assert trainer.precision_plugin.stats.skipped_steps == 0
     for got, want in zip(model.parameters(), hand_written_o2(HALF[precision], loss_scale), strict=True):
         torch.testing.assert_close(got, want)

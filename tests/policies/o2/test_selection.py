@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 from lightning_mp import MixedPrecision
 from lightning_mp.policies.o2 import computes_weights_in_fp32
-from tests.helpers import make_trainer
-from tests.policies.o2.helpers import HALF, PRECISIONS, Net, fit, hook_count, loader, o2
+from tests.helpers import fit, make_trainer
+from tests.policies.o2.helpers import HALF, PRECISIONS, Net, hook_count, loader, o2
 
 
 def test_o2_keeps_batchnorm_fp32_and_its_running_statistics_learn() -> None:
