@@ -1,4 +1,5 @@
-"""The tests' shared helpers: the tiny models, one Trainer builder, one TensorBoard event reader and two recorders.
+"""The tests' shared helpers: the tiny models, one Trainer builder and one fit, one TensorBoard event reader and three
+recorders.
 
 Import them with ``from tests.helpers import ...`` (pytest's configuration puts the repository root on ``sys.path``
 under every import mode; ``tests/ddp_scripts/launch.py`` puts it on the subprocesses' ``PYTHONPATH``).
@@ -287,6 +288,17 @@ def parameter_checksum(module: nn.Module) -> str:
         whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
         digest.update(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+class PluginStateAtStart(L.Callback):
+    """The precision plugin's state dict when a (resumed) fit starts."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state = trainer.precision_plugin.state_dict()  # type: ignore[attr-defined]
 
 
 class StepRecorder(L.Callback):
