@@ -90,6 +90,11 @@ def fit(
     return trainer
 
 
+def hook_count(model: nn.Module) -> int:
+    """The forward and forward-pre hooks on ``model`` and all its submodules."""
+    return sum(len(module._forward_hooks) + len(module._forward_pre_hooks) for module in model.modules())
+
+
 def regression_data(n: int = 64, features: int = FEATURES, seed: int = 0) -> TensorDataset:
     """A seeded linear regression problem with a little noise."""
     generator = torch.Generator().manual_seed(seed)

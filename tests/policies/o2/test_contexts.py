@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_mp import MixedPrecision
-from tests.helpers import fit
-from tests.policies.o2.helpers import HALF, PRECISIONS, STEPS, Net, hook_count, loader, o2, snapshot
+from tests.helpers import fit, hook_count
+from tests.policies.o2.helpers import HALF, PRECISIONS, STEPS, Net, net_loader, o2, snapshot
 
 
 class WeightsAtHooks(L.Callback):
@@ -288,7 +288,7 @@ def fabric_o2_run(step: Any, steps: int = STEPS, opt_level: str = "O2") -> tuple
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
     outputs, probes = [], []
-    for features, target in loader(steps):
+    for features, target in net_loader(steps):
         logits = model(features)
         outputs.append(logits.detach())
         probes.append(step(model, features))
