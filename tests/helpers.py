@@ -1,4 +1,5 @@
-"""The tests' shared helpers: the tiny models, one Trainer builder, one TensorBoard event reader and two recorders.
+"""The tests' shared helpers: the tiny models, one Trainer builder and one fit, one TensorBoard event reader and three
+recorders.
 
 Import them with ``from tests.helpers import ...`` (pytest's configuration puts the repository root on ``sys.path``
 under every import mode; ``tests/ddp_scripts/launch.py`` puts it on the subprocesses' ``PYTHONPATH``).
@@ -74,11 +75,24 @@ def make_trainer(plugin: Any = None, **kwargs: Any) -> L.Trainer:
     return L.Trainer(**options)
 
 
-def fit(model: L.LightningModule, plugin: Any = None, data: Any = None, **trainer_kwargs: Any) -> L.Trainer:
-    """Fit ``model`` on ``data`` (its own loaders when None) with :func:`make_trainer`'s Trainer; that Trainer."""
+def fit(
+    model: L.LightningModule,
+    plugin: Any = None,
+    data: Any = None,
+    *,
+    ckpt_path: str | Path | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
+    """Fit ``model`` on ``data`` (its own loaders when None) with :func:`make_trainer`'s Trainer, resuming from
+    ``ckpt_path`` when given; that Trainer."""
     trainer = make_trainer(plugin, **trainer_kwargs)
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
     return trainer
+
+
+def hook_count(model: nn.Module) -> int:
+    """The forward and forward-pre hooks on ``model`` and all its submodules."""
+    return sum(len(module._forward_hooks) + len(module._forward_pre_hooks) for module in model.modules())
 
 
 def regression_data(n: int = 64, features: int = FEATURES, seed: int = 0) -> TensorDataset:
@@ -279,6 +293,17 @@ def parameter_checksum(module: nn.Module) -> str:
         whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
         digest.update(whole.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+class PluginStateAtStart(L.Callback):
+    """The precision plugin's state dict when a (resumed) fit starts."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state = trainer.precision_plugin.state_dict()  # type: ignore[attr-defined]
 
 
 class StepRecorder(L.Callback):

@@ -752,7 +752,7 @@ def fabric_then_trainer(level: Level | None) -> Outcome:
     """A plugin that drove a Fabric loop (with a skipped step) then trains under a Trainer: the fit must equal a fresh
     plugin's."""
 
-    def fit(plugin: MixedPrecision | None) -> Outcome:
+    def fit_fresh_regressor(plugin: MixedPrecision | None) -> Outcome:
         model = Regressor()
         initial = snapshot(model)
         trainer = make_trainer(plugin, max_steps=6)
@@ -761,8 +761,8 @@ def fabric_then_trainer(level: Level | None) -> Outcome:
 
     plugin = plugin_of(level)
     fabric_loop(plugin, plant_inf_at=1 if level is not None else None)
-    outcome = fit(plugin)
-    outcome.must_equal = fit(plugin_of(level))
+    outcome = fit_fresh_regressor(plugin)
+    outcome.must_equal = fit_fresh_regressor(plugin_of(level))
     return outcome
 
 

@@ -18,7 +18,7 @@ from lightning_mp.advisor import FP16_MAX, GRADIENT_HEADROOM, Advice, advise
 from lightning_mp.plugin import hardware
 from lightning_mp.plugin.hardware import DeviceCapabilities, native_bf16, precision_for
 from lightning_mp.policies.o2 import HalfOverflowError
-from tests.helpers import make_trainer
+from tests.helpers import fit
 
 NATIVE_CPU = DeviceCapabilities("cpu", native_bf16=True)
 EMULATING_CPU = DeviceCapabilities("cpu", native_bf16=False)
@@ -52,21 +52,22 @@ class Planted(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def loader() -> DataLoader:
+def planted_loader() -> DataLoader:
+    """:class:`Planted`'s data: 64 seeded samples of 8 features and 2 classes, shuffled by a seeded generator."""
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
     data = TensorDataset(x, (x[:, 0] > 0).long())
     return DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
 
 
 def fit_fp16(plugin: MixedPrecision, max_steps: int = 5) -> MixedPrecision:
-    trainer = make_trainer(plugin, max_steps=max_steps)
-    trainer.fit(Planted(), loader())
+    """A fresh :class:`Planted` fitted on :func:`planted_loader` with ``plugin``; the plugin."""
+    fit(Planted(), plugin, planted_loader(), max_steps=max_steps)
     return plugin
 
 
 @pytest.fixture(scope="module")
 def advice() -> Advice:
-    return advise(Planted(), loader(), batches=4, capabilities=NATIVE_CPU)
+    return advise(Planted(), planted_loader(), batches=4, capabilities=NATIVE_CPU)
 
 
 def test_advisor_names_the_planted_overflow_layer(advice: Advice) -> None:
@@ -108,7 +109,7 @@ def test_advisor_flags_activations_that_fp16_flushes_to_zero() -> None:
     with torch.no_grad():
         model[0].weight.mul_(1e-9)
         model[0].bias.zero_()
-    advice = advise(model, loader(), batches=2, loss_fn=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]))
+    advice = advise(model, planted_loader(), batches=2, loss_fn=lambda m, batch: F.cross_entropy(m(batch[0]), batch[1]))
     tiny = advice.layers[0]
     assert tiny.name == "0" and tiny.activation_zero_share > 0.5
     assert advice.keep_fp32 == ("0",)
@@ -118,7 +119,7 @@ def test_advisor_changes_nothing_it_measures() -> None:
     """The model's weights, buffers, grads and mode, the global RNG and the loader's shuffle order are untouched."""
     model = Planted(dropout=0.5)
     model.eval()
-    data = loader()
+    data = planted_loader()
     before = {name: value.clone() for name, value in model.state_dict().items()}
     rng = torch.get_rng_state()
     with warnings.catch_warnings():
@@ -127,7 +128,7 @@ def test_advisor_changes_nothing_it_measures() -> None:
     assert not model.training and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
-    assert torch.equal(next(iter(data))[0], next(iter(loader()))[0])
+    assert torch.equal(next(iter(data))[0], next(iter(planted_loader()))[0])
 
 
 def test_advisor_leaves_batches_alone_when_the_model_writes_into_its_input() -> None:
@@ -153,14 +154,14 @@ def test_advisor_leaves_batches_alone_when_the_model_writes_into_its_input() -> 
 )
 def test_bad_arguments_raise_value_error(kwargs: dict, message: str) -> None:
     """Bad arguments raise ValueError naming the argument, the value and what is allowed."""
-    arguments = {"model": Planted(), "dataloader": loader(), "batches": 2, **kwargs}
+    arguments = {"model": Planted(), "dataloader": planted_loader(), "batches": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         advise(**arguments)
 
 
 def test_numbers_and_choices_of_any_kind_are_checked_naming_the_argument() -> None:
     """A numpy count is a count; an array where a precision belongs is a ValueError naming precision."""
-    advice = advise(Planted(), loader(), batches=np.int64(1), capabilities=NATIVE_CPU)
+    advice = advise(Planted(), planted_loader(), batches=np.int64(1), capabilities=NATIVE_CPU)
     assert advice.batches == 1 and type(advice.batches) is int
     with pytest.raises(ValueError, match=r"plugin_kwargs\(precision=array\(\[1., 2.\]\)\) is not supported"):
         advice.plugin_kwargs(np.array([1.0, 2.0]))
@@ -188,7 +189,7 @@ def test_advisor_measures_a_manual_optimization_module_without_touching_it() -> 
     """A manual-optimization module is measured through its own training_step; the model keeps its weights."""
     model = ManualPlanted()
     before = {name: value.clone() for name, value in model.state_dict().items()}
-    advice = advise(model, loader(), batches=2, capabilities=NATIVE_CPU)
+    advice = advise(model, planted_loader(), batches=2, capabilities=NATIVE_CPU)
     assert advice.keep_fp32 == ("blowup", "norm")
     assert {layer.name for layer in advice.layers if layer.max_gradient > 0} >= {"stem", "blowup", "head"}
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
@@ -208,7 +209,11 @@ def test_advice_matches_the_hardware(capabilities: DeviceCapabilities, precision
     """Emulated bf16 is never recommended: fp32 on a CPU without native bf16, fp16 on a pre-Ampere GPU."""
     model = nn.Sequential(nn.Linear(8, 4))
     advice = advise(
-        model, loader(), batches=1, loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), capabilities=capabilities
+        model,
+        planted_loader(),
+        batches=1,
+        loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+        capabilities=capabilities,
     )
     assert advice.precision == precision
     assert "'bf16-mixed' on a GPU of compute capability 8.0 or higher" in advice.on_gpu
@@ -220,7 +225,7 @@ def test_advice_matches_the_hardware(capabilities: DeviceCapabilities, precision
 
 def test_emulated_bf16_advice_explains_itself_and_still_names_the_fp16_settings() -> None:
     """On a CPU that emulates bf16 with layers at risk: fp32 here, with the GPU and fp16 advice spelled out."""
-    advice = advise(Planted(), loader(), batches=2, capabilities=EMULATING_CPU)
+    advice = advise(Planted(), planted_loader(), batches=2, capabilities=EMULATING_CPU)
     assert advice.precision == "32-true" and "emulates bf16 and fp16" in advice.reason
     assert advice.keep_fp32 == ("blowup", "norm")
     assert "keep_fp32=['blowup', 'norm']" in advice.on_gpu
@@ -268,7 +273,7 @@ def test_native_bf16_reads_compute_capability_and_cpu_flags() -> None:
 def test_bad_callables_raise_type_error(kwargs: dict, error: type, message: str) -> None:
     """A loss_fn that is not callable, or returns no tensor, is refused with a message naming it."""
     with pytest.raises(error, match=message):
-        advise(Planted(), loader(), batches=1, **kwargs)
+        advise(Planted(), planted_loader(), batches=1, **kwargs)
 
 
 class ManualNeedsTrainer(ManualPlanted):
@@ -281,10 +286,10 @@ class ManualNeedsTrainer(ManualPlanted):
 def test_manual_module_that_needs_a_trainer_gets_a_clear_error_and_works_with_loss_fn() -> None:
     """When the copy cannot configure its optimizers, the error says to pass loss_fn, and loss_fn works."""
     with pytest.raises(ValueError, match=r"configure_optimizers\(\) failed on the advisor's copy.*Pass loss_fn="):
-        advise(ManualNeedsTrainer(), loader(), batches=1)
+        advise(ManualNeedsTrainer(), planted_loader(), batches=1)
     advice = advise(
         ManualNeedsTrainer(),
-        loader(),
+        planted_loader(),
         batches=1,
         loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
         capabilities=NATIVE_CPU,

@@ -43,7 +43,8 @@ class Classifier(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def loader() -> DataLoader:
+def classifier_loader() -> DataLoader:
+    """:class:`Classifier`'s data: 16 samples of :func:`features`, 2 classes, in 2 batches."""
     x = features(16)
     return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
 
@@ -95,7 +96,7 @@ def test_to_inference_works_on_a_trained_lightning_module() -> None:
     """A LightningModule attached to a Trainer converts without copying the Trainer, and stays attached."""
     model = Classifier()
     fitted = make_trainer(max_steps=2)
-    fitted.fit(model, loader())
+    fitted.fit(model, classifier_loader())
     fast = to_inference(model, dtype=torch.bfloat16)
     assert fast._trainer is None and model.trainer is fitted
     assert fast(features(4)).dtype == torch.bfloat16
@@ -174,7 +175,7 @@ def test_bad_arguments_raise_value_error(call: object, message: str) -> None:
 
 def test_trainer_predict_with_the_plugin_runs_under_autocast() -> None:
     """Trainer.predict with MixedPrecision returns bf16 logits: the predict step ran under autocast."""
-    predictions = make_trainer(MixedPrecision("bf16-mixed"), max_steps=2).predict(Classifier(), loader())
+    predictions = make_trainer(MixedPrecision("bf16-mixed"), max_steps=2).predict(Classifier(), classifier_loader())
     assert predictions is not None and all(p.dtype == torch.bfloat16 for p in predictions)
 
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.overrides import Fp32Overrides
-from tests.helpers import fit, make_trainer
+from tests.helpers import fit, hook_count, make_trainer
 
 
 class Block(nn.Module):
@@ -295,10 +295,6 @@ def fit_boring_model(opt_level: str) -> BoringModel:
     model = boring_model()
     make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level, keep_fp32=["layer.2"]), max_steps=2).fit(model)
     return model
-
-
-def hook_count(model: nn.Module) -> int:
-    return sum(len(module._forward_hooks) + len(module._forward_pre_hooks) for module in model.modules())
 
 
 def assert_plain_and_exportable(model: nn.Module, layers: nn.Sequential) -> None:

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import AdvisorCallback
-from tests.helpers import make_trainer, read_events, texts
+from tests.helpers import fit, make_trainer, read_events, texts
 
 
 class Planted(LightningModule):
@@ -51,10 +51,12 @@ class Planted(LightningModule):
         return DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
 
 
-def fit(callbacks: list, logger: TensorBoardLogger | bool = False, plugin: MixedPrecision | None = None) -> Planted:
+def fit_new_planted(
+    callbacks: list, logger: TensorBoardLogger | bool = False, plugin: MixedPrecision | None = None
+) -> Planted:
+    """A fresh :class:`Planted` fitted for 3 steps, logging every step, with ``callbacks``; the trained model."""
     model = Planted()
-    trainer = make_trainer(plugin, logger=logger, max_steps=3, log_every_n_steps=1, callbacks=callbacks)
-    trainer.fit(model)
+    fit(model, plugin, logger=logger, max_steps=3, log_every_n_steps=1, callbacks=callbacks)
     return model
 
 
@@ -66,7 +68,7 @@ def test_callback_writes_the_advice_table_to_tensorboard(tmp_path: Path) -> None
     """With a TensorBoardLogger the advice appears once under precision/advice, naming the overflowing layer."""
     logger = TensorBoardLogger(tmp_path)
     callback = AdvisorCallback(batches=2)
-    fit([callback], logger=logger)
+    fit_new_planted([callback], logger=logger)
     texts = advice_texts(logger.log_dir)
     assert len(texts) == 1
     assert "| blowup | Linear |" in texts[0] and "keep_fp32=['blowup', 'norm']" in texts[0]
@@ -76,8 +78,8 @@ def test_callback_writes_the_advice_table_to_tensorboard(tmp_path: Path) -> None
 
 def test_callback_does_not_change_the_run() -> None:
     """Weights, batch order and dropout masks are identical with and without the advisor."""
-    plain = fit([])
-    advised = fit([AdvisorCallback(batches=3)])
+    plain = fit_new_planted([])
+    advised = fit_new_planted([AdvisorCallback(batches=3)])
     assert all(torch.equal(a, b) for a, b in zip(plain.seen, advised.seen, strict=True))
     for (name, a), b in zip(plain.state_dict().items(), advised.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -86,21 +88,21 @@ def test_callback_does_not_change_the_run() -> None:
 def test_callback_warns_when_fp16_training_leaves_risky_layers_in_fp16() -> None:
     """Training in fp16 without keep_fp32 for the flagged layers warns with the keep_fp32 and init_scale to use."""
     with pytest.warns(UserWarning, match=r"layers \['blowup', 'norm'\] leave fp16's range.*init_scale=1024"):
-        fit([AdvisorCallback(batches=2)], plugin=MixedPrecision("16-mixed"))
+        fit_new_planted([AdvisorCallback(batches=2)], plugin=MixedPrecision("16-mixed"))
 
 
 @pytest.mark.filterwarnings("error:lightning_mp. layers")
 def test_callback_is_quiet_when_keep_fp32_covers_the_risky_layers() -> None:
     """No warning when the plugin's keep_fp32 (by name and by regex here) already covers the flagged layers."""
     callback = AdvisorCallback(batches=2)
-    fit([callback], plugin=MixedPrecision("16-mixed", opt_level="O2", keep_fp32=["blowup", "re:no.*"]))
+    fit_new_planted([callback], plugin=MixedPrecision("16-mixed", opt_level="O2", keep_fp32=["blowup", "re:no.*"]))
     assert callback.advice is not None
 
 
 def test_callback_works_without_a_logger() -> None:
     """With logger=False the advice is still computed and kept on the callback."""
     callback = AdvisorCallback(batches=1)
-    fit([callback])
+    fit_new_planted([callback])
     assert callback.advice is not None and callback.advice.batches == 1
 
 

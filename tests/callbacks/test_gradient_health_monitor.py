@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import GradientHealthMonitor
-from tests.helpers import make_trainer, read_events, scalars, texts
+from tests.helpers import fit, read_events, scalars, texts
 
 INIT_SCALE = 2.0**8
 
@@ -57,7 +57,7 @@ class SilentLayerNetwork(LightningModule):
         return DataLoader(data, batch_size=4)
 
 
-def fit(
+def fit_with_gradient_health_monitor(
     logger: TensorBoardLogger | CSVLogger | bool,
     monitor: GradientHealthMonitor,
     precision: str = "16-mixed",
@@ -67,22 +67,25 @@ def fit(
     init_scale: float = INIT_SCALE,
     opt_level: str = "O1",
 ) -> Trainer:
-    trainer = make_trainer(
+    """A fresh :class:`SilentLayerNetwork` (an inf at ``inject_at``) fitted with ``monitor``, ``logger`` and a
+    MixedPrecision plugin of ``precision``, ``opt_level`` and ``init_scale``; the Trainer."""
+    return fit(
+        SilentLayerNetwork(inject_at),
         MixedPrecision(precision, opt_level=opt_level, init_scale=init_scale),
         callbacks=[monitor],
         logger=logger,
         log_every_n_steps=log_every_n_steps,
         max_steps=max_steps,
     )
-    trainer.fit(SilentLayerNetwork(inject_at))
-    return trainer
 
 
 def test_overflow_entry_names_the_parameter_that_overflowed(tmp_path):
     """Each skipped step gets a precision/overflow text entry naming the injected parameter, its shape and step."""
     logger = TensorBoardLogger(tmp_path)
     with pytest.warns(RuntimeWarning, match="head.weight"):
-        fit(logger, GradientHealthMonitor(), inject_at=(2, 5), log_every_n_steps=10, max_steps=7)
+        fit_with_gradient_health_monitor(
+            logger, GradientHealthMonitor(), inject_at=(2, 5), log_every_n_steps=10, max_steps=7
+        )
     entries = texts(read_events(logger.log_dir), "precision/overflow")
     assert sorted(entries) == [2, 5]
     for step, text in entries.items():
@@ -95,7 +98,7 @@ def test_overflow_under_o2_names_the_model_parameter_behind_the_fp32_master(tmp_
     """Under O2 the gradients live on fp32 masters at the skip; the entry still names the model's parameter."""
     logger = TensorBoardLogger(tmp_path)
     with pytest.warns(RuntimeWarning, match="head.weight"):
-        fit(logger, GradientHealthMonitor(), inject_at=(1,), max_steps=2, opt_level="O2")
+        fit_with_gradient_health_monitor(logger, GradientHealthMonitor(), inject_at=(1,), max_steps=2, opt_level="O2")
     assert "`head.weight` | [1, 16]" in texts(read_events(logger.log_dir), "precision/overflow")[1]
 
 
@@ -103,7 +106,7 @@ def test_warning_comes_once_per_n_skips(tmp_path):
     """With warn_every_n_skips=2, five skips give warnings at the first, third and fifth skip only."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(
+        fit_with_gradient_health_monitor(
             TensorBoardLogger(tmp_path),
             GradientHealthMonitor(warn_every_n_skips=2),
             inject_at=(1, 3, 5, 7, 9),
@@ -118,8 +121,8 @@ def test_warning_comes_once_per_n_skips(tmp_path):
 def test_grad_norm_is_the_true_unscaled_norm(tmp_path):
     """The fp16 grad norm matches an fp32 run's, not the norm of gradients multiplied by the loss scale."""
     half_logger, full_logger = TensorBoardLogger(tmp_path, name="fp16"), TensorBoardLogger(tmp_path, name="fp32")
-    fit(half_logger, GradientHealthMonitor(), max_steps=1)
-    fit(full_logger, GradientHealthMonitor(), precision="32-true", max_steps=1)
+    fit_with_gradient_health_monitor(half_logger, GradientHealthMonitor(), max_steps=1)
+    fit_with_gradient_health_monitor(full_logger, GradientHealthMonitor(), precision="32-true", max_steps=1)
     half_norm = scalars(read_events(half_logger.log_dir), "precision/grad_norm")[0]
     full_norm = scalars(read_events(full_logger.log_dir), "precision/grad_norm")[0]
     assert half_norm == pytest.approx(full_norm, rel=2e-2)
@@ -128,7 +131,7 @@ def test_grad_norm_is_the_true_unscaled_norm(tmp_path):
 def test_zero_fraction_counts_gradients_that_are_exactly_zero(tmp_path):
     """A layer whose gradients are all exactly zero shows up as its share of all gradient elements."""
     logger = TensorBoardLogger(tmp_path)
-    fit(logger, GradientHealthMonitor(), max_steps=2)
+    fit_with_gradient_health_monitor(logger, GradientHealthMonitor(), max_steps=2)
     model = SilentLayerNetwork()
     silent_elements = sum(p.numel() for p in model.silent.parameters())
     all_elements = sum(p.numel() for p in model.parameters())
@@ -143,8 +146,8 @@ def low_and_high_scale_runs(
     """One step at loss scale 2**4 and one at 2**8, same model, same data."""
     root = tmp_path_factory.mktemp("scales")
     low_logger, high_logger = TensorBoardLogger(root, name="low"), TensorBoardLogger(root, name="high")
-    fit(low_logger, GradientHealthMonitor(), max_steps=1, init_scale=2.0**4)
-    fit(high_logger, GradientHealthMonitor(), max_steps=1, init_scale=2.0**8)
+    fit_with_gradient_health_monitor(low_logger, GradientHealthMonitor(), max_steps=1, init_scale=2.0**4)
+    fit_with_gradient_health_monitor(high_logger, GradientHealthMonitor(), max_steps=1, init_scale=2.0**8)
     return read_events(low_logger.log_dir), read_events(high_logger.log_dir)
 
 
@@ -169,7 +172,7 @@ def test_magnitude_histogram_shifts_right_with_the_loss_scale(low_and_high_scale
 def test_headroom_is_fp16_only(tmp_path):
     """bf16 has no loss scale and fp32's range, so it logs the norm but no fp16 headroom."""
     logger = TensorBoardLogger(tmp_path)
-    fit(logger, GradientHealthMonitor(), precision="bf16-mixed", max_steps=2)
+    fit_with_gradient_health_monitor(logger, GradientHealthMonitor(), precision="bf16-mixed", max_steps=2)
     accumulator = read_events(logger.log_dir)
     assert sorted(scalars(accumulator, "precision/grad_norm")) == [0, 1]
     assert "precision/grad_headroom_log2" not in accumulator.Tags()["scalars"]
@@ -179,7 +182,7 @@ def test_headroom_is_fp16_only(tmp_path):
 def test_histogram_can_be_turned_off(tmp_path):
     """GradientHealthMonitor(log_histogram=False) writes the scalars but no histogram."""
     logger = TensorBoardLogger(tmp_path)
-    fit(logger, GradientHealthMonitor(log_histogram=False), max_steps=1)
+    fit_with_gradient_health_monitor(logger, GradientHealthMonitor(log_histogram=False), max_steps=1)
     accumulator = read_events(logger.log_dir)
     assert "precision/grad_norm" in accumulator.Tags()["scalars"]
     assert accumulator.Tags()["histograms"] == []
@@ -188,7 +191,7 @@ def test_histogram_can_be_turned_off(tmp_path):
 def test_scalars_are_logged_on_logging_steps_only(tmp_path):
     """With log_every_n_steps=4 the gradient statistics appear at steps 3 and 7 and nowhere else."""
     logger = TensorBoardLogger(tmp_path)
-    fit(logger, GradientHealthMonitor(), log_every_n_steps=4, max_steps=8)
+    fit_with_gradient_health_monitor(logger, GradientHealthMonitor(), log_every_n_steps=4, max_steps=8)
     accumulator = read_events(logger.log_dir)
     for tag in ("precision/grad_norm", "precision/grad_zero_fraction", "precision/grad_headroom_log2"):
         assert sorted(scalars(accumulator, tag)) == [3, 7]
@@ -198,7 +201,7 @@ def test_a_nonfinite_step_leaves_no_inf_in_the_charts(tmp_path):
     """On a step whose gradients overflowed, the charts skip the point instead of plotting inf."""
     logger = TensorBoardLogger(tmp_path)
     with pytest.warns(RuntimeWarning, match="not finite"):
-        fit(logger, GradientHealthMonitor(), inject_at=(2,), max_steps=4)
+        fit_with_gradient_health_monitor(logger, GradientHealthMonitor(), inject_at=(2,), max_steps=4)
     logged = scalars(read_events(logger.log_dir), "precision/grad_norm")
     assert sorted(logged) == [0, 1, 3]
     assert all(math.isfinite(value) for value in logged.values())
@@ -208,7 +211,7 @@ def test_csv_logger_gets_the_scalars_and_the_overflow_text_is_skipped(tmp_path):
     """A CSVLogger run records the gradient scalars, and an overflow (text only TensorBoard shows) does not fail."""
     logger = CSVLogger(tmp_path)
     with pytest.warns(RuntimeWarning, match="head.weight"):
-        fit(logger, GradientHealthMonitor(), inject_at=(1,), max_steps=3)
+        fit_with_gradient_health_monitor(logger, GradientHealthMonitor(), inject_at=(1,), max_steps=3)
     with open(Path(logger.log_dir) / "metrics.csv", newline="") as file:
         rows = list(csv.DictReader(file))
     assert {"precision/grad_norm", "precision/grad_zero_fraction", "precision/grad_headroom_log2"} <= set(rows[0])
@@ -217,7 +220,7 @@ def test_csv_logger_gets_the_scalars_and_the_overflow_text_is_skipped(tmp_path):
 def test_no_logger_is_a_clear_error():
     """Without a logger the monitor refuses to start, naming itself."""
     with pytest.raises(MisconfigurationException, match="GradientHealthMonitor"):
-        fit(False, GradientHealthMonitor(), max_steps=1)
+        fit_with_gradient_health_monitor(False, GradientHealthMonitor(), max_steps=1)
 
 
 @pytest.mark.parametrize("value", [0, -3, 1.5, True, "10"])
@@ -237,5 +240,5 @@ def test_monitor_survives_pickling_after_a_run(tmp_path):
     """The monitor pickles before and after training, as ddp_spawn needs."""
     monitor = GradientHealthMonitor(warn_every_n_skips=3)
     pickle.loads(pickle.dumps(monitor))
-    fit(TensorBoardLogger(tmp_path), monitor, max_steps=2)
+    fit_with_gradient_health_monitor(TensorBoardLogger(tmp_path), monitor, max_steps=2)
     assert pickle.loads(pickle.dumps(monitor)).warn_every_n_skips == 3

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import LayerDtypeMonitor
-from tests.helpers import make_trainer, read_events
+from tests.helpers import fit, make_trainer, read_events
 
 LEAF_MODULES = ("encoder.0", "encoder.1", "encoder.2", "criterion")
 
@@ -52,18 +52,17 @@ def count_forward_hooks(module: nn.Module) -> int:
     return sum(len(submodule._forward_hooks) for submodule in module.modules())
 
 
-def fit(
+def fit_with_layer_dtype_monitor(
     logger: TensorBoardLogger | CSVLogger | bool,
     monitor: LayerDtypeMonitor,
     max_steps: int = 2,
     **trainer_kwargs: object,
 ) -> tuple[Trainer, HookCountingNetwork]:
+    """A fresh :class:`HookCountingNetwork` fitted with ``monitor`` and ``logger``, logging every step, with a bf16
+    MixedPrecision plugin unless ``trainer_kwargs`` give ``plugins``; the Trainer and the network."""
     trainer_kwargs.setdefault("plugins", [MixedPrecision("bf16-mixed")])
-    trainer = make_trainer(
-        callbacks=[monitor], logger=logger, log_every_n_steps=1, max_steps=max_steps, **trainer_kwargs
-    )
     model = HookCountingNetwork()
-    trainer.fit(model)
+    trainer = fit(model, callbacks=[monitor], logger=logger, log_every_n_steps=1, max_steps=max_steps, **trainer_kwargs)
     return trainer, model
 
 
@@ -81,7 +80,7 @@ def tables(accumulator: event_accumulator.EventAccumulator) -> dict[int, dict[st
 @pytest.fixture(scope="module")
 def bf16_events(tmp_path_factory: pytest.TempPathFactory) -> event_accumulator.EventAccumulator:
     logger = TensorBoardLogger(tmp_path_factory.mktemp("bf16"))
-    fit(logger, LayerDtypeMonitor(every_n_steps=3), max_steps=7)
+    fit_with_layer_dtype_monitor(logger, LayerDtypeMonitor(every_n_steps=3), max_steps=7)
     return read_events(logger.log_dir)
 
 
@@ -120,7 +119,9 @@ def test_first_table_comes_at_the_first_step_then_every_n_steps(bf16_events):
 
 def test_hooks_exist_only_during_sampled_steps(tmp_path):
     """Forward hooks are attached on sampled steps only and are all gone afterwards."""
-    _, model = fit(TensorBoardLogger(tmp_path), LayerDtypeMonitor(every_n_steps=2), max_steps=4)
+    _, model = fit_with_layer_dtype_monitor(
+        TensorBoardLogger(tmp_path), LayerDtypeMonitor(every_n_steps=2), max_steps=4
+    )
     assert model.forward_hooks_at_step == {0: len(LEAF_MODULES), 1: 0, 2: len(LEAF_MODULES), 3: 0}
     assert count_forward_hooks(model) == 0
 
@@ -155,7 +156,9 @@ def test_attention_projection_weights_are_in_the_table(tmp_path):
 def test_o2_table_shows_the_fp32_masters_beside_half_outputs_and_gradients(tmp_path):
     """Under O2 the table shows fp32 parameters (the masters, read after the step), fp16 outputs and fp16 gradients."""
     logger = TensorBoardLogger(tmp_path)
-    fit(logger, LayerDtypeMonitor(), max_steps=1, plugins=[MixedPrecision("16-mixed", opt_level="O2")])
+    fit_with_layer_dtype_monitor(
+        logger, LayerDtypeMonitor(), max_steps=1, plugins=[MixedPrecision("16-mixed", opt_level="O2")]
+    )
     linear = tables(read_events(logger.log_dir))[0]["encoder.0"]
     # Backward computes the half weights' gradients in fp16; they reach the fp32 masters at the step.
     assert (linear["parameters"], linear["output"], linear["gradients"]) == ("float32", "float16", "float16")
@@ -164,14 +167,14 @@ def test_o2_table_shows_the_fp32_masters_beside_half_outputs_and_gradients(tmp_p
 def test_works_with_lightnings_own_precision_flag(tmp_path):
     """The monitor needs no lightning_mp plugin: Lightning's precision='bf16-mixed' gets the same table."""
     logger = TensorBoardLogger(tmp_path)
-    fit(logger, LayerDtypeMonitor(), max_steps=1, plugins=None, precision="bf16-mixed")
+    fit_with_layer_dtype_monitor(logger, LayerDtypeMonitor(), max_steps=1, plugins=None, precision="bf16-mixed")
     assert tables(read_events(logger.log_dir))[0]["encoder.2"]["output"] == "bfloat16"
 
 
 def test_fp32_run_counts_every_layer_as_float32(tmp_path):
     """Without mixed precision every leaf module outputs float32 and no bfloat16 count appears."""
     logger = TensorBoardLogger(tmp_path)
-    fit(logger, LayerDtypeMonitor(), max_steps=1, plugins=[MixedPrecision("32-true")])
+    fit_with_layer_dtype_monitor(logger, LayerDtypeMonitor(), max_steps=1, plugins=[MixedPrecision("32-true")])
     accumulator = read_events(logger.log_dir)
     assert accumulator.Scalars("precision/layers/float32")[0].value == len(LEAF_MODULES)
     assert "precision/layers/bfloat16" not in accumulator.Tags()["scalars"]
@@ -181,15 +184,15 @@ def test_a_reused_monitor_writes_a_table_at_the_start_of_each_fit(tmp_path):
     """Fitting twice with the same monitor writes the first table of each run at its step 0."""
     monitor = LayerDtypeMonitor()
     first, second = TensorBoardLogger(tmp_path, name="first"), TensorBoardLogger(tmp_path, name="second")
-    fit(first, monitor, max_steps=1)
-    fit(second, monitor, max_steps=1)
+    fit_with_layer_dtype_monitor(first, monitor, max_steps=1)
+    fit_with_layer_dtype_monitor(second, monitor, max_steps=1)
     assert sorted(tables(read_events(second.log_dir))) == [0]
 
 
 def test_csv_logger_gets_the_counts_without_failing(tmp_path):
     """A CSVLogger, which cannot show the table, still records the per-dtype counts."""
     logger = CSVLogger(tmp_path)
-    fit(logger, LayerDtypeMonitor(), max_steps=1)
+    fit_with_layer_dtype_monitor(logger, LayerDtypeMonitor(), max_steps=1)
     with open(Path(logger.log_dir) / "metrics.csv", newline="") as file:
         rows = list(csv.DictReader(file))
     assert float(rows[0]["precision/layers/bfloat16"]) == 3
@@ -198,7 +201,7 @@ def test_csv_logger_gets_the_counts_without_failing(tmp_path):
 def test_no_logger_is_a_clear_error():
     """Without a logger the monitor refuses to start, naming itself."""
     with pytest.raises(MisconfigurationException, match="LayerDtypeMonitor"):
-        fit(False, LayerDtypeMonitor(), max_steps=1)
+        fit_with_layer_dtype_monitor(False, LayerDtypeMonitor(), max_steps=1)
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, None, False])
@@ -212,5 +215,5 @@ def test_monitor_survives_pickling_after_a_run(tmp_path):
     """The monitor pickles before and after training, as ddp_spawn needs."""
     monitor = LayerDtypeMonitor(every_n_steps=5)
     pickle.loads(pickle.dumps(monitor))
-    fit(TensorBoardLogger(tmp_path), monitor, max_steps=1)
+    fit_with_layer_dtype_monitor(TensorBoardLogger(tmp_path), monitor, max_steps=1)
     assert pickle.loads(pickle.dumps(monitor)).every_n_steps == 5

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import LossScaleMonitor
-from tests.helpers import TinyRegressor, loader, make_trainer, read_events, scalars
+from tests.helpers import TinyRegressor, fit, loader, make_trainer, read_events, scalars
 
 INIT_SCALE = 2.0**8
 GROWTH_INTERVAL = 4
@@ -30,7 +30,7 @@ TAGS = (
 )
 
 
-def fit(
+def fit_with_loss_scale_monitor(
     logger: TensorBoardLogger | CSVLogger | bool,
     monitor: LossScaleMonitor,
     precision: str = "16-mixed",
@@ -38,15 +38,18 @@ def fit(
     log_every_n_steps: int = 1,
     max_steps: int = MAX_STEPS,
 ) -> Trainer:
-    trainer = make_trainer(
+    """A fresh :class:`TinyRegressor` (an inf at ``inject_at``) fitted on batches of :data:`BATCH_SIZE` with
+    ``monitor``, ``logger`` and a MixedPrecision plugin of ``precision`` (:data:`INIT_SCALE`,
+    :data:`GROWTH_INTERVAL`); the Trainer."""
+    return fit(
+        TinyRegressor(lr=LR, inject_at=inject_at),
         MixedPrecision(precision, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
+        loader(batch_size=BATCH_SIZE),
         callbacks=[monitor],
         logger=logger,
         log_every_n_steps=log_every_n_steps,
         max_steps=max_steps,
     )
-    trainer.fit(TinyRegressor(lr=LR, inject_at=inject_at), loader(batch_size=BATCH_SIZE))
-    return trainer
 
 
 def read_scalars(log_dir: str | Path) -> dict[str, dict[int, float]]:
@@ -72,7 +75,7 @@ def expected_scales() -> list[float]:
 @pytest.fixture(scope="module")
 def fp16_scalars(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, float]]:
     logger = TensorBoardLogger(tmp_path_factory.mktemp("fp16"))
-    fit(logger, LossScaleMonitor())
+    fit_with_loss_scale_monitor(logger, LossScaleMonitor())
     return read_scalars(logger.log_dir)
 
 
@@ -105,7 +108,7 @@ def test_backoffs_and_growths_totals_match_the_scale_history(fp16_scalars):
 def test_skipped_step_is_logged_between_logging_intervals(tmp_path):
     """A skip between two logging steps still appears in TensorBoard at the step where it happened."""
     logger = TensorBoardLogger(tmp_path)
-    fit(logger, LossScaleMonitor(), inject_at=(3,), log_every_n_steps=10, max_steps=12)
+    fit_with_loss_scale_monitor(logger, LossScaleMonitor(), inject_at=(3,), log_every_n_steps=10, max_steps=12)
     logged = read_scalars(logger.log_dir)
     assert sorted(logged["precision/loss_scale"]) == [3, 9]
     assert logged["precision/loss_scale"][3] == INIT_SCALE / 2
@@ -138,7 +141,7 @@ def test_accumulated_batches_log_once_per_optimizer_step(tmp_path):
 def test_bf16_run_logs_a_loss_scale_of_one(tmp_path):
     """In bf16 nothing is scaled, so the logged loss scale is 1.0 and no step is skipped."""
     logger = TensorBoardLogger(tmp_path)
-    fit(logger, LossScaleMonitor(), precision="bf16-mixed", inject_at=(), max_steps=4)
+    fit_with_loss_scale_monitor(logger, LossScaleMonitor(), precision="bf16-mixed", inject_at=(), max_steps=4)
     logged = read_scalars(logger.log_dir)
     assert set(logged["precision/loss_scale"].values()) == {1.0}
     assert set(logged["precision/skipped_steps_total"].values()) == {0.0}
@@ -147,7 +150,7 @@ def test_bf16_run_logs_a_loss_scale_of_one(tmp_path):
 def test_csv_logger_gets_every_scalar_column(tmp_path):
     """With a CSVLogger the five scalars are columns of metrics.csv, and nothing fails."""
     logger = CSVLogger(tmp_path)
-    fit(logger, LossScaleMonitor(), inject_at=(2,), max_steps=6)
+    fit_with_loss_scale_monitor(logger, LossScaleMonitor(), inject_at=(2,), max_steps=6)
     with open(Path(logger.log_dir) / "metrics.csv", newline="") as file:
         rows = list(csv.DictReader(file))
     assert set(TAGS) <= set(rows[0])
@@ -156,20 +159,22 @@ def test_csv_logger_gets_every_scalar_column(tmp_path):
 
 def test_loss_scale_shows_on_the_progress_bar_when_asked(tmp_path):
     """LossScaleMonitor(prog_bar=True) puts the current loss scale, after the last backoff, on the progress bar."""
-    trainer = fit(TensorBoardLogger(tmp_path), LossScaleMonitor(prog_bar=True), inject_at=(3,), max_steps=6)
+    trainer = fit_with_loss_scale_monitor(
+        TensorBoardLogger(tmp_path), LossScaleMonitor(prog_bar=True), inject_at=(3,), max_steps=6
+    )
     assert trainer.progress_bar_metrics["loss_scale"] == INIT_SCALE / 2
 
 
 def test_progress_bar_is_left_alone_by_default(tmp_path):
     """Without prog_bar=True the loss scale does not crowd the progress bar."""
-    trainer = fit(TensorBoardLogger(tmp_path), LossScaleMonitor(), inject_at=(), max_steps=2)
+    trainer = fit_with_loss_scale_monitor(TensorBoardLogger(tmp_path), LossScaleMonitor(), inject_at=(), max_steps=2)
     assert "loss_scale" not in trainer.progress_bar_metrics
 
 
 def test_no_logger_is_a_clear_error():
     """Without a logger the monitor refuses to start, naming itself, as LearningRateMonitor does."""
     with pytest.raises(MisconfigurationException, match="LossScaleMonitor"):
-        fit(False, LossScaleMonitor(), max_steps=1)
+        fit_with_loss_scale_monitor(False, LossScaleMonitor(), max_steps=1)
 
 
 def test_another_precision_plugin_is_a_clear_error(tmp_path):
@@ -189,6 +194,6 @@ def test_monitor_survives_pickling_after_a_run(tmp_path):
     """The monitor pickles before and after training, as ddp_spawn needs."""
     monitor = LossScaleMonitor(prog_bar=True)
     pickle.loads(pickle.dumps(monitor))
-    fit(TensorBoardLogger(tmp_path), monitor, inject_at=(1,), max_steps=3)
+    fit_with_loss_scale_monitor(TensorBoardLogger(tmp_path), monitor, inject_at=(1,), max_steps=3)
     restored = pickle.loads(pickle.dumps(monitor))
     assert restored.prog_bar is True

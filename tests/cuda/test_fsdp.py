@@ -21,7 +21,15 @@ from torch import nn
 
 from lightning_mp import FSDPMixedPrecision, MixedPrecision
 from tests.cuda.matrix import CUDA
-from tests.helpers import FEATURES, BatchCostRecorder, ManualRegressor, TinyRegressor, loader, make_trainer
+from tests.helpers import (
+    FEATURES,
+    BatchCostRecorder,
+    ManualRegressor,
+    PluginStateAtStart,
+    TinyRegressor,
+    loader,
+    make_trainer,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -38,16 +46,6 @@ def counters(plugin: FSDPMixedPrecision) -> tuple[int, int]:
     """Optimizer steps and skipped steps; the state dict waits for the last flag, which a GPU gives one step late."""
     state = plugin.state_dict()["scaler"]["counters"]
     return state["optimizer_steps"], state["skipped_steps"]
-
-
-class StatsAtStart(L.Callback):
-    """The plugin's state when a (resumed) fit starts."""
-
-    def __init__(self) -> None:
-        self.state: dict[str, Any] = {}
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.state = trainer.precision_plugin.state_dict()  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("precision", "opt_level"), PRECISION_LEVELS)
@@ -99,7 +97,7 @@ def test_trainer_resumes_the_plugin_state_from_fsdp_checkpoints(
     checkpoint = tmp_path / "fsdp.ckpt"
     first.save_checkpoint(checkpoint)
     saved = plugin.state_dict()
-    recorder = StatsAtStart()
+    recorder = PluginStateAtStart()
     trainer(FSDPMixedPrecision(precision, init_scale=2.0**8, growth_interval=2), 7, callbacks=[recorder]).fit(
         TinyRegressor(), loader(), ckpt_path=checkpoint
     )

@@ -20,7 +20,7 @@ from lightning_mp import MixedPrecision
 from lightning_mp.scaling.sharded import local_shard
 from tests.cuda.matrix import on_device
 from tests.ddp_scripts.fsdp2_train import ShardableRegressor, StepRecorder
-from tests.helpers import loader, make_trainer
+from tests.helpers import fit, loader
 
 INJECT_AT = (2, 5)
 
@@ -34,14 +34,16 @@ class InjectingOnEveryRank(ShardableRegressor):
             local_shard(self.first.weight.grad)[0, 0] = float("inf")
 
 
-def _fit(device: str, precision: str, opt_level: str, sharded: bool) -> dict[str, Any]:
+def fit_sharded_or_ddp(device: str, precision: str, opt_level: str, sharded: bool) -> dict[str, Any]:
+    """The seeded injecting model fitted on ``device`` in a one-process group, under FSDP2 (``sharded``) or DDP,
+    the group torn down after: its losses, the recorded steps and the plugin's stats."""
     torch.manual_seed(7)
     plugin = MixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8)
     model = InjectingOnEveryRank(INJECT_AT, plugin if sharded else None, "sgd", 16, 0)
     recorder = StepRecorder()
     strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1) if sharded else "ddp"
     try:
-        make_trainer(plugin, accelerator=device, strategy=strategy, callbacks=[recorder]).fit(model, loader())
+        fit(model, plugin, loader(), accelerator=device, strategy=strategy, callbacks=[recorder])
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -53,8 +55,8 @@ def _fit(device: str, precision: str, opt_level: str, sharded: bool) -> dict[str
 def test_fsdp2_on_one_gpu_trains_like_ddp(device: str, precision: str, opt_level: str) -> None:
     """Sharded with plugin.fsdp2_policy() on one GPU, the model skips the same steps with the same scales and
     counters as under DDP, and its losses stay within 1e-3."""
-    sharded = _fit(device, precision, opt_level, sharded=True)
-    unsharded = _fit(device, precision, opt_level, sharded=False)
+    sharded = fit_sharded_or_ddp(device, precision, opt_level, sharded=True)
+    unsharded = fit_sharded_or_ddp(device, precision, opt_level, sharded=False)
     assert sharded["steps"] == unsharded["steps"]
     assert [step - 1 for step, _, skipped in sharded["steps"] if skipped] == list(INJECT_AT)
     assert sharded["stats"] == unsharded["stats"]

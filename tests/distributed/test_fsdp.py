@@ -37,6 +37,7 @@ from tests.helpers import (
     CPUFabricFSDPStrategy,
     CPUFSDPStrategy,
     ManualRegressor,
+    PluginStateAtStart,
     TinyRegressor,
     loader,
     make_trainer,
@@ -332,16 +333,6 @@ def test_host_syncs_per_step_are_no_more_than_lightnings_fsdp_precision(
     assert max(syncs["ours"]) <= min(syncs["lightning"]) + allowed, syncs
 
 
-class StateAtStart(L.Callback):
-    """The plugin's state when a (resumed) fit starts."""
-
-    def __init__(self) -> None:
-        self.state: dict[str, Any] = {}
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.state = trainer.precision_plugin.state_dict()  # type: ignore[attr-defined]
-
-
 def test_trainer_resumes_the_plugin_state_from_a_sharded_fsdp_checkpoint(
     tmp_path: Path, single_process_group: None
 ) -> None:
@@ -351,7 +342,7 @@ def test_trainer_resumes_the_plugin_state_from_a_sharded_fsdp_checkpoint(
     first.fit(TinyRegressor(inject_at=(2, 3)), loader())
     first.save_checkpoint(tmp_path / "sharded")
     assert (tmp_path / "sharded").is_dir()
-    recorder = StateAtStart()
+    recorder = PluginStateAtStart()
     resumed = FSDPMixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2, hysteresis=2)
     strategy = CPUFSDPStrategy(state_dict_type="sharded")
     make_trainer(resumed, strategy=strategy, max_steps=7, callbacks=[recorder]).fit(
@@ -369,7 +360,7 @@ def test_a_run_moved_between_one_device_and_fsdp_resumes_its_scaler_state(
     first = make_trainer(plugin, max_steps=5)
     first.fit(TinyRegressor(inject_at=(1,)), loader())
     first.save_checkpoint(tmp_path / "single.ckpt")
-    recorder = StateAtStart()
+    recorder = PluginStateAtStart()
     fsdp_plugin = FSDPMixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2)
     fsdp = make_trainer(fsdp_plugin, strategy=CPUFSDPStrategy(), max_steps=6, callbacks=[recorder])
     fsdp.fit(TinyRegressor(), loader(), ckpt_path=tmp_path / "single.ckpt")
@@ -378,7 +369,7 @@ def test_a_run_moved_between_one_device_and_fsdp_resumes_its_scaler_state(
     checkpoint = torch.load(tmp_path / "fsdp.ckpt", weights_only=False)
     # Lightning's own FSDPPrecision reads torch's five GradScaler keys under its own name.
     assert checkpoint["FSDPPrecision"] == {key: checkpoint["FSDPMixedPrecision"][key] for key in TORCH_SCALER_KEYS}
-    back = StateAtStart()
+    back = PluginStateAtStart()
     make_trainer(MixedPrecision("16-mixed", init_scale=2.0**8, growth_interval=2), max_steps=7, callbacks=[back]).fit(
         TinyRegressor(), loader(), ckpt_path=tmp_path / "fsdp.ckpt"
     )

@@ -44,7 +44,7 @@ class TinyMlp(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def regression_data(n: int = 9600, seed: int = 0) -> TensorDataset:
+def teacher_regression_data(n: int = 9600, seed: int = 0) -> TensorDataset:
     """Targets of a fixed random teacher MLP, plus Gaussian noise of standard deviation :data:`NOISE`."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 16, generator=generator)
@@ -54,11 +54,11 @@ def regression_data(n: int = 9600, seed: int = 0) -> TensorDataset:
 
 
 def regression_loader(n: int = 9600, batch_size: int = 32) -> DataLoader:
-    return DataLoader(regression_data(n), batch_size=batch_size, shuffle=False)
+    return DataLoader(teacher_regression_data(n), batch_size=batch_size, shuffle=False)
 
 
 def fp32_loss(model: nn.Module, n: int = 512) -> float:
     """The mean-squared error of ``model`` over the whole data set, in fp32 without autocast."""
-    x, y = regression_data(n).tensors
+    x, y = teacher_regression_data(n).tensors
     with torch.no_grad():
         return nn.functional.mse_loss(model(x).float(), y).item()

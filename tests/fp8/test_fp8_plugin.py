@@ -21,7 +21,7 @@ from lightning_mp import MixedPrecision
 from lightning_mp.fp8 import FP8Settings, fp8_layer_names
 from lightning_mp.fp8.convert import fallback_layer, is_fp8_linear
 from tests.fp8.plugin_models import TinyMlp, mlp, regression_loader
-from tests.helpers import make_trainer
+from tests.helpers import fit, make_trainer
 
 FP8_LAYERS = ["net.2", "net.4"]
 """The MLP's layers that run FP8 by default: the first (net.0) and the last (net.6) stay bf16."""
@@ -37,12 +37,14 @@ class LayerTypes(L.Callback):
         self.seen.append(fp8_layer_names(pl_module))
 
 
-def _fit(model: TinyMlp, fp8: Any = "tensorwise", steps: int = 6, **kwargs: Any) -> tuple[L.Trainer, MixedPrecision]:
+def fit_bf16_mixed(
+    model: TinyMlp, fp8: Any = "tensorwise", steps: int = 6, **kwargs: Any
+) -> tuple[L.Trainer, MixedPrecision]:
+    """Fit ``model`` on :func:`regression_loader` for ``steps`` steps with a bf16-mixed MixedPrecision plugin of
+    ``fp8`` and ``kwargs``' ``opt_level`` (O1 when absent); the other ``kwargs`` go to :func:`tests.helpers.fit`.
+    The Trainer and the plugin."""
     plugin = MixedPrecision("bf16-mixed", opt_level=kwargs.pop("opt_level", "O1"), fp8=fp8)
-    ckpt_path = kwargs.pop("ckpt_path", None)
-    trainer = make_trainer(plugin, max_steps=steps, **kwargs)
-    trainer.fit(model, regression_loader(), ckpt_path=ckpt_path)
-    return trainer, plugin
+    return fit(model, plugin, regression_loader(), max_steps=steps, **kwargs), plugin
 
 
 def _mean_last(losses: list[float], n: int) -> float:
@@ -57,7 +59,7 @@ def test_fp8_layers_run_during_fit_and_plain_linears_with_the_same_parameters_co
     parameters = [id(parameter) for parameter in model.parameters()]
     before = model.net[2].weight.detach().clone()
     types = LayerTypes()
-    _fit(model, opt_level=opt_level, callbacks=[types])
+    fit_bf16_mixed(model, opt_level=opt_level, callbacks=[types])
     assert types.seen and all(seen == FP8_LAYERS for seen in types.seen)
     assert all(type(layer) is nn.Linear for layer in model.net if isinstance(layer, nn.Linear))
     assert [id(parameter) for parameter in model.parameters()] == parameters
@@ -68,7 +70,7 @@ def test_fp8_layers_run_during_fit_and_plain_linears_with_the_same_parameters_co
 def test_after_fit_the_model_saves_and_loads_without_torchao_objects():
     """torch.save of the whole model after an FP8 fit pickles no torchao object, so it loads without torchao."""
     model = TinyMlp()
-    _fit(model, steps=3)
+    fit_bf16_mixed(model, steps=3)
     buffer = io.BytesIO()
     torch.save(model.net, buffer)
     assert b"torchao" not in buffer.getvalue() and b"lightning_mp" not in buffer.getvalue()
@@ -80,7 +82,7 @@ def test_after_fit_the_model_saves_and_loads_without_torchao_objects():
 def test_setup_logs_one_line_with_the_layers_and_parameters_in_fp8(caplog):
     """One line at setup says how many layers and parameters run FP8 and which stay bf16 and why."""
     with caplog.at_level(logging.INFO):
-        _fit(TinyMlp(), fp8=FP8Settings(recipe="rowwise"), steps=1)
+        fit_bf16_mixed(TinyMlp(), fp8=FP8Settings(recipe="rowwise"), steps=1)
     lines = [record.getMessage() for record in caplog.records if "FP8 (" in record.getMessage()]
     assert lines == [
         "lightning_mp: FP8 (rowwise): 2 of 4 linear layers, 8.3K of 9.7K linear parameters; bf16: net.0 (first"
@@ -112,9 +114,9 @@ def test_each_recipe_trains_within_one_percent_of_the_bf16_loss(recipe, steps):
     """
     window = steps // 3
     reference = TinyMlp()
-    _fit(reference, fp8=None, steps=steps)
+    fit_bf16_mixed(reference, fp8=None, steps=steps)
     model = TinyMlp()
-    _fit(model, fp8=recipe, steps=steps)
+    fit_bf16_mixed(model, fp8=recipe, steps=steps)
     assert _mean_last(model.losses, window) < 0.95 * sum(model.losses[:10]) / 10
     assert _mean_last(model.losses, window) == pytest.approx(_mean_last(reference.losses, window), rel=0.01)
 
@@ -158,7 +160,7 @@ def test_fallback_returns_one_layer_to_bf16_with_the_same_weight_and_optimizer_s
     types = LayerTypes()
     model = TinyMlp()
     weight = model.net[2].weight
-    _trainer, plugin = _fit(model, steps=6, callbacks=[fall_back, types], opt_level=opt_level)
+    _trainer, plugin = fit_bf16_mixed(model, steps=6, callbacks=[fall_back, types], opt_level=opt_level)
     assert model.net[2].weight is weight and weight.dtype == torch.float32
     assert fall_back.fell is True
     assert fall_back.before["fp8"] == FP8_LAYERS and fall_back.after["fp8"] == ["net.4"]
@@ -184,7 +186,7 @@ def test_checkpoints_go_from_fp8_to_bf16_and_back_and_keep_fallbacks(tmp_path):
     """A run saved in FP8 resumes in FP8, also into a bf16 run, and a bf16 run's checkpoint resumes in FP8; a layer
     that fell back stays bf16 after the resume."""
     fp8_run = TinyMlp()
-    trainer, _ = _fit(fp8_run, steps=4, callbacks=[FallBackAt(step=2)], enable_checkpointing=False)
+    trainer, _ = fit_bf16_mixed(fp8_run, steps=4, callbacks=[FallBackAt(step=2)], enable_checkpointing=False)
     first = tmp_path / "fp8.ckpt"
     trainer.save_checkpoint(first)
     saved = torch.load(first, weights_only=False)
@@ -195,12 +197,12 @@ def test_checkpoints_go_from_fp8_to_bf16_and_back_and_keep_fallbacks(tmp_path):
     assert not any("torchao" in type(value).__module__ for value in saved["state_dict"].values())
 
     resumed_fp8 = LayerTypes()
-    _fit(TinyMlp(seed=1), steps=6, callbacks=[resumed_fp8], ckpt_path=first)
+    fit_bf16_mixed(TinyMlp(seed=1), steps=6, callbacks=[resumed_fp8], ckpt_path=first)
     assert resumed_fp8.seen and all(seen == ["net.4"] for seen in resumed_fp8.seen)
 
     in_bf16 = LayerTypes()
     bf16_run = TinyMlp(seed=1)
-    trainer, _ = _fit(bf16_run, fp8=None, steps=6, callbacks=[in_bf16], ckpt_path=first)
+    trainer, _ = fit_bf16_mixed(bf16_run, fp8=None, steps=6, callbacks=[in_bf16], ckpt_path=first)
     assert in_bf16.seen == [[], []]
     second = tmp_path / "bf16.ckpt"
     trainer.save_checkpoint(second)
@@ -208,7 +210,7 @@ def test_checkpoints_go_from_fp8_to_bf16_and_back_and_keep_fallbacks(tmp_path):
 
     back_in_fp8 = LayerTypes()
     final = TinyMlp(seed=2)
-    _fit(final, steps=8, callbacks=[back_in_fp8], ckpt_path=second)
+    fit_bf16_mixed(final, steps=8, callbacks=[back_in_fp8], ckpt_path=second)
     assert back_in_fp8.seen == [FP8_LAYERS, FP8_LAYERS]
     assert all(type(layer) is nn.Linear for layer in final.net if isinstance(layer, nn.Linear))
 

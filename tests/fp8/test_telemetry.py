@@ -22,20 +22,23 @@ pytest.importorskip("torchao")
 from lightning_mp.fp8.telemetry import FallbackRule, FP8Monitor, fallback_decisions, rank_layers
 from tests.ddp_scripts.launch import clean_environment, finish
 from tests.fp8.fp8_models import TinyFp8Net, back_to_linear
-from tests.helpers import BatchCostRecorder, make_trainer, read_events, scalars, texts
+from tests.helpers import BatchCostRecorder, fit, make_trainer, read_events, scalars, texts
 
 EVERY = 2
 
 
-def fit(tmp_path, model: L.LightningModule, callbacks: list, max_steps: int = EVERY, name: str = "fp8") -> L.Trainer:
-    trainer = make_trainer(
+def fit_logging_to_tensorboard(
+    tmp_path, model: L.LightningModule, callbacks: list, max_steps: int = EVERY, name: str = "fp8"
+) -> L.Trainer:
+    """Fit ``model`` with ``callbacks``, logging every :data:`EVERY` steps to a TensorBoardLogger under
+    ``tmp_path/name``; the Trainer."""
+    return fit(
+        model,
         max_steps=max_steps,
         log_every_n_steps=EVERY,
         logger=TensorBoardLogger(tmp_path, name=name),
         callbacks=callbacks,
     )
-    trainer.fit(model)
-    return trainer
 
 
 class CaptureFirstLayer(L.Callback):
@@ -83,7 +86,7 @@ def test_logged_stats_match_a_per_tensor_reference(tmp_path):
     """Under tensorwise scaling, the logged amax, scale, underflow share and SQNR of a layer's input, weight (e4m3)
     and output gradient (e5m2) equal plain torch casts of the same tensors, as read back from TensorBoard."""
     capture = CaptureFirstLayer(batch=EVERY - 1)
-    fit(tmp_path, TinyFp8Net("tensorwise"), [FP8Monitor(every_n_steps=EVERY), capture])
+    fit_logging_to_tensorboard(tmp_path, TinyFp8Net("tensorwise"), [FP8Monitor(every_n_steps=EVERY), capture])
     events = read_events(tmp_path / "fp8" / "version_0")
     for operand, dtype in (
         ("input", torch.float8_e4m3fn),
@@ -103,7 +106,7 @@ def test_a_planted_outlier_is_named_worst_within_one_logging_interval(tmp_path, 
     """One feature of a layer's input scaled by 1e4 makes that layer the worst at the first logging step, in the
     callback, in the TensorBoard text and in the underflow scalars, and the heatmaps are written."""
     monitor = FP8Monitor(every_n_steps=EVERY, heatmap_every_n_samples=1)
-    fit(tmp_path, TinyFp8Net(recipe, outlier=True), [monitor])
+    fit_logging_to_tensorboard(tmp_path, TinyFp8Net(recipe, outlier=True), [monitor])
     assert monitor.worst_layers[0] == "net.fc2"
     events = read_events(tmp_path / "fp8" / "version_0")
     table = texts(events, "fp8_monitor/worst_layers")[EVERY - 1]
@@ -121,7 +124,9 @@ def test_no_sync_and_no_op_between_logging_steps_and_one_sync_on_them(tmp_path):
     costs = {}
     for name, monitors in (("plain", []), ("monitored", [FP8Monitor(every_n_steps=EVERY)])):
         recorder = BatchCostRecorder()
-        fit(tmp_path, TinyFp8Net(), [recorder.opener(), *monitors, recorder.closer()], max_steps=2 * EVERY, name=name)
+        fit_logging_to_tensorboard(
+            tmp_path, TinyFp8Net(), [recorder.opener(), *monitors, recorder.closer()], max_steps=2 * EVERY, name=name
+        )
         costs[name] = recorder.per_batch
     plain, monitored = costs["plain"], costs["monitored"]
     for batch in range(2 * EVERY):
@@ -150,7 +155,7 @@ def test_fallback_returns_the_outlier_layer_and_only_it_to_bf16(tmp_path):
         fallback=FallbackRule(max_underflow=0.001, min_sqnr_db=None, patience=2),
         fallback_fn=fall_back,
     )
-    fit(tmp_path, model, [monitor], max_steps=3 * EVERY)
+    fit_logging_to_tensorboard(tmp_path, model, [monitor], max_steps=3 * EVERY)
     assert [name for name, _ in calls] == ["net.fc2"]
     assert "input underflow share" in calls[0][1] and "2 logging steps in a row" in calls[0][1]
     assert type(model.net.fc2) is nn.Linear and model.net.fc2.weight is weight
@@ -165,7 +170,9 @@ def test_a_layer_fallen_back_stays_in_bf16_after_a_resume(tmp_path):
     """The layers that fell back are in the checkpoint: a run resumed from it returns them to bf16 before its first
     step, and measures only the layers still in FP8."""
     rule = FallbackRule(max_underflow=0.001, min_sqnr_db=None, patience=1)
-    trainer = fit(tmp_path, TinyFp8Net(outlier=True), [FP8Monitor(EVERY, fallback=rule, fallback_fn=back_to_linear)])
+    trainer = fit_logging_to_tensorboard(
+        tmp_path, TinyFp8Net(outlier=True), [FP8Monitor(EVERY, fallback=rule, fallback_fn=back_to_linear)]
+    )
     trainer.save_checkpoint(tmp_path / "fell_back.ckpt")
     resumed_model, monitor = TinyFp8Net(), FP8Monitor(EVERY, fallback=rule, fallback_fn=back_to_linear)
     trainer = make_trainer(

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
-from tests.helpers import make_trainer
+from tests.helpers import fit, make_trainer
 
 
 class Net(LightningModule):
@@ -40,18 +40,17 @@ class Net(LightningModule):
         return DataLoader(TensorDataset(features, (features[:, 0] > 0).long() * 3), batch_size=8)
 
 
-def fit(plugin: MixedPrecision, max_steps: int = 6) -> tuple[Trainer, Net]:
+def fit_new_net(plugin: MixedPrecision, max_steps: int = 6) -> tuple[Trainer, Net]:
+    """A fresh :class:`Net` fitted with ``plugin`` for ``max_steps`` steps; the Trainer and the net."""
     model = Net()
-    trainer = make_trainer(plugin, max_steps=max_steps)
-    trainer.fit(model)
-    return trainer, model
+    return fit(model, plugin, max_steps=max_steps), model
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
 def test_o3_trains_pure_half_weights_and_warns(precision: str, dtype: torch.dtype) -> None:
     """O3 casts every weight, norms included, steps the half weights directly, and warns it may not converge."""
     with pytest.warns(UserWarning, match="opt_level='O3' .* may not converge"):
-        trainer, model = fit(MixedPrecision(precision, opt_level="O3"))
+        trainer, model = fit_new_net(MixedPrecision(precision, opt_level="O3"))
     assert {p.dtype for p in model.parameters()} == {dtype}
     assert trainer.optimizers[0].param_groups[0]["params"][0] is model.net[0].weight  # no master copy
     assert trainer.precision_plugin.stats.skipped_steps == 0
@@ -62,7 +61,7 @@ def test_o3_trains_pure_half_weights_and_warns(precision: str, dtype: torch.dtyp
 @pytest.mark.filterwarnings("ignore:lightning_mp. opt_level='O3'")
 def test_o3_fp16_scales_only_when_asked() -> None:
     """A static loss_scale is honoured in O3 fp16, and the fp16 gradients are unscaled without error."""
-    trainer, model = fit(MixedPrecision("16-mixed", opt_level="O3", loss_scale=128.0), max_steps=3)
+    trainer, model = fit_new_net(MixedPrecision("16-mixed", opt_level="O3", loss_scale=128.0), max_steps=3)
     assert trainer.precision_plugin.stats.loss_scale == 128.0
     assert trainer.precision_plugin.stats.skipped_steps == 0
     assert model.losses[-1] < model.losses[0]
@@ -71,7 +70,7 @@ def test_o3_fp16_scales_only_when_asked() -> None:
 @pytest.mark.filterwarnings("ignore:lightning_mp. opt_level='O3'")
 def test_o3_keep_fp32_keeps_the_matched_layer_fp32() -> None:
     """keep_fp32 under O3 leaves the matched layer's weights fp32 while everything else is half."""
-    _, model = fit(MixedPrecision("bf16-mixed", opt_level="O3", keep_fp32=["net.3"]), max_steps=2)
+    _, model = fit_new_net(MixedPrecision("bf16-mixed", opt_level="O3", keep_fp32=["net.3"]), max_steps=2)
     assert model.net[3].weight.dtype == torch.float32
     assert model.net[1].weight.dtype == model.net[0].weight.dtype == torch.bfloat16
 

@@ -398,7 +398,7 @@ def test_a_plugin_shared_by_two_concurrent_fits_refuses_the_second():
     torch.manual_seed(0)
     first = TinyRegressor()
 
-    def fit(name: str, model: TinyRegressor, callbacks: list[L.Callback]) -> None:
+    def fit_keeping_the_error(name: str, model: TinyRegressor, callbacks: list[L.Callback]) -> None:
         try:
             make_trainer(shared, max_steps=6, callbacks=callbacks).fit(model, loader())
         except RuntimeError as error:
@@ -407,10 +407,10 @@ def test_a_plugin_shared_by_two_concurrent_fits_refuses_the_second():
             if name == "second":
                 gate.refused.set()
 
-    threads = [threading.Thread(target=fit, args=("first", first, [gate]))]
+    threads = [threading.Thread(target=fit_keeping_the_error, args=("first", first, [gate]))]
     threads[0].start()
     assert gate.started.wait(timeout=60)
-    threads.append(threading.Thread(target=fit, args=("second", TinyRegressor(), [])))
+    threads.append(threading.Thread(target=fit_keeping_the_error, args=("second", TinyRegressor(), [])))
     threads[1].start()
     for thread in threads:
         thread.join(timeout=120)
@@ -426,15 +426,15 @@ def test_a_plugin_reused_by_fits_in_threads_one_after_the_other_trains_each():
     shared = MixedPrecision("16-mixed")
     steps_per_fit = []
 
-    def fit() -> None:
+    def fit_and_count_steps() -> None:
         make_trainer(shared, max_steps=2).fit(TinyRegressor(), loader())
         steps_per_fit.append(shared.stats.optimizer_steps)
 
     for _ in range(2):
-        thread = threading.Thread(target=fit)
+        thread = threading.Thread(target=fit_and_count_steps)
         thread.start()
         thread.join(timeout=120)
-    fit()
+    fit_and_count_steps()
     assert steps_per_fit == [2, 2, 2]
 
 

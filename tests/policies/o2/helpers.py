@@ -1,9 +1,9 @@
 """The model, data and plugin O2's tests share: a small classifier (Linear, LayerNorm, ReLU, Linear) that records the
-dtypes its weights had in the step, its loader, an O2 plugin and a fit."""
+dtypes its weights had in the step, its loader (:func:`net_loader`) and an O2 plugin; the tests fit them with
+:func:`tests.helpers.fit`."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -13,14 +13,14 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
-from tests.helpers import make_trainer
 
 HALF = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 PRECISIONS = ["bf16-mixed", "16-mixed"]
 STEPS = 4
 
 
-def loader(steps: int = STEPS) -> DataLoader:
+def net_loader(steps: int = STEPS) -> DataLoader:
+    """:class:`Net`'s data: ``steps`` seeded batches of 8 features and 4 classes."""
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(steps * 8, 8, generator=generator)
     target = torch.randint(0, 4, (steps * 8,), generator=generator)
@@ -64,28 +64,16 @@ class Net(L.LightningModule):
         return factories[self.optimizer](self.parameters())
 
     def train_dataloader(self) -> DataLoader:
-        return loader()
+        return net_loader()
 
     def val_dataloader(self) -> DataLoader:
-        return loader(1)
+        return net_loader(1)
 
 
 def o2(precision: str = "bf16-mixed", **kwargs: Any) -> MixedPrecision:
     if precision == "16-mixed":
         kwargs.setdefault("init_scale", 2.0**10)
     return MixedPrecision(precision, opt_level="O2", **kwargs)  # type: ignore[arg-type]
-
-
-def fit(
-    model: L.LightningModule, plugin: Any = None, max_steps: int = STEPS, ckpt_path: Path | None = None, **kwargs: Any
-) -> L.Trainer:
-    trainer = make_trainer(plugin, max_steps=max_steps, **kwargs)
-    trainer.fit(model, ckpt_path=ckpt_path)
-    return trainer
-
-
-def hook_count(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 def snapshot(model: nn.Module) -> dict[str, Tensor]:

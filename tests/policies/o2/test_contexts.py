@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_mp import MixedPrecision
-from tests.policies.o2.helpers import HALF, PRECISIONS, STEPS, Net, fit, hook_count, loader, o2, snapshot
+from tests.helpers import fit, hook_count
+from tests.policies.o2.helpers import HALF, PRECISIONS, STEPS, Net, net_loader, o2, snapshot
 
 
 class WeightsAtHooks(L.Callback):
@@ -267,13 +268,13 @@ def test_o2_a_forward_without_gradients_before_backward_trains_as_without_it(whe
     """A forward without gradients between the training forward and its backward (in training_step, or in a hook
     under the plugin's forward context) leaves the backward working and the weights as a run without it gives."""
     reference = Net()
-    fit(reference, o2("16-mixed"))
+    fit(reference, o2("16-mixed"), max_steps=STEPS)
     if where == "training_step":
         model = ProbesInTrainingStep(how)
-        fit(model, o2("16-mixed"))
+        fit(model, o2("16-mixed"), max_steps=STEPS)
     else:
         model = Net()
-        fit(model, o2("16-mixed"), callbacks=[ProbesBeforeBackward(how)])
+        fit(model, o2("16-mixed"), max_steps=STEPS, callbacks=[ProbesBeforeBackward(how)])
     for name, value in snapshot(reference).items():
         assert torch.equal(model.state_dict()[name], value), name
 
@@ -287,7 +288,7 @@ def fabric_o2_run(step: Any, steps: int = STEPS, opt_level: str = "O2") -> tuple
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
     outputs, probes = [], []
-    for features, target in loader(steps):
+    for features, target in net_loader(steps):
         logits = model(features)
         outputs.append(logits.detach())
         probes.append(step(model, features))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lightning_mp.policies.o2 import HalfOverflowError
-from tests.policies.o2.helpers import Net, fit, hook_count, o2
+from tests.helpers import fit, hook_count
+from tests.policies.o2.helpers import Net, o2
 
 
 def test_o2_fp16_refuses_a_weight_beyond_fp16_range_at_setup() -> None:

@@ -12,7 +12,8 @@ import torch
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from torch import Tensor, nn
 
-from tests.policies.o2.helpers import HALF, PRECISIONS, STEPS, Net, StartWeights, converted, fit, o2, snapshot
+from tests.helpers import fit
+from tests.policies.o2.helpers import HALF, PRECISIONS, STEPS, Net, StartWeights, converted, o2, snapshot
 
 
 def test_o2_model_holds_half_weights_and_the_optimizer_their_fp32_masters() -> None:

@@ -23,7 +23,7 @@ from lightning_mp import MixedPrecision
 from lightning_mp.inference import compare, to_inference
 from lightning_mp.policies.o2 import O2Policy
 from tests.ddp_scripts.launch import reports, run
-from tests.helpers import make_trainer
+from tests.helpers import fit, hook_count, make_trainer
 from tests.policies.o2.helpers import (
     HALF,
     PRECISIONS,
@@ -31,9 +31,7 @@ from tests.policies.o2.helpers import (
     Net,
     StartWeights,
     converted,
-    fit,
-    hook_count,
-    loader,
+    net_loader,
     o2,
     snapshot,
 )
@@ -70,7 +68,7 @@ def hand_written_o2(dtype: torch.dtype, loss_scale: float) -> list[Tensor]:
     model = Net()
     half_names = {"net.0.weight", "net.0.bias", "net.3.weight", "net.3.bias"}
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for features, target in loader():
+    for features, target in net_loader():
         weights = {name: p.to(dtype) if name in half_names else p for name, p in model.named_parameters()}
         with torch.autocast("cpu", dtype=dtype):
             loss = F.cross_entropy(functional_call(model, weights, (features,)), target)
@@ -87,7 +85,7 @@ def test_o2_matches_a_hand_written_o2_loop(precision: str) -> None:
     """After N steps the plugin's fp32 parameters equal those of O2 written out by hand with functional_call."""
     loss_scale = 2.0**10 if precision == "16-mixed" else 1.0
     model = Net()
-    trainer = fit(model, o2(precision))
+    trainer = fit(model, o2(precision), max_steps=STEPS)
     assert trainer.precision_plugin.stats.skipped_steps == 0
     for got, want in zip(model.parameters(), hand_written_o2(HALF[precision], loss_scale), strict=True):
         torch.testing.assert_close(got, want)
@@ -329,7 +327,7 @@ def test_o2_compare_after_fit_measures_against_fp32() -> None:
     """compare(model, to_inference(model), batch) after an O2 fit compares fp32 with fp16: the error is not 0."""
     model = Net()
     fit(model, o2("16-mixed"), max_steps=2)
-    features = next(iter(loader()))[0]
+    features = next(iter(net_loader()))[0]
     report = compare(model, to_inference(model, dtype=torch.float16), features, verbose=False)
     assert 0 < report.max_rel_error < 0.05
 
@@ -442,7 +440,7 @@ def test_o2_trains_a_toggled_gan_like_o1(precision, use_closure):
     for opt_level in ("O1", "O2"):
         models[opt_level] = model = ToggledGAN(use_closure)
         plugin = MixedPrecision(precision, opt_level=opt_level, init_scale=2.0**8 if precision == "16-mixed" else None)
-        make_trainer(plugin, max_steps=8).fit(model, loader())
+        make_trainer(plugin, max_steps=8).fit(model, net_loader())
     untrained = ToggledGAN()
     for name, parameter in models["O2"].named_parameters():
         assert not torch.equal(parameter, untrained.get_parameter(name)), f"{name} never trained"
@@ -497,7 +495,7 @@ def test_o2_activation_checkpointing_trains_exactly_as_without_it() -> None:
     weights = []
     for checkpointed in (True, False):
         model = Checkpointed(checkpointed)
-        make_trainer(o2(), max_steps=STEPS).fit(model, loader())
+        make_trainer(o2(), max_steps=STEPS).fit(model, net_loader())
         assert all(p.dtype == torch.float32 for p in model.parameters())
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(weights[0], weights[1])

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 from lightning_mp import MixedPrecision
 from lightning_mp.policies.o2 import computes_weights_in_fp32
-from tests.helpers import make_trainer
-from tests.policies.o2.helpers import HALF, PRECISIONS, Net, fit, hook_count, loader, o2
+from tests.helpers import fit, hook_count, make_trainer
+from tests.policies.o2.helpers import HALF, PRECISIONS, Net, net_loader, o2
 
 
 def test_o2_keeps_batchnorm_fp32_and_its_running_statistics_learn() -> None:
@@ -60,7 +60,7 @@ class Recurrent(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self) -> DataLoader:
-        return loader()
+        return net_loader()
 
 
 def test_o2_trains_a_recurrent_layer_in_half_with_fp32_weights() -> None:
@@ -159,7 +159,7 @@ def fit_layer(layer: str, precision: str, opt_level: str) -> WithLayer:
     model = WithLayer(layer)
     init_scale = 2.0**10 if precision == "16-mixed" else None
     plugin = MixedPrecision(precision, opt_level=opt_level, init_scale=init_scale)  # type: ignore[arg-type]
-    make_trainer(plugin, max_steps=4).fit(model, loader())
+    make_trainer(plugin, max_steps=4).fit(model, net_loader())
     return model
 
 
