@@ -1,4 +1,4 @@
-"""The upstream inventory (``tests/upstream_inventory.py``) stays true to the five modules that adapt upstream tests."""
+"""The upstream inventory (``tests/upstream_inventory/``) stays true to the five modules that adapt upstream tests."""
 
 from __future__ import annotations
 

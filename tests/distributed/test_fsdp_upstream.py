@@ -5,7 +5,7 @@ and the FSDP case of both ``test_all.py``. Lightning's unit tests put mocks in p
 optimizer. Here a real FSDP1 run on one CPU process (gloo; the tests' ``CPUFSDPStrategy`` and
 ``CPUFabricFSDPStrategy``) scales, skips and steps. The opt level decides how FSDP's own mixed precision is set
 (:mod:`lightning_mp.fsdp`), so the expected dtypes differ from Lightning's FSDPPrecision where the opt level says so.
-Every test names the upstream test it adapts. ``tests/upstream_inventory.py`` lists each upstream test as adapted,
+Every test names the upstream test it adapts. ``tests/upstream_inventory/`` lists each upstream test as adapted,
 skipped or deliberately different, with the reason for each.
 """
 

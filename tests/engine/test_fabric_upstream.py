@@ -3,7 +3,7 @@
 The sources are ``tests_fabric/plugins/precision/test_amp.py`` and ``test_amp_integration.py``. Lightning's unit tests
 put mocks in place of the scaler, the tensor and the optimizer. Here a CPU Fabric runs real fp16 with a real
 LossScaler, so every test checks what reaches the gradients and the weights. Every test names the upstream test it
-adapts. ``tests/upstream_inventory.py`` lists each upstream test as adapted, skipped or deliberately different, with
+adapts. ``tests/upstream_inventory/`` lists each upstream test as adapted, skipped or deliberately different, with
 the reason for each. Two examples: Fabric turns ``"16-mixed"`` on the CPU into bf16, while this plugin runs real fp16
 there; and Fabric casts the inputs to the half dtype, while this plugin leaves them to autocast.
 """

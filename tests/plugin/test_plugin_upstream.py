@@ -4,7 +4,7 @@ The sources are ``tests_pytorch/plugins/precision/test_amp.py``, ``test_amp_inte
 ``tests_pytorch/plugins/test_amp_plugins.py``, and the fp16 tests of
 ``tests_pytorch/trainer/optimization/test_manual_optimization.py``. Lightning runs most of them on a GPU with mocks
 in place of the scaler. Here they run with real fp16 on the CPU and a real LossScaler; a scaler that counts its calls
-is a LossScaler subclass. Every test names the upstream test it adapts. ``tests/upstream_inventory.py`` lists each
+is a LossScaler subclass. Every test names the upstream test it adapts. ``tests/upstream_inventory/`` lists each
 upstream test as adapted, skipped or deliberately different, with the reason for each. One example: Lightning refuses
 to clip the gradients of a fused optimizer, while this plugin unscales them first and then clips.
 

@@ -13,7 +13,7 @@ torch tests its scaler in two ways, and so do these adaptations:
   ``torch.amp.GradScaler("cpu")`` and once with ``LossScaler("cpu")`` at torch's settings. Both must give the same
   scales and the same weights.
 
-Every test names the upstream test it adapts. ``tests/upstream_inventory.py`` lists each upstream test as adapted,
+Every test names the upstream test it adapts. ``tests/upstream_inventory/`` lists each upstream test as adapted,
 skipped, or deliberately different, with the reason for each.
 """
 

@@ -2,7 +2,7 @@
 
 The same scenario runs once with ``torch.amp.GradScaler("cpu")`` and once with ``LossScaler("cpu")`` at torch's
 settings; both must give the same scales and the same weights. The adaptations against an unscaled control are in
-``test_scaler_upstream.py``; ``tests/upstream_inventory.py`` lists each upstream test as adapted, skipped, or
+``test_scaler_upstream.py``; ``tests/upstream_inventory/`` lists each upstream test as adapted, skipped, or
 deliberately different, with the reason for each.
 """
 
