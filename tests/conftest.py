@@ -18,7 +18,8 @@ torch.set_num_threads(1)
 # (about 9 ms here, more than a small test's whole fit); the installed packages do not change during a session, so
 # the suite looks them up once. Each test still builds its real Trainer or Fabric, with Lightning's own callbacks.
 _registry = lightning.fabric.utilities.registry
-_registry.entry_points = functools.cache(_registry.entry_points)  # type: ignore[attr-defined]
+if callable(getattr(_registry, "entry_points", None)):
+    _registry.entry_points = functools.cache(_registry.entry_points)
 
 collect_ignore = ["ddp_scripts"]
 """Scripts that tests start in subprocesses: nothing to collect, and ``--doctest-modules`` should not import them."""
