@@ -37,9 +37,6 @@ from lightning_mp.scaling.rules import ScalerSettings
 from lightning_mp.settings import PluginSettings
 from tests.helpers import TinyRegressor, loader, make_trainer, read_events
 
-# Slow: runs the documentation's code blocks and quickstarts: the fast loop leaves the module out.
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
@@ -123,6 +120,7 @@ def test_every_python_block_on_the_page_parses(page: Path) -> None:
 QUICKSTARTS = [README, DOCS / "get-started.md"]
 
 
+@pytest.mark.slow  # trains the quickstarts
 @pytest.mark.parametrize("page", QUICKSTARTS, ids=page_name)
 def test_the_quickstarts_train(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each quickstart block runs as written, given a model, its data, an optimizer and a loss: a reader's first run
@@ -162,6 +160,7 @@ class QuietTrainer(L.Trainer):
         super().__init__(**{**quiet, **options, "accelerator": "cpu", "devices": 1})
 
 
+@pytest.mark.slow  # runs the guide's code
 @pytest.mark.parametrize(("page", "line", "body"), GUIDE_BLOCKS)
 def test_every_guide_block_runs(
     page: Path, line: int, body: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -351,6 +350,7 @@ def test_the_private_names_table_is_the_registry() -> None:
     )
 
 
+@pytest.mark.slow  # counts in a fresh process
 def test_the_committed_opt_level_counts_are_what_the_benchmark_counts_today() -> None:
     """Recounting O2 in bf16 gives the committed row, on the versions the file was stamped with: the figures on the
     performance page are measured, not typed (counts are deterministic).
@@ -398,6 +398,7 @@ def documented_tags() -> dict[str, set[str]]:
     return tags
 
 
+@pytest.mark.slow  # trains with every monitor
 def test_every_tensorboard_tag_the_docs_list_is_what_a_real_run_writes(tmp_path: Path) -> None:
     """A user who looks for a documented tag in TensorBoard finds it under that name, and every written tag is
     listed."""
@@ -529,6 +530,7 @@ def generate_script() -> Any:
     return module
 
 
+@pytest.mark.slow  # trains and draws
 def test_the_layer_dtype_picture_is_drawn_from_the_monitors_tensorboard_table(tmp_path: Path) -> None:
     """The telemetry page's dtype grid reads the LayerDtypeMonitor's text event of a real run: under fp16 O1 a linear
     layer shows fp32 parameters and gradients beside an fp16 output, and the picture is a PNG."""

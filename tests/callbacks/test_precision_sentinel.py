@@ -30,9 +30,6 @@ from lightning_mp.callbacks._sentinel_rules import (
 from lightning_mp.callbacks.precision_sentinel import HEADROOM_STYLE, STALE_STYLE, UNDERFLOW_STYLE
 from tests.helpers import make_trainer, read_events
 
-# Slow: each test trains a model until the sentinel has something to say: the fast loop leaves the module out.
-pytestmark = pytest.mark.slow
-
 HEATMAP_TAGS = (
     "precision_sentinel/activation_headroom_log2",
     "precision_sentinel/grad_underflow_share",
@@ -112,6 +109,7 @@ def sentinel_warnings(
     return found, sentinel, logger
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_healthy_fp16_run_gets_no_warning(tmp_path):
     """A plain fp16 O1 run with a sane learning rate and scale draws no sentinel warning."""
     found, sentinel, _ = sentinel_warnings(tmp_path, Regressor(), MixedPrecision("16-mixed"))
@@ -119,6 +117,7 @@ def test_healthy_fp16_run_gets_no_warning(tmp_path):
     assert len(sentinel.samples) == 4
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_bf16_weights_with_a_small_learning_rate_warn_of_stale_updates(tmp_path):
     """O3 in bf16 (bf16 weights) with lr=1e-4: most updates fall below half an ulp; the warning names the layers."""
     found, sentinel, _ = sentinel_warnings(tmp_path, Regressor(lr=1e-4), MixedPrecision("bf16-mixed", opt_level="O3"))
@@ -152,6 +151,7 @@ class PerTensorShares(pl.Callback):
         self.stale.append({layer: (active - moved) / active for layer, (_, active, moved) in totals.items()})
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_stale_and_underflow_shares_match_a_per_tensor_count(tmp_path):
     """Each sample's per-layer shares are exactly those counted element by element on the same steps."""
     reference = PerTensorShares()
@@ -166,6 +166,7 @@ def test_stale_and_underflow_shares_match_a_per_tensor_count(tmp_path):
     assert any(share > 0 for sample in sentinel.samples for share in sample.underflow.values())
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_fp32_master_weights_keep_the_same_updates(tmp_path):
     """The same learning rate under O2 (fp32 masters) loses almost no update: no stale-update warning."""
     found, sentinel, _ = sentinel_warnings(tmp_path, Regressor(lr=1e-4), MixedPrecision("bf16-mixed", opt_level="O2"))
@@ -173,6 +174,7 @@ def test_fp32_master_weights_keep_the_same_updates(tmp_path):
     assert all(sample.stale["first"] < 0.1 for sample in sentinel.samples)
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_stochastic_rounding_lowers_the_stale_update_share_the_sentinel_reports(tmp_path):
     """Same bf16 weights and learning rate: lean's stochastic rounding loses fewer updates than O3's to-nearest."""
     shares = {}
@@ -186,6 +188,7 @@ def test_stochastic_rounding_lowers_the_stale_update_share_the_sentinel_reports(
     assert sum(shares["lean"]) / 4 < sum(shares["O3"]) / 4 - 0.05
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_shrinking_gradients_at_the_scale_ceiling_warn_of_underflow(tmp_path):
     """Gradients that shrink 2**-8 per step, with the scale pinned at max_scale, flush to zero: underflow warning."""
     plugin = MixedPrecision("16-mixed", init_scale=1.0, max_scale=1.0)
@@ -196,6 +199,7 @@ def test_shrinking_gradients_at_the_scale_ceiling_warn_of_underflow(tmp_path):
     assert shares[-1] > shares[0] + 0.5
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_underflow_is_not_blamed_while_the_scale_can_still_grow(tmp_path):
     """The same shrinking gradients with room above the scale draw no underflow warning: the scaler can react."""
     plugin = MixedPrecision("16-mixed", init_scale=1.0, max_scale=2.0**24)
@@ -203,6 +207,7 @@ def test_underflow_is_not_blamed_while_the_scale_can_still_grow(tmp_path):
     assert "underflow" not in found
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_activations_near_the_fp16_limit_warn_before_they_overflow(tmp_path):
     """A layer whose outputs come within 2 doublings of 65504 warns of overflow risk, naming it."""
     found, sentinel, _ = sentinel_warnings(
@@ -214,6 +219,7 @@ def test_activations_near_the_fp16_limit_warn_before_they_overflow(tmp_path):
     assert 0 < sentinel.samples[0].headroom["first"] < 2
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_activations_far_from_the_fp16_limit_raise_no_overflow_risk(tmp_path):
     """The same model with outputs 2**4 below fp16's limit draws no overflow-risk warning."""
     found, sentinel, _ = sentinel_warnings(
@@ -223,6 +229,7 @@ def test_activations_far_from_the_fp16_limit_raise_no_overflow_risk(tmp_path):
     assert sentinel.samples[0].headroom["first"] > 2
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_autocast_for_another_device_is_a_misconfiguration(tmp_path):
     """Lightning's plugin with device='cuda' on a CPU model runs no half precision at all: autocast_device warning."""
     plugin = LightningMixedPrecision("bf16-mixed", device="cuda")
@@ -233,6 +240,7 @@ def test_autocast_for_another_device_is_a_misconfiguration(tmp_path):
     assert "'cuda'" in found["autocast_device"] and "'cpu'" in found["autocast_device"]
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_a_loss_scaler_over_bf16_compute_is_a_misconfiguration(tmp_path):
     """fp16 mixed precision with a dynamic scaler, but a bf16 autocast inside training_step: scaler_in_bf16."""
     found, _, _ = sentinel_warnings(tmp_path, Regressor(inner_bf16=True), MixedPrecision("16-mixed"), max_steps=1)
@@ -240,6 +248,7 @@ def test_a_loss_scaler_over_bf16_compute_is_a_misconfiguration(tmp_path):
     assert "precision='bf16-mixed'" in found["scaler_in_bf16"]
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_fp16_without_a_loss_scaler_is_a_misconfiguration(tmp_path):
     """Trainer(precision='16-true') trains fp16 weights with nothing scaling the loss: fp16_without_scaling."""
     found, _, _ = sentinel_warnings(tmp_path, Regressor(), max_steps=1, precision="16-true")
@@ -247,6 +256,7 @@ def test_fp16_without_a_loss_scaler_is_a_misconfiguration(tmp_path):
     assert "dynamic loss scale" in found["fp16_without_scaling"]
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_heatmaps_are_written_to_tensorboard_as_images(tmp_path):
     """Three per-layer heatmaps come back from the event file as images, redrawn every 2 samples and at the end."""
     _, sentinel, logger = sentinel_warnings(
@@ -321,6 +331,7 @@ def test_every_argument_is_checked(argument, value, allowed):
         PrecisionSentinel(**{argument: value})
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_sentinel_pickles_after_a_run(tmp_path):
     """After fit the sentinel pickles (ddp_spawn and checkpoints need it) and keeps its samples and warnings."""
     _, sentinel, _ = sentinel_warnings(tmp_path, Regressor(lr=1e-4), MixedPrecision("bf16-mixed", opt_level="O3"))
@@ -329,6 +340,7 @@ def test_sentinel_pickles_after_a_run(tmp_path):
     assert [sample.step for sample in restored.samples] == [sample.step for sample in sentinel.samples]
 
 
+@pytest.mark.slow  # trains until the sentinel has something to say
 def test_accumulated_steps_are_sampled_once_with_their_optimizer_step(tmp_path):
     """With accumulate_grad_batches=2 each sampled optimizer step gives one sample, stale shares included."""
     _, sentinel, _ = sentinel_warnings(
