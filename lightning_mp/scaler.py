@@ -275,7 +275,7 @@ class LossScaler(torch.amp.GradScaler):
     def adopt_unscale(self, wrapper: Any, optimizer: torch.optim.Optimizer) -> None:
         """Record an :meth:`unscale_` made through ``wrapper`` in this iteration as made on ``optimizer``.
 
-        For a wrapper that shares its ``param_groups`` (Lightning's ``LightningOptimizer``), whose unscale_ therefore
+        For a wrapper that shares its ``param_groups`` (Lightning's ``LightningOptimizer``): its ``unscale_``
         unscaled the very gradients ``optimizer`` steps.
         """
         self._gate.adopt_unscale(wrapper, optimizer)
