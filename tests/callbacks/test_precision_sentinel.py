@@ -279,7 +279,9 @@ def test_heatmaps_are_written_to_tensorboard_as_images(tmp_path):
 
 
 @pytest.mark.parametrize("style", [HEADROOM_STYLE, UNDERFLOW_STYLE, STALE_STYLE], ids=lambda style: style.label)
-@pytest.mark.parametrize(("layers", "steps"), [(2, 3), (40, 100)], ids=["small", "large"])
+@pytest.mark.parametrize(
+    ("layers", "steps"), [pytest.param(2, 3, id="small"), pytest.param(40, 100, id="large", marks=pytest.mark.slow)]
+)
 def test_every_part_of_a_heatmap_lies_inside_the_image(style, layers, steps):
     """The colour bar's label, the title, the layer names and the step axis are drawn whole, none cut off at an edge."""
     names = [f"model.blocks.{index}.attention.query.weight" for index in range(layers)]
