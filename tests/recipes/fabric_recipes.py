@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lightning.fabric import Fabric
 from torch import nn
@@ -10,6 +12,7 @@ from lightning_mp import MixedPrecision
 from tests.recipes.common import (
     Level,
     Outcome,
+    Weights,
     audit_of,
     batches,
     duplicated_parameters,
@@ -23,6 +26,14 @@ from tests.recipes.common import (
 from tests.recipes.trainer_recipes import (
     Regressor,
 )
+
+
+def ended_fabric_run(plugin: MixedPrecision | None, initial: Weights, model: Any, optimizer: Any) -> Outcome:
+    """The outcome of a Fabric run, read before the plugin is torn down (Fabric tears no plugin down itself)."""
+    stats = stats_of(plugin)
+    if plugin is not None:
+        plugin.teardown()
+    return Outcome(initial, snapshot(model), stats, duplicated_parameters([optimizer], model))
 
 
 def fabric_loop(
@@ -46,10 +57,7 @@ def fabric_loop(
             fabric.clip_gradients(model, optimizer, max_norm=0.3)
             optimizer.step()
             optimizer.zero_grad()
-    stats = stats_of(plugin)
-    if plugin is not None:
-        plugin.teardown()
-    return Outcome(initial, snapshot(model), stats, duplicated_parameters([optimizer], model))
+    return ended_fabric_run(plugin, initial, model, optimizer)
 
 
 def fabric_discarded_backward(level: Level | None) -> Outcome:
@@ -66,10 +74,7 @@ def fabric_discarded_backward(level: Level | None) -> Outcome:
         fabric.backward(nn.functional.mse_loss(model(x).float(), y))
         optimizer.step()
         optimizer.zero_grad()
-    stats = stats_of(plugin)
-    if plugin is not None:
-        plugin.teardown()
-    return Outcome(initial, snapshot(model), stats, duplicated_parameters([optimizer], model))
+    return ended_fabric_run(plugin, initial, model, optimizer)
 
 
 def fabric(level: Level | None) -> Outcome:
