@@ -11,12 +11,6 @@ the floor for everyone. Each degradation, and the releases it applies to:
   break: dynamo runs the flag toggle eagerly and compiles the code on either side as separate graphs. The numbers are
   those of eager mode (the region still runs in fp32); only the speed-up of one whole graph is lost. The first such
   break warns once, naming the fix (a newer torch).
-- **torch < 2.12: O2's forward context splits a model compiled after ``fabric.setup``.** O2 swaps its half weights
-  into the model at the forward context's entry, after comparing each parameter's version counter with the one it
-  recorded (:mod:`lightning_mp.policies.o2`). Before 2.12 dynamo treats a version counter as a data-dependent value
-  it cannot guard on, and breaks the graph there (three breaks per forward, checked on 2.8 and 2.11); the context then
-  runs eagerly and the numbers are those of eager mode. ``torch.compile`` before ``fabric.setup``, a compiled
-  submodule, and the Trainer are unaffected.
 - **torch < 2.9: no switch for the autocast state of compiled backward passes.** AOT autograd's
   ``backward_pass_autocast`` setting (:mod:`lightning_mp.plugin.compile`) appeared in 2.9; before, the plugin leaves
   AOT autograd's default. ``keep_fp32`` regions still differentiate in fp32 there: the same torch releases cannot
@@ -60,9 +54,6 @@ TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 DYNAMO_TRACES_AUTOCAST_FLAGS = TORCH_RELEASE >= (2, 12)
 """Whether torch.compile traces ``torch.set_autocast_enabled`` without a graph break."""
-
-DYNAMO_GUARDS_ON_VERSION_COUNTERS = TORCH_RELEASE >= (2, 12)
-"""Whether torch.compile traces a comparison of ``Tensor._version`` without a graph break (O2's forward context)."""
 
 AOT_BACKWARD_SWITCH_BREAKS_GRAPHS = TORCH_RELEASE >= (2, 15)
 """Whether dynamo splits a graph where it traces a change of ``backward_pass_autocast`` (a ``ContextVar`` there)."""
@@ -126,7 +117,6 @@ def note_autocast_flag_toggle() -> None:
 
 __all__ = [
     "AOT_BACKWARD_AUTOCAST_CONFIGURABLE",
-    "DYNAMO_GUARDS_ON_VERSION_COUNTERS",
     "DYNAMO_TRACES_AUTOCAST_FLAGS",
     "FUSED_SGD_PROBE_NUMEL",
     "TORCH_RELEASE",

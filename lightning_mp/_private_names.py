@@ -93,7 +93,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
             "callbacks/_sentinel_measures.py",
             "stochastic_rounding/step.py",
             "bench/counting.py",
-            "policies/o2/parameters.py",
+            "policies/o2/masters.py",
         ),
         'a family: documented in torch\'s reference as "Foreach operations" (beta), spelled with an underscore.'
         " One dispatched op for a whole list of tensors, as torch.optim's foreach implementations use them; the"
@@ -141,17 +141,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "Tensor._version",
         "torch",
-        ("policies/o2/contexts.py", "policies/o2/parameters.py", "policies/o2/policy.py"),
+        ("policies/o2/masters.py",),
         "the in-place version counter autograd checks saved tensors against: O2 finds by it the half model parameters"
-        " and fp32 masters edited between steps, to copy each edit to the other side",
-    ),
-    PrivateName(
-        "nn.Module._parameters",
-        "torch",
-        ("policies/o2/contexts.py", "policies/o2/parameters.py", "policies/o2/policy.py", "policies/o2/selection.py"),
-        "O2 swaps each parameter a module holds between the fp32 master and its half model parameter at every forward"
-        " and step; setattr would run two Python calls per holder (Module.__setattr__, register_parameter) and keep the"
-        " parameter order the same",
+        " edited since they were last written (to merge the edit into their fp32 masters) and the half gradients a"
+        " user changed after the unscale (which then win over their masters')",
     ),
     # torch: device, compile and dispatch
     PrivateName(

@@ -18,9 +18,10 @@ built; the facade never asks which mode it runs in. One iteration (any number of
   rewritten. Under DDP the flag is all-reduced (max) right there, on every path, so every rank takes the same
   decision: one collective per step, always issued in the same order, no deadlock. Under FSDP2 each rank checks
   its local shard of every gradient, empty shards left out, and the same all-reduce makes the decision unanimous
-  (:mod:`~lightning_mp.scaling.sharded`). Under :class:`~lightning_mp.MixedPrecision` the step engine wraps
-  ``unscale_`` for the run, so that an explicit call first has the opt level put the step's gradients in place (O2
-  moves them to its fp32 masters) and unscales and checks what the step applies (:mod:`lightning_mp.engine.base`).
+  (:mod:`~lightning_mp.scaling.sharded`). Under :class:`~lightning_mp.MixedPrecision` the run's step engine is
+  attached as the scaler's :class:`~lightning_mp.scaling.steps.StepPreparation`: before the first unscale or check of
+  an optimizer in an iteration the scaler asks it to ready the gradients, and it names the tensors whose gradients
+  the step applies (O2: the fp32 masters), so an explicit ``unscale_`` and the engine's unscale the same gradients.
 * ``step`` of a fused optimizer (Adam, AdamW, SGD, Adagrad with ``fused=True``, or any optimizer that declares
   ``_step_supports_amp_scaling``) follows torch's ``GradScaler.step``: the optimizer gets the flag as ``found_inf``
   and, when nothing unscaled its gradients yet, the scale as ``grad_scale`` (times a ``grad_scale`` the user set),
@@ -82,7 +83,7 @@ from lightning_mp.scaling.modes import scaling_for
 from lightning_mp.scaling.replay import HostReplay
 from lightning_mp.scaling.rules import COLLAPSE_FLOOR, SCALER_DEFAULTS, OnMinScale, ScalerSettings, ScalingMode
 from lightning_mp.scaling.stats import PrecisionStats
-from lightning_mp.scaling.steps import StepGate
+from lightning_mp.scaling.steps import OWN_PARAMETERS, StepGate, StepPreparation
 
 __all__ = ["COLLAPSE_FLOOR", "LossScaler", "OnMinScale", "ScalerSettings", "ScalingMode"]
 
@@ -202,7 +203,14 @@ class LossScaler(torch.amp.GradScaler):
         self._device_scale = DeviceScale()
         self._gate = StepGate(self._scaling, self._device_scale, device_type)
         """The iteration's stages, flags and verdicts (:mod:`~lightning_mp.scaling.steps`)."""
-        self._host = HostReplay(settings, self._scaling, self._device_scale, self._gate.flags, self._gate.optimizers)
+        self._host = HostReplay(
+            settings,
+            self._scaling,
+            self._device_scale,
+            self._gate.flags,
+            self._gate.optimizers,
+            self._gate.step_parameters,
+        )
         """The host's scale and counters, replayed from each iteration (:mod:`~lightning_mp.scaling.replay`)."""
 
     # ------------------------------------------------------------------------------------------------ knobs
@@ -294,6 +302,22 @@ class LossScaler(torch.amp.GradScaler):
         use such as ``torch.where``; None before :meth:`unscale_` ran for it.
         """
         return self._gate.verdict(optimizer)
+
+    def attach_preparation(self, preparation: StepPreparation) -> None:
+        """Have ``preparation`` ready each optimizer's gradients and name the tensors that hold them, for a run.
+
+        :class:`~lightning_mp.MixedPrecision` attaches its step engine when a run starts and detaches it at the end.
+        """
+        self._gate.preparation = preparation
+
+    def detach_preparation(self, preparation: StepPreparation) -> None:
+        """Stop using ``preparation`` (if it is the one attached): the gradients are the parameters' own again."""
+        if self._gate.preparation is preparation:
+            self._gate.preparation = OWN_PARAMETERS
+
+    def forget_prepared(self) -> None:
+        """A backward made new gradients: the next unscale or check of each optimizer readies them again."""
+        self._gate.forget_prepared()
 
     @override
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -459,8 +483,8 @@ class LossScaler(torch.amp.GradScaler):
                 "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after"
                 " scaler.update()."
             )
-        # A step engine's wrapper of unscale_ belongs to its run: a copy keeps no tie to its model and optimizers.
-        return {name: value for name, value in self.__dict__.items() if name != "unscale_"}
+        # The step gate leaves the run's preparation out: a copy keeps no tie to its model and optimizers.
+        return dict(self.__dict__)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -58,9 +58,15 @@ class Sample:
 
 @dataclass
 class Snapshot:
-    """The weights and gradient signs of the tensors one optimizer is about to step, kept on the device."""
+    """The weights and gradient signs of the tensors one optimizer is about to step, kept on the device.
+
+    ``weights`` are the tensors the step writes in the optimizer's precision: each parameter's master where the opt
+    level keeps one beside it (O2's fp32 masters, whose small updates its half parameters round away), else the
+    parameter itself.
+    """
 
     parameters: list[torch.Tensor]
+    weights: list[torch.Tensor]
     weights_before: list[torch.Tensor]
     grad_signs: list[torch.Tensor]
 
@@ -96,22 +102,27 @@ def stepped_parameters(optimizer: Optimizer, already: set[int], every_rank_count
     ]
 
 
-def take_snapshot(parameters: list[torch.Tensor]) -> Snapshot:
-    """A copy of the local part of each weight and of the sign of each gradient (zeros where a tensor has none)."""
+def take_snapshot(parameters: list[torch.Tensor], weights: list[torch.Tensor] | None = None) -> Snapshot:
+    """A copy of the local part of each weight and of the sign of each gradient (zeros where a tensor has none).
+
+    ``weights`` are the tensors the step writes (the parameters' masters where the opt level keeps them); None takes
+    the parameters.
+    """
+    weights = parameters if weights is None else weights
     with torch.no_grad():
         grads = [local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p)) for p in parameters]
         # x - 0.0 is x (-0.0 included): a copy of a whole list in one op, where allocating each destination for
         # a copy would cost one op per tensor.
         grad_signs = list(torch._foreach_sub(grads, 0.0))
         torch._foreach_sign_(grad_signs)
-        weights_before = list(torch._foreach_sub([local_shard(p) for p in parameters], 0.0))
-    return Snapshot(parameters, weights_before, grad_signs)
+        weights_before = list(torch._foreach_sub([local_shard(w) for w in weights], 0.0))
+    return Snapshot(parameters, weights, weights_before, grad_signs)
 
 
 def update_counts(snapshots: list[Snapshot]) -> torch.Tensor:
     """Per stepped tensor: elements with a non-zero gradient, then those of them whose weight moved; one vector."""
     with torch.no_grad():
-        parameters = [local_shard(p) for snapshot in snapshots for p in snapshot.parameters]
+        parameters = [local_shard(w) for snapshot in snapshots for w in snapshot.weights]
         before = [w for snapshot in snapshots for w in snapshot.weights_before]
         grad_signs = [s for snapshot in snapshots for s in snapshot.grad_signs]
         moved = torch._foreach_sub(parameters, before)

@@ -1,17 +1,17 @@
 """Shows, layer by layer, which precision each part of the model really runs in.
 
 Under mixed precision the dtype of a layer is not one thing. Its parameters may be fp32 (opt level O1, where
-autocast casts on the fly; O2, whose model shows its fp32 masters after a step) or half (O3, lean); its output
-follows autocast's op lists, so a ``Linear`` returns bf16 while a loss or a normalisation may return fp32; its
-gradients follow the weights backward ran through. A layer forced to fp32, or one that silently runs in half when it
-should not, is visible only by looking. This callback looks.
+autocast casts on the fly) or half (O2, which keeps an fp32 master beside each half parameter for the optimizer's
+math; O3; lean); its output follows autocast's op lists, so a ``Linear`` returns bf16 while a loss or a normalisation
+may return fp32; its gradients follow the weights backward ran through. A layer forced to fp32, or one that silently
+runs in half when it should not, is visible only by looking. This callback looks.
 
 On a sampled step it attaches a forward hook to every leaf module (a module without children), records the dtype of
 the output the module returns inside the autocast region of ``training_step``, and right after backward reads the
-dtype of each parameter's gradient (fp32 under O1; half under O2, whose half weights get the gradients that reach
-their fp32 masters at the step, and under O3). The parameter column is read when the table is written, at the end
-of the batch, after the optimizer step: under O2 it shows the fp32 masters, not the half copies that the forward
-pass and backward ran through, so an O2 row reads fp32 parameters beside half outputs and half gradients. A module
+dtype of each parameter's gradient (fp32 under O1; half under O2, O3 and lean, whose parameters are half). The
+parameter column shows the dtype each parameter computes in during the forward, with the master kept for the
+optimizer where there is one: an O2 row reads ``bfloat16 (float32 master)`` beside half outputs and half gradients,
+and so does a row of FSDP's mixed precision, which computes with half copies of its fp32 shards. A module
 with children that also holds parameters of its own, such as ``nn.MultiheadAttention`` with its input projection,
 gets a row too, so that every parameter appears in the table. A module whose weights are used without calling it
 (``MultiheadAttention.out_proj``) shows "not called". The hooks are removed at the end of that batch, so the steps
@@ -24,6 +24,7 @@ example ``precision/layers/bfloat16``). A dtype seen on an earlier sample and ab
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,8 @@ from lightning_mp.callbacks._logging import (
 )
 
 _NONE = "-"
+MasterDtype = Callable[[torch.Tensor], "torch.dtype | None"]
+"""The dtype of the master the opt level keeps beside a parameter, or None (:meth:`PrecisionPolicy.master_dtype`)."""
 
 
 @dataclass
@@ -55,6 +58,8 @@ class _LayerRecord:
     called: bool = False
     output_dtypes: list[torch.dtype] = field(default_factory=list)
     grad_dtypes: list[torch.dtype] | None = None
+    compute_dtypes: list[torch.dtype] | None = None
+    """The dtypes of the module's own parameters during its first forward (FSDP's unsharded half copies)."""
 
 
 class LayerDtypeMonitor(Callback):
@@ -139,7 +144,7 @@ class LayerDtypeMonitor(Callback):
         self._remove_hooks()
         records, self._records = self._records, []
         step = logging_step(trainer, finished_batch=batch_idx)
-        log_text(trainer, "precision/layer_dtypes", _markdown_table(records), step)
+        log_text(trainer, "precision/layer_dtypes", _markdown_table(records, _master_dtype_of(trainer)), step)
 
         counts = dict.fromkeys(self._dtypes_seen, 0)
         for record in records:
@@ -166,6 +171,8 @@ class LayerDtypeMonitor(Callback):
 
 def _output_dtype_recorder(record: _LayerRecord) -> Any:
     def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if not record.called:
+            record.compute_dtypes = [p.dtype for p in module.parameters(recurse=False)]
         record.called = True
         for dtype in _tensor_dtypes(output):
             if dtype not in record.output_dtypes:
@@ -206,14 +213,39 @@ def _dtype_cell(dtypes: list[torch.dtype]) -> str:
     return ", ".join(dict.fromkeys(_dtype_name(dtype) for dtype in dtypes)) or _NONE
 
 
-def _markdown_table(records: list[_LayerRecord]) -> str:
+def _parameter_cell(
+    parameters: list[torch.nn.Parameter], computed: list[torch.dtype] | None, master_dtype: MasterDtype
+) -> str:
+    """The dtype each of a module's parameters computes in, with the dtype of the master kept for the optimizer.
+
+    The master is the copy the opt level keeps beside a parameter (O2's), or the stored parameter itself where the
+    forward computed with a copy in another dtype (FSDP's mixed precision gathers half copies of its fp32 shards).
+    """
+    if computed is None or len(computed) != len(parameters):
+        computed = [parameter.dtype for parameter in parameters]
+    cells = []
+    for parameter, dtype in zip(parameters, computed, strict=True):
+        master = master_dtype(parameter) or (parameter.dtype if parameter.dtype != dtype else None)
+        cells.append(_dtype_name(dtype) + (f" ({_dtype_name(master)} master)" if master else ""))
+    return ", ".join(dict.fromkeys(cells)) or _NONE
+
+
+def _markdown_table(records: list[_LayerRecord], master_dtype: MasterDtype) -> str:
     lines = ["| module | type | parameters | output | gradients |", "|---|---|---|---|---|"]
     for record in records:
         parameters = list(record.module.parameters(recurse=False))
         grads = record.grad_dtypes if record.grad_dtypes is not None else _gradient_dtypes(record.module)
         output = _dtype_cell(record.output_dtypes) if record.called else "not called"
-        lines.append(
-            f"| `{record.name}` | {record.type_name} | {_dtype_cell([p.dtype for p in parameters])} | {output} |"
-            f" {_dtype_cell(grads)} |"
-        )
+        cell = _parameter_cell(parameters, record.compute_dtypes, master_dtype)
+        lines.append(f"| `{record.name}` | {record.type_name} | {cell} | {output} | {_dtype_cell(grads)} |")
     return "\n".join(lines)
+
+
+def _master_dtype_of(trainer: pl.Trainer) -> MasterDtype:
+    """The run's opt level's ``master_dtype`` (under :class:`~lightning_mp.MixedPrecision`), else no masters."""
+    policy = getattr(trainer.precision_plugin, "policy", None)
+    return getattr(policy, "master_dtype", _no_master)
+
+
+def _no_master(parameter: torch.Tensor) -> None:
+    return None

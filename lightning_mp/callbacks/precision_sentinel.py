@@ -228,7 +228,9 @@ class PrecisionSentinel(Callback):
         parameters = stepped_parameters(optimizer, seen, every_rank_counts=self._copies is not None)
         if not parameters:
             return
-        self._snapshots.append(take_snapshot(parameters))
+        master_param = getattr(getattr(trainer.precision_plugin, "policy", None), "master_param", None)
+        weights = [master_param(p) for p in parameters] if master_param is not None else None
+        self._snapshots.append(take_snapshot(parameters, weights))
 
     @override
     def on_train_batch_end(

@@ -6,9 +6,9 @@ or not) and hands every hook to it. An engine turns the hooks of its front end i
     forward      before_forward, convert_input, convert_output     autocast is the plugin's; the engine copies the
                                                                    running statistics and checks the inputs
     backward     pre_backward, backward, post_backward             the loss is multiplied by the loss scale (fp16)
-    prepare      prepare_step                                      once per optimizer step, before unscale, clip and
-                                                                   step (O2: the gradients move to the fp32 masters),
-                                                                   also before a user's own scaler.unscale_
+    prepare      prepare_step (asked by the scaler)                once per optimizer step, before unscale, clip and
+                                                                   step (O2: fp32 copies of the gradients on the
+                                                                   masters), also before a user's own unscale_
     unscale      unscale_gradients                                 once per optimizer step, with the inf/NaN check
     clip         clip_gradients, main_params                       on true gradients, re-checked after clipping
     step         optimizer_step                                    skipped when a gradient is inf or NaN
@@ -19,14 +19,14 @@ or not) and hands every hook to it. An engine turns the hooks of its front end i
 :meth:`StepEngine.end_step` is the one place a step ends, whichever front end took it and however it ended
 (stepped, skipped, stepped without gradients, undone after a non-finite closure): it puts the running statistics
 back where the step was skipped, remembers the :class:`~lightning_mp.engine.verdict.StepVerdict` for
-:meth:`StepEngine.last_step_skipped`, lets the next ask prepare the gradients again, and tells the opt level
-(``after_optimizer_step``: O2 copies its fp32 masters into the half weights).
+:meth:`StepEngine.last_step_skipped`, and tells the opt level (``after_optimizer_step``: O2 names the weights beyond
+fp16's range after a skip).
 
-The engine owns the set of optimizers whose gradients the opt level prepared for the step (:meth:`prepare_step`
-adds, :meth:`forget_prepared` removes, after a backward and at the end of a step). For the run it wraps the scaler's
-``unscale_`` (:meth:`StepEngine.user_unscale`), so that a user's own ``scaler.unscale_(optimizer)`` ("unscale, clip,
-step") unscales the gradients the step will apply; the engine's own unscales call the scaler's method directly, and
-the scaler knows nothing of the engine.
+For the run the engine is the loss scaler's :class:`~lightning_mp.scaling.steps.StepPreparation`: before the scaler
+first unscales or checks an optimizer's gradients in an iteration (a user's own ``scaler.unscale_(optimizer)``, torch's
+"unscale, clip, step" recipe, included) it asks the engine to ready them (the opt level's ``prepare_step``: O2 gives
+its fp32 masters a copy of the gradients), and it checks the gradients of the tensors the opt level names
+(:meth:`StepEngine.step_parameters`). The scaler's methods stay the scaler's: the engine calls them as any user does.
 
 Two pieces are shared, so that the engines cannot drift apart:
 
@@ -46,7 +46,6 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from types import MethodType
 from typing import Any
 
 import torch
@@ -112,12 +111,7 @@ class StepEngine(ABC):
         self.running_stats = RunningStats()
         self._last_verdicts: dict[int, StepVerdict] = {}
         """Per optimizer (by ``id``), the verdict of its last step, as :meth:`end_step` was given it."""
-        self._prepared: set[int] = set()
-        """The optimizers (by ``id``) whose gradients the opt level prepared since their last step and the last
-        backward: :meth:`prepare_step` adds, :meth:`forget_prepared` removes."""
-        self.scaler_unscale = MethodType(type(loss_scaler).unscale_, loss_scaler)
-        """The scaler's own ``unscale_``, which the engine's steps call (they prepare first themselves)."""
-        loss_scaler.unscale_ = self.user_unscale  # type: ignore[method-assign]  # shadows the method for the run
+        loss_scaler.attach_preparation(self)
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the most recent step of ``optimizer`` was skipped; False before one.
@@ -204,31 +198,28 @@ class StepEngine(ABC):
         """The run ended: apply a pending update and release the models."""
         self.apply_pending_update()
         self.running_stats.clear()
-        if vars(self.loss_scaler).get("unscale_") == self.user_unscale:
-            del self.loss_scaler.unscale_
+        self.loss_scaler.detach_preparation(self)
 
     # ------------------------------------------------------------------------------------------------ shared
 
     def prepare_step(self, optimizer: Optimizer) -> None:
-        """Let the opt level prepare ``optimizer``'s gradients for its step (O2 moves them to the masters), once.
+        """The scaler is about to unscale or check ``optimizer``'s gradients: the opt level readies them.
 
-        Unscaling, clipping and stepping each ask, and the first prepares. After :meth:`forget_prepared` (a
-        backward made new gradients, or the step ended) the next ask prepares again.
+        ``optimizer`` may be the LightningOptimizer or Fabric wrapper around the one the engine steps.
         """
-        if id(optimizer) not in self._prepared:
-            self._prepared.add(id(optimizer))
-            self.policy.prepare_step(optimizer)
+        self.policy.prepare_step(unwrapped(optimizer))
 
-    def forget_prepared(self, optimizer: Optimizer | None = None) -> None:
-        """Have the next :meth:`prepare_step` of ``optimizer`` (None: of every optimizer) prepare again.
+    def step_parameters(self, optimizer: Optimizer) -> list[Tensor]:
+        """The tensors whose gradients the step of ``optimizer`` applies (O2: the fp32 masters)."""
+        return self.policy.step_parameters(unwrapped(optimizer))
 
-        For a backward, which makes new gradients, and for the end of a step, after which the opt level shows its
-        model weights again (O2), also when no backward runs before the next step.
-        """
-        if optimizer is None:
-            self._prepared.clear()
-        else:
-            self._prepared.discard(id(optimizer))
+    def after_unscale(self, optimizer: Optimizer) -> None:
+        """The scaler unscaled the gradients: the opt level shows the true values (O2: in the half gradients)."""
+        self.policy.after_unscale(unwrapped(optimizer))
+
+    def forget_prepared(self) -> None:
+        """A backward made new gradients: the scaler readies each optimizer's again before it next checks them."""
+        self.loss_scaler.forget_prepared()
 
     def end_step(
         self,
@@ -240,7 +231,7 @@ class StepEngine(ABC):
         """End a step of ``optimizer``, taken or skipped: the bookkeeping both front ends share.
 
         Puts the running statistics of ``models`` back where the step was skipped, remembers the verdict for
-        :meth:`last_step_skipped`, has the next :meth:`prepare_step` prepare again, and tells the opt level.
+        :meth:`last_step_skipped`, and tells the opt level.
 
         Args:
             optimizer: the optimizer that stepped or skipped.
@@ -253,23 +244,7 @@ class StepEngine(ABC):
         if restore_running_stats:
             self.running_stats.restore_if_skipped(verdict, models)
         self._last_verdicts[id(optimizer)] = verdict
-        self._prepared.discard(id(optimizer))
         self.policy.after_optimizer_step(optimizer, verdict.skipped)
-
-    def user_unscale(self, optimizer: Optimizer) -> None:
-        """The scaler's ``unscale_`` while the engine runs: ready ``optimizer`` (:meth:`before_user_unscale`), unscale.
-
-        ``optimizer`` may be the LightningOptimizer or Fabric wrapper around the one the engine steps. Without the
-        preparation O2's fp32 masters would hold no gradient yet, the scaler would record the optimizer as unscaled
-        having unscaled and checked nothing, and the step would apply the scaled half gradients.
-        """
-        if id(optimizer) not in self._prepared:
-            self.before_user_unscale(optimizer)
-        self.scaler_unscale(optimizer)
-
-    def before_user_unscale(self, optimizer: Optimizer) -> None:
-        """A user's ``scaler.unscale_(optimizer)`` is about to run: prepare the gradients it unscales, once per step."""
-        self.prepare_step(unwrapped(optimizer))
 
     @abstractmethod
     def closure_refusal(self) -> Exception:
@@ -305,9 +280,9 @@ class StepEngine(ABC):
 
         def checked_closure() -> Any:
             nonlocal finite
+            self.policy.before_closure(optimizer)
             loss = closure()
-            self.forget_prepared(optimizer)  # every evaluation made new gradients, however it ran backward
-            self.prepare_step(optimizer)
+            self.policy.prepare_step(optimizer)  # every evaluation made new gradients, however it ran backward
             finite = all_finite(loss, parameters) and finite
             return loss
 

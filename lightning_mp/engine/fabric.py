@@ -29,8 +29,8 @@ Fabric saves only what the user puts in the state, so the plugin goes there besi
    step, with the fused inf/NaN check; clipping therefore sees true gradients. Fused optimizers too: their step is
    then handed the inf flag and no ``grad_scale``, so it does not unscale a second time. A user's own
    ``plugin.scaler.unscale_(optimizer)`` (of the Fabric optimizer or the one it wraps, torch's "unscale, clip,
-   step" recipe) is respected, not repeated: the engine readies the optimizer first
-   (:meth:`FabricEngine.before_user_unscale`). On a step that will be
+   step" recipe) is respected, not repeated: the scaler asks the engine to ready the optimizer first
+   (:meth:`FabricEngine.prepare_step`). On a step that will be
    skipped there is nothing to clip: ``main_params`` then gives a stand-in with a zero gradient instead of the
    parameters, so ``fabric.clip_gradients`` returns a zero norm (instead of raising on the non-finite one) and
    clipping by value has something to clip. Fabric does not show the plugin its clipping arguments, so the step
@@ -125,6 +125,8 @@ class FabricEngine(StepEngine):
         self, loss_scaler: LossScaler, policy: PrecisionPolicy, follow_device: Callable[[str | None], str]
     ) -> None:
         super().__init__(loss_scaler, policy)
+        # Fabric loads an optimizer's state before its first step, where the opt level first sees it.
+        policy.optimizers_connect_late = True
         self.follow_device = follow_device
         self.modules: list[nn.Module] = []
         self.update_pending = False
@@ -280,6 +282,7 @@ class FabricEngine(StepEngine):
             torch.nn.utils.clip_grad_value_(self.main_params(optimizer), clip_value=clip_val)
         else:
             torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)
+        self.policy.after_unscale(optimizer)
 
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:
         """The parameters whose gradients Fabric clips; none on a step that will be skipped for inf/NaN gradients.
@@ -289,7 +292,7 @@ class FabricEngine(StepEngine):
             steps handed to the fused kernel). Clipping a step that is skipped is pointless, and with
             ``error_if_nonfinite=True`` (Fabric's default) it would raise.
         """
-        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        parameters = self.step_parameters(optimizer)
         if parameters and id(optimizer) in self._unscaled:
             if self.loss_scaler.found_inf(optimizer):
                 # Not an empty list: torch's clip_grad_value_ fails on one (clip_grad_norm_ would return 0 for it).
@@ -377,36 +380,31 @@ class FabricEngine(StepEngine):
         return owners[0] if owners else self.modules[-1]
 
     @override
-    def before_user_unscale(self, optimizer: Optimizer) -> None:
-        """A user's ``scaler.unscale_(optimizer)`` (of the Fabric optimizer or the one it wraps) is about to run.
+    def prepare_step(self, optimizer: Optimizer) -> None:
+        """The scaler is about to unscale or check ``optimizer``'s gradients (the engine's, or a user's own call).
 
-        The optimizer is readied as for the plugin's own unscale (connected, its gradients prepared, a scale update
-        its gradients were not made under applied), and a wrapper is remembered, so that the step finds the
-        gradients unscaled and does not unscale them again.
+        The optimizer (the Fabric optimizer or the one it wraps) is connected, a scale update its gradients were not
+        made under is applied, a wrapper is remembered (so that the step finds the gradients unscaled and does not
+        unscale them again), and the opt level readies the gradients.
         """
         inner = unwrapped(optimizer)
-        self._ready_for_unscale(inner)
+        self._connect(inner)
+        if id(inner) in self._stepped_since_update:
+            # A second step of this optimizer with no backward in between: its gradients were made after the update.
+            self.apply_pending_update()
         if inner is not optimizer:
             self._user_wrappers[id(inner)] = optimizer
+        self.policy.prepare_step(inner)
 
     def _unscale(self, optimizer: Optimizer) -> None:
-        self._ready_for_unscale(optimizer)
         if id(optimizer) in self._unscaled:
             return
         wrapper = self._user_wrappers.pop(id(optimizer), None)
         if wrapper is not None:
             self.loss_scaler.adopt_unscale(wrapper, optimizer)
         if not self.loss_scaler.is_unscaled(optimizer):  # else the user's scaler.unscale_ did it, on true gradients
-            self.scaler_unscale(optimizer)
+            self.loss_scaler.unscale_(optimizer)
         self._unscaled.add(id(optimizer))
-
-    def _ready_for_unscale(self, optimizer: Optimizer) -> None:
-        """Connect ``optimizer``, prepare its gradients, and apply a scale update they were not made under."""
-        self._connect(optimizer)
-        self.prepare_step(optimizer)
-        if id(optimizer) in self._stepped_since_update and not self.loss_scaler.is_unscaled(optimizer):
-            # A second step of this optimizer with no backward in between: its gradients were made after the update.
-            self.apply_pending_update()
 
     def _connect(self, optimizer: Optimizer) -> None:
         if any(reference() is optimizer for reference in self._connected):

@@ -168,12 +168,11 @@ class TrainerEngine(StepEngine):
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Make the gradients true gradients, at most once per optimizer step."""
-        self.prepare_step(optimizer)
         self._prepare_gradients(optimizer, unscale=True)
 
     def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:
-        """The parameters of ``optimizer``, as Lightning clips them."""
-        return Precision.main_params(self.lightning, optimizer)
+        """The tensors whose gradients Lightning clips: those the step applies (O2: the fp32 masters)."""
+        return self.step_parameters(optimizer)
 
     def clip_gradients(self, optimizer: Any, clip_val: float, algorithm: GradClipAlgorithmType) -> None:
         """Unscale first where that has not happened yet in this step, clip, then check the clipped gradients."""
@@ -183,12 +182,12 @@ class TrainerEngine(StepEngine):
         if clip_val > 0:
             # Checked before clipping in every precision (bf16 and fp32 only read them): clipping by value would turn
             # an inf into a finite gradient, and a fused optimizer, checked at its step, would take the step.
-            self.prepare_step(optimizer)
             self._prepare_gradients(optimizer, unscale=True)
         Precision.clip_gradients(
             self.lightning, optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=algorithm
         )
         if clip_val > 0:
+            self.policy.after_unscale(optimizer)
             self.loss_scaler.recheck_gradients(optimizer)
 
     def optimizer_step(
@@ -200,13 +199,10 @@ class TrainerEngine(StepEngine):
             return self._closure_step(optimizer, model, closure, **kwargs)
         loss_scaler = self.loss_scaler
         closure_result = closure()
-        self.prepare_step(optimizer)
         automatic = model.automatic_optimization
         # In automatic optimization a training_step that returned None ran no backward: there is nothing to step.
-        # Its forward left O2's half weights in the model; prepare_step showed the masters again, as after a step.
         if closure_result is None and automatic:
             self.lightning._after_closure(model, optimizer)
-            self.forget_prepared(optimizer)
             return closure_result
         if not automatic:
             wrappers = model.optimizers(use_pl_optimizer=True)
@@ -256,7 +252,7 @@ class TrainerEngine(StepEngine):
         # Without gradients (a training_step that returned None) there is nothing to unscale, and an unscale_
         # recorded now would wrongly mark the next batch's gradients as already unscaled.
         if unscale and _has_gradients(optimizer) and not self.loss_scaler.is_unscaled(optimizer):
-            self.scaler_unscale(optimizer)
+            self.loss_scaler.unscale_(optimizer)
 
     def _end_iteration(self, verdict: StepVerdict | None = None) -> None:
         """Move the scale once; put the running statistics back when a step of the iteration was skipped.

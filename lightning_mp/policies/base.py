@@ -12,11 +12,13 @@ Where each hook runs::
     connect(module, optimizers)                # once the optimizers exist (O3 checks their eps; Kahan buffers)
     with forward_context(), autocast:          # every training/validation/test/predict step, Fabric's forward
         step ...
-    with backward_context():                   # O2: the half weights in place; none for masters needing no grad
+    with backward_context():                   # around every backward
         backward
-    prepare_step(optimizer)                    # O2: the fp32 masters in the model, with the gradients
-    unscale, clipping, step                    # the plugin's step engine, on the optimizer's parameters
-    after_optimizer_step(optimizer, skipped)   # O2: masters into the half weights; name weights beyond fp16
+    prepare_step(optimizer)                    # O2: fp32 copies of the gradients on the masters
+    unscale, clipping, step                    # the plugin's step engine, on step_parameters(optimizer)
+    after_unscale(optimizer)                   # O2: the true gradients written back into the half gradients
+    before_closure(optimizer)                  # LBFGS re-evaluating its closure: O2 writes the moved masters
+    after_optimizer_step(optimizer, skipped)   # O2: name weights beyond fp16 after a skip
     state_dict() / load_state_dict(state)      # the level's own state in the plugin's checkpoint entry
     teardown()                                 # end of fit/validate/test/predict, also after an exception
 
@@ -41,7 +43,7 @@ from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
@@ -77,6 +79,9 @@ class PrecisionPolicy:
         self.keep_fp32 = list(keep_fp32)
         self.hook_handles: list[RemovableHandle] = []
         """The hooks this level attached to the model and its optimizers; :meth:`teardown` removes them."""
+        self.optimizers_connect_late = False
+        """Whether optimizers are connected at their first step, after a checkpoint may have loaded their states
+        (Fabric's ``load``): a level whose optimizer states torch would round then keeps them in its own state."""
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Prepare the module before it is moved to the device and wrapped. Must work in place."""
@@ -98,6 +103,14 @@ class PrecisionPolicy:
         """``id(tensor) -> name`` for every tensor an optimizer steps, to name culprits in error messages."""
         return {id(parameter): name for name, parameter in module.named_parameters()}
 
+    def master_dtype(self, parameter: Tensor) -> torch.dtype | None:
+        """The dtype of the master copy this level keeps beside ``parameter`` for the optimizer (O2: fp32); None."""
+        return None
+
+    def master_param(self, parameter: Tensor) -> Tensor:
+        """The tensor holding ``parameter``'s value in the optimizer's precision (O2: its fp32 master), else itself."""
+        return parameter
+
     def forward_context(self) -> AbstractContextManager:
         """What surrounds every eager forward, around the plugin's autocast (a compiled region traces none)."""
         return contextlib.nullcontext()
@@ -109,12 +122,25 @@ class PrecisionPolicy:
         """
         return contextlib.nullcontext()
 
+    def step_parameters(self, optimizer: Optimizer) -> list[Tensor]:
+        """The tensors whose ``.grad`` the step of ``optimizer`` applies: its parameters (O2: their fp32 masters).
+
+        The loss scaler unscales and checks their gradients, and the plugin's clipping clips them.
+        """
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
     def prepare_step(self, optimizer: Optimizer) -> None:
         """Called once per step, before the gradients of ``optimizer`` are unscaled, clipped or stepped.
 
-        Again only where a backward ran since (the engine's :meth:`~lightning_mp.engine.base.StepEngine.prepare_step`);
-        also once after each closure evaluation of an optimizer that evaluates its closure itself (LBFGS).
+        Again only where a backward ran since; also once after each closure evaluation of an optimizer that
+        evaluates its closure itself (LBFGS).
         """
+
+    def after_unscale(self, optimizer: Optimizer) -> None:
+        """Called after the gradients of :meth:`step_parameters` were unscaled, and again after clipping them."""
+
+    def before_closure(self, optimizer: Optimizer) -> None:
+        """Called before an optimizer that evaluates its closure in its step (LBFGS) evaluates it."""
 
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
         """Called after the optimizer step, or after it was skipped."""

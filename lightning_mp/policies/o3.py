@@ -44,7 +44,7 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -117,6 +117,10 @@ def refuse_fused_sgd_that_skips_half_weights(optimizer: Optimizer) -> None:
                 )
 
 
+def _refuse_before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    refuse_fused_sgd_that_skips_half_weights(optimizer)
+
+
 class O3Policy(PrecisionPolicy):
     """Half weights everywhere except ``keep_fp32``; no masters; a baseline that may not converge.
 
@@ -165,13 +169,17 @@ class O3Policy(PrecisionPolicy):
 
         Raises:
             ValueError: for an ``SGD(fused=True)`` over half weights where torch's fused SGD kernel does not update
-                them (:func:`~lightning_mp._compat.fused_sgd_updates_half`).
+                them (:func:`~lightning_mp._compat.fused_sgd_updates_half`); also at the first step after a group
+                with such weights was added.
 
         """
         optimizers = super().connect(module, optimizers)
         for optimizer in optimizers:
             refuse_fused_sgd_that_skips_half_weights(optimizer)
             cast_states_to_half_parameters(optimizer)
+            if isinstance(optimizer, torch.optim.SGD):
+                # Checked again before every step: a group added later (add_param_group) may bring half weights.
+                self.hook_handles.append(optimizer.register_step_pre_hook(_refuse_before_step))
         for optimizer in optimizers:
             for index, eps, dtype in vanishing_eps_groups(optimizer):
                 corrected = torch.finfo(dtype).tiny

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
+import torch
+
 from lightning_mp.errors import NonFiniteStepsError
 from lightning_mp.scaling.gradients import nonfinite_gradients
 from lightning_mp.scaling.ledger import StepLedger
@@ -24,8 +26,13 @@ Culprits = list[tuple[str, tuple[int, ...]]]
 """``(name, shape)`` of each parameter whose gradient is not finite."""
 
 
-def nonfinite_parameters(optimizers: OptimizerRegistry, names: Mapping[int, str], indices: Iterable[int]) -> Culprits:
-    """The parameters of the optimizers ``indices`` whose gradients hold an inf or a NaN.
+def nonfinite_parameters(
+    optimizers: OptimizerRegistry,
+    names: Mapping[int, str],
+    indices: Iterable[int],
+    step_parameters: Callable[[torch.optim.Optimizer], list[torch.Tensor]],
+) -> Culprits:
+    """The parameters of the optimizers ``indices`` whose gradients (those their steps apply) hold an inf or a NaN.
 
     .. warning:: Reads every gradient of those optimizers on the host: one sync per gradient on an accelerator.
     """
@@ -33,17 +40,21 @@ def nonfinite_parameters(optimizers: OptimizerRegistry, names: Mapping[int, str]
         (names.get(id(p), f"optimizers[{index}].param_groups[{g}][{i}]"), p)
         for index in indices
         if (optimizer := optimizers.at(index)) is not None
-        for g, group in enumerate(optimizer.param_groups)
-        for i, p in enumerate(group["params"])
+        for (g, i), p in zip(_positions(optimizer), step_parameters(optimizer), strict=True)
     )
     return nonfinite_gradients(named)
+
+
+def _positions(optimizer: torch.optim.Optimizer) -> list[tuple[int, int]]:
+    """``(group, index)`` of each parameter of ``optimizer``, in the order of its groups."""
+    return [(g, i) for g, group in enumerate(optimizer.param_groups) for i in range(len(group["params"]))]
 
 
 def raise_on_streak(
     ledger: StepLedger,
     limit: int | None,
     optimizers: OptimizerRegistry,
-    names: Mapping[int, str],
+    culprits: Callable[[list[int]], Culprits],
     scale: Callable[[], float],
 ) -> None:
     """Raise for the first optimizer whose streak of skipped steps reached ``limit``; nothing when none did.
@@ -62,7 +73,6 @@ def raise_on_streak(
             step=ledger.optimizer_steps,
             consecutive_skips=streak,
             scale=scale(),
-            nonfinite_parameters=nonfinite_parameters(optimizers, names, [index])
-            or ledger.last_culprits.get(index, []),
+            nonfinite_parameters=culprits([index]) or ledger.last_culprits.get(index, []),
             optimizer=f"optimizer {index} ({type(optimizer).__name__})" if optimizer is not None else None,
         )

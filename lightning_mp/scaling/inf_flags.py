@@ -71,8 +71,8 @@ class IterationRecord:
             found_inf = self.host_flags[index] = float(not all(map(math.isfinite, self.norms[index].tolist())))
         return found_inf
 
-    def recheck(self, index: int, optimizer: torch.optim.Optimizer) -> None:
-        """Fold a new check of optimizer ``index``'s gradients into its verdict, before its step.
+    def recheck(self, index: int, parameters: list[torch.Tensor]) -> None:
+        """Fold a new check of optimizer ``index``'s gradients (of ``parameters``) into its verdict, before its step.
 
         Where the verdict is a device flag, it is raised on the device (no sync); where the step reads norms on the
         host, the new norms join them (a skip already decided stays one). Nothing happens after the step, nor for an
@@ -81,7 +81,7 @@ class IterationRecord:
         if index in self.stepped or not (index in self.norms or index in self.device_flags):
             return
         home = self.device_flags[index].device if index in self.device_flags else None
-        norms = kernels.recheck_norms(optimizer, home)
+        norms = kernels.recheck_norms(parameters, home)
         if not norms:
             return
         if index in self.norms:

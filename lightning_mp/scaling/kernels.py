@@ -46,8 +46,8 @@ def inf_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(tensors, math.inf, dtype=dtype))
 
 
-def gradient_groups(optimizer: torch.optim.Optimizer, refuse_fp16: bool) -> GradientGroups:
-    """``optimizer``'s gradients (a sparse one by its values) grouped by device, then dtype.
+def gradient_groups(parameters: list[torch.Tensor], refuse_fp16: bool) -> GradientGroups:
+    """The gradients of ``parameters`` (a sparse one by its values) grouped by device, then dtype.
 
     A sharded gradient (a ``DTensor``, under FSDP2) is this rank's local shard (:mod:`~lightning_mp.scaling.sharded`).
     Empty gradients are left out: they hold nothing to unscale or check, and torch's inf-norm refuses an empty tensor
@@ -58,20 +58,19 @@ def gradient_groups(optimizer: torch.optim.Optimizer, refuse_fp16: bool) -> Grad
 
     """
     groups: GradientGroups = defaultdict(lambda: defaultdict(list))
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            if refuse_fp16 and grad.dtype == torch.float16:
-                raise ValueError("Attempting to unscale FP16 gradients.")
-            if grad.is_sparse:
-                if not grad.is_coalesced():
-                    param.grad = grad = grad.coalesce()
-                grad = grad.values()
-            grad = sharded.local_shard(grad)
-            if grad.numel():
-                groups[grad.device][grad.dtype].append(grad)
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        if refuse_fp16 and grad.dtype == torch.float16:
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        if grad.is_sparse:
+            if not grad.is_coalesced():
+                param.grad = grad = grad.coalesce()
+            grad = grad.values()
+        grad = sharded.local_shard(grad)
+        if grad.numel():
+            groups[grad.device][grad.dtype].append(grad)
     return groups
 
 
@@ -127,15 +126,14 @@ def combined_flag(per_device: dict[torch.device, torch.Tensor]) -> torch.Tensor 
     return torch.stack([f.to(home.device, non_blocking=True) for f in per_device.values()]).amax()
 
 
-def recheck_norms(optimizer: torch.optim.Optimizer, home: torch.device | None) -> list[torch.Tensor]:
-    """The inf-norms of ``optimizer``'s non-empty gradients as float32, one tensor per device, moved to ``home``."""
+def recheck_norms(parameters: list[torch.Tensor], home: torch.device | None) -> list[torch.Tensor]:
+    """The inf-norms of the non-empty gradients of ``parameters`` as float32, one tensor per device, on ``home``."""
     grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is not None:
-                grad = param.grad.coalesce().values() if param.grad.is_sparse else sharded.local_shard(param.grad)
-                if grad.numel():
-                    grads[grad.device].append(grad)
+    for param in parameters:
+        if param.grad is not None:
+            grad = param.grad.coalesce().values() if param.grad.is_sparse else sharded.local_shard(param.grad)
+            if grad.numel():
+                grads[grad.device].append(grad)
     return [
         torch.stack(torch._foreach_norm(tensors, math.inf)).float().to(home or device, non_blocking=True)
         for device, tensors in grads.items()

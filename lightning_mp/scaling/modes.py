@@ -68,6 +68,7 @@ class Scaling(ABC):
     def check_gradients(
         self,
         optimizer: torch.optim.Optimizer,
+        parameters: list[torch.Tensor],
         index: int,
         unscales: bool,
         device_scale: DeviceScale,
@@ -79,6 +80,7 @@ class Scaling(ABC):
 
         Args:
             optimizer: the optimizer whose gradients are checked.
+            parameters: the tensors whose gradients its step applies (O2: its parameters' fp32 masters).
             index: its index in the scaler.
             unscales: False for torch's check before a fused step, which leaves the unscaling to the kernel.
             device_scale: the scale's tensors, allocated.
@@ -173,6 +175,7 @@ class DynamicScaling(Scaling):
     def check_gradients(
         self,
         optimizer: torch.optim.Optimizer,
+        parameters: list[torch.Tensor],
         index: int,
         unscales: bool,
         device_scale: DeviceScale,
@@ -180,7 +183,7 @@ class DynamicScaling(Scaling):
         record: IterationRecord,
         allow_fp16: bool,
     ) -> FlagsPerDevice:
-        groups = kernels.gradient_groups(optimizer, unscales and not allow_fp16)
+        groups = kernels.gradient_groups(parameters, unscales and not allow_fp16)
         multiplier = device_scale.inv_scale if unscales else device_scale.one
         return self._flags_from_kernel(groups, multiplier, device_scale, flags, record, index)
 
@@ -239,6 +242,7 @@ class CheckOnlyScaling(Scaling):
     def check_gradients(
         self,
         optimizer: torch.optim.Optimizer,
+        parameters: list[torch.Tensor],
         index: int,
         unscales: bool,
         device_scale: DeviceScale,
@@ -246,7 +250,7 @@ class CheckOnlyScaling(Scaling):
         record: IterationRecord,
         allow_fp16: bool,
     ) -> FlagsPerDevice:
-        groups = kernels.gradient_groups(optimizer, False)
+        groups = kernels.gradient_groups(parameters, False)
         if not distributed() and not hand_off.skips_safely_on_device(optimizer):
             norms = kernels.single_group_norms(groups)
             if norms is not None:
@@ -285,6 +289,7 @@ class UncheckedScaling(CheckOnlyScaling):
     def check_gradients(
         self,
         optimizer: torch.optim.Optimizer,
+        parameters: list[torch.Tensor],
         index: int,
         unscales: bool,
         device_scale: DeviceScale,

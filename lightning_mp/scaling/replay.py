@@ -108,6 +108,7 @@ class HostReplay:
         device_scale: DeviceScale,
         flags: InfFlagPool,
         optimizers: OptimizerRegistry,
+        step_parameters: Callable[[torch.optim.Optimizer], list[torch.Tensor]],
     ) -> None:
         self.state = settings.initial_state()
         """The scale and its trackers, as of the last replayed iteration."""
@@ -119,6 +120,7 @@ class HostReplay:
         self._device_scale = device_scale
         self._flags = flags
         self._optimizers = optimizers
+        self._step_parameters = step_parameters
 
     def end_iteration(self, record: IterationRecord, settings: ScalerSettings, names: Mapping[int, str]) -> None:
         """Replay ``record`` now where its flags are on the host; else publish them and replay the previous one.
@@ -171,7 +173,7 @@ class HostReplay:
             self.ledger,
             settings.max_consecutive_skips,
             self._optimizers,
-            names,
+            lambda indices: self.culprits(indices, names),
             lambda: self._scaling.loss_scale(self.state.scale),
         )
 
@@ -188,4 +190,4 @@ class HostReplay:
 
     def culprits(self, indices: list[int], names: Mapping[int, str]) -> Culprits:
         """The parameters of the optimizers ``indices`` whose gradients are not finite."""
-        return nonfinite_parameters(self._optimizers, names, indices)
+        return nonfinite_parameters(self._optimizers, names, indices, self._step_parameters)

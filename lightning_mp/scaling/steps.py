@@ -3,7 +3,11 @@
 torch's contract for one iteration: each optimizer is unscaled at most once (explicitly, or inside its ``step``),
 then steps once, and ``update`` closes the iteration. :class:`StepGate` keeps that contract and decides each step:
 
-* it keeps each optimizer's stage (unscaled, stepped) and raises torch's errors when the contract is broken;
+* it keeps each optimizer's stage (prepared, unscaled, stepped) and raises torch's errors when the contract is broken;
+* before it first unscales or checks an optimizer's gradients in an iteration it asks its
+  :class:`StepPreparation` to ready them (under :class:`~lightning_mp.MixedPrecision` the step engine, whose opt
+  level may keep the gradients the step applies elsewhere: O2's fp32 masters), and it checks the gradients of the
+  tensors the preparation names, so a user's own ``unscale_`` and the engine's reach the same gradients;
 * an unscale has the scaler's mode (:mod:`~lightning_mp.scaling.modes`) check the gradients and keeps the flag it
   set, one per optimizer (several devices are combined into one), in the iteration's
   :class:`~lightning_mp.scaling.inf_flags.IterationRecord`;
@@ -22,7 +26,7 @@ import inspect
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -33,7 +37,7 @@ from lightning_mp.scaling.modes import Scaling
 from lightning_mp.scaling.optimizers import OptimizerRegistry
 from lightning_mp.scaling.rules import ScaleState
 
-__all__ = ["UNCHECKED", "OptimizerStage", "StepGate"]
+__all__ = ["UNCHECKED", "OptimizerStage", "OwnParameters", "StepGate", "StepPreparation"]
 
 UNCHECKED = -1
 """The optimizer index of steps taken without a check (LBFGS): never skipped, never in a streak."""
@@ -42,11 +46,42 @@ Remember = Callable[[int, torch.Tensor | float], None]
 """Told of each skipped step: the optimizer index and its verdict (a CPU flag, or the host's float)."""
 
 
+class StepPreparation(Protocol):
+    """What readies an optimizer's gradients for the gate: the step engine under the plugin, else nothing."""
+
+    def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Ready ``optimizer``'s gradients, before the gate first unscales or checks them in an iteration."""
+
+    def step_parameters(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` the step of ``optimizer`` applies."""
+        ...
+
+    def after_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gate unscaled the gradients of :meth:`step_parameters`."""
+
+
+class OwnParameters:
+    """A scaler by hand: the gradients are the optimizer's parameters' own, and nothing readies them."""
+
+    def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to ready."""
+
+    def step_parameters(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The parameters of ``optimizer``'s groups."""
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def after_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to do."""
+
+
+OWN_PARAMETERS = OwnParameters()
+
+
 @dataclass
 class OptimizerStage:
     """Where one optimizer is in the iteration (torch's contract: unscale at most once, then step once)."""
 
-    stage: Literal["unscaled", "stepped"]
+    stage: Literal["prepared", "unscaled", "stepped"]
     found_inf_per_device: dict[Any, Any] = field(default_factory=dict)
     """Device -> its inf flag, as torch's protocol getter returns it."""
 
@@ -71,6 +106,16 @@ class StepGate:
         """``id(optimizer)`` -> its stage in this iteration, for the optimizers that unscaled or stepped."""
         self.flags = InfFlagPool()
         self.optimizers = OptimizerRegistry()
+        self.preparation: StepPreparation = OWN_PARAMETERS
+        """What readies each optimizer's gradients and names the tensors that hold them."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A run's preparation (its step engine) is not pickled: a copy readies nothing until a run attaches one."""
+        return {**self.__dict__, "preparation": OWN_PARAMETERS}
+
+    def step_parameters(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The tensors whose gradients ``optimizer``'s step applies, as the preparation names them."""
+        return self.preparation.step_parameters(optimizer)
 
     def close(self) -> IterationRecord:
         """End the iteration: return its record and start the next one."""
@@ -83,6 +128,22 @@ class StepGate:
         """Whether ``optimizer`` was unscaled in this iteration (and has not stepped yet)."""
         stage = self.stages.get(id(optimizer))
         return stage is not None and stage.stage == "unscaled"
+
+    def prepare(self, optimizer: torch.optim.Optimizer) -> None:
+        """Have the preparation ready ``optimizer``'s gradients, once per iteration and backward.
+
+        An optimizer that stepped since the last update is asked again: the preparation may close the iteration
+        (Fabric's engine applies a scale update left pending), after which it starts a new one.
+        """
+        stage = self.stages.get(id(optimizer))
+        if stage is None or stage.stage == "stepped":
+            self.preparation.prepare_step(optimizer)
+            if id(optimizer) not in self.stages:
+                self.stages[id(optimizer)] = OptimizerStage("prepared")
+
+    def forget_prepared(self) -> None:
+        """A backward made new gradients: the next unscale or check readies them again."""
+        self.stages = {key: stage for key, stage in self.stages.items() if stage.stage != "prepared"}
 
     def adopt_unscale(self, wrapper: Any, optimizer: torch.optim.Optimizer) -> None:
         """Record an unscale made through ``wrapper``, which shares ``optimizer``'s ``param_groups``, as its own."""
@@ -108,7 +169,7 @@ class StepGate:
         """Fold a new check of ``optimizer``'s gradients into its verdict (after its unscale, before its step)."""
         index = self.optimizers.known_index(optimizer)
         if index is not None:
-            self.record.recheck(index, optimizer)
+            self.record.recheck(index, self.step_parameters(optimizer))
 
     def record_unchecked_step(self, skipped: bool) -> None:
         """Count a step checked outside the scaler (LBFGS), skipped or not."""
@@ -124,26 +185,27 @@ class StepGate:
             RuntimeError: when ``optimizer`` was already unscaled or stepped in this iteration.
 
         """
+        self.prepare(optimizer)
         stage = self.stages.get(id(optimizer))
         if stage is not None and stage.stage == "unscaled":
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if stage is not None and stage.stage == "stepped":
             raise RuntimeError("unscale_() is being called after step().")
+        parameters = self.step_parameters(optimizer)
         device_scale = self.device_scale
         if device_scale.scale is None:
-            device = next(
-                (p.device for group in optimizer.param_groups for p in group["params"] if p.grad is not None),
-                torch.device(self.device_type),
-            )
+            device = next((p.device for p in parameters if p.grad is not None), torch.device(self.device_type))
             device_scale.allocate(state, device, self.scaling.scales_loss)
         index = self.optimizers.index(optimizer)
         per_device = self.scaling.check_gradients(
-            optimizer, index, unscales, device_scale, self.flags, self.record, allow_fp16
+            optimizer, parameters, index, unscales, device_scale, self.flags, self.record, allow_fp16
         )
         self.stages[id(optimizer)] = OptimizerStage("unscaled", per_device)
         combined = kernels.combined_flag(per_device) if per_device else None
         if combined is not None:
             self.record.device_flags[index] = combined
+        if unscales and self.scaling.scales_loss:
+            self.preparation.after_unscale(optimizer)
         return per_device
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: Any, remember: Remember, *args: Any, **kwargs: Any) -> Any:
@@ -156,6 +218,8 @@ class StepGate:
         stage = self.stages.get(id(optimizer))
         if stage is not None and stage.stage == "stepped":
             raise RuntimeError("step() has already been called since the last update().")
+        if stage is not None and stage.stage == "prepared":
+            stage = None  # readied, not unscaled: the step unscales (or its fused kernel does)
         if hand_off.supports_fused_protocol(optimizer):
             return self._fused_protocol_step(optimizer, stage, scaler, remember, *args, **kwargs)
         if stage is None:
@@ -181,7 +245,11 @@ class StepGate:
         if index in record.norms:
             found_inf = record.verdict_from_norms(index)  # check mode's one host read
         elif flag is None:
-            # No gradient at all: torch's optimizers skip such parameters, so there is nothing to check.
+            if self.scaling.scales_loss:
+                # As torch's GradScaler: a scaled step whose optimizer had no gradient to unscale is a mistake (a
+                # backward that never reached its parameters, a step before any backward).
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            # No gradient at all, and nothing scaled: torch's optimizers skip such parameters, nothing to check.
             found_inf = record.host_flags[index] = 0.0
         else:
             found_inf = record.host_flags[index] = float(flag.item())

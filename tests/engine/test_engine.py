@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -331,19 +332,44 @@ def test_a_front_ends_wrapper_is_the_optimizer_it_wraps_and_a_lookahead_is_an_op
     assert unwrapped(lookahead) is lookahead and unwrapped(optimizer) is optimizer
 
 
-def test_the_engine_wraps_the_scalers_unscale_for_its_run_only() -> None:
-    """While a run is on, ``scaler.unscale_`` readies the step first; a copy and the scaler after teardown are plain."""
+def test_the_engine_replaces_no_scaler_method_and_a_users_unscale_readies_the_step_through_it() -> None:
+    """The engine leaves the scaler's methods alone; a user's ``scaler.unscale_`` asks the engine to ready the step
+    (once), and neither a copy of the scaler nor the scaler after teardown asks it again."""
     model = tiny_model()
     engine = fabric_engine(model)
     scaler = engine.loss_scaler
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert "unscale_" not in vars(copy.deepcopy(scaler))  # a copy keeps no tie to the engine and its model
-    engine.backward(model(torch.ones(2, 4)).sum(), model)
+    assert {"unscale_", "step", "update"}.isdisjoint(vars(scaler))
     readied: list[torch.optim.Optimizer] = []
-    engine.before_user_unscale = readied.append  # type: ignore[method-assign]
+    ready = engine.prepare_step
+    engine.prepare_step = lambda o: (readied.append(o), ready(o))[1]  # type: ignore[method-assign]
+    copied = copy.deepcopy(scaler)
+    engine.backward(model(torch.ones(2, 4)).sum(), model)
     scaler.unscale_(optimizer)  # a user's "unscale, clip, step"
     assert readied == [optimizer] and scaler.is_unscaled(optimizer)
     engine.optimizer_step(optimizer, model, None)
+    assert readied == [optimizer]  # the step found the gradients unscaled and readied
+    model(torch.ones(2, 4)).sum().backward()
+    copied.unscale_(optimizer)
     engine.teardown()
-    assert "unscale_" not in vars(scaler)
-    assert scaler.unscale_.__func__ is LossScaler.unscale_
+    model(torch.ones(2, 4)).sum().backward()
+    scaler.unscale_(optimizer)
+    assert readied == [optimizer]
+
+
+def test_a_mock_wrapping_the_scalers_unscale_step_and_update_sees_every_call_of_a_trainer_fit() -> None:
+    """Lightning's way of watching the scaler: mocks wrapping ``unscale_``, ``step`` and ``update`` on the run's
+    scaler see one of each per optimizer step of a fit, as with torch's GradScaler."""
+
+    class WrapScaler(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            scaler = plugin.scaler
+            self.mocks = {name: mock.Mock(wraps=getattr(scaler, name)) for name in ("unscale_", "step", "update")}
+            for name, wrapper in self.mocks.items():
+                setattr(scaler, name, wrapper)
+
+    plugin = MixedPrecision("16-mixed", init_scale=2.0**8)
+    watcher = WrapScaler()
+    make_trainer(plugins=[plugin], callbacks=[watcher], max_steps=3).fit(TinyRegressor(), loader())
+    assert [watcher.mocks[name].call_count for name in ("unscale_", "step", "update")] == [3, 3, 3]
+    assert plugin.stats.optimizer_steps == 3

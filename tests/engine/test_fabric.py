@@ -150,18 +150,21 @@ def test_lbfgs_meeting_nan_keeps_the_weights_and_counts_a_skip(precision: str, f
         ("32-true", "O0", torch.float32),
         ("16-mixed", "O1", torch.float32),
         ("bf16-mixed", "O1", torch.float32),
-        ("16-mixed", "O2", torch.float32),
+        ("16-mixed", "O2", torch.float16),
     ],
 )
 def test_opt_levels_train_under_fabric(precision: str, opt_level: str, weight_dtype: torch.dtype) -> None:
-    """Each opt level trains under Fabric: the loss falls, and the optimizer steps the model's fp32 weights."""
+    """Each opt level trains under Fabric: the loss falls, the optimizer holds the model's own parameters (O2's half,
+    with fp32 states), and a keep_fp32 module stays fp32."""
     plugin = MixedPrecision(precision, opt_level=opt_level, keep_fp32=["2"])
     fabric, model, optimizer = setup(plugin, optimizer="adam")
     losses = [train_step(fabric, model, optimizer, seed=step % 2) for step in range(12)]
     assert float(losses[-1]) < float(losses[0])
     assert model.module[0].weight.dtype == weight_dtype
     assert model.module[2].weight.dtype == torch.float32  # keep_fp32
-    assert all(p.dtype == torch.float32 for group in optimizer.param_groups for p in group["params"])
+    assert [p for group in optimizer.param_groups for p in group["params"]] == list(model.parameters())
+    moments = [state["exp_avg"] for state in optimizer.state.values()]
+    assert moments and all(moment.dtype == torch.float32 for moment in moments)
     assert plugin.stats.optimizer_steps == 12
 
 

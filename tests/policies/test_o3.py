@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision
+from lightning_mp._compat import fused_sgd_updates_half
 from tests.helpers import fit, make_trainer
 
 
@@ -160,3 +161,41 @@ def test_keep_fp32_on_one_side_of_tied_weights_keeps_the_tie_fp32_and_trains(opt
     assert model.net[2].weight is model.net[0].weight and model.net[0].weight.dtype == torch.float32
     assert model.net[1].weight.dtype == torch.bfloat16
     assert model.losses[-1] < model.losses[0]
+
+
+class AddsAFusedSGDGroup(LightningModule):
+    """Linear, BatchNorm (fp32 at O3), Linear; a fused SGD over the batch norm only, to which the second batch adds
+    the half linear layers as a group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if batch_idx == 1:
+            linears = [*self.net[0].parameters(), *self.net[3].parameters()]
+            self.optimizers().add_param_group({"params": linears})
+        features, target = batch
+        return F.cross_entropy(self.net(features), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net[1].parameters(), lr=0.1, fused=True)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        features = torch.randn(24, 8, generator=generator)
+        return DataLoader(TensorDataset(features, (features[:, 0] > 0).long() * 3), batch_size=8)
+
+
+@pytest.mark.skipif(
+    fused_sgd_updates_half("cpu", torch.float16), reason="this torch's fused SGD kernel updates half weights"
+)
+def test_o3_refuses_a_fused_sgd_group_of_half_weights_added_after_setup_at_its_next_step() -> None:
+    """A group of half weights added to a fused SGD with add_param_group is refused before its first step, by name,
+    where torch's fused SGD kernel would leave them unchanged; no weight moves."""
+    model = AddsAFusedSGDGroup()
+    linear = model.net[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"SGD\(fused=True\) is not allowed over torch.float16 weights"):
+        fit(model, MixedPrecision("16-mixed", opt_level="O3"), max_steps=3)
+    assert torch.equal(model.net[0].weight.float(), linear.half().float())

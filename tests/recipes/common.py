@@ -65,8 +65,9 @@ class Level:
 
     @property
     def fp32_weights(self) -> bool:
-        """Whether the model keeps fp32 weights between steps (O0, O1, O2's masters), as against half ones."""
-        return self.opt_level in ("O0", "O1", "O2")
+        """Whether the model's own weights are fp32 (O0, O1), as against half ones (O2's, whose fp32 masters stay out
+        of sight, O3's and lean's): a callback that samples them (SWA) samples half values at the others."""
+        return self.opt_level in ("O0", "O1")
 
     def plugin(self, **kwargs: Any) -> MixedPrecision:
         """A fresh plugin at this level (fp16 from a loss scale no gradient of these tasks overflows)."""

@@ -478,3 +478,25 @@ def test_a_sparse_gradient_whose_repeated_rows_sum_to_inf_skips_the_step() -> No
     scaler.step(optimizer)
     scaler.update()
     assert scaler.skipped_steps == 1 and torch.equal(embedding.weight, before)
+
+
+@pytest.mark.parametrize("scaler_class", [torch.amp.GradScaler, LossScaler])
+def test_a_scaled_step_of_an_optimizer_without_gradients_raises_as_torchs_does(scaler_class: type) -> None:
+    """``step`` of an optimizer whose parameters got no gradient (a backward that never reached them) raises torch's
+    "No inf checks were recorded for this optimizer." with either scaler, instead of stepping unchecked."""
+    model, other = nn.Linear(4, 2), nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = scaler_class("cpu", init_scale=2.0**8)
+    scaler.scale(other(torch.ones(1, 4)).sum()).backward()  # the backward reaches another model only
+    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+        scaler.step(optimizer)
+
+
+def test_a_check_only_step_without_gradients_steps_as_an_unscaled_run_does() -> None:
+    """In check mode (bf16, fp32: nothing scaled, as torch's disabled GradScaler) such a step is taken, unchecked."""
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler("cpu", mode="check")
+    scaler.step(optimizer)
+    scaler.update()
+    assert (scaler.optimizer_steps, scaler.skipped_steps) == (1, 0)

@@ -60,13 +60,13 @@ def choose_parameters(module: nn.Module, kept: set[nn.Module]) -> dict[int, tupl
     held_in_fp32: dict[int, str] = {}  # id of each parameter a module computing in fp32 holds -> its name there
     for module_name, child in module.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
+        own = child.named_parameters(recurse=False, remove_duplicate=False)
         if child in in_fp32 or is_normalization(child) or isinstance(child, nn.RNNBase):
-            for name, parameter in child._parameters.items():
-                if parameter is not None:
-                    held_in_fp32.setdefault(id(parameter), prefix + name)
+            for name, parameter in own:
+                held_in_fp32.setdefault(id(parameter), prefix + name)
             continue
-        for name, parameter in child._parameters.items():
-            if parameter is None or parameter.dtype != torch.float32:
+        for name, parameter in own:
+            if parameter.dtype != torch.float32:
                 continue
             _, holders, keys = chosen.setdefault(id(parameter), (parameter, [], []))
             if (child, name) not in holders:

@@ -1,5 +1,6 @@
-"""O2's parameter pairs: edits on either side reach the other (callbacks, ``load_state_dict``, weight averaging), a
-checkpoint holds the fp32 masters unrounded, and weights no optimizer steps keep their fp32 values."""
+"""O2's master parameters: the model's half parameters and their fp32 masters stay in step (edits of the half weights by
+callbacks, ``load_state_dict`` and weight averaging reach the masters), a checkpoint holds the fp32 masters unrounded,
+and weights no optimizer steps keep their fp32 values."""
 
 from __future__ import annotations
 
@@ -16,17 +17,20 @@ from tests.helpers import fit
 from tests.policies.o2.helpers import HALF, PRECISIONS, STEPS, Net, StartWeights, converted, o2, snapshot
 
 
-def test_o2_model_holds_half_weights_and_the_optimizer_their_fp32_masters() -> None:
-    """In a training forward the model's chosen weights are half model parameters; the optimizer steps fp32 masters
-    of equal value, which the model shows again from setup to the first forward."""
+def test_o2_model_holds_half_weights_the_optimizer_the_same_objects_and_fp32_masters_wait_beside_them() -> None:
+    """The model's chosen weights become half in place; the optimizer holds those very objects; each has an fp32
+    master of equal value beside it, which teardown writes back into the same object in fp32."""
     model, plugin, optimizer = converted()
-    masters = optimizer.param_groups[0]["params"]
+    params = optimizer.param_groups[0]["params"]
+    assert params == list(model.parameters())
     assert model.net[0].weight.dtype == torch.bfloat16 and model.net[1].weight.dtype == torch.float32
-    assert {p.dtype for p in masters} == {torch.float32}
-    assert all(p is not q for p, q in zip(masters, model.parameters(), strict=True) if q.dtype == torch.bfloat16)
-    assert torch.equal(masters[0].bfloat16(), model.net[0].weight)
+    masters = plugin.policy.masters  # type: ignore[union-attr]
+    assert {m.dtype for m in masters.master_params} == {torch.float32}
+    assert torch.equal(masters.master_params[0].bfloat16(), model.net[0].weight)
+    exact = masters.master_params[0].detach().clone()
     plugin.teardown()
-    assert list(model.parameters()) == masters  # the original fp32 parameter objects are back
+    assert optimizer.param_groups[0]["params"] == list(model.parameters()) == params
+    assert model.net[0].weight.dtype == torch.float32 and torch.equal(model.net[0].weight, exact)
 
 
 def test_o2_state_dict_gives_fp32_masters_and_load_state_dict_restores_them_exactly() -> None:
@@ -43,8 +47,8 @@ def test_o2_state_dict_gives_fp32_masters_and_load_state_dict_restores_them_exac
 
 def test_o2_an_edit_of_a_half_weight_reaches_its_master_and_a_swap_back_loses_no_bits() -> None:
     """An in-place edit of a half weight reaches its master; writing the same half values back keeps the fp32 bits."""
-    model, plugin, optimizer = converted()
-    master = optimizer.param_groups[0]["params"][0]
+    model, plugin, _optimizer = converted()
+    master = plugin.policy.masters.master_params[0]  # type: ignore[union-attr]
     before = master.detach().clone()
     with torch.no_grad():
         kept = model.net[0].weight.clone()
@@ -59,8 +63,8 @@ def test_o2_an_edit_of_a_half_weight_reaches_its_master_and_a_swap_back_loses_no
 
 
 def test_o2_an_edit_of_a_half_weight_after_a_training_forward_survives_an_evaluation() -> None:
-    """A weight written after a forward with gradients (the half weights stay until the step) keeps its new value
-    through a following evaluation forward, and the model then shows it in fp32."""
+    """A weight written after a forward with gradients keeps its new value through a following evaluation forward,
+    and the state dict gives it in fp32."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     plugin = o2()
@@ -69,9 +73,10 @@ def test_o2_an_edit_of_a_half_weight_after_a_training_forward_survives_an_evalua
     with torch.no_grad():
         net[0].weight.fill_(0.5)
         model(torch.randn(2, 8))
-    assert net[0].weight.dtype == torch.float32
-    assert torch.equal(net[0].weight, torch.full((16, 8), 0.5))
+    assert net[0].weight.dtype == torch.bfloat16
+    assert torch.equal(net.state_dict()["0.weight"], torch.full((16, 8), 0.5))
     plugin.teardown()
+    assert net[0].weight.dtype == torch.float32 and torch.equal(net[0].weight, torch.full((16, 8), 0.5))
 
 
 class ZeroHead(L.Callback):
@@ -139,8 +144,8 @@ def test_o2_load_state_dict_inside_training_step_decides_the_step_and_keeps_fp32
 
     class Record(L.Callback):
         def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
-            if trainer.global_step == 1:
-                stepped.update({name: p.detach().clone() for name, p in pl_module.named_parameters()})
+            if trainer.global_step == 1:  # the state dict gives the fp32 masters
+                stepped.update({name: p.detach().clone() for name, p in pl_module.state_dict().items()})
 
     fit(model, o2(), max_steps=2, callbacks=[Record()])
     assert model.in_step["net.0.weight"].dtype == torch.bfloat16
@@ -150,7 +155,8 @@ def test_o2_load_state_dict_inside_training_step_decides_the_step_and_keeps_fp32
 
 
 def test_o2_keeps_stochastic_weight_averaging_weights() -> None:
-    """StochasticWeightAveraging's averaged weights are what the model holds after fit, in fp32."""
+    """StochasticWeightAveraging's averaged weights are what the model holds after fit, in fp32: the average written
+    into the half weights, within half a bf16 rounding of it."""
     model = Net(optimizer="sgd")
     averaged: dict[str, Tensor] = {}
 
@@ -163,7 +169,7 @@ def test_o2_keeps_stochastic_weight_averaging_weights() -> None:
     fit(model, o2(), max_steps=3 * STEPS, max_epochs=3, callbacks=[swa, Record()])
     for name, parameter in model.named_parameters():
         assert parameter.dtype == torch.float32
-        torch.testing.assert_close(parameter, averaged[name], rtol=0, atol=0)
+        torch.testing.assert_close(parameter, averaged[name], rtol=2**-8, atol=0)
 
 
 class Ema(L.Callback):
@@ -177,13 +183,14 @@ class Ema(L.Callback):
             self.average[name].lerp_(p, 0.5)
 
 
-def test_o2_ema_callback_averages_the_fp32_weights() -> None:
-    """An EMA-style callback reads fp32 weights that change every step, not frozen or half copies."""
+def test_o2_ema_callback_averages_the_weights_the_model_computes_with() -> None:
+    """An EMA-style callback reads the model's weights after every step: the half weights, the stepped fp32 masters
+    rounded, changing every step."""
     model, ema = Net(), Ema()
     fit(model, o2(), max_steps=3, callbacks=[ema])
-    assert {p.dtype for p in ema.average.values()} == {torch.float32}
-    assert not torch.equal(ema.average["net.0.weight"], model.net[0].weight)
-    assert (ema.average["net.0.weight"] - model.net[0].weight).abs().max() < 0.1
+    assert ema.average["net.0.weight"].dtype == torch.bfloat16  # the LayerNorm stays fp32
+    assert not torch.equal(ema.average["net.0.weight"].float(), model.net[0].weight)
+    assert (ema.average["net.0.weight"].float() - model.net[0].weight).abs().max() < 0.1
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

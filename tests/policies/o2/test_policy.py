@@ -39,24 +39,30 @@ from tests.test_parity import train_and_validate
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_o2_computes_with_half_copies_and_keeps_fp32_parameters_grads_and_states(precision: str) -> None:
-    """Inside the step the weights are half (norms fp32); the parameters, gradients and Adam states stay fp32."""
+def test_o2_computes_with_half_parameters_and_keeps_fp32_states_and_fp32_weights_after_fit(precision: str) -> None:
+    """In the step the chosen weights and their gradients are half (norms fp32), the optimizer holds the very same
+    objects with fp32 Adam states, and after fit the parameters are fp32 again."""
     model = Net()
     grads: list[torch.dtype] = []
+    states: list[torch.dtype] = []
 
-    class GradDtypes(L.Callback):
+    class Dtypes(L.Callback):
         def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
             grads.extend(p.grad.dtype for p in pl_module.parameters())
+            held = [p for group in optimizer.param_groups for p in group["params"]]
+            assert held == list(pl_module.parameters())
+            states.extend(v.dtype for p in held for k, v in optimizer.state[p].items() if k != "step")
 
-    trainer = fit(model, o2(precision), max_steps=2, callbacks=[GradDtypes()])
+    trainer = fit(model, o2(precision), max_steps=2, callbacks=[Dtypes()])
     half = HALF[precision]
     assert model.dtypes_in_step["net.0.weight"] == model.dtypes_in_step["net.3.bias"] == half
     assert model.dtypes_in_step["net.1.weight"] == torch.float32
     assert model.output_dtype == half
+    assert grads == [half, half, torch.float32, torch.float32, half, half] * 2
+    assert set(states) == {torch.float32} and len(states) == 2 * 6  # both moments of 6 parameters, before step 2
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert set(grads) == {torch.float32} and len(grads) == 2 * 6
     optimizer = trainer.optimizers[0]
-    assert optimizer.param_groups[0]["params"] == list(model.parameters())  # no master copies
+    assert optimizer.param_groups[0]["params"] == list(model.parameters())
     assert {v.dtype for p in model.parameters() for k, v in optimizer.state[p].items() if k != "step"} == {
         torch.float32
     }
@@ -201,14 +207,22 @@ def test_o2_add_param_group_after_setup_trains_the_new_fp32_parameters(precision
 
 
 def test_o2_add_param_group_with_model_parameters_steps_their_masters() -> None:
-    """A group added with the model's (half) parameters is pointed at their fp32 masters at the next step."""
+    """A group added after setup with the model's (half) parameters is stepped in fp32 through their masters, and
+    holds the same parameter objects before and after."""
     model, plugin, optimizer = converted()
     optimizer.param_groups[0]["params"] = optimizer.param_groups[0]["params"][:2]
-    optimizer.add_param_group({"params": list(model.net[3].parameters())})
+    added = list(model.net[3].parameters())
+    optimizer.add_param_group({"params": added})
     policy = plugin.policy
-    assert isinstance(policy, O2Policy)
-    policy.prepare_step(optimizer)
-    assert {p.dtype for p in optimizer.param_groups[1]["params"]} == {torch.float32}
+    assert isinstance(policy, O2Policy) and policy.masters is not None
+    masters = [policy.masters.master_params[policy.masters.index_of[id(p)]] for p in added]
+    before = [m.detach().clone() for m in masters]
+    with plugin.forward_context():
+        model(torch.randn(4, 8)).float().square().mean().backward()
+    optimizer.step()
+    assert optimizer.param_groups[1]["params"] == added
+    assert all(not torch.equal(m, b) for m, b in zip(masters, before, strict=True))
+    assert all(torch.equal(p, m.bfloat16()) for p, m in zip(added, masters, strict=True))
     plugin.teardown()
     assert optimizer.param_groups[1]["params"] == list(model.net[3].parameters())
 
@@ -226,7 +240,7 @@ def test_o2_fabric_optimizer_loaded_while_it_held_half_weights_continues_in_fp32
             fabric.load(tmp_path / "state.ckpt", {"optimizer": optimizer})
         fabric.backward(F.cross_entropy(model(features), target))
         if run_index == 1:
-            with pytest.warns(UserWarning, match="rounded it to half; it continues in fp32"):
+            with pytest.warns(UserWarning, match="rounded it to the half parameters' dtype; it continues in fp32"):
                 optimizer.step()
         else:
             optimizer.step()
@@ -239,7 +253,8 @@ def test_o2_fabric_optimizer_loaded_while_it_held_half_weights_continues_in_fp32
 
 def test_o2_fabric_trains_two_models_set_up_one_after_the_other() -> None:
     """Two models set up by one Fabric (a GAN's): both compute with half weights that follow their stepped masters."""
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[o2()])
+    plugin = o2()
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     torch.manual_seed(0)
     models, optimizers = [], []
     for _ in range(2):
@@ -259,15 +274,18 @@ def test_o2_fabric_trains_two_models_set_up_one_after_the_other() -> None:
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+    masters = plugin.policy.masters  # type: ignore[union-attr]
     for optimizer, before, weights in zip(optimizers, initial, seen, strict=True):
-        masters = [p for group in optimizer.param_groups for p in group["params"]]
-        assert all(p.dtype == torch.float32 and not torch.equal(p, q) for p, q in zip(masters, before, strict=True))
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        assert all(p.dtype == torch.bfloat16 and not torch.equal(p, q) for p, q in zip(held, before, strict=True))
         assert weights[0].dtype == torch.bfloat16
         assert not torch.equal(weights[0], weights[1])  # the second forward computed with the stepped weights
     for model, optimizer in zip(models, optimizers, strict=True):
         state = model.state_dict()
-        for name, master in zip(state, [p for group in optimizer.param_groups for p in group["params"]], strict=True):
-            assert torch.equal(state[name], master.detach()), name
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        for name, param in zip(state, held, strict=True):
+            master = masters.master_params[masters.index_of[id(param)]]
+            assert state[name].dtype == torch.float32 and torch.equal(state[name], master.detach()), name
 
 
 def test_o2_keep_fp32_regions_stay_attached_across_forwards_until_teardown() -> None:
@@ -500,3 +518,32 @@ def test_o2_activation_checkpointing_trains_exactly_as_without_it() -> None:
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(weights[0], weights[1])
     assert not torch.equal(weights[0], torch.cat([p.detach().flatten() for p in Checkpointed(False).parameters()]))
+
+
+class ReplacesItsGroup(Net):
+    """Manual optimization whose second step replaces the group's ``params`` list with the head's parameters only."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        if batch_idx == 1:
+            optimizer.param_groups[0]["params"] = list(self.net[3].parameters())
+            self.first_layer = self.state_dict()["net.0.weight"].clone()  # its fp32 master
+        optimizer.zero_grad()
+        features, target = batch
+        self.manual_backward(F.cross_entropy(self(features), target))
+        optimizer.step()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_o2_a_group_whose_params_list_is_replaced_steps_the_new_parameters_only(precision: str) -> None:
+    """After a group's ``params`` list is replaced mid-training, the step applies to the new parameters (through their
+    masters) and no longer to the old ones: nothing stays pointed at what the group held before."""
+    model = ReplacesItsGroup()
+    head = model.net[3].weight.detach().clone()
+    fit(model, o2(precision), max_steps=3)
+    assert torch.equal(model.net[0].weight, model.first_layer)  # left the group: never stepped again
+    assert not torch.equal(model.net[3].weight, head)

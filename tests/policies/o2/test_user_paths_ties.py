@@ -130,11 +130,11 @@ class AddsAHeldLayerAgain(Regressor):
         optimizer.zero_grad()
 
 
-def test_o2_refuses_a_group_that_would_make_the_optimizer_hold_a_master_twice() -> None:
-    """A group added with half weights whose masters the optimizer holds already (torch refuses the same parameter in
-    two groups in fp32) is refused at the step, naming the parameter, instead of stepping it twice."""
+def test_o2_a_group_adding_a_parameter_the_optimizer_holds_is_refused_by_torch_as_in_fp32() -> None:
+    """A group added with parameters the optimizer holds already is refused by torch's own check, as in fp32: O2's
+    parameters are the optimizer's own objects, so nothing can make it hold one twice."""
     trainer = make_trainer(plugin("bf16-mixed"), max_steps=-1, max_epochs=1)
-    with pytest.raises(ValueError, match=r"param group 1 holds 'net.0.weight', which the optimizer holds already"):
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
         trainer.fit(AddsAHeldLayerAgain())
 
 

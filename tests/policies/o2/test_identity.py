@@ -1,6 +1,6 @@
-"""O2's forward and backward contexts: the model shows its half model parameters from the training forward to the step
-(through gradient accumulation, manual optimization and forwards without gradients) and its fp32 masters from the
-step on and around evaluation."""
+"""One identity per parameter under O2: the model's parameters are the user's own, made half in place, and the very
+objects the optimizer holds, from setup to teardown, at every hook; forwards without gradients, gradient accumulation,
+manual optimization and LBFGS compute with the current weights."""
 
 from __future__ import annotations
 
@@ -23,14 +23,14 @@ from tests.policies.o2.helpers import HALF, PRECISIONS, STEPS, Net, net_loader, 
 
 class WeightsAtHooks(L.Callback):
     """Records, per hook of each training batch, the dtype of ``net.0.weight`` and whether the model's parameters
-    are the ones the optimizer steps."""
+    are the very objects the optimizer holds."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, torch.dtype, bool]] = []
 
     def record(self, hook: str, trainer: L.Trainer, pl_module: Any) -> None:
-        stepped = [id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]]
-        self.seen.append((hook, pl_module.net[0].weight.dtype, [id(p) for p in pl_module.parameters()] == stepped))
+        held = [id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]]
+        self.seen.append((hook, pl_module.net[0].weight.dtype, [id(p) for p in pl_module.parameters()] == held))
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: Any, loss: Tensor) -> None:
         self.record("before_backward", trainer, pl_module)
@@ -51,28 +51,26 @@ class SkipsBatchOne(Net):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_o2_shows_half_weights_from_the_training_forward_to_the_step_and_fp32_masters_after_it(precision: str) -> None:
-    """Between the training forward and the step the model holds its half weights; from the step on (hooks before
-    it, gradient clipping, callbacks after the batch) the fp32 masters the optimizer steps."""
+def test_o2_parameters_are_the_optimizers_own_half_objects_at_every_hook_and_fp32_after_fit(precision: str) -> None:
+    """At every hook of every batch the model's parameters are half and are the very objects the optimizer holds;
+    after fit they are the same objects again, in fp32."""
+    model = Net()
+    before = list(model.parameters())
     recorder = WeightsAtHooks()
-    fit(Net(), o2(precision), max_steps=2, callbacks=[recorder])
+    fit(model, o2(precision), max_steps=2, callbacks=[recorder])
     half = HALF[precision]
     assert (
         recorder.seen
-        == [
-            ("before_backward", half, False),
-            ("before_optimizer_step", torch.float32, True),
-            ("batch_end", torch.float32, True),
-        ]
-        * 2
+        == [("before_backward", half, True), ("before_optimizer_step", half, True), ("batch_end", half, True)] * 2
     )
+    assert list(model.parameters()) == before and model.net[0].weight.dtype == torch.float32
 
 
-def test_o2_a_training_step_that_returns_none_leaves_the_fp32_masters_in_the_model() -> None:
-    """After a batch whose training_step returned None, callbacks (EMA, weight averaging) read the fp32 masters."""
+def test_o2_a_training_step_that_returns_none_changes_no_parameter_object() -> None:
+    """After a batch whose training_step returned None, the model's parameters are still the optimizer's."""
     recorder = WeightsAtHooks()
     fit(SkipsBatchOne(), o2(), max_steps=3, callbacks=[recorder])
-    assert [entry for entry in recorder.seen if entry[0] == "batch_end"] == [("batch_end", torch.float32, True)] * 3
+    assert [entry for entry in recorder.seen if entry[0] == "batch_end"] == [("batch_end", torch.bfloat16, True)] * 3
 
 
 class Accumulating(Net):
@@ -103,18 +101,22 @@ class TwoForwards(Net):
         features, target = batch
         optimizer.zero_grad()
         self.manual_backward(F.cross_entropy(self(features), target))
+        before = self.net[0].weight.detach().clone()
         optimizer.step()
-        self.stepped_weight = optimizer.optimizer.param_groups[0]["params"][0].detach().clone()
+        masters = self.trainer.precision_plugin.policy.masters
+        self.stepped_weight = masters.master_params[0].detach().clone()
         self.second_forward_weight = self.net[0].weight.detach().clone()
+        assert not torch.equal(before, self.second_forward_weight)
 
 
 def test_o2_manual_optimization_recasts_after_a_step_inside_training_step() -> None:
-    """In manual optimization a forward after optimizer.step() inside training_step sees the new weights, in half."""
+    """In manual optimization a forward after optimizer.step() inside training_step sees the new weights, in half:
+    the stepped fp32 master rounded."""
     model = TwoForwards()
-    fit(model, o2(), max_steps=2)
-    # Inside training_step the model holds the half weights; the step wrote the stepped fp32 master into them.
+    trainer = fit(model, o2(), max_steps=2)
     assert model.second_forward_weight.dtype == torch.bfloat16 and model.stepped_weight.dtype == torch.float32
     torch.testing.assert_close(model.second_forward_weight, model.stepped_weight.bfloat16(), rtol=0, atol=0)
+    assert trainer.precision_plugin.stats.optimizer_steps == 2
 
 
 class StepsInTrainingStep(TwoForwards):
@@ -127,12 +129,12 @@ class StepsInTrainingStep(TwoForwards):
         self(batch[0])
 
 
-def test_o2_manual_optimization_leaves_the_fp32_masters_in_the_model_after_a_step() -> None:
-    """In manual optimization, callbacks after a batch whose training step stepped read the fp32 masters."""
+def test_o2_manual_optimization_keeps_the_optimizers_objects_in_the_model_after_a_step() -> None:
+    """In manual optimization, callbacks after a batch whose training step stepped read the optimizer's parameters."""
     recorder = WeightsAtHooks()
     fit(StepsInTrainingStep(), o2(), max_steps=2, limit_train_batches=3, callbacks=[recorder])
-    batch_ends = [(dtype, masters) for hook, dtype, masters in recorder.seen if hook == "batch_end"]
-    assert batch_ends[0] == batch_ends[2] == (torch.float32, True)
+    batch_ends = [(dtype, same) for hook, dtype, same in recorder.seen if hook == "batch_end"]
+    assert batch_ends == [(torch.bfloat16, True)] * 3
 
 
 class ReadsGradientsInTrainingStep(Net):
