@@ -48,7 +48,7 @@ built; the facade never asks which mode it runs in. One iteration (any number of
   at most one iteration late, naming the parameters whose gradients were not finite
   (:mod:`~lightning_mp.scaling.culprits`).
 
-Skips and streaks are counted per optimizer (:mod:`~lightning_mp.scaling.optimizers` gives each an index): an
+Skips and streaks are counted per optimizer (:mod:`~lightning_mp.scaling.steps` gives each an index): an
 optimizer whose gradients are never finite stops the run even if another one steps cleanly, and the error names it.
 ``state_dict`` holds torch's five keys and the ledger; ``load_state_dict`` validates a dict field by field
 (:mod:`~lightning_mp.scaling.checkpoint`).
@@ -83,7 +83,7 @@ from lightning_mp.scaling.modes import scaling_for
 from lightning_mp.scaling.replay import HostReplay
 from lightning_mp.scaling.rules import COLLAPSE_FLOOR, SCALER_DEFAULTS, OnMinScale, ScalerSettings, ScalingMode
 from lightning_mp.scaling.stats import PrecisionStats
-from lightning_mp.scaling.steps import OWN_PARAMETERS, StepGate, StepPreparation
+from lightning_mp.scaling.steps import OWN_PARAMETERS, Phase, StepPreparation, StepStates
 
 __all__ = ["COLLAPSE_FLOOR", "LossScaler", "OnMinScale", "ScalerSettings", "ScalingMode"]
 
@@ -201,15 +201,14 @@ class LossScaler(torch.amp.GradScaler):
         self.param_names: dict[int, str] = {}
         """``id(parameter) -> qualified name``, so that errors can name the parameters that overflowed."""
         self._device_scale = DeviceScale()
-        self._gate = StepGate(self._scaling, self._device_scale, device_type)
-        """The iteration's stages, flags and verdicts (:mod:`~lightning_mp.scaling.steps`)."""
+        self._steps = StepStates(self._scaling, self._device_scale, device_type)
+        """What the step knows of each optimizer, and the iteration's flags (:mod:`~lightning_mp.scaling.steps`)."""
         self._host = HostReplay(
             settings,
             self._scaling,
             self._device_scale,
-            self._gate.flags,
-            self._gate.optimizers,
-            self._gate.step_parameters,
+            self._steps.flags,
+            self._steps,
         )
         """The host's scale and counters, replayed from each iteration (:mod:`~lightning_mp.scaling.replay`)."""
 
@@ -276,24 +275,28 @@ class LossScaler(torch.amp.GradScaler):
         """
         return self._scaling.scale(outputs, self._device_scale, self._host.state)
 
-    def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether :meth:`unscale_` already ran for ``optimizer`` in this iteration (a second call would raise)."""
-        return self._gate.is_unscaled(optimizer)
+    @property
+    def steps(self) -> StepStates:
+        """What the step knows of each optimizer: one record each, with its phase (:mod:`~lightning_mp.scaling.steps`).
 
-    def adopt_unscale(self, wrapper: Any, optimizer: torch.optim.Optimizer) -> None:
-        """Record an :meth:`unscale_` made through ``wrapper`` in this iteration as made on ``optimizer``.
-
-        For a wrapper that shares its ``param_groups`` (Lightning's ``LightningOptimizer``): its ``unscale_``
-        unscaled the very gradients ``optimizer`` steps.
+        The step engines read and write the records of the optimizers they step through it.
         """
-        self._gate.adopt_unscale(wrapper, optimizer)
+        return self._steps
+
+    def step_phase(self, optimizer: torch.optim.Optimizer) -> Phase:
+        """Where ``optimizer`` is in this iteration: ready, prepared, unscaled or stepped.
+
+        An unscaled optimizer's second :meth:`unscale_` would raise. A Lightning or Fabric wrapper is the optimizer it
+        wraps.
+        """
+        return self._steps.phase(optimizer)
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the gradients unscaled for ``optimizer`` in this iteration hold an inf or NaN (False before).
 
         .. warning:: Reads the device flag on the host: a synchronisation on CUDA.
         """
-        return id(optimizer) in self._gate.stages and bool(self._gate.verdict(optimizer))
+        return self._steps.phase(optimizer) in (Phase.UNSCALED, Phase.STEPPED) and bool(self._steps.verdict(optimizer))
 
     def step_verdict(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor | None:
         """Whether ``optimizer``'s step of this iteration is (or will be) skipped, without waiting for a device.
@@ -301,36 +304,36 @@ class LossScaler(torch.amp.GradScaler):
         A bool where the host already knows; else the device flag (a 0-d tensor, 1.0 when skipped), for sync-free
         use such as ``torch.where``; None before :meth:`unscale_` ran for it.
         """
-        return self._gate.verdict(optimizer)
+        return self._steps.verdict(optimizer)
 
     def attach_preparation(self, preparation: StepPreparation) -> None:
         """Have ``preparation`` ready each optimizer's gradients and name the tensors that hold them, for a run.
 
         :class:`~lightning_mp.MixedPrecision` attaches its step engine when a run starts and detaches it at the end.
         """
-        self._gate.preparation = preparation
+        self._steps.preparation = preparation
 
     def detach_preparation(self, preparation: StepPreparation) -> None:
         """Stop using ``preparation`` (if it is the one attached): the gradients are the parameters' own again."""
-        if self._gate.preparation is preparation:
-            self._gate.preparation = OWN_PARAMETERS
+        if self._steps.preparation is preparation:
+            self._steps.preparation = OWN_PARAMETERS
 
     def forget_prepared(self) -> None:
         """A backward made new gradients: the next unscale or check of each optimizer readies them again."""
-        self._gate.forget_prepared()
+        self._steps.forget_prepared()
 
     @override
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale in place (fp16) and check them for inf/NaN.
 
         In check mode (bf16, fp32) the gradients are only read. Runs at most once per optimizer and iteration, like
-        torch's (use :meth:`is_unscaled` to ask first). Under DDP the flag is all-reduced with ``max``.
+        torch's (use :meth:`step_phase` to ask first). Under DDP the flag is all-reduced with ``max``.
 
         Raises:
             RuntimeError: when called twice for ``optimizer`` in one iteration, or after its ``step``.
 
         """
-        self._gate.unscale(optimizer, True, self._host.state, self.allow_fp16_gradients)
+        self._steps.unscale(optimizer, True, self._host.state, self.allow_fp16_gradients)
 
     def recheck_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Check ``optimizer``'s unscaled gradients again before its step, and skip the step if one is now inf or NaN.
@@ -339,12 +342,12 @@ class LossScaler(torch.amp.GradScaler):
         the check is folded into the step's verdict, on the device where the verdict is a device flag, and such a
         step is skipped and counted like an overflow. Does nothing before :meth:`unscale_`.
         """
-        self._gate.recheck(optimizer)
+        self._steps.recheck(optimizer)
 
     @property
     def local_overflow_count(self) -> torch.Tensor | int:
         """:meth:`local_overflows` without a sync: a 0-d device tensor under DDP (for one gathering collective)."""
-        local = self._gate.flags.local_overflows
+        local = self._steps.flags.local_overflows
         return local if local is not None else self.skipped_steps
 
     def local_overflows(self) -> int:
@@ -352,7 +355,7 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: Under DDP this reads a device counter and synchronises; call it on logging steps only.
         """
-        local = self._gate.flags.local_overflows
+        local = self._steps.flags.local_overflows
         return self.skipped_steps if local is None else int(local.item())
 
     @override
@@ -368,7 +371,7 @@ class LossScaler(torch.amp.GradScaler):
         """
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        return self._gate.step(optimizer, self, self._remember_culprits, *args, **kwargs)
+        return self._steps.step(optimizer, self, self._remember_culprits, *args, **kwargs)
 
     @override
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -376,12 +379,12 @@ class LossScaler(torch.amp.GradScaler):
 
         The same pass as :meth:`unscale_`, multiplying by one; fp16 gradients are allowed, as in torch.
         """
-        return self._gate.unscale(optimizer, False, self._host.state, self.allow_fp16_gradients)
+        return self._steps.unscale(optimizer, False, self._host.state, self.allow_fp16_gradients)
 
     @override
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The inf flag of each device found for ``optimizer`` in this iteration (torch's protocol getter)."""
-        return self._gate.found_inf_per_device(optimizer)
+        return self._steps.found_inf_per_device(optimizer)
 
     def _remember_culprits(self, index: int, found_inf: torch.Tensor | float) -> None:
         self._host.remember_culprits(index, found_inf, self.settings.max_consecutive_skips, self.param_names)
@@ -403,7 +406,7 @@ class LossScaler(torch.amp.GradScaler):
         .. warning:: A ``new_scale`` tensor is read on the host (one sync) to be validated.
 
         """
-        record = self._gate.close()
+        record = self._steps.close()
         if new_scale is not None:
             owner = f"{type(self).__name__}.update"
             record.new_scale = self._scaling.checked_new_scale(owner, new_scale, self.settings)
@@ -417,7 +420,7 @@ class LossScaler(torch.amp.GradScaler):
 
         ``skipped``: the caller found a non-finite loss or gradient and undid the step; it counts like any skip.
         """
-        self._gate.record_unchecked_step(skipped)
+        self._steps.record_unchecked_step(skipped)
         self.update()
 
     # ------------------------------------------------------------------------------------------------ reading
@@ -464,7 +467,9 @@ class LossScaler(torch.amp.GradScaler):
         For a caller whose update waits (Fabric's, until the next backward). Never raises (a collapse raises at the
         update itself). Where a flag is still on an accelerator, this is :meth:`stats`.
         """
-        stats = stats_after_update(self._gate.record, self._host.ledger, self._host.state, self.settings, self._scaling)
+        stats = stats_after_update(
+            self._steps.record, self._host.ledger, self._host.state, self.settings, self._scaling
+        )
         return self.stats() if stats is None else stats
 
     # ------------------------------------------------------------------------------------------------ state
@@ -478,12 +483,12 @@ class LossScaler(torch.amp.GradScaler):
 
         """
         self._host.replay_waiting_iteration(self.settings, self.param_names)
-        if self._gate.stages:
+        if any(record.phase in (Phase.UNSCALED, Phase.STEPPED) for record in self._steps.records()):
             raise AssertionError(
                 "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after"
                 " scaler.update()."
             )
-        # The step gate leaves the run's preparation out: a copy keeps no tie to its model and optimizers.
+        # The step states leave the records and the run's preparation out: a copy keeps no tie to a model.
         return dict(self.__dict__)
 
     @override
@@ -495,7 +500,7 @@ class LossScaler(torch.amp.GradScaler):
         .. warning:: On an accelerator, when the last iteration's flag is still on the device, this waits for it.
         """
         self._host.replay_waiting_iteration(self.settings, self.param_names)
-        return state_dict_of(self.settings, self._host.state, self._host.ledger, len(self._gate.optimizers))
+        return state_dict_of(self.settings, self._host.state, self._host.ledger, len(self._steps))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -117,13 +117,18 @@ def test_every_type_ignore_says_why() -> None:
     assert not unexplained
 
 
-def test_ci_installs_every_runtime_dependency_at_its_declared_floor() -> None:
-    """Each runtime floor, torch's included, is a full version; .ci/run installs exactly them, then the fast tests."""
+def test_ci_runs_the_whole_suite_at_the_floors_without_extras_and_on_the_newest_torch() -> None:
+    """Each runtime floor, torch's included, is a full version; .ci/run installs exactly them and no optional extra,
+    then the README's whole test line; so does its newest-torch run."""
     ci = (ROOT / ".ci" / "run").read_text()
     for dependency in pyproject()["project"]["dependencies"]:
         _, _, floor = dependency.partition(">=")
         assert re.fullmatch(r"\d+\.\d+\.\d+", floor), f"{dependency}: the floor must be a full version"
     assert 'd.replace(">=", "==")' in ci and "pip_install $floors" in ci
     floors = ci.index("pip_install $floors")
-    assert floors < ci.index('run_readme_line "$install_line"', floors) < ci.index('"$fast_test_line"', floors)
-    assert readme_line('pytest -m "not slow"') and "grep -m1 '^pytest -m \"not slow\"' README.md" in ci
+    newest = ci.index('pip_install "torch==$NEWEST_TORCH"')
+    floors_run = ci[floors:newest]
+    assert floors_run.index('run_readme_line "$install_line"') < floors_run.index('run_readme_line "$test_line"')
+    assert "torchao" not in floors_run  # the floors run has no optional extra
+    assert 'run_readme_line "$test_line"' in ci[newest:]
+    assert readme_line('pytest -m "not slow"')

@@ -18,7 +18,7 @@ or not) and hands every hook to it. An engine turns the hooks of its front end i
 
 :meth:`StepEngine.end_step` is the one place a step ends, whichever front end took it and however it ended
 (stepped, skipped, stepped without gradients, undone after a non-finite closure): it puts the running statistics
-back where the step was skipped, remembers the :class:`~lightning_mp.engine.verdict.StepVerdict` for
+back where the step was skipped, remembers the :class:`~lightning_mp.scaling.verdict.StepVerdict` for
 :meth:`StepEngine.last_step_skipped`, and tells the opt level (``after_optimizer_step``: O2 names the weights beyond
 fp16's range after a skip).
 
@@ -54,10 +54,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.engine.running_stats import RunningStats
-from lightning_mp.engine.verdict import StepVerdict
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
 from lightning_mp.scaling.stats import PrecisionStats
+from lightning_mp.scaling.steps import Phase
+from lightning_mp.scaling.verdict import StepVerdict
 
 
 def unwrapped(optimizer: Any) -> Any:
@@ -109,16 +110,19 @@ class StepEngine(ABC):
         self.loss_scaler = loss_scaler
         self.policy = policy
         self.running_stats = RunningStats()
-        self._last_verdicts: dict[int, StepVerdict] = {}
-        """Per optimizer (by ``id``), the verdict of its last step, as :meth:`end_step` was given it."""
         loss_scaler.attach_preparation(self)
+
+    def last_verdict(self, optimizer: Optimizer) -> StepVerdict | None:
+        """The verdict of the most recent step of ``optimizer`` (or of the optimizer a wrapper wraps); None before."""
+        record = self.loss_scaler.steps.known(optimizer)
+        return None if record is None else record.verdict
 
     def last_step_skipped(self, optimizer: Optimizer) -> bool:
         """Whether the most recent step of ``optimizer`` was skipped; False before one.
 
         .. warning:: Where the remembered verdict holds a device flag, this reads it: one host sync.
         """
-        verdict = self._last_verdicts.get(id(optimizer))
+        verdict = self.last_verdict(optimizer)
         if verdict is None:
             return False
         return bool(verdict.flag) if verdict.flag is not None else verdict.skipped
@@ -169,9 +173,10 @@ class StepEngine(ABC):
 
     # ------------------------------------------------------------------------------------------------ unscale, clip
 
-    @abstractmethod
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Make ``optimizer``'s gradients true gradients, once per step."""
+        """Make ``optimizer``'s gradients true gradients, once per step (a user's ``scaler.unscale_`` counts)."""
+        if self.loss_scaler.step_phase(optimizer) is not Phase.UNSCALED:
+            self.loss_scaler.unscale_(optimizer)
 
     @abstractmethod
     def clip_gradients(self, optimizer: Optimizer, clip_val: float, algorithm: GradClipAlgorithmType) -> None:
@@ -213,9 +218,9 @@ class StepEngine(ABC):
         """The tensors whose gradients the step of ``optimizer`` applies (O2: the fp32 masters)."""
         return self.policy.step_parameters(unwrapped(optimizer))
 
-    def after_unscale(self, optimizer: Optimizer) -> None:
-        """The scaler unscaled the gradients: the opt level shows the true values (O2: in the half gradients)."""
-        self.policy.after_unscale(unwrapped(optimizer))
+    def gradients_changed(self, optimizer: Optimizer) -> None:
+        """The scaler unscaled (or clipping changed) the gradients: the opt level writes them where users read them."""
+        self.policy.gradients_changed(unwrapped(optimizer))
 
     def forget_prepared(self) -> None:
         """A backward made new gradients: the scaler readies each optimizer's again before it next checks them."""
@@ -243,7 +248,7 @@ class StepEngine(ABC):
         """
         if restore_running_stats:
             self.running_stats.restore_if_skipped(verdict, models)
-        self._last_verdicts[id(optimizer)] = verdict
+        self.loss_scaler.steps.of(optimizer).verdict = verdict
         self.policy.after_optimizer_step(optimizer, verdict.skipped)
 
     @abstractmethod

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from lightning_mp.engine.verdict import StepVerdict
+from lightning_mp.scaling.verdict import StepVerdict
 
 RUNNING_STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 

@@ -29,7 +29,7 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from lightning.pytorch import LightningModule
@@ -41,22 +41,11 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_mp.engine.base import StepEngine, check_loss, unwrapped
 from lightning_mp.engine.schedulers import SkipAwareScheduler
-from lightning_mp.engine.verdict import SKIPPED, TAKEN, StepVerdict
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
 from lightning_mp.scaling.hand_off import supports_fused_protocol
-
-
-def adopt_wrapper_unscale(scaler: LossScaler, wrappers: Sequence[Any], optimizer: Optimizer) -> None:
-    """Record an ``unscale_`` the user made through a LightningOptimizer as made on the optimizer it wraps.
-
-    ``opt = self.optimizers()`` is a LightningOptimizer that shares its optimizer's ``param_groups``, so
-    ``scaler.unscale_(opt)`` unscaled the very gradients the plugin steps; without this the plugin, which sees the
-    wrapped optimizer, would unscale them a second time.
-    """
-    for wrapper in wrappers:
-        if wrapper.optimizer is optimizer:
-            scaler.adopt_unscale(wrapper, optimizer)
+from lightning_mp.scaling.steps import Phase
+from lightning_mp.scaling.verdict import SKIPPED, TAKEN, StepVerdict
 
 
 def _has_gradients(optimizer: Optimizer) -> bool:
@@ -89,9 +78,6 @@ class TrainerEngine(StepEngine):
         super().__init__(loss_scaler, policy)
         self.lightning = lightning
         self.skip_scheduler_on_overflow = skip_scheduler_on_overflow
-        self._stepped_this_iteration = False
-        self._iteration_verdicts: list[StepVerdict] = []
-        """In manual optimization, the verdicts of the steps the training step took, as the scaler gave them."""
 
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -141,7 +127,7 @@ class TrainerEngine(StepEngine):
 
     def end_training_step(self) -> None:
         """In manual optimization the training step took the steps: move the scale once, after the last of them."""
-        if self._stepped_this_iteration:
+        if self.loss_scaler.steps.stepped():
             self._end_iteration()
 
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:
@@ -166,19 +152,13 @@ class TrainerEngine(StepEngine):
         """Run Lightning's ``on_after_backward`` hooks."""
         return Precision.post_backward(self.lightning, tensor, module)
 
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Make the gradients true gradients, at most once per optimizer step."""
-        self._prepare_gradients(optimizer, unscale=True)
-
     def main_params(self, optimizer: Optimizer) -> Iterable[Tensor]:
         """The tensors whose gradients Lightning clips: those the step applies (O2: the fp32 masters)."""
         return self.step_parameters(optimizer)
 
     def clip_gradients(self, optimizer: Any, clip_val: float, algorithm: GradClipAlgorithmType) -> None:
         """Unscale first where that has not happened yet in this step, clip, then check the clipped gradients."""
-        wrapper, optimizer = optimizer, unwrapped(optimizer)
-        if wrapper is not optimizer:
-            adopt_wrapper_unscale(self.loss_scaler, [wrapper], optimizer)
+        optimizer = unwrapped(optimizer)
         if clip_val > 0:
             # Checked before clipping in every precision (bf16 and fp32 only read them): clipping by value would turn
             # an inf into a finite gradient, and a fused optimizer, checked at its step, would take the step.
@@ -187,7 +167,7 @@ class TrainerEngine(StepEngine):
             self.lightning, optimizer=optimizer, clip_val=clip_val, gradient_clip_algorithm=algorithm
         )
         if clip_val > 0:
-            self.policy.after_unscale(optimizer)
+            self.policy.gradients_changed(optimizer)
             self.loss_scaler.recheck_gradients(optimizer)
 
     def optimizer_step(
@@ -197,17 +177,11 @@ class TrainerEngine(StepEngine):
         assert closure is not None
         if isinstance(optimizer, LBFGS):
             return self._closure_step(optimizer, model, closure, **kwargs)
-        loss_scaler = self.loss_scaler
         closure_result = closure()
-        automatic = model.automatic_optimization
-        # In automatic optimization a training_step that returned None ran no backward: there is nothing to step.
-        if closure_result is None and automatic:
+        if closure_result is None and model.automatic_optimization:
+            # A training_step that returned None ran no backward: there is nothing to step.
             self.lightning._after_closure(model, optimizer)
             return closure_result
-        if not automatic:
-            wrappers = model.optimizers(use_pl_optimizer=True)
-            wrappers = wrappers if isinstance(wrappers, list) else [wrappers]
-            adopt_wrapper_unscale(loss_scaler, wrappers, optimizer)
         self._prepare_gradients(optimizer, unscale=not supports_fused_protocol(optimizer))
         self.lightning._after_closure(model, optimizer)
         if not _has_gradients(optimizer):
@@ -215,27 +189,28 @@ class TrainerEngine(StepEngine):
             step_output = optimizer.step(**kwargs)
             self.end_step(optimizer, TAKEN, restore_running_stats=False)
             return step_output
-        step_output = loss_scaler.step(optimizer, **kwargs)
-        self._stepped_this_iteration = True
-        # This step's own verdict, read before the update: on an accelerator the scaler's host view of a verdict
-        # decided on the device is one iteration old after it.
-        verdict = StepVerdict.of(loss_scaler.step_verdict(optimizer))
-        if automatic:
-            self._end_iteration(verdict)
-            skipped = loss_scaler.last_step_skipped
-            # On an accelerator that host view is one iteration old where the device decided the step, so the
-            # schedulers ask the flag itself (two alternate: it holds this step's verdict through the next batch).
-            flag = verdict.flag
-            if flag is not None and flag.device.type != "cpu":
-                verdict = StepVerdict(skipped, flag)
-            else:
-                verdict = SKIPPED if skipped else TAKEN
-        else:
-            self._iteration_verdicts.append(verdict)
-            # The scale moves when the training step returns; this optimizer's own verdict is needed now.
-            verdict = SKIPPED if loss_scaler.found_inf(optimizer) else TAKEN
+        step_output = self.loss_scaler.step(optimizer, **kwargs)
+        verdict = self._verdict_of_step(optimizer, model.automatic_optimization)
         self.end_step(optimizer, verdict, restore_running_stats=False)
         return step_output
+
+    def _verdict_of_step(self, optimizer: Optimizer, automatic: bool) -> StepVerdict:
+        """The verdict the step of ``optimizer`` ends with; in automatic optimization the scale moves first.
+
+        On an accelerator the scaler's host view of a verdict the device decided is one iteration old after the
+        update, so the schedulers then ask the flag itself (two alternate: it holds this step's verdict through the
+        next batch). In manual optimization the scale moves when the training step returns, and the optimizer's own
+        verdict is needed now.
+        """
+        loss_scaler = self.loss_scaler
+        if not automatic:
+            return SKIPPED if loss_scaler.found_inf(optimizer) else TAKEN
+        flag = StepVerdict.of(loss_scaler.step_verdict(optimizer)).flag  # read before the update
+        self._end_iteration()
+        skipped = loss_scaler.last_step_skipped
+        if flag is not None and flag.device.type != "cpu":
+            return StepVerdict(skipped, flag)
+        return SKIPPED if skipped else TAKEN
 
     def _closure_step(
         self, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
@@ -251,23 +226,21 @@ class TrainerEngine(StepEngine):
         """Unscale the gradients, at most once per optimizer step."""
         # Without gradients (a training_step that returned None) there is nothing to unscale, and an unscale_
         # recorded now would wrongly mark the next batch's gradients as already unscaled.
-        if unscale and _has_gradients(optimizer) and not self.loss_scaler.is_unscaled(optimizer):
+        if unscale and _has_gradients(optimizer) and self.loss_scaler.step_phase(optimizer) is not Phase.UNSCALED:
             self.loss_scaler.unscale_(optimizer)
 
-    def _end_iteration(self, verdict: StepVerdict | None = None) -> None:
+    def _end_iteration(self) -> None:
         """Move the scale once; put the running statistics back when a step of the iteration was skipped.
 
-        Args:
-            verdict: the verdict of the iteration's one step (automatic optimization); None combines those of the
-                steps a manual training step took.
-
+        The verdicts of the iteration's steps are combined on the device (the running statistics go back with a
+        ``torch.where`` on them), read before the update closes the iteration.
         """
-        self._stepped_this_iteration = False
+        loss_scaler = self.loss_scaler
+        verdict = TAKEN
+        if self.running_stats.saved:  # combined only when there are statistics to put back
+            stepped = [record.optimizer() for record in loss_scaler.steps.stepped()]
+            verdict = StepVerdict.any_of([StepVerdict.of(loss_scaler.step_verdict(o)) for o in stepped if o])
         try:
-            self.loss_scaler.update()
+            loss_scaler.update()
         finally:
-            if verdict is None:
-                verdicts, self._iteration_verdicts = self._iteration_verdicts, []
-                # Combined only when there are statistics to put back, so that models without them combine no flags.
-                verdict = StepVerdict.any_of(verdicts) if self.running_stats.saved else TAKEN
             self.running_stats.restore_if_skipped(verdict)

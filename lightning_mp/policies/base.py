@@ -16,7 +16,7 @@ Where each hook runs::
         backward
     prepare_step(optimizer)                    # O2: fp32 copies of the gradients on the masters
     unscale, clipping, step                    # the plugin's step engine, on step_parameters(optimizer)
-    after_unscale(optimizer)                   # O2: the true gradients written back into the half gradients
+    gradients_changed(optimizer)                   # O2: the true gradients written back into the half gradients
     before_closure(optimizer)                  # LBFGS re-evaluating its closure: O2 writes the moved masters
     after_optimizer_step(optimizer, skipped)   # O2: name weights beyond fp16 after a skip
     state_dict() / load_state_dict(state)      # the level's own state in the plugin's checkpoint entry
@@ -136,7 +136,7 @@ class PrecisionPolicy:
         evaluates its closure itself (LBFGS).
         """
 
-    def after_unscale(self, optimizer: Optimizer) -> None:
+    def gradients_changed(self, optimizer: Optimizer) -> None:
         """Called after the gradients of :meth:`step_parameters` were unscaled, and again after clipping them."""
 
     def before_closure(self, optimizer: Optimizer) -> None:

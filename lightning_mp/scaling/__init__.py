@@ -3,8 +3,9 @@
 * :mod:`~lightning_mp.scaling.rules`: the scaler's settings and its scale rules, as plain data and a pure function;
 * :mod:`~lightning_mp.scaling.modes`: dynamic, static and check-only scaling as strategy objects, one chosen per
   scaler;
-* :mod:`~lightning_mp.scaling.steps`: torch's per-optimizer protocol of one iteration (unscale once, step once) and
-  where each step is decided;
+* :mod:`~lightning_mp.scaling.steps`: what the step knows of each optimizer, one record with its phase each, torch's
+  per-optimizer protocol of one iteration (unscale once, step once) and where each step is decided;
+* :mod:`~lightning_mp.scaling.verdict`: whether a step was skipped, as the host knows it and as the device decided;
 * :mod:`~lightning_mp.scaling.kernels`: unscale and check an optimizer's gradients in a fixed number of ops;
 * :mod:`~lightning_mp.scaling.sharded`: the inf check and gradient norms over sharded gradients (FSDP2, FSDP);
 * :mod:`~lightning_mp.scaling.inf_flags`: the preallocated inf flags and the record of one iteration;
@@ -16,7 +17,6 @@
 * :mod:`~lightning_mp.scaling.ledger`: the counters and skip streaks;
 * :mod:`~lightning_mp.scaling.culprits`: naming the parameters whose gradients were not finite;
 * :mod:`~lightning_mp.scaling.checkpoint`: a scaler checkpoint, written and validated;
-* :mod:`~lightning_mp.scaling.optimizers`: the optimizers a scaler has seen, by index;
 * :mod:`~lightning_mp.scaling.devices`: the device a scaler's tensors live on, and whether the run spans processes.
 """
 
@@ -25,7 +25,6 @@ from lightning_mp.scaling.device_rules import DeviceScale, update_scale_on_devic
 from lightning_mp.scaling.host_mirror import HostMirror
 from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
 from lightning_mp.scaling.ledger import StepLedger
-from lightning_mp.scaling.optimizers import OptimizerRegistry
 
 __all__ = [
     "DeviceScale",
@@ -33,7 +32,6 @@ __all__ = [
     "InfFlagPool",
     "IterationRecord",
     "LoadedScalerState",
-    "OptimizerRegistry",
     "StepLedger",
     "update_scale_on_device",
     "validated_state",

@@ -12,26 +12,32 @@ keeps those names).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 import torch
 
 from lightning_mp.errors import NonFiniteStepsError
 from lightning_mp.scaling.gradients import nonfinite_gradients
 from lightning_mp.scaling.ledger import StepLedger
-from lightning_mp.scaling.optimizers import OptimizerRegistry
 
-__all__ = ["Culprits", "nonfinite_parameters", "raise_on_streak"]
+__all__ = ["Culprits", "Optimizers", "nonfinite_parameters", "raise_on_streak"]
 
 Culprits = list[tuple[str, tuple[int, ...]]]
 """``(name, shape)`` of each parameter whose gradient is not finite."""
 
 
-def nonfinite_parameters(
-    optimizers: OptimizerRegistry,
-    names: Mapping[int, str],
-    indices: Iterable[int],
-    step_parameters: Callable[[torch.optim.Optimizer], list[torch.Tensor]],
-) -> Culprits:
+class Optimizers(Protocol):
+    """The optimizers a scaler has seen, by index (:class:`~lightning_mp.scaling.steps.StepStates`)."""
+
+    def at(self, index: int) -> torch.optim.Optimizer | None:
+        """The optimizer of index ``index``, or None."""
+
+    def step_parameters(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The tensors whose gradients its step applies."""
+        ...
+
+
+def nonfinite_parameters(optimizers: Optimizers, names: Mapping[int, str], indices: Iterable[int]) -> Culprits:
     """The parameters of the optimizers ``indices`` whose gradients (those their steps apply) hold an inf or a NaN.
 
     .. warning:: Reads every gradient of those optimizers on the host: one sync per gradient on an accelerator.
@@ -40,7 +46,7 @@ def nonfinite_parameters(
         (names.get(id(p), f"optimizers[{index}].param_groups[{g}][{i}]"), p)
         for index in indices
         if (optimizer := optimizers.at(index)) is not None
-        for (g, i), p in zip(_positions(optimizer), step_parameters(optimizer), strict=True)
+        for (g, i), p in zip(_positions(optimizer), optimizers.step_parameters(optimizer), strict=True)
     )
     return nonfinite_gradients(named)
 
@@ -53,7 +59,7 @@ def _positions(optimizer: torch.optim.Optimizer) -> list[tuple[int, int]]:
 def raise_on_streak(
     ledger: StepLedger,
     limit: int | None,
-    optimizers: OptimizerRegistry,
+    optimizers: Optimizers,
     culprits: Callable[[list[int]], Culprits],
     scale: Callable[[], float],
 ) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_mp.scaling import sharded
+from lightning_mp.scaling.dtensors import local_shard
 
 UNSCALE_KERNEL_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
 """The dtypes CUDA's ``_amp_foreach_non_finite_check_and_unscale_`` takes (``AT_DISPATCH_FLOATING_TYPES_AND_HALF`` in
@@ -49,7 +49,7 @@ def inf_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def gradient_groups(parameters: list[torch.Tensor], refuse_fp16: bool) -> GradientGroups:
     """The gradients of ``parameters`` (a sparse one by its values) grouped by device, then dtype.
 
-    A sharded gradient (a ``DTensor``, under FSDP2) is this rank's local shard (:mod:`~lightning_mp.scaling.sharded`).
+    A sharded gradient (a ``DTensor``, under FSDP2) is this rank's local shard (:mod:`~lightning_mp.scaling.dtensors`).
     Empty gradients are left out: they hold nothing to unscale or check, and torch's inf-norm refuses an empty tensor
     (a zero-element parameter, or a rank's empty shard of a sharded one).
 
@@ -68,7 +68,7 @@ def gradient_groups(parameters: list[torch.Tensor], refuse_fp16: bool) -> Gradie
             if not grad.is_coalesced():
                 param.grad = grad = grad.coalesce()
             grad = grad.values()
-        grad = sharded.local_shard(grad)
+        grad = local_shard(grad)
         if grad.numel():
             groups[grad.device][grad.dtype].append(grad)
     return groups
@@ -131,7 +131,7 @@ def recheck_norms(parameters: list[torch.Tensor], home: torch.device | None) -> 
     grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for param in parameters:
         if param.grad is not None:
-            grad = param.grad.coalesce().values() if param.grad.is_sparse else sharded.local_shard(param.grad)
+            grad = param.grad.coalesce().values() if param.grad.is_sparse else local_shard(param.grad)
             if grad.numel():
                 grads[grad.device].append(grad)
     return [

@@ -31,13 +31,12 @@ from dataclasses import replace
 import torch
 
 from lightning_mp.errors import LossScaleCollapseError
-from lightning_mp.scaling.culprits import Culprits, nonfinite_parameters, raise_on_streak
+from lightning_mp.scaling.culprits import Culprits, Optimizers, nonfinite_parameters, raise_on_streak
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.host_mirror import HostMirror
 from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
 from lightning_mp.scaling.ledger import StepLedger
 from lightning_mp.scaling.modes import Scaling
-from lightning_mp.scaling.optimizers import OptimizerRegistry
 from lightning_mp.scaling.rules import ScalerSettings, ScaleState, next_state
 
 __all__ = ["HostReplay", "replay_iteration"]
@@ -107,8 +106,7 @@ class HostReplay:
         scaling: Scaling,
         device_scale: DeviceScale,
         flags: InfFlagPool,
-        optimizers: OptimizerRegistry,
-        step_parameters: Callable[[torch.optim.Optimizer], list[torch.Tensor]],
+        optimizers: Optimizers,
     ) -> None:
         self.state = settings.initial_state()
         """The scale and its trackers, as of the last replayed iteration."""
@@ -120,7 +118,6 @@ class HostReplay:
         self._device_scale = device_scale
         self._flags = flags
         self._optimizers = optimizers
-        self._step_parameters = step_parameters
 
     def end_iteration(self, record: IterationRecord, settings: ScalerSettings, names: Mapping[int, str]) -> None:
         """Replay ``record`` now where its flags are on the host; else publish them and replay the previous one.
@@ -190,4 +187,4 @@ class HostReplay:
 
     def culprits(self, indices: list[int], names: Mapping[int, str]) -> Culprits:
         """The parameters of the optimizers ``indices`` whose gradients are not finite."""
-        return nonfinite_parameters(self._optimizers, names, indices, self._step_parameters)
+        return nonfinite_parameters(self._optimizers, names, indices)

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mp.scaling import kernels
+from lightning_mp.scaling.dtensors import is_sharded, local_shard
 
 __all__ = [
     "agree_on_found_inf",
@@ -55,19 +56,11 @@ __all__ = [
 ]
 
 
-def is_sharded(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a ``DTensor`` (a parameter or gradient that FSDP2 or tensor parallelism distributed)."""
-    return isinstance(tensor, DTensor)
 
 
 def has_sharded_parameters(module: nn.Module) -> bool:
     """Whether any parameter of ``module`` is a ``DTensor``: the model was sharded (``fully_shard``) or parallelised."""
     return any(is_sharded(parameter) for parameter in module.parameters())
-
-
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of ``tensor`` this rank stores: ``to_local()`` of a ``DTensor`` (same storage), else ``tensor``."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def local_gradients(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:

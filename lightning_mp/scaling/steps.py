@@ -1,32 +1,55 @@
-"""The gate every optimizer step of an iteration passes: torch's GradScaler protocol, per optimizer.
+"""What a step knows of each optimizer: one record per optimizer, with explicit phases, and torch's protocol.
 
 torch's contract for one iteration: each optimizer is unscaled at most once (explicitly, or inside its ``step``),
-then steps once, and ``update`` closes the iteration. :class:`StepGate` keeps that contract and decides each step:
+then steps once, and ``update`` closes the iteration. :class:`StepStates` keeps that contract for every optimizer the
+loss scaler sees, in one :class:`OptimizerStep` record each, and decides each step. The engines (the Trainer's and
+Fabric's) read and write the same records through the scaler; no other object keeps per-optimizer state of a step.
 
-* it keeps each optimizer's stage (prepared, unscaled, stepped) and raises torch's errors when the contract is broken;
-* before it first unscales or checks an optimizer's gradients in an iteration it asks its
-  :class:`StepPreparation` to ready them (under :class:`~lightning_mp.MixedPrecision` the step engine, whose opt
-  level may keep the gradients the step applies elsewhere: O2's fp32 masters), and it checks the gradients of the
-  tensors the preparation names, so a user's own ``unscale_`` and the engine's reach the same gradients;
-* an unscale has the scaler's mode (:mod:`~lightning_mp.scaling.modes`) check the gradients and keeps the flag it
-  set, one per optimizer (several devices are combined into one), in the iteration's
-  :class:`~lightning_mp.scaling.inf_flags.IterationRecord`;
-* a step goes one of three ways (:mod:`~lightning_mp.scaling.hand_off`): an optimizer that declares torch's fused
-  protocol gets the flag (and, when nothing unscaled it yet, the scale as ``grad_scale``) and skips on the device;
-  one the mode hands off steps through torch's fused kernel of its rule, which skips on the device too; any other
-  reads its verdict on the host and is skipped there when it is set;
-* a skipped step read on the host tells the scaler, which names the culprits near the streak limit.
+An optimizer's phase moves so:
 
-The gate holds device tensors and optimizer references only: a pickled scaler gets an empty one.
+=========  ================================================================  ==========  ==========================
+phase      event                                                             next phase  caller
+=========  ================================================================  ==========  ==========================
+READY      the first unscale or check of its gradients in the iteration      PREPARED    ``unscale_``, ``step``
+           (the :class:`StepPreparation` readies them first: O2 copies
+           its half gradients to its fp32 masters)
+PREPARED   a backward makes new gradients                                    READY       the engine's backward
+PREPARED   ``unscale_`` (or ``step``'s own unscale): gradients unscaled      UNSCALED    ``unscale_``, ``step``
+           and checked, the verdict known on the host or on the device
+UNSCALED   ``step``: taken, handed to a fused kernel, or skipped             STEPPED     ``step``
+STEPPED    the preparation closes the iteration first (Fabric's pending      READY       ``unscale_``, ``step``
+           scale update) before a second step of the optimizer
+any        ``update``: the scale moves, the iteration closes                 READY       ``update``
+=========  ================================================================  ==========  ==========================
+
+``unscale_`` of an UNSCALED or STEPPED optimizer and ``step`` of a STEPPED one raise torch's ``RuntimeError``s. The
+record also keeps what the engines need of the same step: whether the optimizer's own ``step()`` ran (a host skip
+runs none), whether its gradients were finite when clipping read them, its verdict
+(:mod:`~lightning_mp.scaling.verdict`, kept past the update for the learning-rate schedulers) and whether the engine
+connected it to the opt level.
+
+A record is found by the optimizer's ``param_groups`` list, which Lightning's and Fabric's wrappers share with the
+optimizer they wrap: ``scaler.unscale_(lightning_optimizer)`` and the plugin's step of the optimizer inside are one
+optimizer here. Each record has an index (the order of first sight) by which the scaler counts skips and streaks and
+names the optimizer in its errors. Records hold the optimizer weakly, so a plugin reused for another model keeps
+nothing alive; a pickled scaler keeps no record.
+
+A step goes one of three ways (:mod:`~lightning_mp.scaling.hand_off`): an optimizer that declares torch's fused
+protocol gets the found_inf flag (and, when nothing unscaled it yet, the scale as ``grad_scale``) and skips on the
+device; one the mode hands off steps through torch's fused kernel of its rule, which skips on the device too; any
+other reads its verdict on the host and is skipped there when it is set. The flags themselves live in the iteration's
+:class:`~lightning_mp.scaling.inf_flags.IterationRecord`, which the scale update replays once it can read them.
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -34,10 +57,10 @@ from lightning_mp.scaling import hand_off, kernels
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
 from lightning_mp.scaling.modes import Scaling
-from lightning_mp.scaling.optimizers import OptimizerRegistry
 from lightning_mp.scaling.rules import ScaleState
+from lightning_mp.scaling.verdict import StepVerdict
 
-__all__ = ["UNCHECKED", "OptimizerStage", "OwnParameters", "StepGate", "StepPreparation"]
+__all__ = ["UNCHECKED", "OptimizerStep", "OwnParameters", "Phase", "StepPreparation", "StepStates"]
 
 UNCHECKED = -1
 """The optimizer index of steps taken without a check (LBFGS): never skipped, never in a streak."""
@@ -46,18 +69,27 @@ Remember = Callable[[int, torch.Tensor | float], None]
 """Told of each skipped step: the optimizer index and its verdict (a CPU flag, or the host's float)."""
 
 
+class Phase(enum.Enum):
+    """Where an optimizer is in the iteration (the module docstring's table)."""
+
+    READY = "ready"
+    PREPARED = "prepared"
+    UNSCALED = "unscaled"
+    STEPPED = "stepped"
+
+
 class StepPreparation(Protocol):
-    """What readies an optimizer's gradients for the gate: the step engine under the plugin, else nothing."""
+    """What readies an optimizer's gradients for the scaler: the step engine under the plugin, else nothing."""
 
     def prepare_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Ready ``optimizer``'s gradients, before the gate first unscales or checks them in an iteration."""
+        """Ready ``optimizer``'s gradients, before the scaler first unscales or checks them in an iteration."""
 
     def step_parameters(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` the step of ``optimizer`` applies."""
         ...
 
-    def after_unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        """The gate unscaled the gradients of :meth:`step_parameters`."""
+    def gradients_changed(self, optimizer: torch.optim.Optimizer) -> None:
+        """The scaler unscaled (or clipping changed) the gradients of :meth:`step_parameters`."""
 
 
 class OwnParameters:
@@ -70,24 +102,42 @@ class OwnParameters:
         """The parameters of ``optimizer``'s groups."""
         return [p for group in optimizer.param_groups for p in group["params"]]
 
-    def after_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+    def gradients_changed(self, optimizer: torch.optim.Optimizer) -> None:
         """Nothing to do."""
 
 
 OWN_PARAMETERS = OwnParameters()
 
 
-@dataclass
-class OptimizerStage:
-    """Where one optimizer is in the iteration (torch's contract: unscale at most once, then step once)."""
+@dataclass(eq=False)
+class OptimizerStep:
+    """What the step knows of one optimizer (the module docstring's table)."""
 
-    stage: Literal["prepared", "unscaled", "stepped"]
+    optimizer: weakref.ReferenceType[torch.optim.Optimizer]
+    index: int
+    """The scaler's index of the optimizer: the order in which it was first seen."""
+    phase: Phase = Phase.READY
     found_inf_per_device: dict[Any, Any] = field(default_factory=dict)
-    """Device -> its inf flag, as torch's protocol getter returns it."""
+    """Device -> its found_inf flag in this iteration, as torch's protocol getter returns it."""
+    kernel_ran: bool = False
+    """Whether the optimizer's own ``step()`` ran in this iteration (a step skipped on the host runs none)."""
+    finite_when_clipped: bool = False
+    """Whether its gradients were finite when clipping read them in this iteration (before clipping them)."""
+    verdict: StepVerdict | None = None
+    """The verdict of its last step; kept past the update, for the schedulers that ask."""
+    connected: bool = False
+    """Whether the step engine has connected it to the opt level."""
+
+    def next_iteration(self) -> None:
+        """The iteration closed: back to READY, with nothing of the step kept but its verdict."""
+        self.phase = Phase.READY
+        self.found_inf_per_device = {}
+        self.kernel_ran = False
+        self.finite_when_clipped = False
 
 
-class StepGate:
-    """The stages, flags and verdicts of one iteration's optimizer steps.
+class StepStates:
+    """The records of the optimizers one loss scaler sees, and the decisions of their steps.
 
     Args:
         scaling: the scaler's mode.
@@ -101,75 +151,116 @@ class StepGate:
         self.device_scale = device_scale
         self.device_type = device_type
         self.record = IterationRecord()
-        """The iteration in progress."""
-        self.stages: dict[int, OptimizerStage] = {}
-        """``id(optimizer)`` -> its stage in this iteration, for the optimizers that unscaled or stepped."""
+        """The iteration in progress: its found_inf flags, by optimizer index."""
         self.flags = InfFlagPool()
-        self.optimizers = OptimizerRegistry()
         self.preparation: StepPreparation = OWN_PARAMETERS
         """What readies each optimizer's gradients and names the tensors that hold them."""
+        self._records: dict[int, OptimizerStep] = {}
+        """``id(optimizer.param_groups)`` -> its record."""
+        self._by_index: list[OptimizerStep] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        """A run's preparation (its step engine) is not pickled: a copy readies nothing until a run attaches one."""
-        return {**self.__dict__, "preparation": OWN_PARAMETERS}
+        """Records hold optimizers and the preparation holds a run: a pickled scaler keeps neither."""
+        return {**self.__dict__, "preparation": OWN_PARAMETERS, "_records": {}, "_by_index": []}
+
+    # ------------------------------------------------------------------------------------------------ records
+
+    def of(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
+        """``optimizer``'s record, made now if it has none (a new optimizer gets the next index).
+
+        An optimizer whose ``param_groups`` list was replaced since (``load_state_dict``) keeps its record.
+        """
+        key = id(optimizer.param_groups)
+        record = self._records.get(key)
+        if record is not None:
+            known = record.optimizer()
+            if known is not None and known.param_groups is optimizer.param_groups:
+                return record
+        for existing in self._by_index:
+            if existing.optimizer() is optimizer:
+                self._records = {k: r for k, r in self._records.items() if r is not existing}
+                self._records[key] = existing
+                return existing
+        record = OptimizerStep(weakref.ref(optimizer), len(self._by_index))
+        self._records[key] = record
+        self._by_index.append(record)
+        return record
+
+    def known(self, optimizer: torch.optim.Optimizer) -> OptimizerStep | None:
+        """``optimizer``'s record if it has one; makes none."""
+        record = self._records.get(id(optimizer.param_groups))
+        return record if record is not None and record.optimizer() is not None else None
+
+    def at(self, index: int) -> torch.optim.Optimizer | None:
+        """The optimizer of index ``index``, or None when there is none or it no longer exists."""
+        return self._by_index[index].optimizer() if 0 <= index < len(self._by_index) else None
+
+    def __len__(self) -> int:
+        """The number of optimizers seen."""
+        return len(self._by_index)
+
+    def records(self) -> list[OptimizerStep]:
+        """Every record, in index order."""
+        return list(self._by_index)
+
+    def phase(self, optimizer: torch.optim.Optimizer) -> Phase:
+        """``optimizer``'s phase in this iteration."""
+        record = self.known(optimizer)
+        return Phase.READY if record is None else record.phase
+
+    def stepped(self) -> list[OptimizerStep]:
+        """The records of the optimizers that stepped (or skipped) in this iteration."""
+        return [record for record in self._by_index if record.phase is Phase.STEPPED]
 
     def step_parameters(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The tensors whose gradients ``optimizer``'s step applies, as the preparation names them."""
         return self.preparation.step_parameters(optimizer)
 
+    # ------------------------------------------------------------------------------------------------ transitions
+
     def close(self) -> IterationRecord:
-        """End the iteration: return its record and start the next one."""
+        """``update``: end the iteration, every record back to READY; return its record and start the next one."""
         record, self.record = self.record, IterationRecord()
         self.flags.next_iteration()
-        self.stages = {}
+        for step in self._by_index:
+            step.next_iteration()
         return record
 
-    def is_unscaled(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` was unscaled in this iteration (and has not stepped yet)."""
-        stage = self.stages.get(id(optimizer))
-        return stage is not None and stage.stage == "unscaled"
-
-    def prepare(self, optimizer: torch.optim.Optimizer) -> None:
-        """Have the preparation ready ``optimizer``'s gradients, once per iteration and backward.
-
-        An optimizer that stepped since the last update is asked again: the preparation may close the iteration
-        (Fabric's engine applies a scale update left pending), after which it starts a new one.
-        """
-        stage = self.stages.get(id(optimizer))
-        if stage is None or stage.stage == "stepped":
+    def prepare(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
+        """READY (or STEPPED, see the table) -> PREPARED: have the preparation ready ``optimizer``'s gradients."""
+        record = self.of(optimizer)
+        if record.phase in (Phase.READY, Phase.STEPPED):
             self.preparation.prepare_step(optimizer)
-            if id(optimizer) not in self.stages:
-                self.stages[id(optimizer)] = OptimizerStage("prepared")
+            if record.phase is Phase.READY:  # the preparation may have closed the iteration: READY again
+                record.phase = Phase.PREPARED
+        return record
 
     def forget_prepared(self) -> None:
-        """A backward made new gradients: the next unscale or check readies them again."""
-        self.stages = {key: stage for key, stage in self.stages.items() if stage.stage != "prepared"}
-
-    def adopt_unscale(self, wrapper: Any, optimizer: torch.optim.Optimizer) -> None:
-        """Record an unscale made through ``wrapper``, which shares ``optimizer``'s ``param_groups``, as its own."""
-        if wrapper.param_groups is optimizer.param_groups and self.is_unscaled(wrapper):
-            self.stages[id(optimizer)] = self.stages.pop(id(wrapper))
+        """A backward made new gradients: PREPARED -> READY, so the next unscale or check readies them again."""
+        for record in self._by_index:
+            if record.phase is Phase.PREPARED:
+                record.phase = Phase.READY
 
     def verdict(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor | None:
         """A bool where the host knows whether the step is skipped, else the device flag; None before the check."""
-        index = self.optimizers.known_index(optimizer)
-        if index is None:
+        record = self.known(optimizer)
+        if record is None:
             return None
-        record = self.record
-        if index in record.host_flags or index in record.norms:
-            return bool(record.verdict_from_norms(index))
-        return record.device_flags.get(index)
+        flags, index = self.record, record.index
+        if index in flags.host_flags or index in flags.norms:
+            return bool(flags.verdict_from_norms(index))
+        return flags.device_flags.get(index)
 
     def found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, Any]:
-        """The inf flag of each device found for ``optimizer`` in this iteration (torch's protocol getter)."""
-        stage = self.stages.get(id(optimizer))
-        return stage.found_inf_per_device if stage is not None else {}
+        """The found_inf flag of each device for ``optimizer`` in this iteration (torch's protocol getter)."""
+        record = self.known(optimizer)
+        return record.found_inf_per_device if record is not None else {}
 
     def recheck(self, optimizer: torch.optim.Optimizer) -> None:
         """Fold a new check of ``optimizer``'s gradients into its verdict (after its unscale, before its step)."""
-        index = self.optimizers.known_index(optimizer)
-        if index is not None:
-            self.record.recheck(index, self.step_parameters(optimizer))
+        record = self.known(optimizer)
+        if record is not None:
+            self.record.recheck(record.index, self.step_parameters(optimizer))
 
     def record_unchecked_step(self, skipped: bool) -> None:
         """Count a step checked outside the scaler (LBFGS), skipped or not."""
@@ -179,54 +270,51 @@ class StepGate:
     def unscale(
         self, optimizer: torch.optim.Optimizer, unscales: bool, state: ScaleState, allow_fp16: bool
     ) -> dict[Any, Any]:
-        """Unscale (when ``unscales``) and check ``optimizer``'s gradients; return each device's flag.
+        """PREPARED -> UNSCALED: unscale (when ``unscales``) and check ``optimizer``'s gradients; each device's flag.
 
         Raises:
             RuntimeError: when ``optimizer`` was already unscaled or stepped in this iteration.
 
         """
-        self.prepare(optimizer)
-        stage = self.stages.get(id(optimizer))
-        if stage is not None and stage.stage == "unscaled":
+        record = self.prepare(optimizer)
+        if record.phase is Phase.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if stage is not None and stage.stage == "stepped":
+        if record.phase is Phase.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         parameters = self.step_parameters(optimizer)
         device_scale = self.device_scale
         if device_scale.scale is None:
             device = next((p.device for p in parameters if p.grad is not None), torch.device(self.device_type))
             device_scale.allocate(state, device, self.scaling.scales_loss)
-        index = self.optimizers.index(optimizer)
         per_device = self.scaling.check_gradients(
-            optimizer, parameters, index, unscales, device_scale, self.flags, self.record, allow_fp16
+            optimizer, parameters, record.index, unscales, device_scale, self.flags, self.record, allow_fp16
         )
-        self.stages[id(optimizer)] = OptimizerStage("unscaled", per_device)
+        record.phase, record.found_inf_per_device = Phase.UNSCALED, per_device
         combined = kernels.combined_flag(per_device) if per_device else None
         if combined is not None:
-            self.record.device_flags[index] = combined
+            self.record.device_flags[record.index] = combined
         if unscales and self.scaling.scales_loss:
-            self.preparation.after_unscale(optimizer)
+            self.preparation.gradients_changed(optimizer)
         return per_device
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: Any, remember: Remember, *args: Any, **kwargs: Any) -> Any:
-        """Run ``optimizer.step()`` through the scaler ``scaler`` unless its gradients hold an inf or a NaN.
+        """-> STEPPED: run ``optimizer.step()`` through the scaler ``scaler`` unless a gradient holds an inf or a NaN.
 
         Raises:
             RuntimeError: when ``optimizer`` already stepped in this iteration.
 
         """
-        stage = self.stages.get(id(optimizer))
-        if stage is not None and stage.stage == "stepped":
+        record = self.of(optimizer)
+        if record.phase is Phase.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if stage is not None and stage.stage == "prepared":
-            stage = None  # readied, not unscaled: the step unscales (or its fused kernel does)
+        unscaled = record.phase is Phase.UNSCALED
         if hand_off.supports_fused_protocol(optimizer):
-            return self._fused_protocol_step(optimizer, stage, scaler, remember, *args, **kwargs)
-        if stage is None:
+            return self._fused_protocol_step(optimizer, record, unscaled, scaler, remember, *args, **kwargs)
+        if not unscaled:
             scaler.unscale_(optimizer)
-        index = self.optimizers.index(optimizer)
+        index = record.index
         self.record.stepped.add(index)
-        self._mark_stepped(optimizer)
+        record.phase = Phase.STEPPED
         flag = self.record.device_flags.get(index)
         if flag is not None and self.scaling.hands_off(optimizer):
             remember(index, flag)
@@ -234,10 +322,6 @@ class StepGate:
         if self._host_verdict(index, flag, remember):
             return None
         return optimizer.step(*args, **kwargs)
-
-    def _mark_stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        stage = self.stages.setdefault(id(optimizer), OptimizerStage("stepped"))
-        stage.stage = "stepped"
 
     def _host_verdict(self, index: int, flag: torch.Tensor | None, remember: Remember) -> float:
         """Optimizer ``index``'s verdict read on the host (1.0: skip); a skip is told to ``remember``."""
@@ -260,14 +344,15 @@ class StepGate:
     def _fused_protocol_step(
         self,
         optimizer: torch.optim.Optimizer,
-        stage: OptimizerStage | None,
+        record: OptimizerStep,
+        unscaled: bool,
         scaler: Any,
         remember: Remember,
         *args: Any,
         **kwargs: Any,
     ) -> Any:
         """Step an optimizer that declares ``_step_supports_amp_scaling``, exactly as torch's ``GradScaler.step``."""
-        index = self.optimizers.index(optimizer)
+        index = record.index
         self.record.stepped.add(index)
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
             warnings.warn(
@@ -279,15 +364,15 @@ class StepGate:
             )
             # torch's Optimizer.step declares no grad_scaler; this optimizer's own step does.
             output = optimizer.step(*args, **kwargs, grad_scaler=scaler)  # type: ignore[call-overload]
-            self._mark_stepped(optimizer)
+            record.phase = Phase.STEPPED
             return output
         user_scale = getattr(optimizer, "grad_scale", None)
         grad_scale = user_scale
-        if stage is None:
+        if not unscaled:
             # The kernel unscales: the gradients are only checked here, and it divides them by the scale.
             scaler._check_inf_per_device(optimizer)
             grad_scale = self.scaling.fused_grad_scale(self.device_scale, user_scale)
-        self._mark_stepped(optimizer)
+        record.phase = Phase.STEPPED
         flag = self.record.device_flags.get(index)
         if flag is not None and hand_off.skips_safely_on_device(optimizer):
             remember(index, flag)

@@ -27,6 +27,7 @@ from lightning_mp import LossScaler, MixedPrecision
 from lightning_mp.engine import FabricEngine, RunningStats, StepVerdict, TrainerEngine
 from lightning_mp.engine.base import unwrapped
 from lightning_mp.policies import POLICIES
+from lightning_mp.scaling.steps import Phase
 from tests.helpers import TinyRegressor, loader, make_trainer
 
 
@@ -184,8 +185,8 @@ def engine_modules_run(run: Callable[[], Any]) -> set[str]:
     return seen
 
 
-SHARED_ENGINE_MODULES = {"lightning_mp.engine.verdict", "lightning_mp.engine.running_stats"}
-"""The pieces both engines use besides the contract: a step's verdict and the running statistics kept across it."""
+SHARED_ENGINE_MODULES = {"lightning_mp.engine.running_stats"}
+"""The piece both engines use besides the contract: the running statistics kept across a step."""
 
 
 def test_a_trainer_step_runs_the_trainer_engine_and_no_fabric_code() -> None:
@@ -211,7 +212,11 @@ def test_a_fabric_step_runs_the_fabric_engine_and_no_trainer_code() -> None:
             optimizer.zero_grad()
 
     seen = engine_modules_run(train)
-    assert seen - SHARED_ENGINE_MODULES == {"lightning_mp.engine.base", "lightning_mp.engine.fabric"}
+    assert seen - SHARED_ENGINE_MODULES == {
+        "lightning_mp.engine.base",
+        "lightning_mp.engine.fabric",
+        "lightning_mp.engine.fabric_models",
+    }
     assert plugin.stats.optimizer_steps == 2
 
 
@@ -346,7 +351,7 @@ def test_the_engine_replaces_no_scaler_method_and_a_users_unscale_readies_the_st
     copied = copy.deepcopy(scaler)
     engine.backward(model(torch.ones(2, 4)).sum(), model)
     scaler.unscale_(optimizer)  # a user's "unscale, clip, step"
-    assert readied == [optimizer] and scaler.is_unscaled(optimizer)
+    assert readied == [optimizer] and scaler.step_phase(optimizer) is Phase.UNSCALED
     engine.optimizer_step(optimizer, model, None)
     assert readied == [optimizer]  # the step found the gradients unscaled and readied
     model(torch.ones(2, 4)).sum().backward()

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
 from lightning_mp import LossScaler, MixedPrecision
+from lightning_mp.scaling.steps import Phase
 from tests.helpers import make_trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*opt_level='O3' trains pure")
@@ -339,7 +340,7 @@ class GradientUnscaleChecks(BoringModel):
         self.true_grads = [p.grad.float() / scale for p in self.parameters()]
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        assert self.trainer.precision_plugin.scaler.is_unscaled(optimizer)
+        assert self.trainer.precision_plugin.scaler.step_phase(optimizer) is Phase.UNSCALED
         for parameter, expected in zip(self.parameters(), self.true_grads, strict=True):
             torch.testing.assert_close(parameter.grad.float(), expected)
         self.clipped = [

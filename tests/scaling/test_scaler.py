@@ -428,7 +428,7 @@ def test_check_mode_with_a_host_decided_step_keeps_no_flag_between_iterations(mo
         scaler.update()
         assert counts.syncs == 1 and found is overflow
         assert torch.equal(model.weight, before) is overflow
-        assert len(scaler._gate.flags) == 0  # nothing on the device outlives the iteration
+        assert len(scaler.steps.flags) == 0  # nothing on the device outlives the iteration
     assert scaler.skipped_steps == 1 and scaler.optimizer_steps == 3
 
 

@@ -10,6 +10,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 
 from lightning_mp import LossScaler
+from lightning_mp.scaling.steps import Phase
 
 SETTINGS = {"init_scale": 128.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2}
 
@@ -58,8 +59,9 @@ def test_pickling_in_the_middle_of_an_iteration_is_refused_like_torchs():
     assert pickle.loads(pickle.dumps(ours)).get_scale() == theirs.get_scale()
 
 
-def test_an_unscale_through_a_lightning_optimizer_is_adopted_by_the_optimizer_it_wraps():
-    """After adopt_unscale, the wrapped optimizer counts as unscaled: its step does not divide the gradients again."""
+def test_an_unscale_through_a_lightning_optimizer_is_the_unscale_of_the_optimizer_it_wraps():
+    """A wrapper that shares its optimizer's param_groups is that optimizer: after ``unscale_(wrapper)`` the wrapped
+    optimizer counts as unscaled, and its step does not divide the gradients again."""
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     wrapper = LightningOptimizer(optimizer)
@@ -67,9 +69,9 @@ def test_an_unscale_through_a_lightning_optimizer_is_adopted_by_the_optimizer_it
     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
     scaler.unscale_(wrapper)
     unscaled = model.weight.grad.clone()
-    assert not scaler.is_unscaled(optimizer)
-    scaler.adopt_unscale(wrapper, optimizer)
-    assert scaler.is_unscaled(optimizer) and not scaler.is_unscaled(wrapper)
+    assert scaler.step_phase(optimizer) is Phase.UNSCALED and scaler.step_phase(wrapper) is Phase.UNSCALED
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        scaler.unscale_(optimizer)
     scaler.step(optimizer)
     scaler.update()
     assert torch.equal(model.weight.grad, unscaled) and scaler.optimizer_steps == 1

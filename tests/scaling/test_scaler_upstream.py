@@ -506,7 +506,7 @@ def test_fused_adam_unscaling_inside_its_kernel_matches_the_unfused_one(optimize
 
 @pytest.mark.parametrize("form", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=lambda f: next(iter(f)))
 @pytest.mark.parametrize("optimizer_ctor", [torch.optim.Adam, torch.optim.AdamW], ids=["Adam", "AdamW"])
-def test_gradients_broken_after_unscale_reach_the_weights_as_in_torch(optimizer_ctor, form):
+def test_gradients_broken_gradients_changed_reach_the_weights_as_in_torch(optimizer_ctor, form):
     """A user who writes inf/NaN into gradients after unscale_ gets NaN weights: the check happened at unscale_.
 
     The plugin rechecks clipped gradients before its step (``recheck_gradients``); a bare scaler, like torch's, does

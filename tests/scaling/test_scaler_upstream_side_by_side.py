@@ -361,4 +361,3 @@ def test_adam_under_autocast_trains_as_with_torchs_scaler(optimizer_ctor, form):
         return scales, [model]
 
     _run_both(scenario)
-

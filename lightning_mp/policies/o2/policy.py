@@ -20,7 +20,7 @@ and each master is kept out of sight beside its parameter (:mod:`~lightning_mp.p
    parameters, where the user's hooks and DDP see them.
 4. ``prepare_step`` (once per optimizer step, before unscaling, clipping or stepping) gives each master an fp32 copy
    of its parameter's gradient; the loss scaler unscales and checks those (:meth:`O2Policy.step_parameters`), and
-   ``after_unscale`` writes the true values back into the half gradients, so hooks before the step read true
+   ``gradients_changed`` writes the true values back into the half gradients, so hooks before the step read true
    gradients on the model's parameters (fp16's after ``unscale_``, as in torch's recipe). Clipping through the plugin
    clips the masters' fp32 gradients; a half gradient changed by hand since wins at the step.
 5. After the step the stepped masters are written into their parameters in one foreach copy, the one cast per
@@ -250,7 +250,7 @@ class O2Policy(PrecisionPolicy):
             self.masters.model_grads_to_master_grads(self._entries(optimizer)[1])
 
     @override
-    def after_unscale(self, optimizer: Optimizer) -> None:
+    def gradients_changed(self, optimizer: Optimizer) -> None:
         """Write the unscaled (or clipped) fp32 gradients into the half model gradients, where hooks read them."""
         if self.masters is not None:
             self.masters.master_grads_to_model_grads(self._entries(optimizer)[1])
