@@ -83,7 +83,8 @@ class FP8Settings:
             ``"re:"`` regular expressions matched against the whole qualified name, as ``keep_fp32`` takes them.
         fsdp_float8_all_gather: under FSDP2, all-gather the weights in FP8 (torchao's float8 all-gather), half the
             bytes of bf16; ``"tensorwise"`` only.
-        fallback: let the telemetry callback return a layer to bf16 when its statistics cross the thresholds below.
+        fallback: return a layer to bf16 when its statistics cross the thresholds below: an ``FP8Monitor`` given no
+            rule of its own measures the layers and takes these thresholds (a Trainer without one warns).
         fallback_max_underflow: the share of an operand's elements that may underflow to zero after scaling, in
             ``[0, 1]``.
         fallback_min_sqnr_db: the lowest acceptable quantisation SQNR of an operand, in dB (e4m3 gives about 30 dB

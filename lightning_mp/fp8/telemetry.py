@@ -106,9 +106,13 @@ class FP8Monitor(Callback):
         worst_k: how many of the worst layers to name.
         log_heatmaps: write the heatmaps to TensorBoard loggers.
         heatmap_every_n_samples: redraw the heatmaps every this many samples (and at the end of training).
-        fallback: the rule that returns a layer to bf16; None (the default) never falls back.
-        fallback_fn: what returns one layer to bf16, ``fallback_fn(model, name, reason)``; None uses this package's
-            ``lightning_mp.fp8.convert.fallback_layer``.
+        fallback: the rule that returns a layer to bf16; None (the default) takes the rule of the plugin's
+            ``FP8Settings(fallback=True, fallback_...=...)`` (:meth:`FallbackRule.from_settings`), and never falls back
+            where the settings do not ask for it.
+        fallback_fn: what returns one layer to bf16, ``fallback_fn(model, name, reason)``; None returns them through
+            the plugin (``MixedPrecision.fallback_layers``: all of a step's layers at once, agreed by every rank in one
+            collective, kept in its checkpoint), or this package's ``lightning_mp.fp8.convert.fallback_layer``
+            without it.
 
     Raises:
         ValueError: if an argument is outside its range; the message names the argument, the value and what is
@@ -150,6 +154,10 @@ class FP8Monitor(Callback):
             )
         self.fallback = fallback
         self.fallback_fn = fallback_fn
+        self.rule: FallbackRule | None = fallback
+        """The rule this fit falls back by: ``fallback``, else the plugin's settings' (at setup), else None."""
+        self._plugin: Any = None
+        """The run's plugin where it returns layers to bf16 itself (``fallback_layers``), for one collective a step."""
         self.samples: list[_Sample] = []
         self.worst_layers: list[str] = []
         """The worst layers of the latest sample, worst first (:func:`rank_layers`)."""
@@ -171,7 +179,13 @@ class FP8Monitor(Callback):
         require_logger(trainer, type(self).__name__)
         if self.log_heatmaps and tensorboard_writers(trainer):
             require_matplotlib(type(self).__name__)
-        if self.fallback is not None and self.fallback_fn is None:
+        plugin = trainer.precision_plugin
+        settings = getattr(plugin, "fp8_settings", None)
+        self.rule = self.fallback
+        if self.rule is None and settings is not None and settings.fallback:
+            self.rule = FallbackRule.from_settings(settings)
+        self._plugin = plugin if settings is not None and self.fallback_fn is None else None
+        if self.rule is not None and self.fallback_fn is None and self._plugin is None:
             self.fallback_fn = _package_fallback()
         host_reads(trainer).join(self)
         self.samples, self.worst_layers, self._samples_drawn, self._sampled_step = [], [], 0, None
@@ -179,9 +193,15 @@ class FP8Monitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After a resume: the layers that fell back before stay in bf16.
-        for name, reason in self.fell_back.items():
-            module = pl_module.get_submodule(name) if _has_submodule(pl_module, name) else None
-            if module is not None and is_float8_linear(module) and self.fallback_fn is not None:
+        waiting = {
+            name: reason
+            for name, reason in self.fell_back.items()
+            if _has_submodule(pl_module, name) and is_float8_linear(pl_module.get_submodule(name))
+        }
+        if self._plugin is not None and self.rule is not None:
+            self._plugin.fallback_layers(pl_module, waiting)  # on every rank: one collective
+        elif self.fallback_fn is not None:
+            for name, reason in waiting.items():
                 self.fallback_fn(pl_module, name, reason)
 
     @override
@@ -219,7 +239,8 @@ class FP8Monitor(Callback):
             return
         keys = list(recorded)
         values = torch.stack([recorded[key] for key in keys])
-        if self._decides_on_every_rank(trainer):
+        if self._decides_on_every_rank(trainer) and self._plugin is None:
+            # Without the plugin's one agreement, every rank decides on rank 0's statistics.
             torch.distributed.broadcast(values, src=0)
         step = logging_step(trainer, finished_batch=batch_idx)
 
@@ -266,10 +287,17 @@ class FP8Monitor(Callback):
         self.worst_layers = ranked[: self.worst_k]
         log_scalars(trainer, _scalars(sample), step=sample.step)
         log_text(trainer, "fp8_monitor/worst_layers", _worst_table(sample, self.worst_layers), sample.step)
-        if self.fallback is not None and self.fallback_fn is not None:
-            self._streaks, decisions = fallback_decisions(self._streaks, sample.stats, self.fallback)
-            for layer, reason in decisions:
-                self.fallback_fn(pl_module, layer, reason)
+        if self.rule is not None:
+            self._streaks, decisions = fallback_decisions(self._streaks, sample.stats, self.rule)
+            if self._plugin is not None:
+                # Every rank, every sample, even with nothing to ask: the plugin agrees in one collective.
+                fell = self._plugin.fallback_layers(pl_module, dict(decisions))
+            else:
+                assert self.fallback_fn is not None
+                fell = dict(decisions)
+                for layer, reason in decisions:
+                    self.fallback_fn(pl_module, layer, reason)
+            for layer, reason in fell.items():
                 self.fell_back[layer] = reason
                 rank_zero_info(f"FP8Monitor: layer {layer!r} goes back to bf16: {reason}.")
                 log_text(trainer, "fp8_monitor/fallback", f"`{layer}` goes back to bf16: {reason}.", sample.step)
@@ -279,7 +307,7 @@ class FP8Monitor(Callback):
     # ------------------------------------------------------------------------------------------------ plumbing
 
     def _decides_on_every_rank(self, trainer: pl.Trainer) -> bool:
-        return self.fallback is not None and trainer.world_size > 1 and torch.distributed.is_initialized()
+        return self.rule is not None and trainer.world_size > 1 and torch.distributed.is_initialized()
 
     def _recorder(self, layer: str) -> Callable[..., None]:
         def hook(module: nn.Linear, args: tuple[Any, ...], output: Any) -> None:

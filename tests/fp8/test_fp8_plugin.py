@@ -260,3 +260,54 @@ def test_fabric_fp8_under_torch_compile_matches_eager():
         return losses
 
     assert train(compile_model=True) == pytest.approx(train(compile_model=False), rel=1e-3)
+
+
+class FellBack(L.Callback):
+    """Records, at the end of fit, which of the MLP's middle linears still run FP8."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.fp8 = [name for name in ("net.2", "net.4") if is_fp8_linear(pl_module.get_submodule(name))]
+
+
+def test_fp8_settings_fallback_true_makes_the_monitor_fall_back_by_the_settings_thresholds(tmp_path) -> None:
+    """FP8Settings(fallback=True, ...) turns the fallback on: an FP8Monitor() given no rule of its own takes the
+    settings' thresholds (here an SQNR no cast reaches, after one logging step) and the layers return to bf16."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_mp.fp8.telemetry import FP8Monitor
+
+    settings = FP8Settings(fallback=True, fallback_min_sqnr_db=1000.0, fallback_patience=1)
+    monitor, recorded = FP8Monitor(every_n_steps=2, log_heatmaps=False), FellBack()
+    plugin = MixedPrecision("bf16-mixed", fp8=settings)
+    trainer = make_trainer(
+        plugin, max_steps=4, logger=CSVLogger(tmp_path), log_every_n_steps=2, callbacks=[monitor, recorded]
+    )
+    trainer.fit(TinyMlp(), regression_loader(n=128))
+    assert recorded.fp8 == []
+    assert set(monitor.fell_back) == {"net.2", "net.4"}
+    assert all("SQNR" in reason for reason in monitor.fell_back.values())
+
+
+def test_without_fallback_in_the_settings_the_monitor_falls_back_nothing(tmp_path) -> None:
+    """The default FP8Settings(fallback=False) and an FP8Monitor() without a rule measure, and return no layer."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_mp.fp8.telemetry import FP8Monitor
+
+    monitor, recorded = FP8Monitor(every_n_steps=2, log_heatmaps=False), FellBack()
+    trainer = make_trainer(
+        MixedPrecision("bf16-mixed", fp8="tensorwise"),
+        max_steps=4,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=2,
+        callbacks=[monitor, recorded],
+    )
+    trainer.fit(TinyMlp(), regression_loader(n=128))
+    assert recorded.fp8 == ["net.2", "net.4"] and monitor.fell_back == {} and monitor.samples
+
+
+def test_fp8_settings_fallback_true_without_a_monitor_warns_that_nothing_will_fall_back() -> None:
+    """FP8Settings(fallback=True) in a Trainer with no FP8Monitor warns at setup, naming the callback to add."""
+    plugin = MixedPrecision("bf16-mixed", fp8=FP8Settings(fallback=True))
+    with pytest.warns(UserWarning, match=r"FP8Settings\(fallback=True\) .* has none.* callbacks=\[FP8Monitor\(\)\]"):
+        make_trainer(plugin, max_steps=1).fit(TinyMlp(), regression_loader(n=32))
