@@ -130,25 +130,23 @@ def cast_arguments(
 
     """
     castable = _castable_dtypes(dtype, low_precision_only)
-    cast_args: list[Any] | None = None
-    for index, value in enumerate(args):
+    cast: dict[Any, Tensor] = {}
+    # One loop over both: positions of args are ints, names of kwargs are strings.
+    for key, value in (*enumerate(args), *kwargs.items()):
         if isinstance(value, Tensor):
             if value.dtype in castable:
-                cast_args = list(args) if cast_args is None else cast_args
-                cast_args[index] = value.to(dtype)
+                cast[key] = value.to(dtype)
         elif type(value) not in _PLAIN_TYPES:
             return _cast_collection((args, kwargs), dtype, low_precision_only)
-    cast_kwargs: dict[str, Any] | None = None
-    for name, value in kwargs.items():
-        if isinstance(value, Tensor):
-            if value.dtype in castable:
-                cast_kwargs = dict(kwargs) if cast_kwargs is None else cast_kwargs
-                cast_kwargs[name] = value.to(dtype)
-        elif type(value) not in _PLAIN_TYPES:
-            return _cast_collection((args, kwargs), dtype, low_precision_only)
-    if cast_args is None and cast_kwargs is None:
+    if not cast:
         return None
-    return (args if cast_args is None else tuple(cast_args)), (kwargs if cast_kwargs is None else cast_kwargs)
+    cast_args, cast_kwargs = list(args), dict(kwargs)
+    for key, value in cast.items():
+        if isinstance(key, int):
+            cast_args[key] = value
+        else:
+            cast_kwargs[key] = value
+    return tuple(cast_args), cast_kwargs
 
 
 def _cast_collection(data: Any, dtype: torch.dtype, low_precision_only: bool) -> Any:

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Callable, Iterable
@@ -249,9 +250,45 @@ def advise(
 
     for module in tallies:
         module.register_forward_hook(record_forward)
+
+    def record_parameter_gradients() -> None:
+        for module, tally in tallies.items():
+            for parameter in module.parameters(recurse=False):
+                if parameter.grad is not None:
+                    tally.add("gradient", parameter.grad)
+
+    seen = run_batches(work, dataloader, batches, loss_fn, "advise", after_backward=record_parameter_gradients)
+    layers = tuple(tally.report() for tally in tallies.values() if tally.totals["activation"])
+    return recommend(layers, seen, capabilities or DeviceCapabilities.detect(device.type))
+
+
+def run_batches(
+    work: nn.Module,
+    dataloader: Iterable[Any],
+    batches: int,
+    loss_fn: LossFunction | None,
+    owner: str,
+    after_backward: Callable[[], None] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> int:
+    """Train ``work`` (a copy the advisor owns) on up to ``batches`` batches without stepping; the number it ran.
+
+    Each batch is moved to ``work``'s device and copied (a model that writes into its input, ``ELU(inplace=True)``
+    first, must not change the data), its loss computed (under ``autocast_dtype`` where given) and back-propagated,
+    then ``after_backward`` runs. The global random streams and the loader's own generators are restored after, so
+    the caller's training draws what it would have drawn without the advice.
+
+    Raises:
+        ValueError: when the loader yields no batch, naming ``owner``.
+
+    """
+    device = next((p.device for p in work.parameters()), torch.device("cpu"))
     generators = _loader_generators(dataloader)
     generator_states = [generator.get_state() for generator in generators]
     cuda_devices = [device.index or 0] if device.type == "cuda" else []
+    autocast = (
+        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    )
     seen = 0
     try:
         with torch.random.fork_rng(devices=cuda_devices), warnings.catch_warnings():
@@ -261,23 +298,20 @@ def advise(
                 if batch_idx == batches:
                     break
                 work.zero_grad(set_to_none=True)
-                # A copy: a model that writes into its input (ELU(inplace=True) first) must not change the data.
                 own_batch = apply_to_collection(move_data_to_device(batch, device), Tensor, torch.clone)
-                loss = _training_loss(work, own_batch, batch_idx, loss_fn)
+                with autocast:
+                    loss = _training_loss(work, own_batch, batch_idx, loss_fn)
                 if loss is not None:
                     loss.backward()
-                for module, tally in tallies.items():
-                    for parameter in module.parameters(recurse=False):
-                        if parameter.grad is not None:
-                            tally.add("gradient", parameter.grad)
+                if after_backward is not None:
+                    after_backward()
                 seen += 1
     finally:
         for generator, state in zip(generators, generator_states, strict=True):
             generator.set_state(state)
     if seen == 0:
-        raise ValueError("advise(dataloader=...) is not allowed: the data loader yielded no batch.")
-    layers = tuple(tally.report() for tally in tallies.values() if tally.totals["activation"])
-    return recommend(layers, seen, capabilities or DeviceCapabilities.detect(device.type))
+        raise ValueError(f"{owner}(dataloader=...) is not allowed: the data loader yielded no batch.")
+    return seen
 
 
-__all__ = ["LossFunction", "advise"]
+__all__ = ["LossFunction", "advise", "run_batches"]

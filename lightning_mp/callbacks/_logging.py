@@ -26,11 +26,14 @@ Scalars go to every logger. Text (Markdown) goes only to :class:`~lightning.pyto
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
 
 from lightning_mp.arguments.checks import plain_scalar
 from lightning_mp.plugin import MixedPrecision
@@ -157,3 +160,25 @@ def log_text(trainer: pl.Trainer, tag: str, markdown: str, step: int) -> None:
     """Write Markdown to every TensorBoard logger; loggers that cannot show text are skipped."""
     for writer in tensorboard_writers(trainer):
         writer.add_text(tag, markdown, global_step=step)
+
+
+class TelemetryCallback(Callback):
+    """The monitors' common base: Lightning's end-of-batch hook, handed on as :meth:`batch_ended`.
+
+    The monitors measure a training batch once its optimizer step is taken or skipped; none of them needs the
+    batch's outputs or inputs.
+    """
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self.batch_ended(trainer, pl_module, batch_idx)
+
+    def batch_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+        """A training batch ended, after its optimizer step (taken or skipped); ``batch_idx`` is Lightning's."""

@@ -55,18 +55,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp.callbacks._host_reads import Consumer, host_reads
 from lightning_mp.callbacks._logging import (
+    TelemetryCallback,
     log_scalars,
     log_text,
     logging_step,
@@ -104,7 +103,7 @@ class _Capture:
     optimizer_steps_before: int
 
 
-class GradientHealthMonitor(Callback):
+class GradientHealthMonitor(TelemetryCallback):
     r"""Log the true gradient norm, the underflow share, the fp16 headroom, and name the parameters that overflow.
 
     **Logged metrics** (at the trainer's logging step, every ``log_every_n_steps``):
@@ -197,14 +196,7 @@ class GradientHealthMonitor(Callback):
                 self._summary = summary
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: STEP_OUTPUT,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def batch_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         self._report_if_skipped(trainer, pl_module, finished_batch=batch_idx)
         summary, self._summary = self._summary, None
         host_reads(trainer).submit(trainer, self, *(summary or (None, None)))

@@ -30,12 +30,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_mp.callbacks._logging import (
+    TelemetryCallback,
     log_scalars,
     log_text,
     logging_step,
@@ -62,7 +61,7 @@ class _LayerRecord:
     """The dtypes of the module's own parameters during its first forward (FSDP's unsharded half copies)."""
 
 
-class LayerDtypeMonitor(Callback):
+class LayerDtypeMonitor(TelemetryCallback):
     r"""Log a per-layer table of parameter, output and gradient dtypes, and counts of layers per output dtype.
 
     **Logged metrics** (on the first training step, then every ``every_n_steps`` steps):
@@ -131,14 +130,7 @@ class LayerDtypeMonitor(Callback):
             record.grad_dtypes = _gradient_dtypes(record.module)
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: STEP_OUTPUT,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def batch_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         if not self._records:
             return
         self._remove_hooks()

@@ -27,16 +27,13 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks.callback import Callback
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_mp.callbacks._host_reads import host_reads
 from lightning_mp.callbacks._logging import (
+    TelemetryCallback,
     log_scalars,
     logging_step,
     require_logger,
@@ -46,7 +43,7 @@ from lightning_mp.callbacks._logging import (
 )
 
 
-class LossScaleMonitor(Callback):
+class LossScaleMonitor(TelemetryCallback):
     r"""Log the loss scale, the skipped steps and the scale's backoffs and growths.
 
     **Logged metrics** (at the trainer's logging step, every ``log_every_n_steps``):
@@ -111,14 +108,7 @@ class LossScaleMonitor(Callback):
         self._seen_skipped_steps = self._window_start_skipped_steps = stats.skipped_steps
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: STEP_OUTPUT,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def batch_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         plugin = require_mixed_precision(trainer, type(self).__name__)
         stats = plugin.stats
         stepped = stats.optimizer_steps > self._seen_optimizer_steps

@@ -63,9 +63,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -74,6 +72,7 @@ from lightning_mp.arguments.checks import plain_scalar
 from lightning_mp.callbacks._heatmaps import HeatmapStyle, render_heatmap, require_matplotlib
 from lightning_mp.callbacks._host_reads import host_reads
 from lightning_mp.callbacks._logging import (
+    TelemetryCallback,
     log_scalars,
     logging_step,
     only_accumulates,
@@ -120,7 +119,7 @@ HEATMAP_TAGS = {
 }
 
 
-class PrecisionSentinel(Callback):
+class PrecisionSentinel(TelemetryCallback):
     r"""Warn once, with the fix, about stale updates, underflow, overflow risk and precision misconfiguration.
 
     Works with any precision plugin (Lightning's included); the underflow rule needs
@@ -233,14 +232,7 @@ class PrecisionSentinel(Callback):
         self._snapshots.append(take_snapshot(parameters, weights))
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: STEP_OUTPUT,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def batch_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         if not self._sampling:
             host_reads(trainer).submit(trainer, self)
             return

@@ -38,18 +38,16 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_mp.advisor import LossFunction, _attach_manual_optimization, _loader_generators, _training_loss
+from lightning_mp.advisor import LossFunction, _attach_manual_optimization
+from lightning_mp.advisor.measure import run_batches
 from lightning_mp.arguments.checks import check_choice, check_flag, check_number
 from lightning_mp.fp8.quant import RECIPES, STAT_NAMES, Operand, cast_stats, recipe_casts
 from lightning_mp.fp8.telemetry import FallbackRule
@@ -307,28 +305,7 @@ def advise_fp8(
     for name, module in linears:
         if name not in unmeasured:
             module.register_forward_hook(recorder(name))
-    generators = _loader_generators(dataloader)
-    generator_states = [generator.get_state() for generator in generators]
-    cuda_devices = [device.index or 0] if device.type == "cuda" else []
-    seen = 0
-    try:
-        with torch.random.fork_rng(devices=cuda_devices), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*self\.log\(\)")
-            for batch_idx, batch in enumerate(dataloader):
-                if batch_idx == batches:
-                    break
-                work.zero_grad(set_to_none=True)
-                own_batch = apply_to_collection(move_data_to_device(batch, device), Tensor, torch.clone)
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss = _training_loss(work, own_batch, batch_idx, loss_fn)
-                if loss is not None:
-                    loss.backward()
-                seen += 1
-    finally:
-        for generator, state in zip(generators, generator_states, strict=True):
-            generator.set_state(state)
-    if seen == 0:
-        raise ValueError("advise_fp8(dataloader=...) is not allowed: the data loader yielded no batch.")
+    seen = run_batches(work, dataloader, batches, loss_fn, "advise_fp8", autocast_dtype=torch.bfloat16)
     keys = list(worst)
     host = torch.stack([worst[key] for key in keys]).tolist() if keys else []
     measured: dict[str, dict[str, dict[str, dict[str, float]]]] = {}

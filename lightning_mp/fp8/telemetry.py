@@ -40,9 +40,7 @@ from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -50,6 +48,7 @@ from typing_extensions import override
 from lightning_mp.callbacks._heatmaps import HeatmapStyle, render_heatmap, require_matplotlib
 from lightning_mp.callbacks._host_reads import host_reads
 from lightning_mp.callbacks._logging import (
+    TelemetryCallback,
     log_scalars,
     log_text,
     logging_step,
@@ -91,7 +90,7 @@ class _Sample:
     stats: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
 
-class FP8Monitor(Callback):
+class FP8Monitor(TelemetryCallback):
     r"""Log, per FP8 layer and operand, what torchao's FP8 casts lose; name the worst layers; optionally fall back.
 
     Needs a logger; the heatmaps need a :class:`~lightning.pytorch.loggers.TensorBoardLogger` and matplotlib. Works
@@ -220,14 +219,7 @@ class FP8Monitor(Callback):
                 self._handles.append(module.register_forward_hook(self._recorder(name)))
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: STEP_OUTPUT,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def batch_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         if not self._sampling:
             host_reads(trainer).submit(trainer, self)
             return

@@ -20,7 +20,7 @@ modes differ; it never asks which mode it runs in.
   step is taken, as in Lightning's ``"bf16-mixed"`` and ``"32-true"``.
 
 The strategies are stateless: the host :class:`~lightning_mp.scaling.rules.ScaleState`, the device tensors
-(:class:`~lightning_mp.scaling.device_rules.DeviceScale`) and the flags stay with the scaler and its step gate
+(:class:`~lightning_mp.scaling.device_rules.DeviceScale`) and the flags stay with the scaler and its step states
 (:mod:`~lightning_mp.scaling.steps`), which hand them in.
 
 Under DDP every mode that checks all-reduces each flag (max) right after the check, so every rank takes the same
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -49,13 +50,42 @@ from lightning_mp.scaling.rules import (
     float32_within,
 )
 
-__all__ = ["CheckOnlyScaling", "DynamicScaling", "Scaling", "StaticScaling", "UncheckedScaling", "scaling_for"]
+__all__ = [
+    "CheckOnlyScaling",
+    "DynamicScaling",
+    "GradientCheck",
+    "Scaling",
+    "StaticScaling",
+    "UncheckedScaling",
+    "scaling_for",
+]
 
 FlagsPerDevice = dict[torch.device, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class GradientCheck:
+    """One unscale or check of one optimizer's gradients, as the step states ask the mode for it."""
+
+    optimizer: torch.optim.Optimizer
+    parameters: list[torch.Tensor]
+    """The tensors whose gradients the step applies (O2: the fp32 masters)."""
+    index: int
+    """The optimizer's index in the scaler."""
+    unscales: bool
+    """False for torch's check before a fused step, which leaves the unscaling to the kernel."""
+    device_scale: DeviceScale
+    """The scaler's device tensors, allocated."""
+    flags: InfFlagPool
+    """Where the zeroed flags come from."""
+    record: IterationRecord
+    """The iteration, where a verdict that needs no flag is kept."""
+    allow_fp16: bool
+    """Whether fp16 gradients may be unscaled (the opt level keeps them, O3)."""
+
+
 class Scaling(ABC):
-    """What one scaling mode decides, asked by :class:`~lightning_mp.LossScaler` and its step gate."""
+    """What one scaling mode decides, asked by :class:`~lightning_mp.LossScaler` and its step states."""
 
     scales_loss: ClassVar[bool]
     """Whether the loss is multiplied at all."""
@@ -65,30 +95,8 @@ class Scaling(ABC):
         """``outputs`` (a tensor, or an iterable of tensors) as the backward should see them."""
 
     @abstractmethod
-    def check_gradients(
-        self,
-        optimizer: torch.optim.Optimizer,
-        parameters: list[torch.Tensor],
-        index: int,
-        unscales: bool,
-        device_scale: DeviceScale,
-        flags: InfFlagPool,
-        record: IterationRecord,
-        allow_fp16: bool,
-    ) -> FlagsPerDevice:
-        """Unscale (when ``unscales``) and check optimizer ``index``'s gradients; return each device's inf flag.
-
-        Args:
-            optimizer: the optimizer whose gradients are checked.
-            parameters: the tensors whose gradients its step applies (O2: its parameters' fp32 masters).
-            index: its index in the scaler.
-            unscales: False for torch's check before a fused step, which leaves the unscaling to the kernel.
-            device_scale: the scale's tensors, allocated.
-            flags: where the zeroed flags come from.
-            record: the iteration, where a verdict that needs no flag is kept.
-            allow_fp16: whether fp16 gradients may be unscaled (the opt level keeps them, O3).
-
-        """
+    def check_gradients(self, check: GradientCheck) -> FlagsPerDevice:
+        """Unscale (when ``check.unscales``) and check the gradients of ``check``; return each device's inf flag."""
 
     @abstractmethod
     def fused_grad_scale(self, device_scale: DeviceScale, user_scale: torch.Tensor | None) -> torch.Tensor | None:
@@ -98,8 +106,7 @@ class Scaling(ABC):
     def hands_off(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s step goes through torch's fused kernel of its rule, which skips on the device."""
 
-    @abstractmethod
-    def move_on_device(
+    def move_on_device(  # noqa: B027 (only dynamic scaling moves a scale on the device)
         self, record: IterationRecord, device_scale: DeviceScale, state: ScaleState, settings: ScalerSettings
     ) -> None:
         """Move the device scale by the rules at the end of ``record``, where its flags stay on the device."""
@@ -114,14 +121,10 @@ class Scaling(ABC):
 
     @staticmethod
     def _flags_from_kernel(
-        groups: kernels.GradientGroups,
-        multiplier: torch.Tensor | None,
-        device_scale: DeviceScale,
-        flags: InfFlagPool,
-        record: IterationRecord,
-        index: int,
+        groups: kernels.GradientGroups, multiplier: torch.Tensor | None, check: GradientCheck
     ) -> FlagsPerDevice:
         """Run the check kernel over ``groups``; under DDP all-reduce each flag, so that every rank agrees."""
+        device_scale, flags, record, index = check.device_scale, check.flags, check.record, check.index
         assert device_scale.one is not None and device_scale.scale is not None
         per_device = kernels.check_gradients(
             groups, lambda device: flags.zeroed_flag(index, device, record), multiplier, device_scale.one
@@ -172,20 +175,10 @@ class DynamicScaling(Scaling):
         return apply_scale(outputs)
 
     @override
-    def check_gradients(
-        self,
-        optimizer: torch.optim.Optimizer,
-        parameters: list[torch.Tensor],
-        index: int,
-        unscales: bool,
-        device_scale: DeviceScale,
-        flags: InfFlagPool,
-        record: IterationRecord,
-        allow_fp16: bool,
-    ) -> FlagsPerDevice:
-        groups = kernels.gradient_groups(parameters, unscales and not allow_fp16)
-        multiplier = device_scale.inv_scale if unscales else device_scale.one
-        return self._flags_from_kernel(groups, multiplier, device_scale, flags, record, index)
+    def check_gradients(self, check: GradientCheck) -> FlagsPerDevice:
+        groups = kernels.gradient_groups(check.parameters, check.unscales and not check.allow_fp16)
+        multiplier = check.device_scale.inv_scale if check.unscales else check.device_scale.one
+        return self._flags_from_kernel(groups, multiplier, check)
 
     @override
     def fused_grad_scale(self, device_scale: DeviceScale, user_scale: torch.Tensor | None) -> torch.Tensor | None:
@@ -218,11 +211,7 @@ class DynamicScaling(Scaling):
 class StaticScaling(DynamicScaling):
     """A fixed loss scale: scaled and unscaled like fp16's, moved only by hand."""
 
-    @override
-    def move_on_device(
-        self, record: IterationRecord, device_scale: DeviceScale, state: ScaleState, settings: ScalerSettings
-    ) -> None:
-        return None
+    move_on_device = Scaling.move_on_device
 
     @override
     def checked_new_scale(self, owner: str, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:
@@ -239,25 +228,15 @@ class CheckOnlyScaling(Scaling):
         return outputs
 
     @override
-    def check_gradients(
-        self,
-        optimizer: torch.optim.Optimizer,
-        parameters: list[torch.Tensor],
-        index: int,
-        unscales: bool,
-        device_scale: DeviceScale,
-        flags: InfFlagPool,
-        record: IterationRecord,
-        allow_fp16: bool,
-    ) -> FlagsPerDevice:
-        groups = kernels.gradient_groups(parameters, False)
-        if not distributed() and not hand_off.skips_safely_on_device(optimizer):
+    def check_gradients(self, check: GradientCheck) -> FlagsPerDevice:
+        groups = kernels.gradient_groups(check.parameters, False)
+        if not distributed() and not hand_off.skips_safely_on_device(check.optimizer):
             norms = kernels.single_group_norms(groups)
             if norms is not None:
                 # The step decides on the host anyway: it reads these norms (its one sync), and no flag is kept.
-                record.norms[index] = norms
+                check.record.norms[check.index] = norms
                 return {}
-        return self._flags_from_kernel(groups, None, device_scale, flags, record, index)
+        return self._flags_from_kernel(groups, None, check)
 
     @override
     def fused_grad_scale(self, device_scale: DeviceScale, user_scale: torch.Tensor | None) -> torch.Tensor | None:
@@ -266,12 +245,6 @@ class CheckOnlyScaling(Scaling):
     @override
     def hands_off(self, optimizer: torch.optim.Optimizer) -> bool:
         return hand_off.skips_safely_on_device(optimizer)
-
-    @override
-    def move_on_device(
-        self, record: IterationRecord, device_scale: DeviceScale, state: ScaleState, settings: ScalerSettings
-    ) -> None:
-        return None
 
     @override
     def checked_new_scale(self, owner: str, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:
@@ -286,18 +259,8 @@ class UncheckedScaling(CheckOnlyScaling):
     """``skip_nonfinite=False``: nothing scaled, nothing checked, every step taken."""
 
     @override
-    def check_gradients(
-        self,
-        optimizer: torch.optim.Optimizer,
-        parameters: list[torch.Tensor],
-        index: int,
-        unscales: bool,
-        device_scale: DeviceScale,
-        flags: InfFlagPool,
-        record: IterationRecord,
-        allow_fp16: bool,
-    ) -> FlagsPerDevice:
-        record.host_flags[index] = 0.0
+    def check_gradients(self, check: GradientCheck) -> FlagsPerDevice:
+        check.record.host_flags[check.index] = 0.0
         return {}
 
 

@@ -56,8 +56,6 @@ __all__ = [
 ]
 
 
-
-
 def has_sharded_parameters(module: nn.Module) -> bool:
     """Whether any parameter of ``module`` is a ``DTensor``: the model was sharded (``fully_shard``) or parallelised."""
     return any(is_sharded(parameter) for parameter in module.parameters())

@@ -56,7 +56,7 @@ import torch
 from lightning_mp.scaling import hand_off, kernels
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
-from lightning_mp.scaling.modes import Scaling
+from lightning_mp.scaling.modes import GradientCheck, Scaling
 from lightning_mp.scaling.rules import ScaleState
 from lightning_mp.scaling.verdict import StepVerdict
 
@@ -286,9 +286,10 @@ class StepStates:
         if device_scale.scale is None:
             device = next((p.device for p in parameters if p.grad is not None), torch.device(self.device_type))
             device_scale.allocate(state, device, self.scaling.scales_loss)
-        per_device = self.scaling.check_gradients(
+        check = GradientCheck(
             optimizer, parameters, record.index, unscales, device_scale, self.flags, self.record, allow_fp16
         )
+        per_device = self.scaling.check_gradients(check)
         record.phase, record.found_inf_per_device = Phase.UNSCALED, per_device
         combined = kernels.combined_flag(per_device) if per_device else None
         if combined is not None:
