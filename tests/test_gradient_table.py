@@ -56,8 +56,10 @@ def expected_row(precision: str, opt_level: str, moment: str) -> Row:
     """The table: the gradients' dtype is the weights' (fp32 at O0 and O1, half at O2, O3 and lean); in fp16 at O1 and
     O2 they are scaled from the backward until the plugin (or the user's ``unscale_``) unscales them, before the hooks
     and the clipping (O3 scales nothing unless given a ``loss_scale``); a step or a skip leaves them in place until
-    ``zero_grad``."""
-    if moment == "after_zero_grad":
+    ``zero_grad``, but O2 frees them with a taken step."""
+    if moment == "after_zero_grad" or (moment == "after_step" and opt_level == "O2"):
+        # O2 frees the gradients of the parameters it made half with the step (their fp32 copies were what it
+        # applied); its normalisation layers keep theirs, as at every level.
         return Row(present=False)
     dtype = "fp32" if opt_level in ("O0", "O1") else "half"
     scales = precision == "16-mixed" and opt_level in ("O1", "O2")
@@ -85,8 +87,7 @@ def reading(module: nn.Module, optimizer: torch.optim.Optimizer, half: torch.dty
     held = [p for group in optimizer.param_groups for p in group["params"]]
     assert held == params  # one identity: the optimizer holds the model's own parameters
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        assert all(p.grad is None for p in held)
+    if module.body[0].weight.grad is None:  # O2 after a step frees its converted parameters' gradients
         return Row(present=False), 0.0
     assert not any(grad.is_sparse for grad in grads)
     dtypes = {grad.dtype for grad in grads}
@@ -118,7 +119,7 @@ class Recorder(L.LightningModule):
         return self.net(x)
 
     def training_step(self, data: Any, batch_idx: int) -> Tensor:
-        if batch_idx == 1 and self.net.body[0].weight.grad is not None:
+        if batch_idx == 1:  # before this batch's backward: what the first step left
             self.readings["after_step"] = reading(self.net, self.optimizers().optimizer, self.half)
         features, target = batch(0)
         loss = F.cross_entropy(self(features), target)
@@ -205,7 +206,7 @@ def test_every_moment_of_the_step_shows_the_gradients_the_table_says(
         row, norm = readings[moment]
         expected = expected_row(precision, opt_level, moment)
         assert (row.present, row.dtype) == (expected.present, expected.dtype), moment
-        if moment in reference:
+        if moment in reference and row.present:
             factor = SCALE if expected.scaled else 1.0
             assert norm / factor == pytest.approx(reference[moment], rel=TOLERANCE[precision]), moment
         if moment == "after_skip":

@@ -26,7 +26,7 @@ gradient the user changed since (clipping ``model.parameters()`` by hand) wins o
 :meth:`MasterParams.take_model_grad_edits` copies it up before the step.
 
 Memory per parameter with AdamW: 2 bytes of half model parameter, 4 of master and 8 of fp32 moment estimates, 2 of half
-gradient from a backward to the next ``zero_grad``, and 4 of fp32 gradient during the step, freed with it.
+gradient from a backward to the step, and 4 of fp32 gradient in the step only: 14 bytes between steps.
 """
 
 from __future__ import annotations
@@ -186,38 +186,17 @@ class MasterParams:
                 seen_versions[i] = 0 if grad is None else grad._version
 
     def finish_step(self, indices: Sequence[int]) -> None:
-        """After an optimizer step of ``indices``: write the masters and their gradients into the model's side.
+        """After an optimizer step of ``indices``: write the masters into the model parameters, free the gradients.
 
-        The model parameters get the stepped values, the half gradients the ones the step applied (unscaled,
-        clipped), which stay until ``zero_grad()`` as after a step in fp32; the masters' fp32 gradients are freed.
-        Two foreach copies in all.
+        One foreach copy writes the stepped values; the masters' fp32 gradients are freed with the step, so an O2
+        parameter's ``.grad`` is None after a step, as after ``zero_grad()``.
         """
-        model_params, master_params, aliases = self.model_params, self.master_params, self._aliases
-        targets: list[Tensor] = []
-        sources: list[Tensor] = []
-        model_grads: list[Tensor] = []
-        master_grads: list[Tensor] = []
+        self.master_params_to_model_params(indices)
+        model_params, master_params, seen = self.model_params, self.master_params, self._model_grads
         for i in indices:
-            alias, param, master = aliases[i], model_params[i], master_params[i]
-            if alias.data_ptr() != param.data_ptr():  # the model was moved since: new storage
-                alias = aliases[i] = param.detach()
-            targets.append(alias)
-            sources.append(master)
-            model_grad, master_grad = param.grad, master.grad
-            if model_grad is not None and master_grad is not None:
-                model_grads.append(model_grad)
-                master_grads.append(master_grad)
-            master.grad = None
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        if model_grads:
-            torch._foreach_copy_(model_grads, master_grads)
-        versions, seen, seen_versions = self._written_versions, self._model_grads, self._model_grad_versions
-        for i in indices:
-            param = model_params[i]
-            versions[i] = param._version
-            grad = seen[i] = param.grad
-            seen_versions[i] = 0 if grad is None else grad._version
+            master_params[i].grad = None
+            model_params[i].grad = None
+            seen[i] = None
 
     def free_master_grads(self) -> None:
         """Free every master's fp32 gradient (kept after a skipped step, for the scaler to name the culprits)."""
