@@ -23,7 +23,7 @@ the floor for everyone. Each degradation, and the releases it applies to:
   runs eagerly and the compiled backward computes what eager computes. ``torch.compile`` before ``fabric.setup``, and
   the Trainer, are unaffected.
 - **torch < 2.12: Adagrad's fused kernel is CPU-only and outside torch's fused-step protocol.** In bf16 and fp32 a
-  foreach or single-tensor Adagrad is handed to that kernel on the CPU only (:mod:`lightning_mp.scaling.hand_off`);
+  foreach or single-tensor Adagrad is handed to that kernel on the CPU only (:mod:`lightning_mp.scaling.fused_steps`);
   on CUDA, and for an Adagrad built with ``fused=True`` (which does not declare ``_step_supports_amp_scaling``
   there), the step is decided on the host: one sync per step, as torch's own GradScaler makes.
 
@@ -34,7 +34,7 @@ the floor for everyone. Each degradation, and the releases it applies to:
   2.13.0). fp32 parameters, the CUDA kernel and fused Adam, AdamW and Adagrad are unaffected. Which releases carry
   it is decided on the running torch by a probe, not by a version list (:func:`fused_sgd_updates_half`): one fused
   step of a 32-element half parameter, once per device type and dtype. Where it fails, the loss scaler keeps half
-  parameters off the fused kernel (:mod:`lightning_mp.scaling.hand_off`: a foreach or single-tensor SGD then
+  parameters off the fused kernel (:mod:`lightning_mp.scaling.fused_steps`: a foreach or single-tensor SGD then
   steps as the user built it, and its skip is decided on the host, one sync per step), and O3 refuses a user's own
   ``SGD(fused=True)`` over half parameters at setup (:mod:`lightning_mp.policies.o3`).
 

@@ -134,7 +134,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "Optimizer._step_supports_amp_scaling",
         "torch",
-        ("_compat.py", "scaling/hand_off.py"),
+        ("_compat.py", "scaling/fused_steps.py"),
         "the protocol by which torch's fused optimizers skip a step on the device (found_inf, grad_scale)",
     ),
     # torch: tensors and modules

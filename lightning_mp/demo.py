@@ -11,7 +11,7 @@ on the CPU as on a GPU), and shows the three things a loss scaler does:
    gradients overflow fp16's range (65504). The scaler finds the inf, skips that optimizer step, so the weights
    never see it, and halves the scale. (Only fp16 overflows there, so the spike is planted only in fp16.)
 3. **It is reported.** The summary says what happened and why, and TensorBoard logs hold each event: the scale,
-   the skipped steps, the overflow's culprit parameters, the gradient health and the dtype of every layer.
+   the skipped steps, the overflow's non-finite parameters, the gradient health and the dtype of every layer.
 
 The model is small (one layer, width 32), because most CPUs emulate fp16 matrix products, far more slowly than
 fp32: on a 2-core CPU the demo takes about half a minute. ``--precision bf16-mixed`` or ``auto`` shows the other

@@ -2,7 +2,7 @@
 
 A collapsed loss scale, or gradients that are never finite, are the failures mixed precision cannot recover from by
 itself: every step is skipped and the model silently stops learning. :class:`LossScaleCollapseError` and
-:class:`NonFiniteStepsError` turn them into a loud, actionable stop that names the culprits.
+:class:`NonFiniteStepsError` turn them into a loud, actionable stop that names the non-finite parameters.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ built; the facade never asks which mode it runs in. One iteration (any number of
   and skips the update on the device; one whose ``step`` takes ``grad_scaler=`` gets the scaler instead.
 * In check mode (bf16, fp32), Adam, AdamW, SGD and Adagrad in their foreach or single-tensor form are handed to
   torch's fused kernel of the same update rule, which skips on the device: no host sync, where reading the flag
-  cost one per step (:mod:`~lightning_mp.scaling.hand_off`).
+  cost one per step (:mod:`~lightning_mp.scaling.fused_steps`).
 * Everything else decides on the host: ``step`` reads the flag (the one host sync, which torch's recipe makes too)
   and skips ``optimizer.step()`` when it is set. That is fp16 with a non-fused optimizer, and in check mode the
   optimizers torch cannot skip on the device: custom optimizers without the protocol, subclasses of torch's (their
@@ -40,21 +40,21 @@ built; the facade never asks which mode it runs in. One iteration (any number of
 * ``update`` moves the scale by the pure rules of :mod:`lightning_mp.scaling.rules` (hysteresis, growth capped at
   ``max_scale``, backoff, collapse at the floor). Where every flag of the iteration is already on the host they run
   there and the device scale is rewritten only when it changes; otherwise (fused optimizers) they run on the device
-  (:mod:`~lightning_mp.scaling.device_rules`). The host replays the same rules on the flags once it can read them
-  without waiting (:mod:`~lightning_mp.scaling.host_mirror`): at once on the CPU, one iteration late on an
-  accelerator. The replay (:mod:`~lightning_mp.scaling.replay`) counts the steps in the
-  :mod:`~lightning_mp.scaling.ledger`, keeps :meth:`LossScaler.get_scale` and :meth:`LossScaler.stats` free, and
+  (:mod:`~lightning_mp.scaling.device_rules`). The host applies the same rules on the flags once it can read them
+  without waiting (:mod:`~lightning_mp.scaling.found_inf_copies`): at once on the CPU, one iteration late on an
+  accelerator. The update (:mod:`~lightning_mp.scaling.updates`) counts the steps in the
+  :mod:`~lightning_mp.scaling.counters`, keeps :meth:`LossScaler.get_scale` and :meth:`LossScaler.stats` free, and
   raises :class:`~lightning_mp.errors.LossScaleCollapseError` and :class:`~lightning_mp.errors.NonFiniteStepsError`
   at most one iteration late, naming the parameters whose gradients were not finite
-  (:mod:`~lightning_mp.scaling.culprits`).
+  (:mod:`~lightning_mp.scaling.nonfinite`).
 
 Skips and streaks are counted per optimizer (:mod:`~lightning_mp.scaling.steps` gives each an index): an
 optimizer whose gradients are never finite stops the run even if another one steps cleanly, and the error names it.
-``state_dict`` holds torch's five keys and the ledger; ``load_state_dict`` validates a dict field by field
+``state_dict`` holds torch's five keys and the counters; ``load_state_dict`` validates a dict field by field
 (:mod:`~lightning_mp.scaling.checkpoint`).
 
 The scaler's state is declared by its parts: the settings, the host :class:`~lightning_mp.scaling.rules.ScaleState`
-and the ledger are plain data and pickle as they are; the device tensors, flags, optimizer references and the
+and the counters are plain data and pickle as they are; the device tensors, flags, optimizer references and the
 iteration in progress pickle as empty (each part says so in its ``__getstate__``), so an unpickled scaler rebuilds
 them lazily.
 
@@ -74,16 +74,16 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_mp.arguments.knobs import with_knob_docs
+from lightning_mp.arguments.setting_docs import with_setting_docs
 from lightning_mp.scaling.checkpoint import state_dict_of, validated_state
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.devices import checked_device_type, default_device
-from lightning_mp.scaling.forecast import stats_after_update
 from lightning_mp.scaling.modes import scaling_for
-from lightning_mp.scaling.replay import HostReplay
+from lightning_mp.scaling.pending import stats_after_update
 from lightning_mp.scaling.rules import COLLAPSE_FLOOR, SCALER_DEFAULTS, OnMinScale, ScalerSettings, ScalingMode
 from lightning_mp.scaling.stats import PrecisionStats
 from lightning_mp.scaling.steps import OWN_PARAMETERS, Phase, StepPreparation, StepStates
+from lightning_mp.scaling.updates import ScaleUpdates
 
 __all__ = ["COLLAPSE_FLOOR", "LossScaler", "OnMinScale", "ScalerSettings", "ScalingMode"]
 
@@ -93,7 +93,7 @@ def _reads(path: str, doc: str) -> Any:
     return property(operator.attrgetter(path), doc=doc)
 
 
-@with_knob_docs(ScalerSettings)
+@with_setting_docs(ScalerSettings)
 class LossScaler(torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` with hysteresis, scale bounds, static and check-only modes, and counters.
 
@@ -133,7 +133,7 @@ class LossScaler(torch.amp.GradScaler):
             into the weights, and ``skipped_steps`` stays 0. A scaled run (fp16) always skips: its overflows are
             routine.
 
-    Each knob is declared, documented and checked once, in :class:`~lightning_mp.scaling.rules.ScalerSettings`;
+    Each setting is declared, documented and checked once, in :class:`~lightning_mp.scaling.rules.ScalerSettings`;
     :attr:`settings` holds them as validated.
 
     Raises:
@@ -203,16 +203,16 @@ class LossScaler(torch.amp.GradScaler):
         self._device_scale = DeviceScale()
         self._steps = StepStates(self._scaling, self._device_scale, device_type)
         """What the step knows of each optimizer, and the iteration's flags (:mod:`~lightning_mp.scaling.steps`)."""
-        self._host = HostReplay(
+        self._host = ScaleUpdates(
             settings,
             self._scaling,
             self._device_scale,
             self._steps.flags,
             self._steps,
         )
-        """The host's scale and counters, replayed from each iteration (:mod:`~lightning_mp.scaling.replay`)."""
+        """The host's scale and counters, updated from each iteration (:mod:`~lightning_mp.scaling.updates`)."""
 
-    # ------------------------------------------------------------------------------------------------ knobs
+    # ------------------------------------------------------------------------------------------------ settings
 
     mode: ScalingMode = _reads("settings.mode", '``"dynamic"``, ``"static"`` or ``"check"``.')
     hysteresis: int = _reads("settings.hysteresis", "Overflows tolerated before the scale backs off.")
@@ -371,7 +371,7 @@ class LossScaler(torch.amp.GradScaler):
         """
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        return self._steps.step(optimizer, self, self._remember_culprits, *args, **kwargs)
+        return self._steps.step(optimizer, self, self._remember_nonfinite, *args, **kwargs)
 
     @override
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -386,8 +386,8 @@ class LossScaler(torch.amp.GradScaler):
         """The inf flag of each device found for ``optimizer`` in this iteration (torch's protocol getter)."""
         return self._steps.found_inf_per_device(optimizer)
 
-    def _remember_culprits(self, index: int, found_inf: torch.Tensor | float) -> None:
-        self._host.remember_culprits(index, found_inf, self.settings.max_consecutive_skips, self.param_names)
+    def _remember_nonfinite(self, index: int, found_inf: torch.Tensor | float) -> None:
+        self._host.remember_nonfinite(index, found_inf, self.settings.max_consecutive_skips, self.param_names)
 
     @override
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -441,15 +441,17 @@ class LossScaler(torch.amp.GradScaler):
     hysteresis_tracker: int = _reads(
         "_host.state.hysteresis_left", "Overflows still tolerated before the next backoff."
     )
-    optimizer_steps: int = _reads("_host.ledger.optimizer_steps", "Optimizer steps asked for, skipped ones included.")
-    skipped_steps: int = _reads("_host.ledger.skipped_steps", "Steps skipped because a gradient held an inf or a NaN.")
-    scale_backoffs: int = _reads("_host.ledger.scale_backoffs", "Iterations after which the scale moved down.")
-    scale_growths: int = _reads("_host.ledger.scale_growths", "Iterations after which the scale moved up.")
+    optimizer_steps: int = _reads("_host.counters.optimizer_steps", "Optimizer steps asked for, skipped ones included.")
+    skipped_steps: int = _reads(
+        "_host.counters.skipped_steps", "Steps skipped because a gradient held an inf or a NaN."
+    )
+    scale_backoffs: int = _reads("_host.counters.scale_backoffs", "Iterations after which the scale moved down.")
+    scale_growths: int = _reads("_host.counters.scale_growths", "Iterations after which the scale moved up.")
     last_step_skipped: bool = _reads(
-        "_host.ledger.last_step_skipped", "Whether a step of the last counted iteration was skipped."
+        "_host.counters.last_step_skipped", "Whether a step of the last counted iteration was skipped."
     )
     consecutive_skips: int = _reads(
-        "_host.ledger.consecutive_skips", "The longest current streak of skipped steps among the optimizers."
+        "_host.counters.consecutive_skips", "The longest current streak of skipped steps among the optimizers."
     )
 
     def stats(self) -> PrecisionStats:
@@ -458,7 +460,7 @@ class LossScaler(torch.amp.GradScaler):
         As fresh as :meth:`get_scale`: exact on the CPU, at most one iteration old on an accelerator.
         """
         return PrecisionStats(
-            loss_scale=self.get_scale(), last_step_skipped=self.last_step_skipped, **self._host.ledger.counters()
+            loss_scale=self.get_scale(), last_step_skipped=self.last_step_skipped, **self._host.counters.counters()
         )
 
     def stats_with_pending(self) -> PrecisionStats:
@@ -468,7 +470,7 @@ class LossScaler(torch.amp.GradScaler):
         update itself). Where a flag is still on an accelerator, this is :meth:`stats`.
         """
         stats = stats_after_update(
-            self._steps.record, self._host.ledger, self._host.state, self.settings, self._scaling
+            self._steps.record, self._host.counters, self._host.state, self.settings, self._scaling
         )
         return self.stats() if stats is None else stats
 
@@ -476,13 +478,13 @@ class LossScaler(torch.amp.GradScaler):
 
     @override
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle the settings, the host state and the ledger; device tensors and optimizers are rebuilt lazily.
+        """Pickle the settings, the host state and the counters; device tensors and optimizers are rebuilt lazily.
 
         Raises:
             AssertionError: in the middle of an iteration, as torch's GradScaler.
 
         """
-        self._host.replay_waiting_iteration(self.settings, self.param_names)
+        self._host.apply_waiting_iteration(self.settings, self.param_names)
         if any(record.phase in (Phase.UNSCALED, Phase.STEPPED) for record in self._steps.records()):
             raise AssertionError(
                 "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after"
@@ -499,8 +501,8 @@ class LossScaler(torch.amp.GradScaler):
 
         .. warning:: On an accelerator, when the last iteration's flag is still on the device, this waits for it.
         """
-        self._host.replay_waiting_iteration(self.settings, self.param_names)
-        return state_dict_of(self.settings, self._host.state, self._host.ledger, len(self._steps))
+        self._host.apply_waiting_iteration(self.settings, self.param_names)
+        return state_dict_of(self.settings, self._host.state, self._host.counters, len(self._steps))
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -516,7 +518,7 @@ class LossScaler(torch.amp.GradScaler):
         """
         loaded = validated_state(f"{type(self).__name__}.load_state_dict", state_dict, self.settings)
         host = self._host
-        host.ledger = replace(loaded.ledger, last_culprits=host.ledger.last_culprits)
+        host.counters = replace(loaded.counters, last_nonfinite=host.counters.last_nonfinite)
         if loaded.scale_state is not None:
             host.state = loaded.scale_state
         self._device_scale.trackers_current = False

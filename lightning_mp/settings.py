@@ -1,20 +1,20 @@
 """The plugin's settings: every argument of :class:`~lightning_mp.MixedPrecision` declared, documented, checked once.
 
-:class:`PluginSettings` holds the plugin's own knobs (precision, device, opt level, static loss scale, ...) and the
+:class:`PluginSettings` holds the plugin's own settings (precision, device, opt level, static loss scale, ...) and the
 loss scaler's (:class:`~lightning_mp.scaling.rules.ScalerSettings`, the same object :class:`~lightning_mp.LossScaler`
-takes). Each knob is a field with its default, its one documentation and its one check
-(:mod:`lightning_mp.arguments.knobs`);
-the rules that involve two knobs (fp16 with ``skip_nonfinite=False``, a static scale outside fp16, an opt level the
+takes). Each setting is a field with its default, its one documentation and its one check
+(:mod:`lightning_mp.arguments.setting_docs`);
+the rules that involve two settings (fp16 with ``skip_nonfinite=False``, a static scale outside fp16, an opt level the
 precision cannot run) are in ``__post_init__``, and :meth:`PluginSettings.check_resolved` refuses a static scale or
 a scaler once ``precision="auto"`` has chosen another precision than fp16 at setup, and
 :meth:`PluginSettings.check_device` a run on another device than ``device`` or a GradScaler's. Building one
 therefore validates every argument, and a built one is valid.
 
-A ``torch.amp.GradScaler`` passed as ``MixedPrecision(scaler=...)`` is translated into the scaler's knobs in one
+A ``torch.amp.GradScaler`` passed as ``MixedPrecision(scaler=...)`` is translated into the scaler's settings in one
 place, :meth:`PluginSettings.from_arguments`: its scale, growth and backoff factors and growth interval become
 ``init_scale``, ``growth_factor``, ``backoff_factor`` and ``growth_interval``; a disabled one turns scaling off; its
-device is kept, for setup to refuse a run on another device type. The plugin takes those four knobs as None by
-default only so that a knob given beside a scaler is an error rather than silently overridden.
+device is kept, for setup to refuse a run on another device type. The plugin takes those four settings as None by
+default only so that a setting given beside a scaler is an error rather than silently overridden.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
@@ -28,20 +28,20 @@ from typing import Any, Literal, cast
 import torch
 
 from lightning_mp.arguments.checks import check_choice, check_flag, check_number, exact, plain_scalar
-from lightning_mp.arguments.knobs import knob
+from lightning_mp.arguments.setting_docs import setting
 from lightning_mp.overrides import Fp32Overrides, KeepFp32Pattern
 from lightning_mp.policies import POLICIES
 from lightning_mp.scaler import LossScaler
 from lightning_mp.scaling.rules import FLOAT32_MAX, SCALER_DEFAULTS, STATIC_SCALE_FLOOR, ScalerSettings
 
-__all__ = ["HALF_DTYPES", "PRECISIONS", "TORCH_SCALER_KNOBS", "PluginSettings", "PrecisionName"]
+__all__ = ["HALF_DTYPES", "PRECISIONS", "TORCH_SCALER_SETTINGS", "PluginSettings", "PrecisionName"]
 
 PrecisionName = Literal["auto", "16-mixed", "bf16-mixed", "32-true"]
 PRECISIONS: tuple[str, ...] = ("auto", "16-mixed", "bf16-mixed", "32-true")
 HALF_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 """The half dtype of each mixed precision."""
-TORCH_SCALER_KNOBS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
-"""The knobs a ``torch.amp.GradScaler`` carries, which a ``scaler=`` sets."""
+TORCH_SCALER_SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+"""The settings a ``torch.amp.GradScaler`` carries, which a ``scaler=`` sets."""
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps")
 PRECISION_ALIASES: dict[Any, str] = {
     **dict.fromkeys((16, "16", "fp16", "float16", "half", "16-true", "mixed", "amp"), "16-mixed"),
@@ -93,7 +93,7 @@ def _keep_fp32(owner: str, name: str, patterns: Any) -> tuple[KeepFp32Pattern, .
 class PluginSettings:
     """Every argument of :class:`~lightning_mp.MixedPrecision`, checked once when the object is built.
 
-    The plugin's own knobs are the fields below; the loss scaler's are in ``scaler``. ``scaler_given``,
+    The plugin's own settings are the fields below; the loss scaler's are in ``scaler``. ``scaler_given``,
     ``torch_scaler_device`` and ``scaling_disabled`` record a scaler given as ``scaler=`` (:meth:`from_arguments`).
 
     Raises:
@@ -107,7 +107,7 @@ class PluginSettings:
 
     precision: PrecisionName = field(
         default="auto",
-        metadata=knob(
+        metadata=setting(
             '``"auto"`` (bf16 where the device runs it natively, else fp16 on GPUs and fp32 on CPUs), ``"16-mixed"``'
             ' (fp16 with loss scaling; real fp16 on the CPU too), ``"bf16-mixed"`` or ``"32-true"``. The annotation'
             " also takes any string or int, so that LightningCLI hands ``fp16`` or ``16`` to the constructor, whose"
@@ -118,7 +118,7 @@ class PluginSettings:
     )
     device: str | None = field(
         default=None,
-        metadata=knob(
+        metadata=setting(
             'the autocast device type (``"cpu"``, ``"cuda"``, ...; an index as in ``"cuda:0"`` is ignored, as autocast'
             " works per device type); None takes it from the Trainer's accelerator at setup, or under Fabric from the"
             " device Fabric moved the model to (checked at every forward; a contradicting ``device`` raises).",
@@ -127,14 +127,14 @@ class PluginSettings:
     )
     opt_level: str = field(
         default="O1",
-        metadata=knob(
+        metadata=setting(
             '``"O0"`` (fp32 baseline) or ``"O1"`` (autocast, fp32 weights), and any other registered level.',
             _opt_level,
         ),
     )
     loss_scale: float | Literal["dynamic"] = field(
         default="dynamic",
-        metadata=knob(
+        metadata=setting(
             '``"dynamic"``, or a static scale (fp16 only): any normal float32, from ``2**-126`` (whose inverse is'
             " finite) to float32's largest.",
             _static_scale_or_dynamic,
@@ -142,11 +142,11 @@ class PluginSettings:
     )
     skip_scheduler_on_overflow: bool = field(
         default=True,
-        metadata=knob('keep ``interval="step"`` schedulers from advancing on skipped steps.', check_flag),
+        metadata=setting('keep ``interval="step"`` schedulers from advancing on skipped steps.', check_flag),
     )
     keep_fp32: tuple[KeepFp32Pattern, ...] = field(
         default=(),
-        metadata=knob(
+        metadata=setting(
             "modules that run in fp32 (autocast off, inputs cast to fp32, weights fp32 in O2 and O3): module types,"
             " qualified names, or regular expressions prefixed with ``re:`` (:mod:`lightning_mp.overrides`); None or"
             " empty keeps none.",
@@ -154,7 +154,7 @@ class PluginSettings:
         ),
     )
     scaler: ScalerSettings = SCALER_DEFAULTS
-    """The loss scaler's knobs."""
+    """The loss scaler's settings."""
     scaler_given: bool = False
     """Whether a scaler was given as ``scaler=``: a torch GradScaler, or a LossScaler used as it is."""
     torch_scaler_device: str | None = None
@@ -164,10 +164,10 @@ class PluginSettings:
     owner: InitVar[str] = "PluginSettings"
 
     def __post_init__(self, owner: str) -> None:
-        for knob_field in fields(self):
-            if "check" in knob_field.metadata:
-                value = knob_field.metadata["check"](owner, knob_field.name, getattr(self, knob_field.name))
-                object.__setattr__(self, knob_field.name, value)
+        for setting_field in fields(self):
+            if "check" in setting_field.metadata:
+                value = setting_field.metadata["check"](owner, setting_field.name, getattr(self, setting_field.name))
+                object.__setattr__(self, setting_field.name, value)
         if not self.scaler.skip_nonfinite and self.precision == "16-mixed":
             raise ValueError(
                 f"{owner}(precision='16-mixed', skip_nonfinite=False) is not allowed: fp16 overflows routinely, and"
@@ -200,29 +200,29 @@ class PluginSettings:
 
     @classmethod
     def from_arguments(
-        cls, owner: str, scaler: torch.amp.GradScaler | None, torch_knobs: dict[str, Any], **knobs: Any
+        cls, owner: str, scaler: torch.amp.GradScaler | None, torch_fields: dict[str, Any], **settings: Any
     ) -> PluginSettings:
-        """The settings of ``MixedPrecision(..., scaler=scaler, **torch_knobs, **knobs)``.
+        """The settings of ``MixedPrecision(..., scaler=scaler, **torch_fields, **settings)``.
 
         Args:
             owner: the name used in error messages.
-            scaler: the ``scaler=`` argument: None, a ``torch.amp.GradScaler`` (translated into the scaler's knobs
-                here), or a :class:`~lightning_mp.LossScaler` (used as it is, so its knobs are not read).
-            torch_knobs: the knobs of :data:`TORCH_SCALER_KNOBS` as given; None means the default.
-            knobs: every other knob, the plugin's and the scaler's, by name.
+            scaler: the ``scaler=`` argument: None, a ``torch.amp.GradScaler`` (translated into the scaler's settings
+                here), or a :class:`~lightning_mp.LossScaler` (used as it is, so its settings are not read).
+            torch_fields: the settings of :data:`TORCH_SCALER_SETTINGS` as given; None means the default.
+            settings: every other setting, the plugin's and the scaler's, by name.
 
         Raises:
             TypeError: if ``scaler`` is not a ``torch.amp.GradScaler``.
-            ValueError: if a scaler is given with bf16 or fp32, or together with one of its own knobs.
+            ValueError: if a scaler is given with bf16 or fp32, or together with one of its own settings.
 
         """
-        plugin_names = {knob_field.name for knob_field in fields(cls) if "check" in knob_field.metadata}
-        plugin_knobs = {name: value for name, value in knobs.items() if name in plugin_names}
-        scaler_knobs = {name: value for name, value in knobs.items() if name not in plugin_names}
-        given = {name: plain_scalar(value) for name, value in torch_knobs.items() if value is not None}
+        plugin_names = {setting_field.name for setting_field in fields(cls) if "check" in setting_field.metadata}
+        plugin_fields = {name: value for name, value in settings.items() if name in plugin_names}
+        scaler_fields = {name: value for name, value in settings.items() if name not in plugin_names}
+        given = {name: plain_scalar(value) for name, value in torch_fields.items() if value is not None}
         torch_scaler_device, scaling_disabled = None, False
         if scaler is not None:
-            precision, loss_scale = plugin_knobs.get("precision"), plugin_knobs.get("loss_scale", "dynamic")
+            precision, loss_scale = plugin_fields.get("precision"), plugin_fields.get("loss_scale", "dynamic")
             if not isinstance(scaler, torch.amp.GradScaler):
                 raise TypeError(f"{owner}(scaler={scaler!r}) is not allowed: scaler must be a torch.amp.GradScaler.")
             if precision in ("bf16-mixed", "32-true"):
@@ -234,7 +234,7 @@ class PluginSettings:
                 names = ", ".join([*given, *(["loss_scale"] if loss_scale != "dynamic" else [])])
                 raise ValueError(
                     f"{owner}(scaler=..., {names}=...) is not allowed: the scaler's own settings are used. Set them on"
-                    " the GradScaler, or pass the knobs without a scaler."
+                    " the GradScaler, or pass the settings without a scaler."
                 )
             if not isinstance(scaler, LossScaler):
                 torch_scaler_device = torch.device(scaler._device).type
@@ -246,9 +246,9 @@ class PluginSettings:
                         "backoff_factor": scaler.get_backoff_factor(),
                         "growth_interval": scaler.get_growth_interval(),
                     }
-        scaler_settings = ScalerSettings(owner=owner, **given, **scaler_knobs)
+        scaler_settings = ScalerSettings(owner=owner, **given, **scaler_fields)
         return cls(
-            **plugin_knobs,
+            **plugin_fields,
             scaler=scaler_settings,
             scaler_given=scaler is not None,
             torch_scaler_device=torch_scaler_device,

@@ -2,7 +2,7 @@
 
 Every Python block parses, the quickstarts of the README and Get started train, every link between pages resolves,
 the API reference covers ``lightning_mp.__all__``, no page tells history (that is CHANGELOG.md's job), and the tables
-of TensorBoard tags, notebooks and loss-scaler knobs are checked against the code.
+of TensorBoard tags, notebooks and loss-scaler settings are checked against the code.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_mp
 from lightning_mp import LossScaler, MixedPrecision
-from lightning_mp.arguments.knobs import knob_disagreements, with_knob_docs
+from lightning_mp.arguments.setting_docs import setting_doc_disagreements, with_setting_docs
 from lightning_mp.callbacks import (
     AdvisorCallback,
     GradientHealthMonitor,
@@ -241,36 +241,36 @@ def test_every_docs_page_is_in_the_table_of_contents() -> None:
 
 
 def test_the_api_reference_documents_every_public_name() -> None:
-    """Every name in lightning_mp.__all__ has its entry in docs/api.md, so a knob is two clicks from the README."""
+    """Every name in lightning_mp.__all__ has its entry in docs/api.md, so a setting is two clicks from the README."""
     api = (DOCS / "api.md").read_text()
     documented = set(re.findall(r"^\.\. (?:auto\w+|py:\w+):: lightning_mp\.(\w+)\s*$", api, re.MULTILINE))
     assert set(lightning_mp.__all__) <= documented
 
 
-def test_the_knob_texts_are_written_out_in_the_source_docstrings() -> None:
-    """A reader of plugin.py and scaler.py sees each knob's own text, not a ``<knob>`` placeholder, and it is the text
-    help(), the API reference and LightningCLI's --help show."""
+def test_the_setting_texts_are_written_out_in_the_source_docstrings() -> None:
+    """A reader of plugin.py and scaler.py sees each setting's own text, not a ``<setting>`` placeholder: the
+    text help(), the API reference and LightningCLI's --help show."""
     for documented in (MixedPrecision, LossScaler):
         source = inspect.getsource(documented)
-        assert "<knob>" not in source, documented.__name__
+        assert "<setting>" not in source, documented.__name__
         assert documented.__doc__ and documented.__doc__ in source, documented.__name__
         for name in ("init_scale", "hysteresis", "on_min_scale"):
             assert re.search(rf"^\s+{name}: \S", documented.__doc__, re.MULTILINE), (documented.__name__, name)
 
 
-def test_the_docstrings_and_the_knob_texts_agree() -> None:
-    """Each knob's entry in MixedPrecision's and LossScaler's Args: is the knob's one text, as its settings give it."""
-    assert knob_disagreements(MixedPrecision, PluginSettings, ScalerSettings) == []
-    assert knob_disagreements(LossScaler, ScalerSettings) == []
+def test_the_docstrings_and_the_setting_texts_agree() -> None:
+    """Each setting's entry in MixedPrecision's and LossScaler's Args: is the setting's one text."""
+    assert setting_doc_disagreements(MixedPrecision, PluginSettings, ScalerSettings) == []
+    assert setting_doc_disagreements(LossScaler, ScalerSettings) == []
 
 
-def test_a_docstring_that_drifts_from_its_knob_fails_at_class_definition() -> None:
-    """Editing a knob's text in one place only is caught when the class is defined, naming the knob and both texts."""
+def test_a_docstring_that_drifts_from_its_setting_fails_at_class_definition() -> None:
+    """Editing a setting's text in one place only is caught at class definition, naming it and both texts."""
     wrong = MixedPrecision.__doc__.replace("hysteresis: overflows tolerated", "hysteresis: overflows allowed")
 
-    with pytest.raises(TypeError, match=r"hysteresis: the docstring says .overflows allowed.*the knob's text is"):
+    with pytest.raises(TypeError, match=r"hysteresis: the docstring says .overflows allowed.*the setting's text is"):
 
-        @with_knob_docs(PluginSettings, ScalerSettings)
+        @with_setting_docs(PluginSettings, ScalerSettings)
         class Drifted(MixedPrecision):
             __doc__ = wrong
 
@@ -278,7 +278,7 @@ def test_a_docstring_that_drifts_from_its_knob_fails_at_class_definition() -> No
     assert stale_default != MixedPrecision.__doc__
     with pytest.raises(TypeError, match=r"init_scale: the docstring says None means 1024, the default is 65536"):
 
-        @with_knob_docs(PluginSettings, ScalerSettings)
+        @with_setting_docs(PluginSettings, ScalerSettings)
         class StaleDefault(MixedPrecision):
             __doc__ = stale_default
 
@@ -446,11 +446,11 @@ def test_the_docs_list_every_notebook_and_the_set_up_lines_count_them() -> None:
 
 
 LOSS_SCALER = DOCS / "guide" / "loss-scaler.md"
-KNOB_TABLE = "| argument | default | allowed | meaning |"
+SETTINGS_TABLE = "| argument | default | allowed | meaning |"
 
 
-def test_the_knob_table_gives_the_defaults_the_plugin_uses() -> None:
-    """Each default in the loss-scaler page's table of scaler knobs is what MixedPrecision("16-mixed") really uses."""
+def test_the_setting_table_gives_the_defaults_the_plugin_uses() -> None:
+    """Each default in the loss-scaler page's settings table is what MixedPrecision("16-mixed") really uses."""
     plugin = MixedPrecision("16-mixed")
     plugin.setup_for_device("cpu")
     scaler = plugin.scaler
@@ -462,7 +462,7 @@ def test_the_knob_table_gives_the_defaults_the_plugin_uses() -> None:
         "growth_interval": scaler.get_growth_interval(),
     }
     signature = inspect.signature(MixedPrecision.__init__).parameters
-    rows = markdown_table(LOSS_SCALER, KNOB_TABLE)
+    rows = markdown_table(LOSS_SCALER, SETTINGS_TABLE)
     assert len(rows) == 13
     for argument_cell, default_cell, _, _ in rows:
         argument = argument_cell.strip("`")
@@ -472,8 +472,8 @@ def test_the_knob_table_gives_the_defaults_the_plugin_uses() -> None:
 
 
 def table_number(text: str) -> float:
-    """A bound as the knob table writes it: ``2**-24``, ``2147483647``, ``3.4028234663852886e+38``, or the default
-    of another knob that bounds this one (``min_scale`` is the floor ``2**-24``, ``max_scale`` its default)."""
+    """A bound as the setting table writes it: ``2**-24``, ``2147483647``, ``3.4028234663852886e+38``, or the default
+    of another setting that bounds this one (``min_scale`` is the floor ``2**-24``, ``max_scale`` its default)."""
     defaults = {"min_scale": 2.0**-24, "max_scale": 2.0**24}
     if text in defaults:
         return defaults[text]
@@ -491,11 +491,11 @@ def plugin_with(argument: str, value: float) -> MixedPrecision:
     return MixedPrecision("16-mixed", **{argument: value, **room.get(argument, {})})
 
 
-def test_the_knob_table_gives_the_bounds_the_plugin_enforces() -> None:
+def test_the_setting_table_gives_the_bounds_the_plugin_enforces() -> None:
     """Each bound in the "allowed" column is exact: the bound is accepted (or refused, if strict) and the next number
     past it is refused with a ValueError that prints the bound as the table does."""
     probes = 0
-    for argument_cell, _, allowed_cell, _ in markdown_table(LOSS_SCALER, KNOB_TABLE):
+    for argument_cell, _, allowed_cell, _ in markdown_table(LOSS_SCALER, SETTINGS_TABLE):
         argument = argument_cell.strip("`")
         integer = "an integer" in allowed_cell
         for low, low_op, high_op, high in re.findall(r"`(\S+) (<=?) x (<=?) (\S+)`", allowed_cell):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_mp.bench.counting import StepCounts, count_syncs_and_ops
-from lightning_mp.scaling import hand_off
+from lightning_mp.scaling import fused_steps
 from lightning_mp.stochastic_rounding import (
     COMPENSATION_KEY,
     MAX_CHUNKS,
@@ -257,7 +257,7 @@ def _flagged_step(model: nn.Module, optimizer: torch.optim.Optimizer, flag: floa
         parameter.grad = torch.ones_like(parameter)
     with count_syncs_and_ops() as counts:
         # As lightning_mp's scaler does in bf16: the step goes to torch's fused kernel, told to skip by ``found_inf``.
-        hand_off.step_on_device(optimizer, torch.full((), flag), None)
+        fused_steps.step_on_device(optimizer, torch.full((), flag), None)
     return counts
 
 

@@ -31,7 +31,7 @@ reports name each parameter by its full name, with the shape the model declared,
 parameters whose gradients are not finite (at most 20, with their shapes) and the step, and a warning says the
 same every ``warn_every_n_skips`` skips. Under DDP the names are the union over the ranks.
 
-The culprits are captured when the overflow is detected, not after: Lightning calls ``on_before_optimizer_step``
+The non-finite parameters are named when the overflow is detected: Lightning calls ``on_before_optimizer_step``
 inside the optimizer step, after the plugin has unscaled the gradients and before the step runs or is skipped, in
 automatic and in manual optimization alike. There the monitor computes ``max |g|`` of every gradient in one batched
 op (``torch._foreach_norm`` with ``ord=inf``) and keeps the result on the device. Whether that step was skipped is
@@ -77,6 +77,7 @@ from lightning_mp.callbacks._logging import (
     validate_positive_int,
 )
 from lightning_mp.callbacks._sharding import gradient_copies
+from lightning_mp.scaling.fused_steps import supports_fused_protocol
 from lightning_mp.scaling.gradients import (
     LOG2_HISTOGRAM_RANGE,
     SUMMARY_FIELDS,
@@ -84,7 +85,6 @@ from lightning_mp.scaling.gradients import (
     largest_magnitudes,
     summary_over_shards,
 )
-from lightning_mp.scaling.hand_off import supports_fused_protocol
 from lightning_mp.scaling.sharded import local_shard
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class GradientHealthMonitor(TelemetryCallback):
     scalars describe the global gradient.
 
     .. warning:: A logging step synchronises the host with the device once, to read all the statistics in one
-        transfer; a skipped step once more, to name its culprits. Other steps never synchronise.
+        transfer; a skipped step once more, to name its non-finite parameters. Other steps never synchronise.
 
     Args:
         warn_every_n_skips: emit a warning naming the non-finite parameters on the first skipped step and then

@@ -43,7 +43,7 @@ from lightning_mp.engine.base import StepEngine, check_loss, unwrapped
 from lightning_mp.engine.schedulers import SkipAwareScheduler
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
-from lightning_mp.scaling.hand_off import supports_fused_protocol
+from lightning_mp.scaling.fused_steps import supports_fused_protocol
 from lightning_mp.scaling.steps import Phase
 from lightning_mp.scaling.verdict import SKIPPED, TAKEN, StepVerdict
 

@@ -6,7 +6,7 @@ model, the opt level's weights and masters, the non-finite step check, ``keep_fp
 DDP, the callbacks) is the bf16 run's. A flag on the same plugin keeps one object to configure, to pass to the
 Trainer or Fabric and to checkpoint, and lets an FP8 checkpoint resume in bf16 and back by changing one argument.
 A recipe name is the short form; :class:`~lightning_mp.fp8.settings.FP8Settings` carries the rest (the layers kept,
-the fallback thresholds), validated once, as a ready ``scaler=`` carries the scaler's knobs.
+the fallback thresholds), validated once, as a ready ``scaler=`` carries the scaler's settings.
 
 What combines with FP8, checked when the plugin is built (:func:`check_fp8_combination`):
 

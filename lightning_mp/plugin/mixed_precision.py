@@ -1,7 +1,7 @@
 """The MixedPrecision plugin: autocast around every step, a loss scaler around backward and the optimizer step.
 
 Pass it to the Trainer, exactly where Lightning's own ``MixedPrecision(precision, device, scaler=None)`` goes (every
-call that one accepts, this one accepts with the same meaning; the scaler's knobs are keyword-only)::
+call that one accepts, this one accepts with the same meaning; the scaler's settings are keyword-only)::
 
     trainer = Trainer(plugins=[MixedPrecision("16-mixed", growth_interval=1000, hysteresis=2)])
 
@@ -72,7 +72,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp.arguments.knobs import with_knob_docs
+from lightning_mp.arguments.setting_docs import with_setting_docs
 from lightning_mp.engine import FabricEngine, StepEngine, TrainerEngine
 from lightning_mp.fp8.convert import require_torchao
 from lightning_mp.fp8.mode import Fp8Mode, check_fp8_combination
@@ -96,7 +96,7 @@ PLUGIN_DEFAULTS = PluginSettings()
 
 
 # RunViews makes Lightning's writable ``precision``, ``device`` and ``scaler`` read-only views of the run.
-@with_knob_docs(PluginSettings, ScalerSettings)
+@with_setting_docs(PluginSettings, ScalerSettings)
 class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type: ignore[misc]
     """Mixed-precision training for Lightning: autocast, a dynamic loss scaler that goes past torch's, and counters.
 
@@ -111,7 +111,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
             the device Fabric moved the model to (checked at every forward; a contradicting ``device`` raises).
         scaler: a ``torch.amp.GradScaler`` whose settings (scale, growth and backoff factors, growth interval,
             ``enabled``) the loss scaler takes over, as Lightning's plugin would use it; fp16 only. A
-            :class:`~lightning_mp.LossScaler` is used as it is. Leave it None to set the knobs below.
+            :class:`~lightning_mp.LossScaler` is used as it is. Leave it None to set the settings below.
         opt_level: ``"O0"`` (fp32 baseline) or ``"O1"`` (autocast, fp32 weights), and any other registered level.
         init_scale: the first loss scale (fp16), in ``[min_scale, max_scale]``; a static scale is any normal float32,
             from ``2**-126`` (whose inverse is finite) to float32's largest; unused when nothing is scaled. None means
@@ -147,7 +147,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
             in bf16 and the fallback thresholds. With ``precision="bf16-mixed"`` and ``opt_level`` ``"O1"`` or
             ``"O2"`` only (:mod:`lightning_mp.fp8.mode`); needs the ``fp8`` extra. None (the default) runs no FP8.
 
-    Every knob is declared, documented and checked once, in :class:`~lightning_mp.settings.PluginSettings` and
+    Every setting is declared, documented and checked once, in :class:`~lightning_mp.settings.PluginSettings` and
     :class:`~lightning_mp.scaling.rules.ScalerSettings`; :attr:`settings` holds them as validated. Numbers may be
     Python, numpy or 0-d tensor scalars; booleans must be ``True`` or ``False``.
 

@@ -100,7 +100,7 @@ class PrecisionPolicy:
         return optimizers
 
     def parameter_names(self, module: nn.Module) -> dict[int, str]:
-        """``id(tensor) -> name`` for every tensor an optimizer steps, to name culprits in error messages."""
+        """``id(tensor) -> name`` for every tensor an optimizer steps, for error messages."""
         return {id(parameter): name for name, parameter in module.named_parameters()}
 
     def master_dtype(self, parameter: Tensor) -> torch.dtype | None:

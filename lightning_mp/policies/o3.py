@@ -32,7 +32,7 @@ torch's ``Optimizer.load_state_dict`` does; step counters stay as they are.
 In some torch releases the CPU kernel of ``SGD(fused=True)`` leaves fp16 and bf16 parameters of 8 to 32 elements or
 more unchanged (:mod:`lightning_mp._compat`, which probes the running torch). There ``connect`` refuses an SGD
 built with ``fused=True`` over O3's half weights, naming the argument: training would go on with weights that never
-move. Other SGDs are stepped in their own form there (:mod:`lightning_mp.scaling.hand_off`).
+move. Other SGDs are stepped in their own form there (:mod:`lightning_mp.scaling.fused_steps`).
 
 fp16 gradients are unscaled and checked in place, so the loss scaler accepts them (``allow_fp16_gradients``). Loss
 scaling is off unless asked for with a static ``MixedPrecision(loss_scale=...)``; non-finite steps are still
@@ -55,7 +55,7 @@ from typing_extensions import override
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies.base import PrecisionPolicy
 from lightning_mp.policies.casting import check_half_dtype, convert_to_half
-from lightning_mp.scaling.hand_off import fused_sgd_steps
+from lightning_mp.scaling.fused_steps import fused_sgd_steps
 
 
 def vanishing_eps_groups(optimizer: Optimizer) -> list[tuple[int, float, torch.dtype]]:

@@ -9,30 +9,30 @@
 * :mod:`~lightning_mp.scaling.kernels`: unscale and check an optimizer's gradients in a fixed number of ops;
 * :mod:`~lightning_mp.scaling.sharded`: the inf check and gradient norms over sharded gradients (FSDP2, FSDP);
 * :mod:`~lightning_mp.scaling.inf_flags`: the preallocated inf flags and the record of one iteration;
-* :mod:`~lightning_mp.scaling.hand_off`: skipping a step on the device, through torch's fused kernels;
+* :mod:`~lightning_mp.scaling.fused_steps`: skipping a step on the device, through torch's fused kernels;
 * :mod:`~lightning_mp.scaling.device_rules`: the scale rules as device ops;
-* :mod:`~lightning_mp.scaling.host_mirror`: host copies of the flags, read without a sync;
-* :mod:`~lightning_mp.scaling.replay`: the host's replay of each iteration, at once or one iteration late;
-* :mod:`~lightning_mp.scaling.forecast`: the statistics an iteration will leave, read before its update;
-* :mod:`~lightning_mp.scaling.ledger`: the counters and skip streaks;
-* :mod:`~lightning_mp.scaling.culprits`: naming the parameters whose gradients were not finite;
+* :mod:`~lightning_mp.scaling.found_inf_copies`: host copies of the flags, read without a sync;
+* :mod:`~lightning_mp.scaling.updates`: the host's update from each iteration, at once or one iteration late;
+* :mod:`~lightning_mp.scaling.pending`: the statistics an iteration will leave, read before its update;
+* :mod:`~lightning_mp.scaling.counters`: the counters and skip streaks;
+* :mod:`~lightning_mp.scaling.nonfinite`: naming the parameters whose gradients were not finite;
 * :mod:`~lightning_mp.scaling.checkpoint`: a scaler checkpoint, written and validated;
 * :mod:`~lightning_mp.scaling.devices`: the device a scaler's tensors live on, and whether the run spans processes.
 """
 
 from lightning_mp.scaling.checkpoint import LoadedScalerState, validated_state
+from lightning_mp.scaling.counters import StepCounters
 from lightning_mp.scaling.device_rules import DeviceScale, update_scale_on_device
-from lightning_mp.scaling.host_mirror import HostMirror
+from lightning_mp.scaling.found_inf_copies import FoundInfCopies
 from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
-from lightning_mp.scaling.ledger import StepLedger
 
 __all__ = [
     "DeviceScale",
-    "HostMirror",
+    "FoundInfCopies",
     "InfFlagPool",
     "IterationRecord",
     "LoadedScalerState",
-    "StepLedger",
+    "StepCounters",
     "update_scale_on_device",
     "validated_state",
 ]

@@ -2,11 +2,11 @@
 
 A scaler's ``state_dict`` (:func:`state_dict_of`) holds torch's five GradScaler keys (``scale``,
 ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``), then the hysteresis and its
-tracker, the bounds, the mode, the ``counters`` of :class:`~lightning_mp.scaling.ledger.StepLedger`, the
+tracker, the bounds, the mode, the ``counters`` of :class:`~lightning_mp.scaling.counters.StepCounters`, the
 per-optimizer ``streaks`` and ``last_step_skipped``. :func:`validated_state` reads such a dict, or torch's five-key
 one, against this run's settings:
 
-* the run's settings win over the dict's knobs; a difference is warned about, naming the knob and both values;
+* the run's settings win over the dict's settings; a difference is warned about, naming the setting and both values;
 * counters and streaks must be non-negative integers with ``consecutive_skips <= skipped_steps <= optimizer_steps``;
   streaks at or beyond this run's ``max_consecutive_skips`` are clamped below it (with a warning), so a resumed run
   is not stopped by its first skip; a dict without ``streaks`` gives optimizer 0 the streak ``consecutive_skips``;
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_mp.arguments.checks import check_number
-from lightning_mp.scaling.ledger import StepLedger
+from lightning_mp.scaling.counters import StepCounters
 from lightning_mp.scaling.rules import ScalerSettings, ScaleState, float32_within
 
 _CALLER_OF_LOAD = 3
@@ -39,17 +39,19 @@ class LoadedScalerState:
 
     scale_state: ScaleState | None
     """The scale and its trackers; None where this run's mode keeps its own (static, check)."""
-    ledger: StepLedger
+    counters: StepCounters
     """The counters and streaks."""
 
 
-def state_dict_of(settings: ScalerSettings, state: ScaleState, ledger: StepLedger, optimizers: int) -> dict[str, Any]:
+def state_dict_of(
+    settings: ScalerSettings, state: ScaleState, counters: StepCounters, optimizers: int
+) -> dict[str, Any]:
     """The scaler's ``state_dict``: torch's five keys, then the trackers, bounds, mode and counters.
 
     Args:
-        settings: the run's knobs.
+        settings: the run's settings.
         state: the host scale and its trackers.
-        ledger: the counters and streaks.
+        counters: the counters and streaks.
         optimizers: how many optimizers the scaler has seen (each gets a streak).
 
     """
@@ -65,9 +67,9 @@ def state_dict_of(settings: ScalerSettings, state: ScaleState, ledger: StepLedge
         "min_scale": settings.min_scale,
         "max_scale": settings.max_scale,
         "mode": settings.mode,
-        "last_step_skipped": ledger.last_step_skipped,
-        "counters": ledger.counters(),
-        "streaks": ledger.streak_list(optimizers),
+        "last_step_skipped": counters.last_step_skipped,
+        "counters": counters.counters(),
+        "streaks": counters.streak_list(optimizers),
     }
 
 
@@ -80,7 +82,7 @@ def validated_state(owner: str, state_dict: Any, settings: ScalerSettings) -> Lo
         settings: this run's settings, which win over the dict's.
 
     Returns:
-        The scale state (dynamic mode only) and the ledger to continue from.
+        The scale state (dynamic mode only) and the counters to continue from.
 
     Raises:
         RuntimeError: if ``state_dict`` is empty.
@@ -92,19 +94,19 @@ def validated_state(owner: str, state_dict: Any, settings: ScalerSettings) -> Lo
     if not state_dict:
         raise RuntimeError("The loss scaler state dict is empty: there is no scale to restore.")
     _warn_on_changed_settings(state_dict, settings)
-    ledger = _validated_ledger(owner, state_dict, settings.max_consecutive_skips)
+    counters = _validated_counters(owner, state_dict, settings.max_consecutive_skips)
     scale_state = _validated_scale_state(owner, state_dict, settings) if settings.mode == "dynamic" else None
-    return LoadedScalerState(scale_state, ledger)
+    return LoadedScalerState(scale_state, counters)
 
 
 def _warn_on_changed_settings(state_dict: dict[str, Any], settings: ScalerSettings) -> None:
-    knobs = {
+    this_run = {
         "growth_factor": settings.growth_factor,
         "backoff_factor": settings.backoff_factor,
         "growth_interval": settings.growth_interval,
         "hysteresis": settings.hysteresis,
     }
-    changed = [f"{k}: {state_dict[k]} -> {v}" for k, v in knobs.items() if k in state_dict and state_dict[k] != v]
+    changed = [f"{k}: {state_dict[k]} -> {v}" for k, v in this_run.items() if k in state_dict and state_dict[k] != v]
     if changed:
         warnings.warn(
             "The checkpoint's loss-scaler settings differ from this run's; this run's are used ("
@@ -115,11 +117,13 @@ def _warn_on_changed_settings(state_dict: dict[str, Any], settings: ScalerSettin
         )
 
 
-def _validated_ledger(owner: str, state_dict: dict[str, Any], max_consecutive_skips: int | None) -> StepLedger:
+def _validated_counters(owner: str, state_dict: dict[str, Any], max_consecutive_skips: int | None) -> StepCounters:
     counters = state_dict.get("counters", {})
     if not isinstance(counters, dict):
         raise ValueError(f"{owner}: key 'counters' holds {counters!r}; expected a dict of non-negative integers.")
-    values = {name: _count(owner, f"counters['{name}']", counters.get(name, 0)) for name in StepLedger.counter_names()}
+    values = {
+        name: _count(owner, f"counters['{name}']", counters.get(name, 0)) for name in StepCounters.counter_names()
+    }
     if values["skipped_steps"] > values["optimizer_steps"] or values["consecutive_skips"] > values["skipped_steps"]:
         raise ValueError(
             f"{owner}: counters {values} are inconsistent; expected consecutive_skips <= skipped_steps <="
@@ -141,7 +145,7 @@ def _validated_ledger(owner: str, state_dict: dict[str, Any], max_consecutive_sk
     last_step_skipped = state_dict.get("last_step_skipped", False)
     if not isinstance(last_step_skipped, bool):
         raise ValueError(f"{owner}: key 'last_step_skipped' holds {last_step_skipped!r}; expected a bool.")
-    return StepLedger.restored(values, streaks, last_step_skipped)
+    return StepCounters.restored(values, streaks, last_step_skipped)
 
 
 def _validated_scale_state(owner: str, state_dict: dict[str, Any], settings: ScalerSettings) -> ScaleState:

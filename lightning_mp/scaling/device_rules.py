@@ -6,7 +6,7 @@ overflow, grow after ``growth_interval`` clean iterations. Around it:
 
 * the growth factor is capped at ``float32_max / max_scale``, so a growth never overflows float32 (the kernel keeps
   the old scale when it would) and still reaches the ceiling;
-* a clamp keeps the scale in ``[floor, max_scale]``; the host's replay of the same rules raises the collapse error;
+* a clamp keeps the scale in ``[floor, max_scale]``; the host's update from the same rules raises the collapse error;
 * with ``hysteresis > 1`` a float tracker counts overflows down, only the overflow that empties it reaches the kernel
   as a backoff, an absorbed one still restarts the growth window (the tracker is set to -1, which the kernel's clean
   branch turns into 0), and the tracker refills after a growth (or after every clean iteration with
@@ -47,7 +47,7 @@ def update_scale_on_device(
         hysteresis_left: the float32 count of overflows still tolerated, 0-d (unused with ``hysteresis=1``).
         inv_scale: the float32 ``1/scale``, 0-d, rewritten.
         found_inf: the iteration's float32 inf flag, 0-d.
-        settings: the knobs.
+        settings: the settings.
 
     """
     growth_factor = min(settings.growth_factor, FLOAT32_MAX / settings.max_scale)

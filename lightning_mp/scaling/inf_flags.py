@@ -12,7 +12,7 @@ one per step would cost an allocation and a fill; zeroing one would cost an op. 
 :class:`IterationRecord` keeps what one iteration decided until the host can read it: each optimizer's device flag,
 the verdicts the steps already read on the host, the gradient norms of a check-mode step that decides on the host,
 the flags it used, and whether the scale already moved on the device. The scaler's ``update`` closes the record and
-the host replays it (:mod:`lightning_mp.scaler`).
+the host applies it (:mod:`lightning_mp.scaler`).
 
 Under DDP the pool also counts this rank's own overflows, before the all-reduce, on the device: the telemetry reads
 that count on logging steps only. The pool holds device tensors only, so a pickled scaler starts with an empty one.
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from lightning_mp.scaling import kernels
-from lightning_mp.scaling.host_mirror import Reader
+from lightning_mp.scaling.found_inf_copies import Reader
 
 FlagSlot = tuple[int, torch.device, int]
 """``(optimizer index, device, parity)``: where a flag lives in the pool."""
@@ -55,7 +55,7 @@ class IterationRecord:
         self.new_scale: float | None = None
         """A scale the user set in ``update(new_scale)``, which replaces the rules for this iteration."""
         self.device_ruled = False
-        """Whether the scale already moved on the device (the host only replays the rules to stay in step)."""
+        """Whether the scale already moved on the device (the host only applies the rules to stay in step)."""
         self.ready: torch.cuda.Event | None = None
         """On CUDA, the event after which the flags' host copies are complete."""
 

@@ -14,7 +14,7 @@ modes differ; it never asks which mode it runs in.
   float32.
 * :class:`CheckOnlyScaling` (bf16, fp32): nothing is scaled and the scale reads 1.0; the gradients are only read
   (their inf-norms checked). Adam, AdamW, SGD and Adagrad step through torch's fused kernel of the same rule, which
-  skips on the device (:mod:`~lightning_mp.scaling.hand_off`); in one process an optimizer that cannot skip there has
+  skips on the device (:mod:`~lightning_mp.scaling.fused_steps`); in one process an optimizer that cannot skip there has
   its norms kept for its step to read on the host, with no flag at all. No scale can be set.
 * :class:`UncheckedScaling` (``skip_nonfinite=False``, bf16 and fp32 only): nothing is scaled or checked and every
   step is taken, as in Lightning's ``"bf16-mixed"`` and ``"32-true"``.
@@ -38,7 +38,7 @@ import torch
 from typing_extensions import override
 
 from lightning_mp.arguments.checks import check_number
-from lightning_mp.scaling import hand_off, kernels, sharded
+from lightning_mp.scaling import fused_steps, kernels, sharded
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.devices import distributed
 from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
@@ -103,7 +103,7 @@ class Scaling(ABC):
         """The ``grad_scale`` a fused optimizer gets when nothing unscaled its gradients yet."""
 
     @abstractmethod
-    def hands_off(self, optimizer: torch.optim.Optimizer) -> bool:
+    def uses_fused_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s step goes through torch's fused kernel of its rule, which skips on the device."""
 
     def move_on_device(  # noqa: B027 (only dynamic scaling moves a scale on the device)
@@ -188,7 +188,7 @@ class DynamicScaling(Scaling):
         return scale if user_scale is None else scale * user_scale
 
     @override
-    def hands_off(self, optimizer: torch.optim.Optimizer) -> bool:
+    def uses_fused_step(self, optimizer: torch.optim.Optimizer) -> bool:
         return False
 
     @override
@@ -230,7 +230,7 @@ class CheckOnlyScaling(Scaling):
     @override
     def check_gradients(self, check: GradientCheck) -> FlagsPerDevice:
         groups = kernels.gradient_groups(check.parameters, False)
-        if not distributed() and not hand_off.skips_safely_on_device(check.optimizer):
+        if not distributed() and not fused_steps.skips_safely_on_device(check.optimizer):
             norms = kernels.single_group_norms(groups)
             if norms is not None:
                 # The step decides on the host anyway: it reads these norms (its one sync), and no flag is kept.
@@ -243,8 +243,8 @@ class CheckOnlyScaling(Scaling):
         return user_scale
 
     @override
-    def hands_off(self, optimizer: torch.optim.Optimizer) -> bool:
-        return hand_off.skips_safely_on_device(optimizer)
+    def uses_fused_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        return fused_steps.skips_safely_on_device(optimizer)
 
     @override
     def checked_new_scale(self, owner: str, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:

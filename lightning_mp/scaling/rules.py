@@ -1,6 +1,6 @@
 """The loss scaler's settings and its scale rules, as plain data and a pure function.
 
-:class:`ScalerSettings` declares every knob once, with its default, its documentation and its check;
+:class:`ScalerSettings` declares every setting once, with its default, its documentation and its check;
 :func:`next_state` says how the scale and its two trackers move after one iteration, given whether any gradient of
 that iteration was inf or NaN. Nothing here touches torch: :class:`~lightning_mp.scaler.LossScaler` applies these
 rules on the host when the inf flag is already there, and mirrors them with device ops when it is not (fused
@@ -31,7 +31,7 @@ from dataclasses import InitVar, dataclass, field, fields
 from typing import Any, Literal
 
 from lightning_mp.arguments.checks import INT32_MAX, check_choice, check_flag, check_number, exact
-from lightning_mp.arguments.knobs import knob
+from lightning_mp.arguments.setting_docs import setting
 
 __all__ = [
     "COLLAPSE_FLOOR",
@@ -96,13 +96,13 @@ def _scale_bound(owner: str, name: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class ScalerSettings:
-    """Every knob of the loss scaler, with its default, its documentation and its check, declared once.
+    """Every setting of the loss scaler, with its default, its documentation and its check, declared once.
 
-    :class:`~lightning_mp.LossScaler` and :class:`~lightning_mp.MixedPrecision` take these knobs as keyword arguments
+    :class:`~lightning_mp.LossScaler` and :class:`~lightning_mp.MixedPrecision` take these settings as keyword arguments
     with these defaults, and their docstrings are written from the fields' ``doc``
-    (:mod:`lightning_mp.arguments.knobs`). Each
+    (:mod:`lightning_mp.arguments.setting_docs`). Each
     field's ``metadata`` holds its ``doc`` and its ``check``; ``__post_init__`` runs the checks, then the ones that
-    involve two knobs. Numbers may be Python numbers, numpy scalars or 0-d tensors; booleans must be ``True`` or
+    involve two settings. Numbers may be Python numbers, numpy scalars or 0-d tensors; booleans must be ``True`` or
     ``False``. They are stored as Python ``int``/``float``/``bool``.
 
     ``owner`` is the name used in error messages (``"LossScaler"``, ``"MixedPrecision"``); it is not stored.
@@ -118,28 +118,28 @@ class ScalerSettings:
 
     init_scale: float = field(
         default=2.0**16,
-        metadata=knob(
+        metadata=setting(
             "the first loss scale (fp16), in ``[min_scale, max_scale]``; a static scale is any normal float32, from"
             " ``2**-126`` (whose inverse is finite) to float32's largest; unused when nothing is scaled.",
         ),
     )
     growth_factor: float = field(
         default=2.0,
-        metadata=knob(
+        metadata=setting(
             "scale multiplier after ``growth_interval`` clean iterations; > 1 (the scale stops at ``max_scale``).",
             lambda owner, name, value: check_number(owner, name, value, above=1),
         ),
     )
     backoff_factor: float = field(
         default=0.5,
-        metadata=knob(
+        metadata=setting(
             "scale multiplier on an overflow that exhausts the hysteresis; in (0, 1).",
             lambda owner, name, value: check_number(owner, name, value, above=0, below=1),
         ),
     )
     growth_interval: int = field(
         default=2000,
-        metadata=knob(
+        metadata=setting(
             "clean iterations in a row before the scale grows, in [1, 2**31 - 1]. An iteration is one scale update"
             " (after its last optimizer step), so several optimizers or accumulated batches count once.",
             _interval,
@@ -147,7 +147,7 @@ class ScalerSettings:
     )
     hysteresis: int = field(
         default=1,
-        metadata=knob(
+        metadata=setting(
             "overflows tolerated before the scale backs off (DeepSpeed's and Megatron's meaning), in [1, 2**31 - 1]; 1"
             " is torch's behaviour.",
             _interval,
@@ -155,28 +155,28 @@ class ScalerSettings:
     )
     consecutive_hysteresis: bool = field(
         default=False,
-        metadata=knob(
+        metadata=setting(
             "refill the hysteresis after every clean iteration, not only after a growth.",
             check_flag,
         ),
     )
     min_scale: float | None = field(
         default=None,
-        metadata=knob(
+        metadata=setting(
             "the scale's floor, from ``2**-24`` to ``max_scale``; None means the collapse floor ``2**-24``.",
             lambda owner, name, value: None if value is None else _scale_bound(owner, name, value),
         ),
     )
     max_scale: float = field(
         default=2.0**24,
-        metadata=knob(
+        metadata=setting(
             "the scale never grows past this; from ``2**-24`` to float32's largest value.",
             _scale_bound,
         ),
     )
     on_min_scale: OnMinScale = field(
         default="raise",
-        metadata=knob(
+        metadata=setting(
             '``"raise"`` :class:`~lightning_mp.errors.LossScaleCollapseError`, or ``"warn"`` and stay at the floor,'
             " when an overflow would push the scale below the floor.",
             lambda owner, name, value: _choice(owner, name, value, ("raise", "warn")),
@@ -184,7 +184,7 @@ class ScalerSettings:
     )
     mode: ScalingMode = field(
         default="dynamic",
-        metadata=knob(
+        metadata=setting(
             '``"dynamic"``, ``"static"`` (a fixed ``init_scale``) or ``"check"`` (nothing scaled, non-finite'
             " steps skipped: bf16 and fp32).",
             lambda owner, name, value: _choice(owner, name, value, ("dynamic", "static", "check")),
@@ -192,7 +192,7 @@ class ScalerSettings:
     )
     max_consecutive_skips: int | None = field(
         default=100,
-        metadata=knob(
+        metadata=setting(
             "stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped steps in a row of one"
             " optimizer (1 to 2**31 - 1), in every precision; None never stops.",
             lambda owner, name, value: None if value is None else _interval(owner, name, value),
@@ -200,7 +200,7 @@ class ScalerSettings:
     )
     skip_nonfinite: bool = field(
         default=True,
-        metadata=knob(
+        metadata=setting(
             "skip every step whose gradients hold an inf or a NaN, without a host sync for torch's Adam, AdamW, SGD and"
             " Adagrad (:mod:`lightning_mp.scaler`). Only where nothing is scaled (bf16, fp32) may it be False: then"
             ' nothing is checked, as in Lightning\'s ``"bf16-mixed"`` and ``"32-true"``, a step writes inf/NaN into'
@@ -271,7 +271,7 @@ class ScalerSettings:
 
 
 SCALER_DEFAULTS = ScalerSettings()
-"""The default of every knob, where a signature or a message needs one."""
+"""The default of every setting, where a signature or a message needs one."""
 
 
 @dataclass(frozen=True)
@@ -304,7 +304,7 @@ def next_state(state: ScaleState, found_inf: bool, settings: ScalerSettings) -> 
     Args:
         state: the state before the iteration.
         found_inf: whether any gradient of the iteration (any optimizer, any rank) was inf or NaN.
-        settings: the knobs.
+        settings: the settings.
 
     Returns:
         The new state and the event: ``"grew"``, ``"backed_off"``, ``"held_at_floor"`` (a backoff stopped at the

@@ -34,11 +34,11 @@ optimizer here. Each record has an index (the order of first sight) by which the
 names the optimizer in its errors. Records hold the optimizer weakly, so a plugin reused for another model keeps
 nothing alive; a pickled scaler keeps no record.
 
-A step goes one of three ways (:mod:`~lightning_mp.scaling.hand_off`): an optimizer that declares torch's fused
+A step goes one of three ways (:mod:`~lightning_mp.scaling.fused_steps`): an optimizer that declares torch's fused
 protocol gets the found_inf flag (and, when nothing unscaled it yet, the scale as ``grad_scale``) and skips on the
 device; one the mode hands off steps through torch's fused kernel of its rule, which skips on the device too; any
 other reads its verdict on the host and is skipped there when it is set. The flags themselves live in the iteration's
-:class:`~lightning_mp.scaling.inf_flags.IterationRecord`, which the scale update replays once it can read them.
+:class:`~lightning_mp.scaling.inf_flags.IterationRecord`, which the scale update applies once it can read them.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_mp.scaling import hand_off, kernels
+from lightning_mp.scaling import fused_steps, kernels
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
 from lightning_mp.scaling.modes import GradientCheck, Scaling
@@ -309,7 +309,7 @@ class StepStates:
         if record.phase is Phase.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         unscaled = record.phase is Phase.UNSCALED
-        if hand_off.supports_fused_protocol(optimizer):
+        if fused_steps.supports_fused_protocol(optimizer):
             return self._fused_protocol_step(optimizer, record, unscaled, scaler, remember, *args, **kwargs)
         if not unscaled:
             scaler.unscale_(optimizer)
@@ -317,9 +317,9 @@ class StepStates:
         self.record.stepped.add(index)
         record.phase = Phase.STEPPED
         flag = self.record.device_flags.get(index)
-        if flag is not None and self.scaling.hands_off(optimizer):
+        if flag is not None and self.scaling.uses_fused_step(optimizer):
             remember(index, flag)
-            return hand_off.step_on_device(optimizer, flag, None, *args, **kwargs)
+            return fused_steps.step_on_device(optimizer, flag, None, *args, **kwargs)
         if self._host_verdict(index, flag, remember):
             return None
         return optimizer.step(*args, **kwargs)
@@ -375,9 +375,9 @@ class StepStates:
             grad_scale = self.scaling.fused_grad_scale(self.device_scale, user_scale)
         record.phase = Phase.STEPPED
         flag = self.record.device_flags.get(index)
-        if flag is not None and hand_off.skips_safely_on_device(optimizer):
+        if flag is not None and fused_steps.skips_safely_on_device(optimizer):
             remember(index, flag)
-            return hand_off.step_on_device(optimizer, flag, grad_scale, *args, **kwargs)
+            return fused_steps.step_on_device(optimizer, flag, grad_scale, *args, **kwargs)
         if self._host_verdict(index, flag, remember):
             return None
-        return hand_off.step_with_protocol(optimizer, grad_scale, flag, *args, **kwargs)
+        return fused_steps.step_with_protocol(optimizer, grad_scale, flag, *args, **kwargs)

@@ -1,4 +1,4 @@
-"""Overflow forensics: a skipped step names its culprit parameters, in automatic and manual optimization alike."""
+"""Overflow forensics: a skipped step names its non-finite parameters, in automatic and manual optimization alike."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def fit_manual(tmp_path, zero_grad_first: bool, callbacks: list, name: str = "ru
 
 
 @pytest.mark.parametrize("zero_grad_first", [False, True], ids=["step-then-zero_grad", "zero_grad-first"])
-def test_manual_optimization_names_the_culprit_in_either_zero_grad_order(tmp_path, zero_grad_first):
+def test_manual_optimization_names_the_nonfinite_parameter_in_either_zero_grad_order(tmp_path, zero_grad_first):
     """With backward, opt.step(), opt.zero_grad() (Lightning's documented order) or zero_grad first, each skip
     names head.weight in the warning and in the precision/overflow text."""
     with warnings.catch_warnings(record=True) as caught:
@@ -81,8 +81,8 @@ def test_manual_optimization_names_the_culprit_in_either_zero_grad_order(tmp_pat
     assert all(b"`head.weight` | [1, 16]" in entry.tensor_proto.string_val[0] for entry in entries)
 
 
-def test_culprits_are_read_in_one_transfer_on_a_skipped_step_only(tmp_path):
-    """Naming the culprits adds exactly one host sync to a skipped step, whatever the parameter count, and none to
+def test_the_nonfinite_parameters_are_read_in_one_transfer_on_a_skipped_step_only(tmp_path):
+    """Naming the bad parameters adds exactly one host sync to a skipped step, whatever the parameter count, and none to
     a clean step."""
     plain, monitored = BatchCostRecorder(), BatchCostRecorder()
     fit_manual(tmp_path, False, [plain.opener(), plain.closer()], name="plain")

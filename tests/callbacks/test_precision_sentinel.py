@@ -38,7 +38,7 @@ HEATMAP_TAGS = (
 
 
 class Regressor(pl.LightningModule):
-    """Two linear layers with knobs that each break one precision property.
+    """Two linear layers with settings that each break one precision property.
 
     Args:
         lr: SGD learning rate (tiny: updates fall below half an ulp of half weights).

@@ -118,7 +118,7 @@ def test_ddp_counters_are_reduced_over_ranks_and_logged_once(ddp_run):
 
 @pytest.mark.slow
 def test_ddp_overflow_forensics_name_the_parameter_of_the_rank_that_overflowed(ddp_run):
-    """Rank zero's gradients were finite, yet the overflow report names rank 1's culprit: names are gathered."""
+    """Rank zero's gradients were finite, yet the overflow report names rank 1's parameter: names are gathered."""
     reports_text = list(texts(_rank_zero_events(ddp_run), "precision/overflow").values())
     assert len(reports_text) == len(INJECT_AT)
     assert all("first.weight" in text and "[16, 8]" in text for text in reports_text)

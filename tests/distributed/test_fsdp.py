@@ -456,7 +456,7 @@ def _without_gradient_column(table: str) -> list[str]:
 
 
 def _assert_same_telemetry(fsdp_out: Path, ddp_out: Path, skipped: tuple[int, ...], opt_level: str) -> None:
-    """The monitors report the whole gradients under FSDP, as under DDP: scalars, histogram, culprits, layer dtypes."""
+    """The monitors report the whole gradients under FSDP, as under DDP: scalars, histogram, bad parameters, dtypes."""
     fsdp, ddp = read_events(fsdp_out / "tb" / "version_0"), read_events(ddp_out / "tb" / "version_0")
     for tag in (
         "precision/loss_scale",
@@ -484,6 +484,6 @@ def _assert_same_telemetry(fsdp_out: Path, ddp_out: Path, skipped: tuple[int, ..
         for events in (fsdp, ddp)
     ]
     assert histograms[0] == {step: buckets for step, buckets in histograms[1].items() if step not in skipped}
-    # The culprit is named as the model declares it, with its full shape, not its shard's.
+    # The non-finite parameter is named as the model declares it, with its full shape, not its shard's.
     for step in skipped:
         assert "| `first.weight` | [16, 8] |" in texts(fsdp, "precision/overflow")[step]

@@ -31,10 +31,10 @@ from lightning_mp.scaling.steps import Phase
 from tests.helpers import TinyRegressor, loader, make_trainer
 
 
-def fabric_engine(model: nn.Module, mode: str = "dynamic", **scaler_knobs: Any) -> FabricEngine:
+def fabric_engine(model: nn.Module, mode: str = "dynamic", **scaler_fields: Any) -> FabricEngine:
     """Fabric's engine over ``model`` with a CPU scaler in ``mode`` and an O1 policy, as ``fabric.setup`` builds it."""
     half = torch.float16 if mode == "dynamic" else torch.bfloat16
-    engine = FabricEngine(LossScaler("cpu", mode=mode, **scaler_knobs), POLICIES["O1"](half), lambda device: "cpu")
+    engine = FabricEngine(LossScaler("cpu", mode=mode, **scaler_fields), POLICIES["O1"](half), lambda device: "cpu")
     engine.add_module(model)
     return engine
 

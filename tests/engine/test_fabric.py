@@ -323,13 +323,13 @@ def test_reading_the_plugins_properties_after_a_skipped_step_changes_nothing() -
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize(
-    ("precision", "knobs"),
+    ("precision", "settings"),
     [("16-mixed", {"growth_interval": 2}), ("16-mixed", {"growth_interval": 1, "hysteresis": 2}), ("bf16-mixed", {})],
 )
-def test_stats_read_before_the_pending_update_are_those_after_it(precision: str, knobs: dict, fused: bool) -> None:
+def test_stats_read_before_the_pending_update_are_those_after_it(precision: str, settings: dict, fused: bool) -> None:
     """plugin.stats read right after each step (update pending) equal the stats once the update is applied: the
     same skips, growths, backoffs, streak and scale, step after step."""
-    plugin = MixedPrecision(precision, **({"init_scale": 2.0**8, **knobs} if precision == "16-mixed" else knobs))
+    plugin = MixedPrecision(precision, **({"init_scale": 2.0**8, **settings} if precision == "16-mixed" else settings))
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     module = make_model()
     model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-3, fused=fused))

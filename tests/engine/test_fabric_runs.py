@@ -148,11 +148,11 @@ def test_a_plugin_reused_by_a_trainer_or_fabric_starts_the_next_run_as_a_new_plu
 ) -> None:
     """After a Trainer's fit or a Fabric loop, a second run of either kind sees init_scale, zero counters and no
     skip streak, and trains the weights a new plugin trains."""
-    knobs: dict[str, Any] = {"opt_level": opt_level, "init_scale": 2.0**10, "hysteresis": 1}
-    reused = MixedPrecision("16-mixed", **knobs)
+    settings: dict[str, Any] = {"opt_level": opt_level, "init_scale": 2.0**10, "hysteresis": 1}
+    reused = MixedPrecision("16-mixed", **settings)
     _RUNS[first](reused, (3, 6, 7))  # ends on a streak of two skips, at a quarter of init_scale
     assert (reused.stats.skipped_steps, reused.stats.consecutive_skips) == (3, 2)
-    fresh = MixedPrecision("16-mixed", **knobs)
+    fresh = MixedPrecision("16-mixed", **settings)
     weights = {name: _RUNS[second](plugin, (1, 4)) for name, plugin in (("reused", reused), ("fresh", fresh))}
     assert reused.stats == fresh.stats
     assert (reused.stats.optimizer_steps, reused.stats.skipped_steps, reused.stats.loss_scale) == (8, 2, 2.0**8)

@@ -200,9 +200,9 @@ def test_bf16_checkpoint_into_fp16_warns(tmp_path):
 def _our_checkpoint(tmp_path: Path, precision: str) -> Path:
     """A lightning_mp checkpoint; in fp16 the scaler backed off once from 2**9 to 2**8."""
     checkpoints = ModelCheckpoint(dirpath=tmp_path, filename=f"ours-{precision}")
-    knobs = {"init_scale": 2.0**9, "growth_interval": 100} if precision == "16-mixed" else {}
+    settings = {"init_scale": 2.0**9, "growth_interval": 100} if precision == "16-mixed" else {}
     make_trainer(
-        MixedPrecision(precision, **knobs), max_steps=3, callbacks=[checkpoints], enable_checkpointing=True
+        MixedPrecision(precision, **settings), max_steps=3, callbacks=[checkpoints], enable_checkpointing=True
     ).fit(TinyRegressor(inject_at=(1,)), loader())
     return tmp_path / f"ours-{precision}.ckpt"
 

@@ -301,14 +301,14 @@ def test_clipping_with_a_fused_optimizer_clips_true_gradients(precision):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1.0, fused=True)
 
-    knobs = {"init_scale": 2.0**8} if precision == "16-mixed" else {}
+    settings = {"init_scale": 2.0**8} if precision == "16-mixed" else {}
     model = Fused()
     before = [p.detach().clone() for p in model.parameters()]
-    make_trainer(MixedPrecision(precision, **knobs), max_steps=1, gradient_clip_val=1e-3).fit(model, loader())
+    make_trainer(MixedPrecision(precision, **settings), max_steps=1, gradient_clip_val=1e-3).fit(model, loader())
     # Plain SGD with lr=1 moves the weights by exactly the clipped gradient: its norm is the clip value.
     update = torch.cat([(a - b).flatten() for a, b in zip(before, model.parameters(), strict=True)])
     assert float(update.norm()) == pytest.approx(1e-3, rel=1e-2)
-    plugin = MixedPrecision(precision, **knobs)
+    plugin = MixedPrecision(precision, **settings)
     make_trainer(plugin, max_steps=3, gradient_clip_val=1.0).fit(Fused(inject_at=(1,)), loader())
     assert plugin.stats.skipped_steps == 1
 
@@ -320,15 +320,15 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     when resuming mid-epoch, which would change the data order, not the scaler.
     """
     torch.manual_seed(4)
-    knobs = {"init_scale": 2.0**8, "growth_interval": 3, "hysteresis": 2}
+    settings = {"init_scale": 2.0**8, "growth_interval": 3, "hysteresis": 2}
     initial = TinyRegressor(inject_at=(2, 3, 9, 10))
     straight, resumed = copy.deepcopy(initial), copy.deepcopy(initial)
     checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=8, save_top_k=-1)
-    straight_plugin = MixedPrecision("16-mixed", **knobs)
+    straight_plugin = MixedPrecision("16-mixed", **settings)
     make_trainer(straight_plugin, max_steps=16, callbacks=[checkpoints], enable_checkpointing=True).fit(
         straight, loader()
     )
-    resumed_plugin = MixedPrecision("16-mixed", **knobs)
+    resumed_plugin = MixedPrecision("16-mixed", **settings)
     make_trainer(resumed_plugin, max_steps=16).fit(resumed, loader(), ckpt_path=tmp_path / "step=8.ckpt")
     assert resumed_plugin.stats == straight_plugin.stats
     assert resumed_plugin.stats.skipped_steps == 4

@@ -132,7 +132,7 @@ def test_static_loss_scale_without_fp16_fails_in_the_constructor(precision):
         MixedPrecision(precision, loss_scale=128.0)
 
 
-def test_signature_is_lightnings_with_the_knobs_keyword_only():
+def test_signature_is_lightnings_with_the_settings_keyword_only():
     """precision, device and scaler are positional as in Lightning's plugin; everything else is keyword-only."""
     ours = inspect.signature(MixedPrecision).parameters
     theirs = inspect.signature(LightningMixedPrecision).parameters
@@ -189,7 +189,7 @@ def test_a_gradscaler_for_another_device_is_refused_instead_of_training_unscaled
 
 
 def test_a_loss_scaler_passed_as_scaler_is_used_as_it_is():
-    """A LossScaler given as scaler keeps its own knobs (hysteresis included)."""
+    """A LossScaler given as scaler keeps its own settings (hysteresis included)."""
     given = LossScaler("cpu", init_scale=2.0**8, hysteresis=2, growth_interval=100)
     plugin = MixedPrecision("16-mixed", scaler=given)
     make_trainer(plugin, max_steps=3).fit(TinyRegressor(inject_at=(1,)), loader())
@@ -208,6 +208,6 @@ def test_a_loss_scaler_passed_as_scaler_is_used_as_it_is():
     ],
 )
 def test_a_scaler_that_cannot_apply_is_a_clear_error(args, kwargs, match):
-    """A scaler with bf16/fp32, beside the knobs it replaces, or of the wrong type fails in the constructor."""
+    """A scaler with bf16/fp32, beside the settings it replaces, or of the wrong type fails in the constructor."""
     with pytest.raises((ValueError, TypeError), match=match):
         MixedPrecision(*args, **kwargs)

@@ -15,9 +15,9 @@ from lightning_mp.plugin.run import policy_class_for
 from lightning_mp.settings import PluginSettings
 
 
-def resolve(device_type: str = "cpu", **knobs: Any) -> ResolvedSetup:
-    """The setup a plugin with ``knobs`` resolves on ``device_type``."""
-    return resolve_setup(PluginSettings(**knobs), device_type, lambda level: policy_class_for(level, False))
+def resolve(device_type: str = "cpu", **settings: Any) -> ResolvedSetup:
+    """The setup a plugin with ``settings`` resolves on ``device_type``."""
+    return resolve_setup(PluginSettings(**settings), device_type, lambda level: policy_class_for(level, False))
 
 
 def test_a_half_weight_level_is_shown_to_lightning_by_its_true_name_and_kept_mixed_for_the_checkpoint() -> None:

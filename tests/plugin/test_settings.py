@@ -1,4 +1,4 @@
-"""Settings declared once: the plugin, the scaler and the rules share one default, one text and one check per knob."""
+"""Settings declared once: the plugin, the scaler and the rules share one default, text and check per setting."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 from lightning_mp import LossScaler, MixedPrecision
 from lightning_mp.arguments.checks import exact
 from lightning_mp.scaling.rules import ScalerSettings
-from lightning_mp.settings import TORCH_SCALER_KNOBS, PluginSettings
+from lightning_mp.settings import TORCH_SCALER_SETTINGS, PluginSettings
 from tests.helpers import TinyRegressor, loader, make_trainer
 
-SCALER_KNOBS = [field.name for field in fields(ScalerSettings)]
-PLUGIN_KNOBS = [field.name for field in fields(PluginSettings) if "check" in field.metadata]
+SCALER_SETTINGS = [field.name for field in fields(ScalerSettings)]
+PLUGIN_SETTINGS = [field.name for field in fields(PluginSettings) if "check" in field.metadata]
 
 
 def documented(cls: type, name: str) -> str:
@@ -30,40 +30,40 @@ def documented(cls: type, name: str) -> str:
     return " ".join(text)
 
 
-@pytest.mark.parametrize("name", SCALER_KNOBS)
-def test_the_scaler_and_the_plugin_document_each_knob_with_the_same_text(name):
-    """help(LossScaler) and help(MixedPrecision) say the same thing about a scaler knob, the settings' own text."""
+@pytest.mark.parametrize("name", SCALER_SETTINGS)
+def test_the_scaler_and_the_plugin_document_each_setting_with_the_same_text(name):
+    """help(LossScaler) and help(MixedPrecision) say the same thing about a scaler setting, the settings' own text."""
     text = " ".join(next(f for f in fields(ScalerSettings) if f.name == name).metadata["doc"].split())
     assert documented(LossScaler, name).startswith(text)
     if name != "mode":  # the plugin chooses the mode from the precision
         assert documented(MixedPrecision, name).startswith(text)
 
 
-@pytest.mark.parametrize("name", SCALER_KNOBS)
-def test_a_knob_left_out_has_the_settings_default_in_the_scaler_and_the_plugin(name):
+@pytest.mark.parametrize("name", SCALER_SETTINGS)
+def test_a_setting_left_out_has_the_settings_default_in_the_scaler_and_the_plugin(name):
     """LossScaler() and MixedPrecision("16-mixed") use the defaults ScalerSettings declares."""
     default = getattr(ScalerSettings(), name)
     assert inspect.signature(LossScaler).parameters[name].default == default
     plugin = MixedPrecision("16-mixed")
     plugin.setup_for_device("cpu")
     assert plugin.scaler is not None and getattr(plugin.scaler.settings, name) == default
-    if name in TORCH_SCALER_KNOBS:
+    if name in TORCH_SCALER_SETTINGS:
         assert inspect.signature(MixedPrecision).parameters[name].default is None
         assert documented(MixedPrecision, name).endswith(f"None means {exact(default)}.")
     elif name != "mode":
         assert inspect.signature(MixedPrecision).parameters[name].default == default
 
 
-@pytest.mark.parametrize("name", PLUGIN_KNOBS)
-def test_the_plugins_own_knobs_have_their_settings_default_and_text(name):
+@pytest.mark.parametrize("name", PLUGIN_SETTINGS)
+def test_the_plugins_own_settings_have_their_settings_default_and_text(name):
     """MixedPrecision's own arguments default to, and are documented by, PluginSettings."""
-    knob = next(f for f in fields(PluginSettings) if f.name == name)
-    assert inspect.signature(MixedPrecision).parameters[name].default == knob.default
-    assert documented(MixedPrecision, name).startswith(" ".join(knob.metadata["doc"].split()))
+    setting = next(f for f in fields(PluginSettings) if f.name == name)
+    assert inspect.signature(MixedPrecision).parameters[name].default == setting.default
+    assert documented(MixedPrecision, name).startswith(" ".join(setting.metadata["doc"].split()))
 
 
 def test_a_torch_gradscaler_is_translated_into_the_scaler_settings():
-    """The knobs of a GradScaler given as scaler= are the settings the plugin holds, before any run."""
+    """The settings of a GradScaler given as scaler= are the settings the plugin holds, before any run."""
     given = torch.amp.GradScaler("cpu", init_scale=2.0**9, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
     settings = MixedPrecision("16-mixed", scaler=given).settings
     assert settings.scaler.init_scale == 2.0**9 and settings.scaler.growth_factor == 4.0
@@ -72,7 +72,7 @@ def test_a_torch_gradscaler_is_translated_into_the_scaler_settings():
 
 
 def test_the_settings_are_frozen_and_validated_once_built():
-    """A settings object cannot be changed after its checks ran, and a bad knob fails when it is built."""
+    """A settings object cannot be changed after its checks ran, and a bad setting fails when it is built."""
     settings = PluginSettings(precision="16-mixed")
     with pytest.raises(AttributeError):
         settings.opt_level = "O7"  # type: ignore[misc]

@@ -43,7 +43,7 @@ from tests.recipes.common import (
 
 
 class Regressor(L.LightningModule):
-    """The MLP under automatic optimization, with the knobs the recipes turn.
+    """The MLP under automatic optimization, with the settings the recipes turn.
 
     Args:
         optimizer: ``"sgd"`` (momentum 0.9) or ``"adamw"``.

@@ -88,7 +88,7 @@ class AlwaysInfinite(TinyRegressor):
 
 
 @pytest.mark.parametrize(
-    ("knobs", "last_step"),
+    ("settings", "last_step"),
     [
         # 2**16 halves 40 times down to the collapse floor 2**-24; the 41st overflow would go below it.
         ({}, 41),
@@ -97,13 +97,13 @@ class AlwaysInfinite(TinyRegressor):
         ({"init_scale": 2.0**10, "min_scale": 1.0, "hysteresis": 3}, 13),
     ],
 )
-def test_scale_collapse_raises_within_a_bounded_number_of_steps(knobs, last_step):
+def test_scale_collapse_raises_within_a_bounded_number_of_steps(settings, last_step):
     """Gradients that are always infinite end the run with LossScaleCollapseError, never skip forever."""
-    plugin = MixedPrecision("16-mixed", **knobs)
+    plugin = MixedPrecision("16-mixed", **settings)
     with pytest.raises(LossScaleCollapseError, match="Loss scale collapse") as caught:
         make_trainer(plugin, max_steps=1000).fit(AlwaysInfinite(), loader())
-    init_scale, floor = knobs.get("init_scale", 2.0**16), knobs.get("min_scale", 2.0**-24)
-    bound = knobs.get("hysteresis", 1) * (round(math.log2(init_scale / floor)) + 1)
+    init_scale, floor = settings.get("init_scale", 2.0**16), settings.get("min_scale", 2.0**-24)
+    bound = settings.get("hysteresis", 1) * (round(math.log2(init_scale / floor)) + 1)
     assert caught.value.step == last_step <= bound
     assert caught.value.scale == floor
     assert plugin.stats.skipped_steps == last_step

@@ -31,11 +31,11 @@ from tests.helpers import TinyRegressor, loader, make_trainer
 PRECISIONS = ["16-mixed", "bf16-mixed", "32-true"]
 
 
-def _plugin(precision: str, **knobs: Any) -> MixedPrecision:
+def _plugin(precision: str, **settings: Any) -> MixedPrecision:
     """fp16 starts from a scale the tiny models never overflow at; bf16 and fp32 have no scale."""
     if precision == "16-mixed":
-        knobs.setdefault("init_scale", 2.0**8)
-    return MixedPrecision(precision, **knobs)
+        settings.setdefault("init_scale", 2.0**8)
+    return MixedPrecision(precision, **settings)
 
 
 class StepWatch(L.Callback):

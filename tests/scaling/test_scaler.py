@@ -204,7 +204,7 @@ def test_loads_torch_grad_scaler_state(model_and_optimizer):
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, argument):
-    """Each invalid knob raises ValueError naming the argument and the value."""
+    """Each invalid setting raises ValueError naming the argument and the value."""
     with pytest.raises(ValueError, match=argument) as caught:
         LossScaler("cpu", **kwargs)
     assert repr(next(iter(kwargs.values()))) in str(caught.value) or argument == "min_scale"

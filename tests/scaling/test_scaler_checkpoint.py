@@ -5,7 +5,7 @@ import math
 import pytest
 
 from lightning_mp.scaling.checkpoint import validated_state
-from lightning_mp.scaling.ledger import StepLedger
+from lightning_mp.scaling.counters import StepCounters
 from lightning_mp.scaling.rules import ScalerSettings, ScaleState
 
 OWNER = "LossScaler.load_state_dict"
@@ -17,10 +17,10 @@ def test_torchs_five_keys_restore_the_scale_and_start_the_counters_from_zero():
     """A torch GradScaler's state dict restores the scale and tracker; the counters start from zero."""
     loaded = validated_state(OWNER, dict(TORCH_KEYS), SETTINGS)
     assert loaded.scale_state == ScaleState(256.0, 3, 2)
-    assert loaded.ledger == StepLedger()
+    assert loaded.counters == StepCounters()
 
 
-def test_counters_and_streaks_restore_the_ledger():
+def test_counters_and_streaks_restore_as_saved():
     """Saved counters, per-optimizer streaks and last_step_skipped come back as they were saved."""
     counters = {"optimizer_steps": 9, "skipped_steps": 4, "scale_backoffs": 2, "scale_growths": 1}
     saved = {
@@ -29,15 +29,15 @@ def test_counters_and_streaks_restore_the_ledger():
         "streaks": [2, 0],
         "last_step_skipped": True,
     }
-    ledger = validated_state(OWNER, saved, SETTINGS).ledger
-    assert ledger.counters() == {**counters, "consecutive_skips": 2}
-    assert ledger.streaks == {0: 2, 1: 0} and ledger.last_step_skipped is True
+    restored = validated_state(OWNER, saved, SETTINGS).counters
+    assert restored.counters() == {**counters, "consecutive_skips": 2}
+    assert restored.streaks == {0: 2, 1: 0} and restored.last_step_skipped is True
 
 
 def test_a_dict_without_streaks_gives_the_first_optimizer_the_saved_streak():
     """An older checkpoint with only consecutive_skips resumes that streak on the first optimizer."""
     saved = {**TORCH_KEYS, "counters": {"optimizer_steps": 5, "skipped_steps": 3, "consecutive_skips": 3}}
-    assert validated_state(OWNER, saved, SETTINGS).ledger.streaks == {0: 3}
+    assert validated_state(OWNER, saved, SETTINGS).counters.streaks == {0: 3}
 
 
 def test_static_and_check_modes_keep_their_own_scale():
@@ -57,11 +57,11 @@ def test_out_of_range_values_are_clamped_with_a_warning_naming_the_key():
     for key in ("'scale'", "'_growth_tracker'", "'hysteresis_tracker'", "max_consecutive_skips=5"):
         assert key in messages
     assert loaded.scale_state == ScaleState(SETTINGS.max_scale, 9, 2)
-    assert loaded.ledger.streaks == {0: 4}
+    assert loaded.counters.streaks == {0: 4}
 
 
 def test_changed_settings_are_warned_about_and_this_runs_win():
-    """A checkpoint written with other knobs loads under this run's knobs, with a warning naming both values."""
+    """A checkpoint written with other settings loads under this run's settings, with a warning naming both values."""
     with pytest.warns(UserWarning, match=r"growth_interval: 100 -> 10"):
         loaded = validated_state(OWNER, {**TORCH_KEYS, "growth_interval": 100}, SETTINGS)
     assert loaded.scale_state == ScaleState(256.0, 3, 2)

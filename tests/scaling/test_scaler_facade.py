@@ -19,7 +19,7 @@ def _both() -> tuple[torch.amp.GradScaler, LossScaler]:
     return torch.amp.GradScaler("cpu", **SETTINGS), LossScaler("cpu", **SETTINGS)
 
 
-def test_the_knobs_read_back_as_set_like_torchs():
+def test_the_settings_read_back_as_set_like_torchs():
     """Each getter returns the constructor's value, then the setter's, exactly as torch's GradScaler does."""
     theirs, ours = _both()
     assert isinstance(ours, torch.amp.GradScaler) and ours.is_enabled()

@@ -27,8 +27,8 @@ PROPERTY_SETTINGS = settings(
 
 
 @st.composite
-def valid_knobs(draw: st.DrawFn) -> dict[str, Any]:
-    """Knobs within their documented ranges, with scales small enough that a real fp32 gradient never overflows."""
+def valid_fields(draw: st.DrawFn) -> dict[str, Any]:
+    """Settings within their documented ranges, with scales small enough that a real fp32 gradient never overflows."""
     max_scale = draw(st.floats(1e-3, 2.0**24))
     min_scale = draw(st.one_of(st.none(), st.floats(1e-6, max_scale)))
     init_scale = draw(st.floats(min_scale if min_scale is not None else 1e-6, max_scale))
@@ -46,10 +46,10 @@ def valid_knobs(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @PROPERTY_SETTINGS
-@given(knobs=valid_knobs(), overflows=st.lists(st.booleans(), max_size=60))
-def test_next_state_keeps_the_scale_in_bounds_with_a_finite_inverse(knobs, overflows):
+@given(settings=valid_fields(), overflows=st.lists(st.booleans(), max_size=60))
+def test_next_state_keeps_the_scale_in_bounds_with_a_finite_inverse(settings, overflows):
     """Over any sequence of iterations the rules keep the scale a float32 in [floor, max_scale] with finite 1/scale."""
-    rules = ScalerSettings(**knobs)
+    rules = ScalerSettings(**settings)
     assume(rules.floor_float32 <= rules.max_scale)
     state = rules.initial_state()
     for overflow in overflows:
@@ -66,10 +66,10 @@ def test_next_state_keeps_the_scale_in_bounds_with_a_finite_inverse(knobs, overf
 
 
 @PROPERTY_SETTINGS
-@given(knobs=valid_knobs(), clean=st.integers(0, 30))
-def test_hysteresis_absorbs_exactly_hysteresis_minus_one_overflows(knobs, clean):
+@given(settings=valid_fields(), clean=st.integers(0, 30))
+def test_hysteresis_absorbs_exactly_hysteresis_minus_one_overflows(settings, clean):
     """From a full tracker, hysteresis - 1 overflows in a row keep the scale; the next one backs off (or collapses)."""
-    rules = ScalerSettings(**knobs)
+    rules = ScalerSettings(**settings)
     state = ScaleState(rules.initial_state().scale, 0, rules.hysteresis)
     for _ in range(rules.hysteresis - 1):
         transition = next_state(state, True, rules)
@@ -110,10 +110,10 @@ def _drive(scaler: LossScaler, model: nn.Linear, optimizer: torch.optim.Optimize
 @pytest.mark.slow
 @pytest.mark.parametrize("fused", [False, True], ids=["rules-on-host", "rules-on-device"])
 @PROPERTY_SETTINGS
-@given(knobs=valid_knobs(), overflows=st.lists(st.booleans(), max_size=30))
-def test_scaler_follows_next_state_on_the_host_and_on_the_device(fused, knobs, overflows):
+@given(settings=valid_fields(), overflows=st.lists(st.booleans(), max_size=30))
+def test_scaler_follows_next_state_on_the_host_and_on_the_device(fused, settings, overflows):
     """The real scaler (plain SGD: host rules; fused Adam: device rules) moves exactly as next_state says."""
-    rules = ScalerSettings(**knobs)
+    rules = ScalerSettings(**settings)
     # A range so narrow that it holds no float32 at all cannot be kept by a float32 scale.
     assume(rules.floor_float32 <= rules.max_scale)
     torch.manual_seed(0)
@@ -123,7 +123,7 @@ def test_scaler_follows_next_state_on_the_host_and_on_the_device(fused, knobs, o
         if fused
         else torch.optim.SGD(model.parameters(), lr=1e-3)
     )
-    scaler = LossScaler("cpu", **knobs)
+    scaler = LossScaler("cpu", **settings)
     expected = rules.initial_state()
     skipped = 0
     for overflow in overflows:
@@ -170,10 +170,10 @@ _PLUGIN_DEFAULTS_WHEN_NONE = {
     "backoff_factor": 0.5,
     "growth_interval": 2000,
 }
-"""torch's defaults, which MixedPrecision takes when these knobs are None."""
+"""torch's defaults, which MixedPrecision takes when these settings are None."""
 
 
-def _is_valid(knobs: dict[str, Any]) -> bool:
+def _is_valid(settings: dict[str, Any]) -> bool:
     """The documented ranges, written out independently of lightning_mp's checks."""
 
     def integer(value: Any) -> bool:
@@ -187,52 +187,52 @@ def _is_valid(knobs: dict[str, Any]) -> bool:
         except OverflowError:
             return False
 
-    min_scale, max_scale, init_scale = knobs["min_scale"], knobs["max_scale"], knobs["init_scale"]
+    min_scale, max_scale, init_scale = settings["min_scale"], settings["max_scale"], settings["init_scale"]
     return (
         real(init_scale)
         and init_scale > 0
-        and real(knobs["growth_factor"])
-        and knobs["growth_factor"] > 1
-        and real(knobs["backoff_factor"])
-        and 0 < knobs["backoff_factor"] < 1
-        and integer(knobs["growth_interval"])
-        and knobs["growth_interval"] >= 1
-        and integer(knobs["hysteresis"])
-        and knobs["hysteresis"] >= 1
+        and real(settings["growth_factor"])
+        and settings["growth_factor"] > 1
+        and real(settings["backoff_factor"])
+        and 0 < settings["backoff_factor"] < 1
+        and integer(settings["growth_interval"])
+        and settings["growth_interval"] >= 1
+        and integer(settings["hysteresis"])
+        and settings["hysteresis"] >= 1
         and real(max_scale)
         and COLLAPSE_FLOOR <= max_scale <= FLOAT32_MAX
         and (min_scale is None or (real(min_scale) and COLLAPSE_FLOOR <= min_scale <= max_scale))
         and (min_scale if min_scale is not None else COLLAPSE_FLOOR) <= init_scale <= max_scale
-        and isinstance(knobs["consecutive_hysteresis"], bool)
-        and knobs["on_min_scale"] in ("raise", "warn")
+        and isinstance(settings["consecutive_hysteresis"], bool)
+        and settings["on_min_scale"] in ("raise", "warn")
     )
 
 
 @st.composite
-def any_knobs(draw: st.DrawFn) -> dict[str, Any]:
-    """Valid knobs with any number of them replaced by invalid values."""
-    knobs = draw(valid_knobs())
+def any_fields(draw: st.DrawFn) -> dict[str, Any]:
+    """Valid settings with any number of them replaced by invalid values."""
+    settings = draw(valid_fields())
     for name, bad_values in INVALID.items():
         if draw(st.integers(0, 4)) == 0:
-            knobs[name] = draw(st.sampled_from(bad_values))
-    return knobs
+            settings[name] = draw(st.sampled_from(bad_values))
+    return settings
 
 
 @PROPERTY_SETTINGS
-@given(knobs=any_knobs(), overflows=st.lists(st.booleans(), max_size=6))
-def test_invalid_arguments_raise_value_error_and_valid_ones_never_crash(knobs, overflows):
+@given(settings=any_fields(), overflows=st.lists(st.booleans(), max_size=6))
+def test_invalid_arguments_raise_value_error_and_valid_ones_never_crash(settings, overflows):
     """Every invalid argument is a ValueError, from LossScaler and MixedPrecision alike; valid ones train."""
-    # The plugin's torch knobs take None for "torch's default", so that a GradScaler passed as `scaler` can be told
-    # apart from knobs given beside it; for the plugin a None there is that default, not an invalid value.
-    plugin_knobs = {
-        name: value for name, value in knobs.items() if not (name in _PLUGIN_DEFAULTS_WHEN_NONE and value is None)
+    # The plugin's torch settings take None for "torch's default", so that a GradScaler passed as `scaler` can be told
+    # apart from settings given beside it; for the plugin a None there is that default, not an invalid value.
+    plugin_fields = {
+        name: value for name, value in settings.items() if not (name in _PLUGIN_DEFAULTS_WHEN_NONE and value is None)
     }
     plugin_valid = _is_valid(
-        {**knobs, **{n: _PLUGIN_DEFAULTS_WHEN_NONE[n] for n in knobs.keys() - plugin_knobs.keys()}}
+        {**settings, **{n: _PLUGIN_DEFAULTS_WHEN_NONE[n] for n in settings.keys() - plugin_fields.keys()}}
     )
     cases = {
-        "LossScaler": (lambda: LossScaler("cpu", **knobs), _is_valid(knobs)),
-        "MixedPrecision": (lambda: MixedPrecision("16-mixed", **knobs), plugin_valid),
+        "LossScaler": (lambda: LossScaler("cpu", **settings), _is_valid(settings)),
+        "MixedPrecision": (lambda: MixedPrecision("16-mixed", **settings), plugin_valid),
     }
     for name, (construct, valid) in cases.items():
         if valid:
@@ -242,10 +242,10 @@ def test_invalid_arguments_raise_value_error_and_valid_ones_never_crash(knobs, o
             construct()
         except ValueError:
             continue
-        raise AssertionError(f"{name} accepted invalid arguments {knobs}")
-    if not _is_valid(knobs):
+        raise AssertionError(f"{name} accepted invalid arguments {settings}")
+    if not _is_valid(settings):
         return
-    scaler = LossScaler("cpu", **knobs)
+    scaler = LossScaler("cpu", **settings)
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     with warnings.catch_warnings():
@@ -255,6 +255,6 @@ def test_invalid_arguments_raise_value_error_and_valid_ones_never_crash(knobs, o
                 _drive(scaler, model, optimizer, overflow)
             except LossScaleCollapseError:
                 # The one documented way a valid scaler stops: the scale reached its floor.
-                assert knobs["on_min_scale"] == "raise"
+                assert settings["on_min_scale"] == "raise"
                 return
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -216,7 +216,7 @@ FUSED_OPTIMIZERS = {
 def test_a_grad_scale_set_on_a_fused_optimizer_divides_the_gradients_too(make_scaler, name, unscale_first):
     """A user's ``optimizer.grad_scale`` of 3 with a scale of 5 turns a gradient of 15 into 1, as in torch.
 
-    Upstream: test/test_torch.py test_grad_scaler_pass_itself (the ``grad_scale``/``found_inf`` hand-off it checks).
+    Upstream: test/test_torch.py test_grad_scaler_pass_itself (the ``grad_scale``/``found_inf`` fused step it checks).
     """
     if name == "Adagrad" and not FUSED_ADAGRAD_TAKES_FOUND_INF:
         pytest.skip("torch<2.12's fused Adagrad is outside the fused-step protocol; torch's GradScaler fails it too")
@@ -259,7 +259,7 @@ class _ReadsItsAttributes(_DeclaresAmpScaling):
 
 
 @pytest.mark.parametrize("make_scaler", [torch.amp.GradScaler, LossScaler], ids=["torch", "ours"])
-def test_a_custom_optimizer_declaring_amp_scaling_gets_torchs_hand_off(make_scaler):
+def test_a_custom_optimizer_declaring_amp_scaling_gets_torchs_fused_step(make_scaler):
     """step(grad_scaler=) receives the scaler (with torch's FutureWarning); one reading self.grad_scale gets the scale
     and found_inf tensors and still-scaled gradients; update then moves the scale.
 

@@ -132,7 +132,7 @@ TORCH_INVENTORY: tuple[UpstreamTest, ...] = (
         "also the grad_scale a user sets on a fused optimizer",
         local_tests(
             SCALER,
-            "test_a_custom_optimizer_declaring_amp_scaling_gets_torchs_hand_off",
+            "test_a_custom_optimizer_declaring_amp_scaling_gets_torchs_fused_step",
             "test_a_grad_scale_set_on_a_fused_optimizer_divides_the_gradients_too",
         ),
     ),

@@ -199,7 +199,7 @@ class MasterParams:
             seen[i] = None
 
     def free_master_grads(self) -> None:
-        """Free every master's fp32 gradient (kept after a skipped step, for the scaler to name the culprits)."""
+        """Free every master's fp32 gradient (kept after a skipped step, for the scaler's report)."""
         for master in self.master_params:
             master.grad = None
 

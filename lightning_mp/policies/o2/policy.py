@@ -26,7 +26,7 @@ and each master is kept out of sight beside its parameter (:mod:`~lightning_mp.p
 5. After the step the stepped masters are written into their parameters in one foreach copy, the one cast per
    weight per step, and both gradients, half and fp32, are freed: after a step an O2 parameter's ``.grad`` is None,
    as after ``zero_grad()``, and O2 keeps 14 bytes per parameter between steps with AdamW. A step skipped on the host
-   writes nothing and keeps the gradients until the next backward (the scaler names the culprits from them); in fp16
+   writes nothing and keeps the gradients until the next backward (the scaler's report reads them); in fp16
    it names the masters beyond fp16's range (:mod:`~lightning_mp.policies.o2.overflow`), which setup refuses too.
 6. ``teardown`` (after fit, and after a failed fit) writes every master back into its parameter as fp32 data and
    removes every hook: the model is the fp32 model it was, with the same parameter objects.
@@ -151,16 +151,16 @@ class O2Policy(PrecisionPolicy):
         overrides = keep_tied_weights_together(module, self.overrides)
         chosen = choose_parameters(module, overrides.kept_modules(module))
         materialized = [entry for entry in chosen.values() if not isinstance(entry[0], nn.UninitializedParameter)]
-        check_range([(keys[0], param) for param, _, keys in materialized], self.half_dtype)
+        check_range([(keys[0], param) for param, keys in materialized], self.half_dtype)
         # One MasterParams for every model this run converts (Fabric sets up a GAN's two models one by one); each
         # model's state-dict hooks know its own entries, whose names may repeat in another model.
         if self.masters is None:
             self.masters = MasterParams(self.half_dtype)
         masters = self.masters
-        indices = [masters.add(param, keys) for param, _, keys in materialized]
+        indices = [masters.add(param, keys) for param, keys in materialized]
         self.lazy_params += [
             (keys[0], param, indices, module)
-            for param, _, keys in chosen.values()
+            for param, keys in chosen.values()
             if isinstance(param, nn.UninitializedParameter)
         ]
         self.hook_handles += masters.register_state_dict_hooks(module, indices)
@@ -203,7 +203,7 @@ class O2Policy(PrecisionPolicy):
 
     @override
     def backward_context(self) -> AbstractContextManager:
-        """Free the masters' fp32 gradients a skipped step kept: the scaler has named its culprits by now."""
+        """Free the masters' fp32 gradients a skipped step kept: the scaler has reported them by now."""
         if self._master_grads_kept and self.masters is not None:
             self._master_grads_kept = False
             self.masters.free_master_grads()

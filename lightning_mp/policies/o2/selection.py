@@ -26,9 +26,6 @@ from torch.nn.utils import parametrize
 
 from lightning_mp.policies.casting import is_normalization
 
-Holders = list[tuple[nn.Module, str]]
-"""Every ``(module, name)`` under which a module holds one parameter (a tied parameter has several)."""
-
 
 def computes_weights_in_fp32(module: nn.Module) -> set[nn.Module]:
     """The modules under ``module`` whose forward needs their fp32 parameters themselves, not half model parameters.
@@ -47,8 +44,8 @@ def computes_weights_in_fp32(module: nn.Module) -> set[nn.Module]:
     return found
 
 
-def choose_parameters(module: nn.Module, kept: set[nn.Module]) -> dict[int, tuple[nn.Parameter, Holders, list[str]]]:
-    """The fp32 parameters of ``module`` that get a half model parameter, by ``id``, with their holders and names.
+def choose_parameters(module: nn.Module, kept: set[nn.Module]) -> dict[int, tuple[nn.Parameter, list[str]]]:
+    """The fp32 parameters of ``module`` that O2 casts to half, by ``id``, with their names (a tied one has several).
 
     Args:
         module: the model.
@@ -56,7 +53,7 @@ def choose_parameters(module: nn.Module, kept: set[nn.Module]) -> dict[int, tupl
 
     """
     in_fp32 = kept | computes_weights_in_fp32(module)
-    chosen: dict[int, tuple[nn.Parameter, Holders, list[str]]] = {}
+    chosen: dict[int, tuple[nn.Parameter, list[str]]] = {}
     held_in_fp32: dict[int, str] = {}  # id of each parameter a module computing in fp32 holds -> its name there
     for module_name, child in module.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
@@ -68,12 +65,9 @@ def choose_parameters(module: nn.Module, kept: set[nn.Module]) -> dict[int, tupl
         for name, parameter in own:
             if parameter.dtype != torch.float32:
                 continue
-            _, holders, keys = chosen.setdefault(id(parameter), (parameter, [], []))
-            if (child, name) not in holders:
-                holders.append((child, name))
-            keys.append(prefix + name)
+            chosen.setdefault(id(parameter), (parameter, []))[1].append(prefix + name)
     for tied in chosen.keys() & held_in_fp32.keys():
-        _, _, keys = chosen.pop(tied)
+        _, keys = chosen.pop(tied)
         rank_zero_warn(
             f"lightning_mp O2: {', '.join(repr(key) for key in keys)} stays an fp32 weight without a half copy: it"
             f" is tied to {held_in_fp32[tied]!r}, whose module computes with its fp32 weight, and tied weights are"

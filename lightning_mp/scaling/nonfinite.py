@@ -5,7 +5,7 @@ parameters to blame: each parameter of the optimizers involved whose gradient ho
 name where the opt level told the scaler its names (``param_names``), else by its place in the optimizer
 (``optimizers[0].param_groups[1][2]``). Reading every gradient synchronises with the device, so it is done on failing
 runs only: when the error is raised, and at a skipped step within two steps of the streak limit, while the gradients
-still exist (a manual loop may zero them right after ``step``; the :class:`~lightning_mp.scaling.ledger.StepLedger`
+still exist (a manual loop may zero them right after ``step``; the :class:`~lightning_mp.scaling.counters.StepCounters`
 keeps those names).
 """
 
@@ -17,12 +17,12 @@ from typing import Protocol
 import torch
 
 from lightning_mp.errors import NonFiniteStepsError
+from lightning_mp.scaling.counters import StepCounters
 from lightning_mp.scaling.gradients import nonfinite_gradients
-from lightning_mp.scaling.ledger import StepLedger
 
-__all__ = ["Culprits", "Optimizers", "nonfinite_parameters", "raise_on_streak"]
+__all__ = ["NonfiniteParameters", "Optimizers", "nonfinite_parameters", "raise_on_streak"]
 
-Culprits = list[tuple[str, tuple[int, ...]]]
+NonfiniteParameters = list[tuple[str, tuple[int, ...]]]
 """``(name, shape)`` of each parameter whose gradient is not finite."""
 
 
@@ -37,7 +37,9 @@ class Optimizers(Protocol):
         ...
 
 
-def nonfinite_parameters(optimizers: Optimizers, names: Mapping[int, str], indices: Iterable[int]) -> Culprits:
+def nonfinite_parameters(
+    optimizers: Optimizers, names: Mapping[int, str], indices: Iterable[int]
+) -> NonfiniteParameters:
     """The parameters of the optimizers ``indices`` whose gradients (those their steps apply) hold an inf or a NaN.
 
     .. warning:: Reads every gradient of those optimizers on the host: one sync per gradient on an accelerator.
@@ -57,10 +59,10 @@ def _positions(optimizer: torch.optim.Optimizer) -> list[tuple[int, int]]:
 
 
 def raise_on_streak(
-    ledger: StepLedger,
+    counters: StepCounters,
     limit: int | None,
     optimizers: Optimizers,
-    culprits: Callable[[list[int]], Culprits],
+    nonfinite: Callable[[list[int]], NonfiniteParameters],
     scale: Callable[[], float],
 ) -> None:
     """Raise for the first optimizer whose streak of skipped steps reached ``limit``; nothing when none did.
@@ -72,13 +74,13 @@ def raise_on_streak(
             those remembered at a skipped step near the limit.
 
     """
-    for index, streak in ledger.streaks_reaching(limit):
+    for index, streak in counters.streaks_reaching(limit):
         optimizer = optimizers.at(index)
         optimizer = getattr(optimizer, "optimizer", optimizer)  # name the optimizer, not its wrapper
         raise NonFiniteStepsError(
-            step=ledger.optimizer_steps,
+            step=counters.optimizer_steps,
             consecutive_skips=streak,
             scale=scale(),
-            nonfinite_parameters=culprits([index]) or ledger.last_culprits.get(index, []),
+            nonfinite_parameters=nonfinite([index]) or counters.last_nonfinite.get(index, []),
             optimizer=f"optimizer {index} ({type(optimizer).__name__})" if optimizer is not None else None,
         )

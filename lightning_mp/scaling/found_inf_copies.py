@@ -10,7 +10,7 @@ host buffer per flag and a numpy view of it, made once:
 * on an accelerator a non-blocking copy fills a pinned buffer (one of two, so that the copy in flight never
   overwrites the one being read) and an event marks when it is complete; the host reads it one iteration later.
 
-.. warning:: On an accelerator, :meth:`HostMirror.read` waits for the copy's event when the device is more than one
+.. warning:: On an accelerator, :meth:`FoundInfCopies.read` waits for the copy's event when the device is more than one
    iteration behind the host: that bounds how late an error can be raised to one iteration.
 """
 
@@ -24,7 +24,7 @@ import torch
 Reader = Callable[[], float]
 
 
-class HostMirror:
+class FoundInfCopies:
     """Publishes device tensors of one element to host buffers, and reads them back without a sync."""
 
     def __init__(self) -> None:
@@ -33,7 +33,7 @@ class HostMirror:
 
     def __getstate__(self) -> dict[str, Any]:
         """Host buffers and views of device memory are not pickled: an unpickled mirror makes them again."""
-        return HostMirror().__dict__
+        return FoundInfCopies().__dict__
 
     def publish(self, key: Any, tensor: torch.Tensor) -> Reader:
         """Start copying ``tensor`` to the host; return a function that reads the copy once it is complete."""

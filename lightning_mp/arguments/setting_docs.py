@@ -1,12 +1,12 @@
 """Settings fields that carry their own documentation and check, and the docstrings written from them.
 
-A knob is a field of a frozen settings dataclass (:class:`~lightning_mp.scaling.rules.ScalerSettings`,
-:class:`~lightning_mp.settings.PluginSettings`) whose ``metadata`` is :func:`knob`'s: the one text that documents it
+A setting is a field of a frozen settings dataclass (:class:`~lightning_mp.scaling.rules.ScalerSettings`,
+:class:`~lightning_mp.settings.PluginSettings`) whose ``metadata`` is :func:`setting`'s: the one text that documents it
 and the one ``check(owner, name, value)`` that validates it (returning the value as a plain Python value, or raising
-a ``ValueError`` that names ``owner``, the argument, the value and what is allowed). The classes that take the knobs
-as keyword arguments (:class:`~lightning_mp.MixedPrecision`, :class:`~lightning_mp.LossScaler`) give the knob's text
+a ``ValueError`` that names ``owner``, the argument, the value and what is allowed). The classes that take the settings
+as keyword arguments (:class:`~lightning_mp.MixedPrecision`, :class:`~lightning_mp.LossScaler`) give the setting's text
 in their ``Args:`` section, written out in the source so that it reads well there, in ``help()``, in Sphinx and in
-LightningCLI's ``--help``; :func:`with_knob_docs` checks, when the class is defined, that each entry is the knob's
+LightningCLI's ``--help``; :func:`with_setting_docs` checks, when the class is defined, that each entry is the setting's
 text word for word, so the docstrings cannot disagree.
 """
 
@@ -20,35 +20,35 @@ from typing import Any, TypeVar
 
 from lightning_mp.arguments.checks import exact
 
-__all__ = ["knob", "knob_disagreements", "knob_doc", "with_knob_docs"]
+__all__ = ["setting", "setting_doc", "setting_doc_disagreements", "with_setting_docs"]
 
 Check = Callable[[str, str, Any], Any]
 _Documented = TypeVar("_Documented", bound=type)
 _ENTRY = re.compile(r"^(?P<name>\w+): (?P<text>.*)$")
 
 
-def knob(doc: str, check: Check | None = None) -> dict[str, Any]:
+def setting(doc: str, check: Check | None = None) -> dict[str, Any]:
     """The metadata of a settings field: its one ``doc`` and its one ``check(owner, name, value)``.
 
     Example:
         >>> from dataclasses import dataclass, field
         >>> @dataclass(frozen=True)
         ... class Settings:
-        ...     steps: int = field(default=10, metadata=knob("how many steps to run."))
-        >>> knob_doc(Settings, "steps")
+        ...     steps: int = field(default=10, metadata=setting("how many steps to run."))
+        >>> setting_doc(Settings, "steps")
         'how many steps to run.'
 
     """
     return {"doc": doc} if check is None else {"doc": doc, "check": check}
 
 
-def knob_doc(settings: type, name: str) -> str:
-    """The one documentation of the knob ``name`` of the settings dataclass ``settings``."""
+def setting_doc(settings: type, name: str) -> str:
+    """The one documentation of the setting ``name`` of the settings dataclass ``settings``."""
     return next(field.metadata["doc"] for field in fields(settings) if field.name == name)
 
 
-def knob_default(settings: type, name: str) -> Any:
-    """The default of the knob ``name`` of the settings dataclass ``settings``."""
+def setting_default(settings: type, name: str) -> Any:
+    """The default of the setting ``name`` of the settings dataclass ``settings``."""
     return next(field.default for field in fields(settings) if field.name == name)
 
 
@@ -76,12 +76,12 @@ def _args_entries(doc: str) -> dict[str, str]:
     return entries
 
 
-def knob_disagreements(cls: type, *settings: type) -> list[str]:
-    """Where ``cls``'s docstring does not give a knob's one documentation; empty where it does.
+def setting_doc_disagreements(cls: type, *settings: type) -> list[str]:
+    """Where ``cls``'s docstring does not give a setting's one documentation; empty where it does.
 
     Each argument of ``cls.__init__`` that is a field of one of ``settings`` (the first that declares it wins) must
-    have an entry in the ``Args:`` section whose text, whitespace aside, is the knob's documentation, optionally
-    followed by a sentence of the class's own; where that sentence reads ``None means X.``, ``X`` must be the knob's
+    have an entry in the ``Args:`` section whose text, whitespace aside, is the setting's documentation, optionally
+    followed by a sentence of the class's own; where that sentence reads ``None means X.``, ``X`` must be the setting's
     default as :func:`~lightning_mp.arguments.checks.exact` writes it. A class without a docstring (``python -OO``)
     has nothing to disagree.
     """
@@ -94,15 +94,15 @@ def knob_disagreements(cls: type, *settings: type) -> list[str]:
         owner = next((s for s in settings if name in {f.name for f in fields(s) if "doc" in f.metadata}), None)
         if owner is None:
             continue
-        expected = " ".join(knob_doc(owner, name).split())
+        expected = " ".join(setting_doc(owner, name).split())
         given = entries.get(name)
         if given is None:
-            problems.append(f"{cls.__name__}: the Args: section has no entry for the knob {name!r}")
+            problems.append(f"{cls.__name__}: the Args: section has no entry for the setting {name!r}")
             continue
         if not (given == expected or given.startswith(expected + " ")):
-            problems.append(f"{cls.__name__}: {name}: the docstring says {given!r}, the knob's text is {expected!r}")
+            problems.append(f"{cls.__name__}: {name}: the docstring says {given!r}, the setting's text is {expected!r}")
             continue
-        default = knob_default(owner, name)
+        default = setting_default(owner, name)
         shown = exact(default) if isinstance(default, (int, float)) and not isinstance(default, bool) else default
         none_means = re.search(r"None means (\S+)\.$", given.removeprefix(expected))
         if none_means is not None and none_means[1] != str(shown):
@@ -112,21 +112,22 @@ def knob_disagreements(cls: type, *settings: type) -> list[str]:
     return problems
 
 
-def with_knob_docs(*settings: type) -> Callable[[_Documented], _Documented]:
-    """Class decorator: check that the class docstring gives each knob's documentation, word for word.
+def with_setting_docs(*settings: type) -> Callable[[_Documented], _Documented]:
+    """Class decorator: check that the class docstring gives each setting's documentation, word for word.
 
     The docstring is written out in the source, so that a reader of the source, ``help()``, Sphinx and LightningCLI's
-    ``--help`` read the same text; this check (:func:`knob_disagreements`) keeps it the knob's one documentation.
+    ``--help`` read the same text; this check (:func:`setting_doc_disagreements`) keeps it the setting's one
+    documentation.
 
     Raises:
-        TypeError: when the class is defined, if its docstring and a knob's documentation disagree, naming both.
+        TypeError: when the class is defined, if its docstring and a setting's documentation disagree, naming both.
 
     """
 
     def check(cls: _Documented) -> _Documented:
-        problems = knob_disagreements(cls, *settings)
+        problems = setting_doc_disagreements(cls, *settings)
         if problems:
-            raise TypeError("the docstring disagrees with the knobs' documentation: " + "; ".join(problems))
+            raise TypeError("the docstring disagrees with the settings' documentation: " + "; ".join(problems))
         return cls
 
     return check

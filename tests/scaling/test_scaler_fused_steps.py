@@ -1,4 +1,4 @@
-"""bf16 and fp32 ("check" mode) skip non-finite steps on the device: the fused hand-off of foreach and single-tensor
+"""bf16 and fp32 ("check" mode) skip non-finite steps on the device: the fused step of foreach and single-tensor
 Adam, AdamW, SGD and Adagrad, against the optimizer used as the user configured it.
 
 A step runs through torch's fused kernel of the same update rule, given the inf flag: no host sync, the user's
@@ -65,7 +65,7 @@ def test_a_check_mode_step_never_syncs_and_a_nonfinite_one_changes_nothing(name)
 
 
 @pytest.mark.parametrize("name", HANDED_OFF)
-def test_the_hand_off_keeps_the_users_optimizer_configuration_and_state_layout(name):
+def test_the_fused_step_keeps_the_users_optimizer_configuration_and_state_layout(name):
     """param_groups read as configured after steps, and the state dict loads into a fresh optimizer of the same form."""
     model = _model()
     optimizer = OPTIMIZER_FORMS[name](model.parameters(), lr=0.1)

@@ -158,8 +158,8 @@ LEVELS = [
 @pytest.mark.filterwarnings(
     "ignore:.*opt_level='O3'", "ignore:.*which is 0 in", "ignore:.*fp16 \\('16-mixed'\\) on the CPU", "ignore:.*bf16"
 )
-@pytest.mark.parametrize(("precision", "opt_level", "knobs"), LEVELS)
-def test_every_step_taken_moves_every_weight_with_every_optimizer_form(precision, opt_level, knobs):
+@pytest.mark.parametrize(("precision", "opt_level", "settings"), LEVELS)
+def test_every_step_taken_moves_every_weight_with_every_optimizer_form(precision, opt_level, settings):
     """Two Fabric steps of each form of Adam, AdamW, SGD and Adagrad (lean: Adagrad refused) change every weight
     tensor at each step that the stats count as taken.
 
@@ -167,7 +167,7 @@ def test_every_step_taken_moves_every_weight_with_every_optimizer_form(precision
     over half weights in some releases) would leave it whole; the second step is the first that momentum SGD hands to
     a fused kernel. Where that kernel is wrong, O3 refuses a user's own ``SGD(fused=True)``, naming the argument.
     """
-    plugin = MixedPrecision(precision, opt_level=opt_level, **knobs)
+    plugin = MixedPrecision(precision, opt_level=opt_level, **settings)
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     names = [name for name in OPTIMIZER_FORMS if not (opt_level.startswith("lean") and "Adagrad" in name)]
     runs = {}

@@ -1,4 +1,4 @@
-"""Skipping an optimizer step on the device: torch's fused-step protocol, and the hand-off to a fused kernel.
+"""Skipping an optimizer step on the device: torch's fused-step protocol, and the switch to a fused kernel.
 
 torch's fused optimizers (Adam, AdamW, SGD, Adagrad with ``fused=True``, or any optimizer that declares
 ``_step_supports_amp_scaling``) read two attributes during ``step``: ``found_inf``, the inf flag, and
@@ -16,7 +16,7 @@ the CPU, moves once to the parameter's device as the fused kernel needs it (:fun
 loads a checkpoint's step count onto either device for every form, so checkpoints resume both ways.
 
 Two alternatives were measured on the CPU (``lightning_mp.bench.counting``, foreach AdamW on a 30-tensor LM): the
-hand-off
+fused step
 adds 0 syncs and runs the update in 5 ops against foreach's 11; a device-side select of the old or the new weights
 and states would cost 253 ops and 2x the state's memory, and still read the CPU step count on the host.
 
@@ -144,7 +144,7 @@ def configured_fused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
     SGD and Adagrad note on the optimizer, at their first fused step, that they checked a parameter for the fused
     kernel (a floating tensor on a supported device), and skip that check at their later fused steps. The note is
-    left: :func:`has_fused_form` checks the same of every parameter before each hand-off, and an optimizer's
+    left: :func:`has_fused_form` checks the same of every parameter before each fused step, and an optimizer's
     ``state_dict``, pickle and deep copy leave it out (they keep ``defaults``, ``state`` and ``param_groups``).
     """
     groups = optimizer.param_groups

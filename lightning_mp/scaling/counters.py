@@ -1,6 +1,6 @@
-"""The loss scaler's ledger: what the steps did, counted per iteration and per optimizer.
+"""The loss scaler's counters: what the steps did, counted per iteration and per optimizer.
 
-The scaler decides; the ledger only counts. Once the host can read an iteration's inf flags (at once on the CPU, one
+The scaler decides; the counters only count. Once the host can read an iteration's inf flags (at once on the CPU, one
 iteration late on an accelerator), the scaler hands them over with the optimizers that stepped:
 
 * every optimizer that stepped adds one to ``optimizer_steps``; one whose flag is set (its step was skipped) adds
@@ -11,9 +11,9 @@ iteration late on an accelerator), the scaler hands them over with the optimizer
 Streaks are kept per optimizer (by the index the scaler gave it), so that an optimizer whose gradients are never
 finite is caught even while another one steps cleanly; ``consecutive_skips`` is the longest current streak.
 
-The state is declared once, as the fields of :class:`StepLedger` (as torchmetrics declares a metric's state): a new
-ledger is the reset, pickling copies the fields, and the checkpoint's ``counters`` are the fields marked as counters,
-plus ``consecutive_skips``, which is derived from the streaks.
+The state is declared once, as the fields of :class:`StepCounters` (as torchmetrics declares a metric's state): a new
+``StepCounters`` is the reset, pickling copies the fields, and the checkpoint's ``counters`` are the fields marked as
+counters, plus ``consecutive_skips``, which is derived from the streaks.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ _COUNTER = {"counter": True}
 
 
 @dataclass
-class StepLedger:
+class StepCounters:
     """Counters and streaks of a loss scaler's steps.
 
     Example:
-        >>> ledger = StepLedger()
-        >>> ledger.record_iteration(stepped=[0, 1], skipped={1})
-        >>> ledger.record_iteration(stepped=[0, 1], skipped={1})
-        >>> ledger.counters()
+        >>> counters = StepCounters()
+        >>> counters.record_iteration(stepped=[0, 1], skipped={1})
+        >>> counters.record_iteration(stepped=[0, 1], skipped={1})
+        >>> counters.counters()
         {'optimizer_steps': 4, 'skipped_steps': 2, 'scale_backoffs': 0, 'scale_growths': 0, 'consecutive_skips': 2}
 
     """
@@ -50,7 +50,7 @@ class StepLedger:
     """Whether a step of the last counted iteration was skipped."""
     streaks: dict[int, int] = field(default_factory=dict)
     """Optimizer index -> its current number of skipped steps in a row."""
-    last_culprits: dict[int, list[tuple[str, tuple[int, ...]]]] = field(default_factory=dict)
+    last_nonfinite: dict[int, list[tuple[str, tuple[int, ...]]]] = field(default_factory=dict)
     """Per optimizer, the non-finite gradients seen at a skipped step near the streak limit, for the error: a manual
     loop that zeroes the gradients after ``step`` leaves none to inspect once the streak is counted."""
 
@@ -76,7 +76,7 @@ class StepLedger:
                 self.streaks[index] = self.streaks.get(index, 0) + 1
             else:
                 self.streaks[index] = 0
-                self.last_culprits.pop(index, None)
+                self.last_nonfinite.pop(index, None)
 
     def record_scale_move(self, before: float, after: float) -> None:
         """Count a backoff or a growth when the scale moved from ``before`` to ``after``."""
@@ -105,7 +105,7 @@ class StepLedger:
         return [self.streaks.get(i, 0) for i in range(max(optimizers, len(self.streaks)))]
 
     @classmethod
-    def restored(cls, counters: Mapping[str, Any], streaks: list[int], last_step_skipped: bool) -> StepLedger:
-        """A ledger from validated checkpoint values (``consecutive_skips`` is derived from ``streaks``)."""
+    def restored(cls, counters: Mapping[str, Any], streaks: list[int], last_step_skipped: bool) -> StepCounters:
+        """A counters from validated checkpoint values (``consecutive_skips`` is derived from ``streaks``)."""
         stored = {f.name: counters[f.name] for f in fields(cls) if f.metadata.get("counter")}
         return cls(**stored, last_step_skipped=last_step_skipped, streaks=dict(enumerate(streaks)))
