@@ -178,6 +178,16 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
                 f" fp8={self.fp8_settings.recipe!r}) with ModelParallelStrategy and call plugin.fp8_convert(self) in"
                 " configure_model before fully_shard, or drop fp8 to train under FSDPStrategy."
             )
+        eval_precision = self.settings.eval_precision
+        if eval_precision in ("16-true", "bf16-true") or (
+            self.opt_level == "O2" and eval_precision not in (None, self.requested_precision)
+        ):
+            raise ValueError(
+                f"FSDPMixedPrecision(opt_level={self.opt_level!r}, eval_precision={eval_precision!r}) is not allowed:"
+                " FSDP computes with the weights it gathers in its own param_dtype, so evaluation cannot swap in other"
+                " weights. Under FSDPStrategy evaluate in the training precision (eval_precision=None), or at O1 in"
+                " another autocast ('16-mixed', 'bf16-mixed') or in '32-true'."
+            )
         self._model: nn.Module | None = None
         """The module the strategy wraps (under the Trainer, the LightningModule, whose Trainer holds the root)."""
         self._units_checked = False

@@ -34,10 +34,20 @@ from lightning_mp.policies import POLICIES
 from lightning_mp.scaler import LossScaler
 from lightning_mp.scaling.rules import FLOAT32_MAX, SCALER_DEFAULTS, STATIC_SCALE_FLOOR, ScalerSettings
 
-__all__ = ["HALF_DTYPES", "PRECISIONS", "TORCH_SCALER_SETTINGS", "PluginSettings", "PrecisionName"]
+__all__ = [
+    "EVAL_PRECISIONS",
+    "HALF_DTYPES",
+    "PRECISIONS",
+    "TORCH_SCALER_SETTINGS",
+    "EvalPrecisionName",
+    "PluginSettings",
+    "PrecisionName",
+]
 
 PrecisionName = Literal["auto", "16-mixed", "bf16-mixed", "32-true"]
 PRECISIONS: tuple[str, ...] = ("auto", "16-mixed", "bf16-mixed", "32-true")
+EvalPrecisionName = Literal["auto", "16-mixed", "bf16-mixed", "32-true", "16-true", "bf16-true"]
+EVAL_PRECISIONS: tuple[str, ...] = (*PRECISIONS, "16-true", "bf16-true")
 HALF_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 """The half dtype of each mixed precision."""
 TORCH_SCALER_SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -49,12 +59,27 @@ PRECISION_ALIASES: dict[Any, str] = {
     **dict.fromkeys((32, "32", "fp32", "float32", "full"), "32-true"),
 }
 """Common spellings of the precisions, for the "did you mean" of an error message."""
+EVAL_PRECISION_ALIASES: dict[Any, str] = {
+    **dict.fromkeys((16, "16", "fp16", "float16", "half"), "16-true"),
+    **dict.fromkeys(("bf16", "bfloat16"), "bf16-true"),
+    **dict.fromkeys((32, "32", "fp32", "float32", "full"), "32-true"),
+    "mixed": "16-mixed",
+    "amp": "16-mixed",
+}
+"""Common spellings of the evaluation precisions, for the "did you mean" of an error message."""
 OPT_LEVEL_ALIASES: dict[Any, str] = {level: f"O{level}" for level in range(4)}
 
 
 def _precision(owner: str, name: str, precision: Any) -> PrecisionName:
     check_choice(owner, name, precision, PRECISIONS, PRECISION_ALIASES)
     return cast(PrecisionName, precision)
+
+
+def _eval_precision(owner: str, name: str, precision: Any) -> EvalPrecisionName | None:
+    if precision is None:
+        return None
+    check_choice(owner, name, precision, EVAL_PRECISIONS, EVAL_PRECISION_ALIASES)
+    return cast(EvalPrecisionName, precision)
 
 
 def _device_type(owner: str, name: str, device: Any) -> str | None:
@@ -151,6 +176,17 @@ class PluginSettings:
             " qualified names, or regular expressions prefixed with ``re:`` (:mod:`lightning_mp.overrides`); None or"
             " empty keeps none.",
             _keep_fp32,
+        ),
+    )
+    eval_precision: EvalPrecisionName | None = field(
+        default=None,
+        metadata=setting(
+            "the precision validation, test and predict run in, inside ``fit`` and in ``trainer.validate``, ``test``"
+            ' and ``predict`` (under Fabric, inside ``plugin.evaluation()``): ``"16-mixed"`` or ``"bf16-mixed"``'
+            ' (autocast over fp32 weights), ``"16-true"`` or ``"bf16-true"`` (half weights, no autocast),'
+            ' ``"32-true"``, or ``"auto"`` (what ``precision="auto"`` chooses); None evaluates as the model trains.'
+            " Evaluation leaves training bitwise as it would be without it (:mod:`lightning_mp.policies.evaluation`).",
+            _eval_precision,
         ),
     )
     scaler: ScalerSettings = SCALER_DEFAULTS

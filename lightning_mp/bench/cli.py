@@ -9,7 +9,9 @@ Three benchmarks share it, and ``gpu-proof`` as the first argument runs the GPU 
   ``--workload`` picks others, ``--quick`` runs a smoke test in this process;
 - ``--memory``: tensor memory of one step per configuration (:mod:`~lightning_mp.bench.memory`);
 - ``--counts``: host syncs and ops per iteration (:mod:`~lightning_mp.bench.counts`), then weight casts, ops,
-  Python calls and DDP bytes all-reduced of one step per opt level (:mod:`~lightning_mp.bench.opt_level_counts`).
+  Python calls and DDP bytes all-reduced of one step per opt level (:mod:`~lightning_mp.bench.opt_level_counts`);
+- ``--eval``: time per validation batch and tensor memory added, per ``eval_precision``
+  (:mod:`~lightning_mp.bench.evaluation`).
 
 Every report is Markdown on stdout (``--out FILE.md`` keeps a copy); progress and warnings go to stderr.
 """
@@ -36,6 +38,7 @@ from lightning_mp.bench.configurations import (
     default_configurations,
 )
 from lightning_mp.bench.counts import counts_report
+from lightning_mp.bench.evaluation import run_evaluation
 from lightning_mp.bench.machine import machine_description, matmul_rates
 from lightning_mp.bench.memory import MEMORY_CONFIGURATIONS, run_memory
 from lightning_mp.bench.opt_level_counts import opt_level_report
@@ -134,6 +137,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="host syncs and compute ops per iteration, per precision and optimizer; weight casts, ops, Python calls"
         " and DDP bytes all-reduced per step, per opt level",
     )
+    parser.add_argument(
+        "--eval",
+        action="store_true",
+        help="time per validation batch and tensor memory added, per eval_precision, at O1 and O2 (CPU; default size"
+        " small)",
+    )
+    parser.add_argument(
+        "--eval-training",
+        default="bf16-mixed",
+        choices=["16-mixed", "bf16-mixed"],
+        help="with --eval: the precision the evaluated model trains in (default: bf16-mixed)",
+    )
     parser.add_argument("--worker", choices=list(CONFIGURATIONS), help=argparse.SUPPRESS)
     parser.add_argument("--result-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -141,10 +156,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         parser.error("--accelerator gpu needs a CUDA GPU, and torch sees none")
-    if args.counts and args.memory:
-        parser.error("--counts and --memory are two separate reports: ask for one at a time")
-    if args.memory and args.accelerator != "cpu":
-        parser.error("--memory measures on the CPU: use --accelerator cpu (or auto without a GPU)")
+    reports = [flag for flag in ("counts", "memory", "eval") if getattr(args, flag)]
+    if len(reports) > 1:
+        parser.error(f"{' and '.join('--' + flag for flag in reports)} are separate reports: ask for one at a time")
+    for flag in ("memory", "eval"):
+        if getattr(args, flag) and args.accelerator != "cpu":
+            parser.error(f"--{flag} measures on the CPU: use --accelerator cpu (or auto without a GPU)")
     _resolve_workloads(parser, args)
     for flag, normal, quick in (("steps", 20, 8), ("warmup", 3, 2), ("repeats", 3, 3)):
         value = getattr(args, flag)
@@ -177,11 +194,11 @@ def _resolve_workloads(parser: argparse.ArgumentParser, args: argparse.Namespace
     for (``auto``, ``tiny`` or ``full``).
     """
     if args.workload is None:
-        on_gpu_by_default = args.accelerator == "gpu" and not (args.quick or args.memory or args.counts)
+        on_gpu_by_default = args.accelerator == "gpu" and not (args.quick or args.memory or args.counts or args.eval)
         args.workload = list(GPU_WORKLOADS) if on_gpu_by_default else [MARKOV]
     gpu_workloads = [name for name in args.workload if name != MARKOV]
-    if gpu_workloads and (args.memory or args.counts):
-        flag = "--memory" if args.memory else "--counts"
+    if gpu_workloads and (args.memory or args.counts or args.eval):
+        flag = "--memory" if args.memory else "--counts" if args.counts else "--eval"
         parser.error(f"{flag} measures the {MARKOV} model: --workload {' '.join(gpu_workloads)} is not allowed with it")
     if args.worker is not None and len(args.workload) != 1:
         parser.error(f"--worker runs one workload, got --workload {' '.join(args.workload)}")
@@ -198,7 +215,15 @@ def _resolve_workloads(parser: argparse.ArgumentParser, args: argparse.Namespace
             if value is not None and not gpu_workloads:
                 parser.error(f"{flag} {value} applies to the GPU workloads; the {MARKOV} model takes --size")
         if args.size == "auto":
-            args.size = "tiny" if args.quick else "medium" if args.memory else auto_size(args.accelerator)
+            args.size = (
+                "tiny"
+                if args.quick
+                else "medium"
+                if args.memory
+                else "small"
+                if args.eval
+                else auto_size(args.accelerator)
+            )
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
 
@@ -310,6 +335,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.memory:
         warnings.filterwarnings("ignore")
         _emit(run_memory(args), args.out)
+        return 0
+    if args.eval:
+        warnings.filterwarnings("ignore")
+        _emit(run_evaluation(args), args.out)
         return 0
     if MARKOV in args.workload and args.accelerator == "cpu" and not device_has_native_bf16("cpu"):
         print(

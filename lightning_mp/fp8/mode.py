@@ -63,7 +63,9 @@ FP8_OPT_LEVELS = ("O1", "O2")
 """The opt levels the FP8 mode combines with."""
 
 
-def check_fp8_combination(owner: str, settings: FP8Settings, precision: str, opt_level: str) -> None:
+def check_fp8_combination(
+    owner: str, settings: FP8Settings, precision: str, opt_level: str, eval_precision: str | None = None
+) -> None:
     """Refuse a precision or an opt level FP8 does not combine with (module docstring), naming it and the fix.
 
     Raises:
@@ -87,6 +89,12 @@ def check_fp8_combination(owner: str, settings: FP8Settings, precision: str, opt
             f"{owner}(opt_level={opt_level!r}, fp8={settings.recipe!r}) is not supported: fp8 combines with"
             f" opt_level {' or '.join(repr(level) for level in FP8_OPT_LEVELS)} (fp32 or fp32-master weights);"
             f" {opt_level!r} is refused. Use opt_level='O1' (the default) or 'O2'."
+        )
+    if eval_precision not in (None, "bf16-mixed"):
+        raise ValueError(
+            f"{owner}(eval_precision={eval_precision!r}, fp8={settings.recipe!r}) is not supported: the FP8 layers"
+            " compute in FP8 in evaluation too, so no other precision could be honoured. Leave eval_precision=None"
+            " (or 'bf16-mixed') with fp8, or evaluate a model trained without fp8."
         )
 
 

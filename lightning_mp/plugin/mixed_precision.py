@@ -89,7 +89,7 @@ from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
 from lightning_mp.scaling.rules import SCALER_DEFAULTS, ScalerSettings
 from lightning_mp.scaling.sharded import has_sharded_parameters
-from lightning_mp.settings import PluginSettings, PrecisionName
+from lightning_mp.settings import EvalPrecisionName, PluginSettings, PrecisionName
 
 PLUGIN_DEFAULTS = PluginSettings()
 """The defaults of the plugin's own arguments; the scaler's are :data:`~lightning_mp.scaling.rules.SCALER_DEFAULTS`."""
@@ -142,6 +142,12 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
             False: then nothing is checked, as in Lightning's ``"bf16-mixed"`` and ``"32-true"``, a step writes inf/NaN
             into the weights, and ``skipped_steps`` stays 0. A scaled run (fp16) always skips: its overflows are
             routine.
+        eval_precision: the precision validation, test and predict run in, inside ``fit`` and in
+            ``trainer.validate``, ``test`` and ``predict`` (under Fabric, inside ``plugin.evaluation()``):
+            ``"16-mixed"`` or ``"bf16-mixed"`` (autocast over fp32 weights), ``"16-true"`` or ``"bf16-true"`` (half
+            weights, no autocast), ``"32-true"``, or ``"auto"`` (what ``precision="auto"`` chooses); None evaluates as
+            the model trains. Evaluation leaves training bitwise as it would be without it
+            (:mod:`lightning_mp.policies.evaluation`).
         fp8: run the linear layers' matmuls in FP8 with torchao's float8 training: a recipe name (``"tensorwise"``,
             ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a :class:`~lightning_mp.fp8.FP8Settings` for the layers kept
             in bf16 and the fallback thresholds. With ``precision="bf16-mixed"`` and ``opt_level`` ``"O1"`` or
@@ -181,6 +187,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         keep_fp32: Sequence[type | str] | None = PLUGIN_DEFAULTS.keep_fp32,
         max_consecutive_skips: int | None = SCALER_DEFAULTS.max_consecutive_skips,
         skip_nonfinite: bool = SCALER_DEFAULTS.skip_nonfinite,
+        eval_precision: EvalPrecisionName | str | int | None = PLUGIN_DEFAULTS.eval_precision,
         fp8: Fp8Recipe | FP8Settings | str | None = None,
     ) -> None:
         settings = PluginSettings.from_arguments(
@@ -205,6 +212,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
             keep_fp32=keep_fp32,
             max_consecutive_skips=max_consecutive_skips,
             skip_nonfinite=skip_nonfinite,
+            eval_precision=eval_precision,
         )
         self.settings = settings
         """Every argument, validated (:class:`~lightning_mp.settings.PluginSettings`)."""
@@ -218,7 +226,9 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         self.fp8_settings = fp8_settings_from_argument(type(self).__name__, fp8)
         """The FP8 mode's validated settings; None when the run has no FP8."""
         if self.fp8_settings is not None:
-            check_fp8_combination(type(self).__name__, self.fp8_settings, settings.precision, settings.opt_level)
+            check_fp8_combination(
+                type(self).__name__, self.fp8_settings, settings.precision, settings.opt_level, settings.eval_precision
+            )
             require_torchao(type(self).__name__, self.fp8_settings.recipe)
         self._given_loss_scaler = scaler if isinstance(scaler, LossScaler) else None
         """A LossScaler given as ``scaler=``, used as it is; a torch GradScaler is translated into the settings."""
@@ -303,6 +313,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
             if not isinstance(self._engine, TrainerEngine):
                 self._engine = trainer_engine(run, self, self.skip_scheduler_on_overflow)
             self._convert_fp8(module)
+            run.evaluation.track(module)
             return run.policy.convert_module(module)
         if self._run is not None and (
             previous_run_ended or (isinstance(self._engine, FabricEngine) and self._engine.has_stepped)
@@ -310,6 +321,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
             self._start_new_run()
         run = self._ensure_run(self.requested_device or fabric_device_type(module), has_sharded_parameters(module))
         self._convert_fp8(module)
+        run.evaluation.track(module)
         module = run.policy.convert_module(module)
         if not isinstance(self._engine, FabricEngine):
             self._engine = fabric_engine(run, self._follow_model_device)

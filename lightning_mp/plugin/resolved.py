@@ -7,6 +7,8 @@ into one frozen :class:`ResolvedSetup`, which the plugin's hooks read and none d
 * ``precision="auto"`` becomes bf16 where the device runs it natively, else fp16 on GPUs and MPS and fp32 on CPUs
   (:func:`~lightning_mp.plugin.hardware.choose_precision`), with the reason, logged once;
 * fp32 runs the ``O0`` opt level, whichever level was asked for: there is nothing to cast;
+* ``eval_precision`` becomes what validation, test and predict compute with
+  (:func:`~lightning_mp.policies.evaluation.eval_mode`), ``"auto"`` as ``precision="auto"`` chooses;
 * an opt level that keeps half weights with no fp32 masters (O3, lean) is shown to Lightning as ``"16-true"`` or
   ``"bf16-true"``, the names of Lightning's own half-weight runs, so that its ``ModelSummary`` sizes the model by its
   half weights. The checkpoint, ``repr(plugin)`` and ``plugin.requested_precision`` keep the mixed name.
@@ -31,6 +33,7 @@ from lightning_mp.plugin.hardware import (
     emulated_bf16_warning,
 )
 from lightning_mp.policies import PrecisionPolicy
+from lightning_mp.policies.evaluation import EvalMode, eval_mode
 from lightning_mp.settings import HALF_DTYPES, PluginSettings
 
 ShownPrecision = Literal["16-mixed", "bf16-mixed", "32-true", "16-true", "bf16-true"]
@@ -61,6 +64,8 @@ class ResolvedSetup:
     """``torch.float16`` or ``torch.bfloat16``; None in fp32."""
     shown_precision: ShownPrecision
     """The precision Lightning reads: :attr:`precision`, or its ``-true`` name where the weights are half."""
+    evaluation: EvalMode
+    """What validation, test and predict compute with (:mod:`lightning_mp.policies.evaluation`)."""
 
 
 def resolve_setup(
@@ -90,7 +95,12 @@ def resolve_setup(
     opt_level = "O0" if half_dtype is None else settings.opt_level
     policy_class = policy_class_for(opt_level)
     shown = HALF_WEIGHTS_SHOWN[precision] if policy_class.half_weights else precision
-    return ResolvedSetup(device_type, precision, reason, opt_level, policy_class, half_dtype, shown)
+    evaluation = _evaluation(settings, device_type, precision, shown)
+    return ResolvedSetup(device_type, precision, reason, opt_level, policy_class, half_dtype, shown, evaluation)
+
+
+def _evaluation(settings: PluginSettings, device_type: str, precision: str, shown: str) -> EvalMode:
+    return eval_mode(settings.eval_precision, [precision, shown], lambda: choose_precision(device_type, "O1")[0])
 
 
 def follow_device(setup: ResolvedSetup, settings: PluginSettings, run_device: str) -> ResolvedSetup:
@@ -114,7 +124,8 @@ def follow_device(setup: ResolvedSetup, settings: PluginSettings, run_device: st
                 f" but Fabric runs the model on {run_device!r}, where 'auto' means {choice!r}. Pass"
                 f" MixedPrecision(device={run_device!r}), or the precision itself."
             )
-    return replace(setup, device=run_device)
+    evaluation = _evaluation(settings, run_device, setup.precision, setup.shown_precision)
+    return replace(setup, device=run_device, evaluation=evaluation)
 
 
 def _warn_about_slow_half(

@@ -10,7 +10,9 @@ run steps with, all at once, so that a run is either whole or not there:
 3. the loss scaler (:mod:`lightning_mp.scaler`): dynamic in fp16 where the level scales by default, static for a
    fixed ``loss_scale``, else one that only checks for inf/NaN (bf16, fp32, a disabled torch GradScaler); a
    :class:`~lightning_mp.LossScaler` given as ``scaler=`` is used as it is;
-4. FP8's layers and fallbacks (:mod:`lightning_mp.fp8.mode`), when the plugin has ``fp8``.
+4. FP8's layers and fallbacks (:mod:`lightning_mp.fp8.mode`), when the plugin has ``fp8``;
+5. the evaluation in ``eval_precision`` (:mod:`lightning_mp.plugin.evaluation`), refused on a sharded model where it
+   would need other weights than the shards'.
 
 The step engine is not part of the run: the front end that converts the model chooses it (:func:`trainer_engine`,
 :func:`fabric_engine`), so a run that ``setup_for_device`` built steps with the Trainer's engine until a
@@ -28,6 +30,7 @@ from lightning_mp.engine import FabricEngine, TrainerEngine
 from lightning_mp.fp8.convert import check_fp8_device
 from lightning_mp.fp8.mode import Fp8Mode
 from lightning_mp.fp8.settings import FP8Settings
+from lightning_mp.plugin.evaluation import Evaluation, refuse_swapped_weights_when_sharded
 from lightning_mp.plugin.resolved import OWNER, ResolvedSetup, resolve_setup
 from lightning_mp.policies import POLICIES, SHARDED_POLICIES, PrecisionPolicy
 from lightning_mp.policies.sharded import refuse_half_weights
@@ -47,9 +50,12 @@ class Run:
     """The loss scaler; in bf16 and fp32 one that only checks for inf/NaN."""
     fp8: Fp8Mode | None
     """FP8's layers and fallbacks; None without ``fp8``."""
+    evaluation: Evaluation
+    """The models evaluated in ``eval_precision``, and the weights of the evaluation in progress."""
 
     def teardown(self) -> None:
-        """Have the opt level and FP8 drop their references to the model."""
+        """Have the opt level, FP8 and the evaluation drop their references to the model."""
+        self.evaluation.teardown()
         self.policy.teardown()
         if self.fp8 is not None:
             self.fp8.teardown()
@@ -93,6 +99,7 @@ def build_run(
     setup = resolve_setup(settings, device_type, policy_class_for)
     if sharded:
         refuse_half_weights(setup.policy_class, setup.precision)
+        refuse_swapped_weights_when_sharded(setup.evaluation, setup.policy_class, owner)
     fp8 = None
     if fp8_settings is not None:
         check_fp8_device(owner, fp8_settings.recipe, device_type)
@@ -100,7 +107,7 @@ def build_run(
     policy = setup.policy_class(setup.half_dtype, keep_fp32=keep_fp32)
     loss_scaler = given_loss_scaler or _build_loss_scaler(settings, setup)
     loss_scaler.allow_fp16_gradients = setup.policy_class.half_gradients
-    return Run(setup, policy, loss_scaler, fp8)
+    return Run(setup, policy, loss_scaler, fp8, Evaluation(policy))
 
 
 def _build_loss_scaler(settings: PluginSettings, setup: ResolvedSetup) -> LossScaler:

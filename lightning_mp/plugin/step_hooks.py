@@ -4,8 +4,9 @@ The Trainer and Fabric call a precision plugin at fixed points of a step (``forw
 ``backward``, ``optimizer_step``, ``clip_gradients``, ...). :class:`StepHooks` answers each of them by handing it to
 the engine chosen when the model was converted: the Trainer's (:mod:`lightning_mp.engine.trainer`) or Fabric's
 (:mod:`lightning_mp.engine.fabric`). What a step is, and what both engines share, is written once in
-:mod:`lightning_mp.engine.base`; the hooks here add nothing but autocast, which is the forward context: the opt
-level's forward context (O2: half weights) around ``torch.autocast`` in the run's half type and device.
+:mod:`lightning_mp.engine.base`; the hooks here add autocast, which is the forward context: the opt level's forward
+context around ``torch.autocast`` in the run's half type and device. Validation, test and predict steps, and
+``plugin.evaluation()`` blocks, run in ``eval_precision`` (:mod:`lightning_mp.plugin.evaluation`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing_extensions import override
 from lightning_mp.engine import StepEngine
 from lightning_mp.plugin.compile import autocast_by_flags, backward_outside_autocast
 from lightning_mp.plugin.run import Run
+from lightning_mp.policies.evaluation import EvalWeights
 
 
 class StepHooks(LightningMixedPrecision):
@@ -45,18 +47,22 @@ class StepHooks(LightningMixedPrecision):
         if self._engine is not None and not compiling:
             self._engine.before_forward()
         setup, policy = run.setup, run.policy
+        if run.evaluation.active:
+            autocast_dtype = setup.evaluation.autocast_dtype
+        else:
+            autocast_dtype = setup.half_dtype if policy.uses_autocast else None
         # Traced inside a compiled model the level's context is left out: a graph cannot swap O2's weights.
         with contextlib.nullcontext() if compiling else policy.forward_context():
-            if not policy.uses_autocast or setup.half_dtype is None:
+            if autocast_dtype is None:
                 yield
                 return
             if compiling:
                 # Traced inside a compiled model (torch.compile after fabric.setup): lightning_mp.plugin.compile.
-                with autocast_by_flags(setup.device, setup.half_dtype):
+                with autocast_by_flags(setup.device, autocast_dtype):
                     yield
                 return
             # Compiled regions differentiate outside autocast, as eager autograd does (lightning_mp.plugin.compile).
-            with torch.autocast(setup.device, dtype=setup.half_dtype, cache_enabled=False), backward_outside_autocast():
+            with torch.autocast(setup.device, dtype=autocast_dtype, cache_enabled=False), backward_outside_autocast():
                 yield
 
     @override
@@ -68,10 +74,73 @@ class StepHooks(LightningMixedPrecision):
         returns, once, after the last of them (:mod:`lightning_mp.engine.trainer`).
         """
         engine = self._chosen_engine()
+        if self._run is not None and self._run.evaluation.weights is not None:
+            self._run.evaluation.drop()  # training is about to change the weights an evaluation copied
         engine.begin_iteration()
         with self.forward_context():
             yield
         engine.end_training_step()
+
+    @override
+    @contextlib.contextmanager
+    def val_step_context(self) -> Generator[None, None, None]:
+        """The validation step, in ``eval_precision`` (:mod:`lightning_mp.plugin.evaluation`)."""
+        with self._evaluation_step():
+            yield
+
+    @override
+    @contextlib.contextmanager
+    def test_step_context(self) -> Generator[None, None, None]:
+        """The test step, in ``eval_precision`` (:mod:`lightning_mp.plugin.evaluation`)."""
+        with self._evaluation_step():
+            yield
+
+    @override
+    @contextlib.contextmanager
+    def predict_step_context(self) -> Generator[None, None, None]:
+        """The predict step, in ``eval_precision`` (:mod:`lightning_mp.plugin.evaluation`)."""
+        with self._evaluation_step():
+            yield
+
+    @contextlib.contextmanager
+    def _evaluation_step(self) -> Generator[None, None, None]:
+        run = self._run
+        if run is None or torch.compiler.is_compiling():
+            with self.forward_context():
+                yield
+            return
+        with run.evaluation.step(run.setup.evaluation), self.forward_context():
+            yield
+
+    @property
+    def evaluation_weights(self) -> EvalWeights | None:
+        """The weights of the evaluation run in progress, with the bytes its copies hold; None outside one."""
+        return self._run.evaluation.weights if self._run is not None else None
+
+    @contextlib.contextmanager
+    def evaluation(self) -> Generator[None, None, None]:
+        """Evaluate in ``eval_precision`` inside this block: the way to do so under Fabric, or in a Trainer callback.
+
+        The weights evaluation computes with are made when the block opens and freed when it closes; every forward
+        of a set-up model inside it runs in ``eval_precision``. Training is left bitwise as it would be without the
+        block. Use it as you would ``torch.no_grad()``::
+
+            model.eval()
+            with torch.no_grad(), plugin.evaluation():
+                logits = model(batch)
+
+        Raises:
+            RuntimeError: before the plugin was set up (``fabric.setup``, or a Trainer's start).
+
+        """
+        run = self._run
+        if run is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.evaluation() needs a set-up run: call it after fabric.setup(model, ...) or"
+                " inside a Trainer's fit, validate, test or predict."
+            )
+        with run.evaluation.block(run.setup.evaluation):
+            yield
 
     @override
     def convert_input(self, data: Any) -> Any:

@@ -164,3 +164,31 @@ def test_fused_steps_sync_no_more_than_lightnings_plugin(device: str, precision:
     # (lightning_mp.stochastic_rounding documents the one sync).
     allowed = lightnings + (1 if opt_level.startswith("lean") else 0)
     assert ours <= allowed, f"{ours} host syncs per step, Lightning's plugin {lightnings}"
+
+
+@pytest.mark.parametrize("device", [on_device("cpu"), on_device("cuda")])
+@pytest.mark.parametrize(("eval_precision", "expected"), [("bf16-true", torch.bfloat16), ("32-true", torch.float32)])
+def test_validation_runs_in_eval_precision_on_the_device(
+    device: str, eval_precision: str, expected: torch.dtype
+) -> None:
+    """O2 fp16 training validates with bf16 or fp32 weights on the device, autocast off; the evaluation weights are
+    freed after each Trainer call."""
+    seen: set[tuple[torch.dtype, str, bool]] = set()
+
+    class Validated(NormalizedRegressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            weight = next(self.parameters())
+            seen.add((weight.dtype, weight.device.type, torch.is_autocast_enabled(weight.device.type)))
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.network(x).float(), y))
+
+    model = Validated("fused-adamw", inf_step=None)
+    plugin = make_plugin("16-mixed", "O2", eval_precision=eval_precision)
+    validation = DataLoader(regression_data(16, seed=1), batch_size=8)
+    trainer = make_trainer(plugin, accelerator=device, max_steps=4, val_check_interval=2)
+    trainer.fit(model, DataLoader(regression_data(), batch_size=8), validation)
+    assert seen == {(expected, device, False)}
+    assert trainer.callback_metrics["val_loss"].isfinite() and plugin.evaluation_weights is None
+    seen.clear()
+    trainer.validate(model, validation, verbose=False)
+    assert seen == {(expected, device, False)} and plugin.evaluation_weights is None
