@@ -15,6 +15,8 @@ from lightning_mp.callbacks import (
     PrecisionSentinel,
 )
 from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
+from lightning_mp.fp8.settings import FP8Settings
+from lightning_mp.fp8.telemetry import FP8Monitor
 from lightning_mp.fsdp import FSDPMixedPrecision
 from lightning_mp.inference import ParityReport, compare, to_inference
 from lightning_mp.plugin import MixedPrecision
@@ -26,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Advice",
     "AdvisorCallback",
+    "FP8Monitor",
+    "FP8Settings",
     "FSDPMixedPrecision",
     "GradientHealthMonitor",
     "LayerDtypeMonitor",

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from lightning_mp.callbacks import GradientHealthMonitor, LayerDtypeMonitor, LossScaleMonitor, PrecisionSentinel
-from lightning_mp.plugin import MixedPrecision, PrecisionName
+from lightning_mp.plugin import MixedPrecision
+from lightning_mp.settings import PrecisionName
 
 FP32 = "fp32"
 MONITOR_EVERY_N_STEPS = 10

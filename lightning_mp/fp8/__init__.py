@@ -6,21 +6,36 @@ layers run FP8, :mod:`~lightning_mp.fp8.convert` adapts torchao's conversion (an
 package needs no torchao; the plugin asks for it when ``fp8`` is given.
 """
 
-from lightning_mp.fp8.convert import convert_to_fp8, fp8_layer_names, restore_linear
-from lightning_mp.fp8.mode import FP8_OPT_LEVELS, Fp8Mode
-from lightning_mp.fp8.selection import Fp8Selection, select_fp8_layers, summary_line
+from typing import Any
+
+from lightning_mp.fp8.convert import fp8_layer_names
+from lightning_mp.fp8.mode import FP8_OPT_LEVELS
 from lightning_mp.fp8.settings import RECIPES, Fp8Recipe, FP8Settings
 
 __all__ = [
     "FP8_OPT_LEVELS",
     "RECIPES",
+    "FP8Advice",
+    "FP8Monitor",
     "FP8Settings",
-    "Fp8Mode",
+    "FallbackRule",
     "Fp8Recipe",
-    "Fp8Selection",
-    "convert_to_fp8",
+    "advise_fp8",
     "fp8_layer_names",
-    "restore_linear",
-    "select_fp8_layers",
-    "summary_line",
 ]
+
+_LATER = {
+    "FP8Monitor": "lightning_mp.fp8.telemetry",
+    "FallbackRule": "lightning_mp.fp8.telemetry_rules",
+    "FP8Advice": "lightning_mp.fp8.advisor",
+    "advise_fp8": "lightning_mp.fp8.advisor",
+}
+"""Names imported on first use: the monitor and the advisor import the plugin, which imports this package."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LATER:
+        import importlib
+
+        return getattr(importlib.import_module(_LATER[name]), name)
+    raise AttributeError(f"module 'lightning_mp.fp8' has no attribute {name!r}")

@@ -34,7 +34,9 @@ from lightning_mp.arguments.checks import check_choice, check_flag, check_number
 __all__ = ["RECIPES", "REGEX_PREFIX", "ExcludePattern", "FP8Settings", "Fp8Recipe", "fp8_settings_from_argument"]
 
 Fp8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+"""The name of one of torchao's float8 training recipes."""
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""torchao's float8 training recipes that ``fp8=`` takes, from the fastest to the most accurate."""
 REGEX_PREFIX = "re:"
 ExcludePattern = type[nn.Module] | str
 """A module type, a qualified module name (its whole subtree), or a ``"re:"`` regular expression on the name."""

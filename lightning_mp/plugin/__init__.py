@@ -9,16 +9,6 @@
 * :mod:`~lightning_mp.plugin.fp8`: the FP8 methods.
 """
 
-from lightning_mp.plugin.checkpoint import PLUGIN_ENTRY_KEYS, TORCH_SCALER_KEYS
-from lightning_mp.plugin.front_ends import attached_trainer
-from lightning_mp.plugin.mixed_precision import PLUGIN_DEFAULTS, MixedPrecision
-from lightning_mp.settings import PrecisionName
+from lightning_mp.plugin.mixed_precision import MixedPrecision
 
-__all__ = [
-    "PLUGIN_DEFAULTS",
-    "PLUGIN_ENTRY_KEYS",
-    "TORCH_SCALER_KEYS",
-    "MixedPrecision",
-    "PrecisionName",
-    "attached_trainer",
-]
+__all__ = ["MixedPrecision"]

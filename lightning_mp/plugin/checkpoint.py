@@ -25,7 +25,7 @@ from typing import Any
 from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
-from lightning_mp.engine import StepEngine
+from lightning_mp.engine.base import StepEngine
 from lightning_mp.plugin.claims import RunClaim
 from lightning_mp.plugin.run import Run
 from lightning_mp.policies import POLICIES

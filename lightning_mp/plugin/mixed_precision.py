@@ -73,7 +73,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp.arguments.setting_docs import with_setting_docs
-from lightning_mp.engine import FabricEngine, StepEngine, TrainerEngine
+from lightning_mp.engine.base import StepEngine
+from lightning_mp.engine.fabric import FabricEngine
+from lightning_mp.engine.trainer import TrainerEngine
 from lightning_mp.fp8.convert import require_torchao
 from lightning_mp.fp8.mode import Fp8Mode, check_fp8_combination
 from lightning_mp.fp8.settings import Fp8Recipe, FP8Settings, fp8_settings_from_argument
@@ -161,7 +163,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         ValueError: for any argument outside what is allowed; the message names the argument, the value given and
             what is allowed, with a "did you mean" for a near miss such as ``"fp16"`` or ``"o2"``.
         TypeError: if ``scaler`` is not a ``torch.amp.GradScaler``.
-        ModuleNotFoundError: if ``fp8`` is given and torchao is not installed (``pip install "lightning_mp[fp8]"``).
+        ModuleNotFoundError: if ``fp8`` is given and torchao is not installed (``pip install -e ".[fp8]"``).
         RuntimeError: if ``fp8`` is given and torch or torchao is older than the FP8 mode's floor.
 
     """

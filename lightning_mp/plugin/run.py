@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 
 from lightning.pytorch.plugins.precision import Precision
 
-from lightning_mp.engine import FabricEngine, TrainerEngine
+from lightning_mp.engine.fabric import FabricEngine
+from lightning_mp.engine.trainer import TrainerEngine
 from lightning_mp.fp8.convert import check_fp8_device
 from lightning_mp.fp8.mode import Fp8Mode
 from lightning_mp.fp8.settings import FP8Settings

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp.engine import StepEngine
+from lightning_mp.engine.base import StepEngine
 from lightning_mp.plugin.compile import autocast_by_flags, backward_outside_autocast
 from lightning_mp.plugin.run import Run
 from lightning_mp.policies.evaluation import EvalWeights

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
-from lightning_mp.engine import StepEngine
+from lightning_mp.engine.base import StepEngine
 from lightning_mp.plugin.resolved import ShownPrecision
 from lightning_mp.plugin.run import Run
 from lightning_mp.policies import PrecisionPolicy

@@ -16,6 +16,8 @@ POLICIES: dict[str, type[PrecisionPolicy]] = {
     "lean": LeanPolicy,
     "lean-kahan": LeanKahanPolicy,
 }
+"""The registered opt levels by name: ``MixedPrecision(opt_level=...)`` takes any key, and a policy class added here
+(a :class:`PrecisionPolicy` subclass) becomes an opt level."""
 SHARDED_POLICIES: dict[str, type[PrecisionPolicy]] = {"O2": ShardedO2Policy}
 """The opt levels whose form on an FSDP2-sharded model differs (:mod:`lightning_mp.policies.sharded`)."""
 

@@ -19,20 +19,3 @@
 * :mod:`~lightning_mp.scaling.checkpoint`: a scaler checkpoint, written and validated;
 * :mod:`~lightning_mp.scaling.devices`: the device a scaler's tensors live on, and whether the run spans processes.
 """
-
-from lightning_mp.scaling.checkpoint import LoadedScalerState, validated_state
-from lightning_mp.scaling.counters import StepCounters
-from lightning_mp.scaling.device_rules import DeviceScale, update_scale_on_device
-from lightning_mp.scaling.found_inf_copies import FoundInfCopies
-from lightning_mp.scaling.inf_flags import InfFlagPool, IterationRecord
-
-__all__ = [
-    "DeviceScale",
-    "FoundInfCopies",
-    "InfFlagPool",
-    "IterationRecord",
-    "LoadedScalerState",
-    "StepCounters",
-    "update_scale_on_device",
-    "validated_state",
-]

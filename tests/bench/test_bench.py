@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_mp import bench
+from lightning_mp.bench import cli as bench_cli
 from lightning_mp.bench.comparison import paired_ratios, resolution, unresolved_comparisons
 from lightning_mp.bench.machine import load_warnings, matmul_rates
 from lightning_mp.bench.timing import RunResult
@@ -21,7 +21,7 @@ def test_quick_benchmark_runs_in_process_and_reports_paired_spread(tmp_path: Pat
     """`--quick` trains fp32 and O1-bf16 in this process, adds paired repeats until resolved, and gives the spread."""
     out = tmp_path / "bench.md"
     argv = ["--quick", "--accelerator", "cpu", "--repeats", "1", "--max-repeats", "2", "--out", str(out)]
-    assert bench.main(argv) == 0
+    assert bench_cli.main(argv) == 0
     captured = capsys.readouterr()
     rows = [line for line in captured.out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| configuration | median step (ms) |") and "CPU share | run-queue wait |" in rows[0]
@@ -43,7 +43,7 @@ def test_worker_mode_writes_a_result_that_reads_back_with_its_load_measurements(
     result_file = tmp_path / "fp32.json"
     threads_before = torch.get_num_threads()
     argv = ["--worker", "fp32", "--result-file", str(result_file), "--accelerator", "cpu", "--size", "tiny"]
-    assert bench.main([*argv, "--steps", "3", "--warmup", "1", "--threads", "1"]) == 0
+    assert bench_cli.main([*argv, "--steps", "3", "--warmup", "1", "--threads", "1"]) == 0
     result = RunResult(**json.loads(result_file.read_text()))
     assert result.configuration == "fp32" and len(result.step_seconds) == len(result.step_cpu_seconds) == 3
     assert result.threads == 1 and result.cpu_share > 0
@@ -105,12 +105,12 @@ def test_matmul_rates_use_the_given_threads_and_restore_torchs() -> None:
 def test_benchmark_refuses_a_bad_flag(flag: str, value: str, capsys) -> None:
     """A bad flag value is refused with a message naming it."""
     with pytest.raises(SystemExit):
-        bench.parse_args([flag, value])
+        bench_cli.parse_args([flag, value])
     assert flag in capsys.readouterr().err
 
 
 def test_benchmark_refuses_two_reports_at_once(capsys) -> None:
     """--counts with --memory is refused with a message naming both, instead of silently running only one."""
     with pytest.raises(SystemExit):
-        bench.parse_args(["--counts", "--memory"])
+        bench_cli.parse_args(["--counts", "--memory"])
     assert "--counts and --memory" in capsys.readouterr().err

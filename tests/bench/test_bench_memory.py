@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mp.bench import main, parse_args
+from lightning_mp.bench.cli import main, parse_args
 from lightning_mp.bench.memory import (
     MEMORY_CONFIGURATIONS,
     TIMELINE_COLUMNS,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from typing_extensions import override
 
-from lightning_mp import bench
+from lightning_mp.bench import cli as bench_cli
 from lightning_mp.bench.allreduced_bytes import AllReducedBytes, measure_allreduced_bytes
 from lightning_mp.bench.opt_level_counts import (
     LIGHTNING_BF16_TRUE,
@@ -133,7 +133,7 @@ def test_target_lines_check_lean_against_o1() -> None:
 
 def test_counts_report_has_the_opt_level_table(capsys: pytest.CaptureFixture[str]) -> None:
     """`--counts --quick` prints the opt levels' table after the syncs table, O2's targets under it."""
-    assert bench.main(["--counts", "--quick"]) == 0
+    assert bench_cli.main(["--counts", "--quick"]) == 0
     report = capsys.readouterr().out
     assert "| opt level | precision | weight casts fwd / bwd / step (per weight) |" in report
     assert "| O2 | 16-mixed |" in report

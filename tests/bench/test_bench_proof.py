@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_mp import bench
+from lightning_mp.bench import cli as bench_cli
 from lightning_mp.bench.configurations import CONFIGURATIONS
-from lightning_mp.bench.proof import PARTS
+from lightning_mp.bench.proof import PARTS, parse_proof_args
 from lightning_mp.bench.proof_boxes import Part, run_parts
 from lightning_mp.bench.proof_figures import FIGURES, Target, fp8_skip_reason, judge, skipped_figure
 from lightning_mp.bench.proof_report import NOT_GPU, render_markdown
@@ -100,7 +100,7 @@ def test_render_writes_the_markdown_of_a_json_report_again(tmp_path: Path, capsy
     report = gpu_report("NVIDIA H100")
     json_path = tmp_path / "2026-01-31-nvidia-h100.json"
     json_path.write_text(json.dumps(report))
-    assert bench.main(["gpu-proof", "--render", str(json_path)]) == 0
+    assert bench_cli.main(["gpu-proof", "--render", str(json_path)]) == 0
     markdown = json_path.with_suffix(".md").read_text()
     assert markdown == render_markdown(report)
     assert "GPU NVIDIA H100 (driver 550.54), torch 2.13.0, CUDA 12.8, Lightning 2.6.6" in markdown
@@ -204,7 +204,7 @@ def test_targets_are_met_or_missed_from_the_paired_runs() -> None:
 def test_bad_budget_is_refused_naming_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`--budget 0` exits with argparse's usage error naming --budget and the value."""
     with pytest.raises(SystemExit):
-        bench.main(["gpu-proof", "--budget", "0", "--out", str(tmp_path)])
+        bench_cli.main(["gpu-proof", "--budget", "0", "--out", str(tmp_path)])
     assert "--budget must be a number of seconds above 0, got 0.0" in capsys.readouterr().err
 
 
@@ -244,8 +244,8 @@ def test_a_figure_that_cannot_run_is_reported_skipped_with_its_reason() -> None:
 
 def test_the_figures_flag_names_the_figures_the_part_measures(capsys: pytest.CaptureFixture) -> None:
     """`--figures` takes figure names only, so that a slot can be spent on the FP8 figure alone."""
-    args = bench.proof.parse_proof_args(["--out", "x", "--device", "cpu", "--figures", "fp8-lm-1b"])
+    args = parse_proof_args(["--out", "x", "--device", "cpu", "--figures", "fp8-lm-1b"])
     assert args.figures == ["fp8-lm-1b"]
     with pytest.raises(SystemExit):
-        bench.proof.parse_proof_args(["--out", "x", "--figures", "fp8"])
+        parse_proof_args(["--out", "x", "--figures", "fp8"])
     assert "invalid choice: 'fp8'" in capsys.readouterr().err

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_mp import MixedPrecision, bench
+from lightning_mp import MixedPrecision
+from lightning_mp.bench import cli as bench_cli
 from lightning_mp.bench.cli import run_spec
 from lightning_mp.bench.comparison import run_worker
 from lightning_mp.bench.configurations import (
@@ -78,7 +79,7 @@ def test_gpu_workload_report_has_throughput_peak_and_sync_columns(
 ) -> None:
     """The report of a GPU workload gives step time, tokens or images per second, peak vs fp32 and syncs per step."""
     argv = ["--workload", workload, "--accelerator", "cpu", "--in-process", "--steps", "1", "--warmup", "1"]
-    assert bench.main([*argv, "--repeats", "1", "--sync-steps", "1", "--configs", "fp32", "O1-bf16"]) == 0
+    assert bench_cli.main([*argv, "--repeats", "1", "--sync-steps", "1", "--configs", "fp32", "O1-bf16"]) == 0
     out = capsys.readouterr().out
     header, _, *rows = table_rows(out)
     assert header[:2] == ["configuration", "median step (ms)"] and f"{unit}/s" in header
@@ -98,7 +99,7 @@ def test_a_crashing_configuration_is_a_table_row_and_the_others_still_run(
     )
     monkeypatch.setitem(CONFIGURATIONS, "broken", broken)
     argv = ["--workload", "lm-small", "--accelerator", "cpu", "--in-process", "--steps", "1", "--warmup", "1"]
-    assert bench.main([*argv, "--repeats", "2", "--sync-steps", "0", "--configs", "broken", "fp32"]) == 0
+    assert bench_cli.main([*argv, "--repeats", "2", "--sync-steps", "0", "--configs", "broken", "fp32"]) == 0
     captured = capsys.readouterr()
     rows = {row[0]: row for row in table_rows(captured.out)[2:]}
     assert rows["broken"][1].startswith("crash: ValueError: ") and "O9" in rows["broken"][1]
@@ -117,7 +118,7 @@ def test_a_worker_process_that_fails_gives_a_crash_result(tmp_path: Path) -> Non
 
 def test_cpu_defaults_are_unchanged_and_gpu_defaults_cover_the_baselines() -> None:
     """On the CPU the Markov model runs the same six setups; the GPU workloads add TF32, bf16-true and four monitors."""
-    args = bench.parse_args(["--accelerator", "cpu"])
+    args = bench_cli.parse_args(["--accelerator", "cpu"])
     assert args.workload == ["markov"] and args.configs is None
     assert default_configurations("cpu") == [
         "fp32",
@@ -154,7 +155,7 @@ def test_strict_fp32_turns_tf32_off_for_the_run_and_restores_torchs_setting() ->
 
 def test_markov_and_gpu_workloads_in_one_command_each_get_their_own_size() -> None:
     """`--workload markov lm-small` on the CPU runs the Markov model at its auto size and lm-small's tiny shape."""
-    args = bench.parse_args(["--workload", "markov", "lm-small", "--accelerator", "cpu", "--batch-size", "3"])
+    args = bench_cli.parse_args(["--workload", "markov", "lm-small", "--accelerator", "cpu", "--batch-size", "3"])
     markov, small = run_spec(args, "markov"), run_spec(args, "lm-small")
     assert markov.size == auto_size("cpu") and markov.sync_steps == 0
     assert small.size == "tiny" and small.sync_steps == 10 and step_units(small) == (3 * 8, "tokens")
@@ -176,7 +177,7 @@ def test_benchmark_refuses_flags_that_do_not_fit_the_workload(
 ) -> None:
     """A size, batch size or report that does not fit the workload is refused with a message naming the flag."""
     with pytest.raises(SystemExit):
-        bench.parse_args(["--accelerator", "cpu", *argv])
+        bench_cli.parse_args(["--accelerator", "cpu", *argv])
     assert message in capsys.readouterr().err
 
 

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 from lightning_mp import FSDPMixedPrecision, MixedPrecision
 from lightning_mp._compat import TORCH_RELEASE
 from lightning_mp.fp8.convert import fp8_unavailable
-from lightning_mp.plugin import TORCH_SCALER_KEYS
+from lightning_mp.plugin.checkpoint import TORCH_SCALER_KEYS
 from tests.ddp_scripts.launch import reports, run
 from tests.helpers import (
     FEATURES,

@@ -24,10 +24,13 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mp import LossScaler, MixedPrecision
-from lightning_mp.engine import FabricEngine, RunningStats, StepVerdict, TrainerEngine
 from lightning_mp.engine.base import unwrapped
+from lightning_mp.engine.fabric import FabricEngine
+from lightning_mp.engine.running_stats import RunningStats
+from lightning_mp.engine.trainer import TrainerEngine
 from lightning_mp.policies import POLICIES
 from lightning_mp.scaling.steps import Phase
+from lightning_mp.scaling.verdict import StepVerdict
 from tests.helpers import TinyRegressor, loader, make_trainer
 
 

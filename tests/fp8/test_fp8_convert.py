@@ -12,8 +12,8 @@ if fp8_unavailable() is not None:  # torchao below its torch floor may fail to i
     pytest.skip(f"the FP8 mode {fp8_unavailable()}", allow_module_level=True)
 pytest.importorskip("torchao")
 
-from lightning_mp.fp8 import FP8Settings, convert_to_fp8, fp8_layer_names, restore_linear
-from lightning_mp.fp8.convert import fallback_layer, is_fp8_linear
+from lightning_mp.fp8 import FP8Settings, fp8_layer_names
+from lightning_mp.fp8.convert import convert_to_fp8, fallback_layer, is_fp8_linear, restore_linear
 from tests.fp8.plugin_models import mlp
 
 

@@ -6,7 +6,8 @@ from collections import OrderedDict
 
 from torch import nn
 
-from lightning_mp.fp8 import FP8Settings, select_fp8_layers, summary_line
+from lightning_mp.fp8 import FP8Settings
+from lightning_mp.fp8.selection import select_fp8_layers, summary_line
 
 
 def _model() -> nn.Module:
