@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
+import lightning_mp
 from lightning_mp._private_names import PRIVATE_NAMES, PrivateName
 
-PACKAGE = Path(__file__).parents[1] / "lightning_mp"
+PACKAGE = Path(lightning_mp.__file__).parent  # the package as installed: the source tree, or a wheel's copy
 SOURCES = {path.relative_to(PACKAGE).as_posix(): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
 UPSTREAM = ("torch", "lightning")
 

@@ -11,8 +11,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
+import lightning_mp
 from tests.helpers import read_events, scalars, texts
 
+PACKAGE = Path(lightning_mp.__file__).parent  # the package as installed: the source tree, or a wheel's copy
 ROOT = Path(__file__).parents[1]
 
 
@@ -94,8 +96,8 @@ def test_every_direct_import_of_the_package_is_a_declared_dependency() -> None:
     project = pyproject()["project"]
     declared = _names(project["dependencies"])
     fp8_extra = _names(project["optional-dependencies"]["fp8"])
-    assert third_party_imports(ROOT / "lightning_mp") <= declared | fp8_extra
-    outside_fp8 = {path for path in (ROOT / "lightning_mp").iterdir() if path.name != "fp8"}
+    assert third_party_imports(PACKAGE) <= declared | fp8_extra
+    outside_fp8 = {path for path in PACKAGE.iterdir() if path.name != "fp8"}
     for path in outside_fp8:
         names = third_party_imports(path) if path.is_dir() else third_party_imports_of_file(path)
         assert not names & (fp8_extra - declared), f"{path.name} imports the fp8 extra's {names & fp8_extra}"
@@ -104,7 +106,7 @@ def test_every_direct_import_of_the_package_is_a_declared_dependency() -> None:
 def test_every_type_ignore_says_why() -> None:
     """Each `# type: ignore` in the package carries a reason: on its line, or in a comment just above its block."""
     unexplained = []
-    for source in (ROOT / "lightning_mp").rglob("*.py"):
+    for source in PACKAGE.rglob("*.py"):
         lines = source.read_text().splitlines()
         for number, line in enumerate(lines):
             if "# type: ignore" not in line or "#" in line.split("# type: ignore", 1)[1]:

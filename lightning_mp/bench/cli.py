@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -329,8 +330,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.worker is not None:
         # The worker's own warnings (bf16 emulated on this CPU, few dataloader workers) are known and said once below.
         warnings.filterwarnings("ignore")
-        result = run_configuration(args.worker, run_spec(args, args.workload[0]), args.profile, args.threads)
-        args.result_file.write_text(json.dumps(asdict(result)))
+        try:
+            result = run_configuration(args.worker, run_spec(args, args.workload[0]), args.profile, args.threads)
+            args.result_file.write_text(json.dumps(asdict(result)))
+        except Exception as error:
+            # The parent reads the last line of stderr as the error; tracebacks are formatted differently by some
+            # installed packages, so the error itself is the last line, whatever came before it.
+            traceback.print_exc()
+            print(f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            return 1
         return 0
     if args.memory:
         warnings.filterwarnings("ignore")

@@ -54,7 +54,7 @@ __all__ = [
     "restore_linear",
 ]
 
-FP8_EXTRA_INSTALL = 'pip install "lightning_mp[fp8]"'
+FP8_EXTRA_INSTALL = 'pip install -e ".[fp8]"'
 TORCH_FLOOR = (2, 11, 0)
 """torchao 0.18.0's wheels are built against torch 2.11: below it torchao skips its kernels and is untested."""
 TORCHAO_FLOOR = (0, 18, 0)
@@ -91,13 +91,13 @@ def fp8_unavailable() -> str | None:
         installed = version("torchao")
     except PackageNotFoundError:
         return (
-            f"needs torchao, which is not installed. Install the fp8 extra: {FP8_EXTRA_INSTALL} (torchao >="
-            f" {_dotted(TORCHAO_FLOOR)}; it installs no torch of its own)."
+            f"needs torchao, which is not installed. Install the fp8 extra from the repository: {FP8_EXTRA_INSTALL},"
+            f' or torchao itself: pip install "torchao>={_dotted(TORCHAO_FLOOR)}" (it installs no torch of its own).'
         )
     if _release(installed) < TORCHAO_FLOOR:
         return (
             f"needs torchao >= {_dotted(TORCHAO_FLOOR)}; this is torchao {installed}. Upgrade it:"
-            f" {FP8_EXTRA_INSTALL} --upgrade."
+            f' pip install --upgrade "torchao>={_dotted(TORCHAO_FLOOR)}".'
         )
     return None
 
@@ -230,7 +230,7 @@ def fallback_layer(model: nn.Module, name: str, reason: str) -> bool:
         Whether the layer fell back now (False where it was not an FP8 layer any more).
 
     """
-    from lightning_mp.plugin import attached_trainer  # the plugin imports this module
+    from lightning_mp.plugin.front_ends import attached_trainer  # the plugin imports this module
 
     trainer = attached_trainer(model)
     plugin = trainer.precision_plugin if trainer is not None else None

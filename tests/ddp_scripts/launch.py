@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -25,6 +26,22 @@ def clean_environment(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPOSITORY_ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
+
+
+@functools.cache
+def fsdp2_sums_over_gloo() -> bool:
+    """Whether this torch's FSDP2 sums gradients over gloo instead of averaging them (``fsdp2_gloo_probe.py``)."""
+    probe = Path(__file__).with_name("fsdp2_gloo_probe.py")
+    completed = subprocess.run(
+        [sys.executable, str(probe), str(free_port())], capture_output=True, text=True, timeout=120, check=True
+    )
+    return completed.stdout.strip().splitlines()[-1] == "sums"
+
+
+FSDP2_SUMS_OVER_GLOO_REASON = (
+    "this torch's FSDP2 sums gradients over gloo instead of averaging them (pytorch/pytorch#162338), so FSDP2 on CPU"
+    " processes cannot match DDP; the comparison runs on torch releases whose FSDP2 averages"
+)
 
 
 def free_port() -> int:

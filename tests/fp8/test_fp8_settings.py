@@ -77,7 +77,9 @@ def test_missing_torchao_names_the_fp8_extra(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(fp8_convert, "version", not_installed)
-    with pytest.raises(ModuleNotFoundError, match=r'fp8=\'tensorwise\'.*pip install "lightning_mp\[fp8\]"'):
+    with pytest.raises(
+        ModuleNotFoundError, match=r'fp8=\'tensorwise\'.*pip install -e "\.\[fp8\]".*pip install "torchao>=0\.18\.0"'
+    ):
         MixedPrecision("bf16-mixed", fp8="tensorwise")
 
 
