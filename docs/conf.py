@@ -18,6 +18,7 @@ import lightning_mp  # noqa: E402
 
 project = "lightning_mp"
 author = "the lightning_mp developers"
+copyright = "2026, the lightning_mp developers"
 release = lightning_mp.__version__
 version = release
 
@@ -27,6 +28,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
     "sphinx.ext.viewcode",
+    "sphinx_copybutton",
 ]
 
 source_suffix = {".md": "markdown"}
@@ -52,6 +54,15 @@ nitpicky = False
 
 html_theme = "furo"
 html_title = f"lightning_mp {release}"
+# furo's "edit this page" link, and the source link beside each page.
+html_theme_options = {
+    "source_repository": "https://github.com/lightning-mp/lightning_mp/",
+    "source_branch": "main",
+    "source_directory": "docs/",
+}
+# The copy button leaves out shell prompts and Python's interactive prompts.
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True
 html_static_path = ["_static"]
 
 GPU_RESULTS = Path(__file__).resolve().parent / "gpu-results"

@@ -205,6 +205,47 @@ def test_few_guide_blocks_are_not_run() -> None:
     assert len(GUIDE_BLOCKS) >= 10
 
 
+CODE_WIDTH = 88
+"""The widest code line a page shows without a horizontal scroll bar in the site's theme."""
+LONGEST_PARAGRAPH = 150
+CI_READS_AS_ONE_LINE = re.compile(r"^pip install torch .*&& pip install")
+"""The README's install line, which CI reads as one line (``.ci/run``), may be wider."""
+
+
+def prose_paragraphs(text: str) -> list[str]:
+    """The paragraphs of running text of a Markdown page: no code, table, heading, list item or directive."""
+    paragraphs, current, fenced = [], [], False
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        plain = not fenced and line.strip() and not re.match(r"^(\s*([-*]|\d+\.)\s|#|\||<!--|  |```)", line)
+        if plain:
+            current.append(line)
+        elif current:
+            paragraphs.append(" ".join(current))
+            current = []
+    return [*paragraphs, " ".join(current)] if current else paragraphs
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_name)
+def test_the_pages_read_well(page: Path) -> None:
+    """Code lines fit the page (no horizontal scrolling) and no paragraph runs past 150 words."""
+    text = page.read_text()
+    wide, fence = [], None
+    for line in text.splitlines():
+        opening = re.match(r"^\s*(`{3,})(\S*)", line)
+        if fence is None and opening:
+            fence = opening.group(2)
+        elif fence is not None and line.strip().startswith("```"):
+            fence = None
+        elif fence not in (None, "text") and not fence.startswith("{") and len(line) > CODE_WIDTH:
+            wide.append(line)
+    wide = [line for line in wide if not CI_READS_AS_ONE_LINE.match(line)]
+    assert wide == []
+    long_paragraphs = [p[:60] for p in prose_paragraphs(text) if len(p.split()) > LONGEST_PARAGRAPH]
+    assert long_paragraphs == []
+
+
 def test_the_pages_have_python_blocks_and_few_are_exempt() -> None:
     """The check above has something to check, and the not-checked marker stays the exception."""
     assert sum(len(python_blocks(page)) for page in PAGES) >= 15
