@@ -50,6 +50,7 @@ from lightning_mp.advisor import LossFunction, _attach_manual_optimization
 from lightning_mp.advisor.measure import run_batches
 from lightning_mp.arguments.checks import check_choice, check_flag, check_number
 from lightning_mp.fp8.quant import RECIPES, STAT_NAMES, Operand, cast_stats, recipe_casts
+from lightning_mp.fp8.selection import end_layers
 from lightning_mp.fp8.telemetry import FallbackRule
 
 MAX_UNDERFLOW = 0.01
@@ -112,6 +113,8 @@ class FP8Advice:
     keep_first_last: bool
     batches: int
     reason: str
+    convertible: bool = True
+    """Whether any layer would run FP8: where none would, the advice is to train without ``fp8``."""
 
     def settings_kwargs(self, recipe: str | None = None) -> dict[str, Any]:
         """Keyword arguments for the FP8 settings (``FP8Settings(**kwargs)``) that apply this advice.
@@ -132,7 +135,12 @@ class FP8Advice:
         return kwargs
 
     def argument(self, recipe: str | None = None) -> str:
-        """The plugin with this advice, ready to paste: ``MixedPrecision('bf16-mixed', fp8=FP8Settings(...))``."""
+        """The plugin with this advice, ready to paste: ``MixedPrecision('bf16-mixed', fp8=FP8Settings(...))``.
+
+        Where no layer would run FP8 (:attr:`convertible` is False), it is ``MixedPrecision('bf16-mixed')``.
+        """
+        if not self.convertible and recipe is None:
+            return "MixedPrecision('bf16-mixed')"
         settings = ", ".join(f"{key}={value!r}" for key, value in self.settings_kwargs(recipe).items())
         return f"MixedPrecision('bf16-mixed', fp8=FP8Settings({settings}))"
 
@@ -194,14 +202,15 @@ def _worst(operands: Mapping[str, Mapping[str, float]]) -> tuple[float, float]:
     return sqnr, underflow
 
 
-def _unmeasured_reasons(linears: Sequence[tuple[str, nn.Linear]], keep_first_last: bool) -> dict[str, str]:
+def _unmeasured_reasons(
+    model: nn.Module, linears: Sequence[tuple[str, nn.Linear]], keep_first_last: bool
+) -> dict[str, str]:
     """Why FP8 would not take some layers anyway, as the FP8 mode's layer selection decides."""
+    ends = end_layers(model, linears) if keep_first_last else {}
     reasons = {}
-    for index, (name, layer) in enumerate(linears):
-        if keep_first_last and index == 0:
-            reasons[name] = "first linear"
-        elif keep_first_last and index == len(linears) - 1:
-            reasons[name] = "last linear"
+    for name, layer in linears:
+        if name in ends:
+            reasons[name] = ends[name]
         elif layer.in_features % FP8_DIM_MULTIPLE or layer.out_features % FP8_DIM_MULTIPLE:
             reasons[name] = f"dims not divisible by {FP8_DIM_MULTIPLE}"
     return reasons
@@ -274,7 +283,7 @@ def advise_fp8(
     if loss_fn is None and isinstance(work, LightningModule) and not work.automatic_optimization:
         _attach_manual_optimization(work)
     linears = [(name, module) for name, module in work.named_modules() if isinstance(module, nn.Linear)]
-    unmeasured = _unmeasured_reasons(linears, keep_first_last)
+    unmeasured = _unmeasured_reasons(work, linears, keep_first_last)
     worst: dict[tuple[str, str, str], Tensor] = {}
     worst_is_largest = torch.tensor(_WORST_IS_LARGEST, device=device)
 
@@ -343,6 +352,12 @@ def _recommend(
     best = order[0]
     tied = [recipe for recipe in order if fp8_parameters[recipe] == fp8_parameters[best]]
     total = sum(layer.parameters for layer in layers)
+    if fp8_parameters[best] == 0:
+        reason = (
+            f"no linear layer of this model can run FP8 ({len(unmeasured)} of {len(layers)} kept for their type, dims"
+            " or place, the others for their FP8 error): train in bf16 without fp8"
+        )
+        return FP8Advice(tuple(layers), best, exclude, keep_first_last, batches, reason, convertible=False)
     reason = (
         f"it keeps {fp8_parameters[best]} of {total} linear parameters in FP8"
         + (f", {len(exclude[best])} layer(s) in bf16 for their FP8 error" if exclude[best] else "")

@@ -44,17 +44,16 @@ One run, in order:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_mp.fp8.convert import convert_to_fp8, fp8_layer_names, restore_linear
-from lightning_mp.fp8.selection import Fp8Selection, select_fp8_layers, summary_line
+from lightning_mp.fp8.selection import Fp8Selection, select_fp8_layers, shortfall_warning, summary_line
 from lightning_mp.fp8.settings import FP8Settings
 
 __all__ = ["FP8_OPT_LEVELS", "Fp8Mode", "check_fp8_combination"]
@@ -98,6 +97,22 @@ def check_fp8_combination(
         )
 
 
+def _converted_inside(model: nn.Module, converted: nn.Module) -> nn.Module:
+    """``converted`` where ``model`` wraps it (the module ``fabric.setup`` returned, DDP's), else ``model``.
+
+    Fabric's and DDP's wrappers both expose the module they wrap as ``module``.
+    """
+    wrapper = model
+    for _ in range(4):
+        if wrapper is converted:
+            return converted
+        inner = getattr(wrapper, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        wrapper = inner
+    return model
+
+
 def _is_sharded(module: nn.Module) -> bool:
     return any(isinstance(parameter, DTensor) for parameter in module.parameters(recurse=False))
 
@@ -116,6 +131,7 @@ class Fp8Mode:
         """Layer name -> reason, for every layer returned to bf16 during the run (kept across resume)."""
         self.selection: Fp8Selection | None = None
         self._model: nn.Module | None = None
+        self._keep_fp32: list[Any] = []
 
     @property
     def layers(self) -> list[str]:
@@ -129,11 +145,14 @@ class Fp8Mode:
     def convert(self, model: nn.Module, keep_fp32: list[Any]) -> None:
         """Choose and convert the FP8 layers of ``model`` in place, and log the setup line at rank zero."""
         restore_linear(model)  # a model left converted by an interrupted run starts from plain layers
-        exclude = (*(self.settings.exclude or ()), *keep_fp32)
-        self.selection = select_fp8_layers(model, replace(self.settings, exclude=exclude), self.fell_back)
+        self.selection = select_fp8_layers(model, self.settings, self.fell_back, keep_fp32=keep_fp32)
         convert_to_fp8(model, self.settings, self.selection.fp8)
         self._model = model
+        self._keep_fp32 = list(keep_fp32)
         rank_zero_info(f"lightning_mp: {summary_line(self.selection, self.settings.recipe)}")
+        warning = shortfall_warning(self.selection, self.settings.recipe)
+        if warning is not None:
+            rank_zero_warn(warning)
 
     def fallback_layers(self, model: nn.Module, requests: Mapping[str, str]) -> dict[str, str]:
         """Return the layers any rank asks for to bf16, on every rank alike (module docstring, point 3).
@@ -156,11 +175,12 @@ class Fp8Mode:
             raise RuntimeError(
                 "fallback_layer(...) needs a running FP8 model: call it after the Trainer or Fabric set the model up."
             )
+        model = _converted_inside(model, self._model)
         if model is not self._model:
             raise RuntimeError(
                 f"fallback_layer(model={type(model).__name__}) is not the model the FP8 mode converted"
-                f" ({type(self._model).__name__}); pass the LightningModule (Trainer) or the module given to"
-                " fabric.setup, whose layer names the FP8 mode knows."
+                f" ({type(self._model).__name__}); pass the LightningModule (Trainer), or under Fabric the module"
+                " given to fabric.setup or the one it returned, whose layer names the FP8 mode knows."
             )
         current = self.layers
         if any(_is_sharded(model.get_submodule(name)) for name in requests if name in current):
@@ -212,7 +232,15 @@ class Fp8Mode:
             )
         self.fell_back.update(fell_back)
         if self._model is not None:
-            restore_linear(self._model, [name for name in fell_back if name in self.layers])
+            returned = [name for name in fell_back if name in self.layers]
+            restore_linear(self._model, returned)
+            if returned:
+                # The setup line was written before the checkpoint: say what runs FP8 now.
+                self.selection = select_fp8_layers(
+                    self._model, self.settings, self.fell_back, keep_fp32=self._keep_fp32
+                )
+                line = summary_line(self.selection, self.settings.recipe)
+                rank_zero_info(f"lightning_mp: after the checkpoint's fallbacks: {line}")
 
     def teardown(self) -> None:
         """Put plain ``nn.Linear`` layers back everywhere, except in a model FSDP2 sharded; forget the model."""

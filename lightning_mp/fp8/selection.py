@@ -5,13 +5,20 @@ in bf16 with a reason. The rules, in the order they are asked (the first that ap
 
 1. ``excluded``: an ``exclude`` pattern matches the layer or a module above it (a module type, a qualified name,
    or a ``"re:"`` regular expression matched against the whole qualified name), as ``keep_fp32`` matches.
-2. ``first linear`` / ``last linear``: with ``keep_first_last`` (the default), the first and the last linear layer
-   stay bf16. They see the rawest inputs (embeddings) and make the outputs the loss reads directly (the head), where
-   FP8's 3 mantissa bits cost the most and their matmuls are a small share of the work.
+2. ``first linear`` / ``last linear``: with ``keep_first_last`` (the default), the input-side and the output-side
+   linear layer stay bf16. They see the rawest inputs (embeddings) and make the outputs the loss reads directly (the
+   head), where FP8's 3 mantissa bits cost the most and their matmuls are a small share of the work. They are found
+   by where they sit in the forward, not where they are registered (litgpt registers ``lm_head`` before the blocks):
+   the output head is the last linear layer whose outputs are a vocabulary (as many as an embedding of the model
+   has rows), else the last one registered; the input side is the first other one (:func:`end_layers`).
 3. ``dims not divisible by 16``: FP8 matmul kernels (``torch._scaled_mm``) need both the input and the output
    features to be multiples of 16.
 4. ``fell back``: the layer returned to bf16 during the run (:func:`lightning_mp.fp8.convert.restore_linear`), and
    stays there after a resume.
+
+transformers' ``Conv1D`` (GPT-2 and its family: a linear layer whose weight is stored transposed) is listed among
+the kept layers, with that reason: torchao converts ``nn.Linear`` only, and converting it would change the shape of
+a weight that checkpoints and ``save_pretrained`` expect as it is.
 
 A model that is itself one ``nn.Linear`` is kept (it is its own first and last layer, and torchao would replace it
 rather than convert it in place).
@@ -33,7 +40,15 @@ from torch import nn
 
 from lightning_mp.fp8.settings import REGEX_PREFIX, ExcludePattern, FP8Settings
 
-__all__ = ["Fp8Selection", "KeptReason", "select_fp8_layers", "summary_line"]
+__all__ = [
+    "CONV1D_REASON",
+    "Fp8Selection",
+    "KeptReason",
+    "end_layers",
+    "is_transposed_linear",
+    "select_fp8_layers",
+    "summary_line",
+]
 
 KeptReason = str
 FP8_DIM_MULTIPLE = 16
@@ -77,17 +92,61 @@ def _under(name: str, roots: Collection[str]) -> bool:
     return any(root == "" or name == root or name.startswith(root + ".") for root in roots)
 
 
-def _parameter_count(layer: nn.Linear) -> int:
+def _parameter_count(layer: nn.Module) -> int:
     return sum(parameter.numel() for parameter in layer.parameters(recurse=False))
 
 
-def select_fp8_layers(model: nn.Module, settings: FP8Settings, fell_back: Collection[str] = ()) -> Fp8Selection:
+KEEP_FP32_REASON = "keep_fp32"
+"""The reason of a layer that ``keep_fp32`` keeps: it computes in fp32, and the setup line lists it apart."""
+CONV1D_REASON = "transformers Conv1D: a linear with a transposed weight, which torchao does not convert"
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D``: ``x @ weight + bias`` with a 2-D ``(in, out)`` weight."""
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(weight, nn.Parameter) and weight.dim() == 2
+
+
+def end_layers(model: nn.Module, linears: Sequence[tuple[str, nn.Linear]]) -> dict[str, KeptReason]:
+    """The input-side and output-side linear layers of ``model``, as ``name -> "first linear" | "last linear"``.
+
+    The output head is the last linear layer whose ``out_features`` is an embedding's ``num_embeddings`` (a
+    vocabulary), else the last registered; the input side is the first registered linear layer other than it.
+
+    Example:
+        >>> class HeadFirst(nn.Module):  # as litgpt registers its GPT
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lm_head = nn.Linear(32, 100)
+        ...         self.wte = nn.Embedding(100, 32)
+        ...         self.blocks = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+        >>> model = HeadFirst()
+        >>> end_layers(model, [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)])
+        {'blocks.0': 'first linear', 'lm_head': 'last linear'}
+
+    """
+    if not linears:
+        return {}
+    vocabularies = {module.num_embeddings for module in model.modules() if isinstance(module, nn.Embedding)}
+    heads = [name for name, layer in linears if layer.out_features in vocabularies]
+    last = heads[-1] if heads else linears[-1][0]
+    first = next((name for name, _ in linears if name != last), None)
+    return {**({first: "first linear"} if first is not None else {}), last: "last linear"}
+
+
+def select_fp8_layers(
+    model: nn.Module,
+    settings: FP8Settings,
+    fell_back: Collection[str] = (),
+    keep_fp32: Sequence[ExcludePattern] = (),
+) -> Fp8Selection:
     """Apply the rules (module docstring) to every linear layer of ``model``.
 
     Args:
         model: the model; names are relative to it.
         settings: the FP8 settings (``keep_first_last``, ``exclude``).
         fell_back: layers that returned to bf16 earlier in the run (a resumed checkpoint's).
+        keep_fp32: the plugin's ``keep_fp32`` patterns: their layers compute in fp32 and are listed as such.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 10), nn.Linear(10, 4))
@@ -97,14 +156,18 @@ def select_fp8_layers(model: nn.Module, settings: FP8Settings, fell_back: Collec
 
     """
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    transposed = [(name, module) for name, module in model.named_modules() if is_transposed_linear(module)]
     excluded = _excluded_roots(model, settings.exclude or ())
-    ends = {linears[0][0]: "first linear", linears[-1][0]: "last linear"} if linears else {}
+    in_fp32 = _excluded_roots(model, keep_fp32)
+    ends = end_layers(model, linears)
     fp8: list[str] = []
-    kept: dict[str, KeptReason] = {}
+    kept: dict[str, KeptReason] = dict.fromkeys((name for name, _ in transposed), CONV1D_REASON)
     fp8_parameters = 0
     for name, layer in linears:
         if name == "":
             kept[name] = "the model itself"
+        elif _under(name, in_fp32):
+            kept[name] = KEEP_FP32_REASON
         elif _under(name, excluded):
             kept[name] = "excluded"
         elif settings.keep_first_last and name in ends:
@@ -120,7 +183,7 @@ def select_fp8_layers(model: nn.Module, settings: FP8Settings, fell_back: Collec
         fp8=tuple(fp8),
         kept=kept,
         fp8_parameters=fp8_parameters,
-        linear_parameters=sum(_parameter_count(layer) for _, layer in linears),
+        linear_parameters=sum(_parameter_count(layer) for _, layer in [*linears, *transposed]),
     )
 
 
@@ -144,8 +207,45 @@ def summary_line(selection: Fp8Selection, recipe: str, shown: int = 8) -> str:
         f"FP8 ({recipe}): {len(selection.fp8)} of {total} linear layers, {_count(selection.fp8_parameters)} of"
         f" {_count(selection.linear_parameters)} linear parameters"
     )
-    if not selection.kept:
-        return line + "; bf16: none"
-    listed = [f"{name or '<model>'} ({reason})" for name, reason in list(selection.kept.items())[:shown]]
-    more = len(selection.kept) - len(listed)
-    return line + "; bf16: " + ", ".join(listed) + (f" and {more} more" if more else "")
+    in_fp32 = [name for name, reason in selection.kept.items() if reason == KEEP_FP32_REASON]
+    in_bf16 = {name: reason for name, reason in selection.kept.items() if reason != KEEP_FP32_REASON}
+    if not in_bf16:
+        line += "; bf16: none"
+    else:
+        listed = [f"{name or '<model>'} ({reason})" for name, reason in list(in_bf16.items())[:shown]]
+        more = len(in_bf16) - len(listed)
+        line += "; bf16: " + ", ".join(listed) + (f" and {more} more" if more else "")
+    if in_fp32:
+        line += (
+            "; fp32 (keep_fp32): "
+            + ", ".join(in_fp32[:shown])
+            + (f" and {len(in_fp32) - shown} more" if len(in_fp32) > shown else "")
+        )
+    return line
+
+
+LOW_FP8_SHARE = 0.5
+"""Below this share of the linear parameters in FP8, the FP8 mode warns that fewer layers run FP8 than asked."""
+
+
+def shortfall_warning(selection: Fp8Selection, recipe: str, shown: int = 6) -> str | None:
+    """A warning when FP8 was asked for and no layer, or under half the linear parameters, will run it; else None.
+
+    Example:
+        >>> selection = Fp8Selection((), {"a": "first linear", "b": "dims not divisible by 16"}, 0, 100)
+        >>> print(shortfall_warning(selection, "tensorwise"))  # doctest: +ELLIPSIS
+        lightning_mp: fp8='tensorwise' was asked for, but no linear layer runs FP8 (0 of 100 linear parameters)...
+
+    """
+    if selection.fp8 and selection.fp8_parameters >= LOW_FP8_SHARE * selection.linear_parameters:
+        return None
+    listed = ", ".join(f"{name or '<model>'} ({reason})" for name, reason in list(selection.kept.items())[:shown])
+    more = len(selection.kept) - min(shown, len(selection.kept))
+    share = f"only {len(selection.fp8)} linear layer(s) run FP8" if selection.fp8 else "no linear layer runs FP8"
+    return (
+        f"lightning_mp: fp8={recipe!r} was asked for, but {share} ({_count(selection.fp8_parameters)} of"
+        f" {_count(selection.linear_parameters)} linear parameters). Kept in bf16: {listed or 'none'}"
+        + (f" and {more} more" if more else "")
+        + ". FP8 takes nn.Linear layers whose dimensions are multiples of 16; the first and last stay bf16 unless"
+        " FP8Settings(keep_first_last=False)."
+    )

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -191,6 +191,12 @@ class FP8Monitor(TelemetryCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not any(is_float8_linear(module) for module in pl_module.modules()):
+            rank_zero_warn(
+                "FP8Monitor has nothing to watch: the model has no FP8 layer (torchao Float8Linear). Pass"
+                " MixedPrecision('bf16-mixed', fp8='tensorwise') (or another recipe), and see its setup line for the"
+                " layers kept in bf16 and why."
+            )
         # After a resume: the layers that fell back before stay in bf16.
         waiting = {
             name: reason

@@ -109,7 +109,8 @@ class Fp8Methods:
             step (with an empty ``requests`` where a rank has none), on logging steps only.
 
         Args:
-            model: the converted model: the LightningModule under the Trainer, the module given to ``fabric.setup``.
+            model: the converted model: the LightningModule under the Trainer; under Fabric the module given to
+                ``fabric.setup`` or the one it returned.
             requests: layer name -> reason, for the layers this rank would return to bf16.
 
         Returns:

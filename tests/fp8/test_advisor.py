@@ -88,3 +88,14 @@ def test_bad_arguments_are_refused_by_name():
     advice = advise_fp8(model, data, batches=1, recipes=["tensorwise"])
     with pytest.raises(ValueError, match="rowwise"):
         advice.argument("rowwise")
+
+
+def test_a_model_fp8_cannot_convert_is_advised_to_train_without_fp8():
+    """When no layer would run FP8 (dims not multiples of 16, or only the first and last), the advice is bf16
+    without fp8, not an FP8 setting that converts nothing."""
+    model = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 24), nn.GELU(), nn.Linear(24, 16))
+    advice = advise_fp8(model, data_loader(), batches=1, loss_fn=mse)
+    assert advice.convertible is False
+    assert advice.argument() == "MixedPrecision('bf16-mixed')"
+    assert "no linear layer of this model can run FP8" in advice.reason
+    assert "MixedPrecision('bf16-mixed')" in advice.to_markdown()

@@ -311,3 +311,56 @@ def test_fp8_settings_fallback_true_without_a_monitor_warns_that_nothing_will_fa
     plugin = MixedPrecision("bf16-mixed", fp8=FP8Settings(fallback=True))
     with pytest.warns(UserWarning, match=r"FP8Settings\(fallback=True\) .* has none.* callbacks=\[FP8Monitor\(\)\]"):
         make_trainer(plugin, max_steps=1).fit(TinyMlp(), regression_loader(n=32))
+
+
+def test_fabric_falls_back_a_layer_of_the_module_fabric_returned():
+    """fallback_layer takes the module fabric.setup returned, the only one a Fabric user holds."""
+    torch.manual_seed(0)
+    model = mlp()
+    plugin = MixedPrecision("bf16-mixed", fp8="tensorwise")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    wrapped, _ = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    assert plugin.fallback_layer(wrapped, "2", "by hand") is True
+    assert plugin.fp8_layers == ["4"] and type(model[2]) is nn.Linear
+    with pytest.raises(RuntimeError, match="not the model the FP8 mode converted"):
+        plugin.fallback_layer(mlp(), "4", "another model")
+    plugin.teardown()
+
+
+def test_a_model_with_no_fp8_layer_warns_naming_the_layers_and_why():
+    """fp8 asked for on a model none of whose layers FP8 takes warns, naming them, instead of training silently."""
+
+    class Narrow(TinyMlp):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 24), nn.GELU(), nn.Linear(24, 4))
+
+    with pytest.warns(
+        UserWarning, match=r"fp8='tensorwise' was asked for, but no linear layer runs FP8.*net\.2 \(dims"
+    ):
+        fit_bf16_mixed(Narrow(), steps=1)
+
+
+def test_the_monitor_says_once_that_it_has_nothing_to_watch(tmp_path):
+    """An FP8Monitor in a run without FP8 layers warns at the start instead of logging nothing."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_mp import FP8Monitor
+
+    trainer_kwargs = {"logger": TensorBoardLogger(tmp_path), "callbacks": [FP8Monitor(log_heatmaps=False)]}
+    with pytest.warns(UserWarning, match="FP8Monitor has nothing to watch"):
+        fit(TinyMlp(), MixedPrecision("bf16-mixed"), regression_loader(), max_steps=1, **trainer_kwargs)
+
+
+def test_the_setup_line_after_a_resume_says_which_layers_fell_back(tmp_path, caplog):
+    """After resuming a run whose layer fell back, a second line says what runs FP8 now (the first was written
+    before the checkpoint was applied)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit_bf16_mixed(TinyMlp(), steps=4, callbacks=[FallBackAt(step=2), checkpoints], enable_checkpointing=True)
+    with caplog.at_level(logging.INFO):
+        fit_bf16_mixed(TinyMlp(), steps=5, ckpt_path=tmp_path / "last.ckpt")
+    lines = [record.getMessage() for record in caplog.records if "FP8 (" in record.getMessage()]
+    assert lines[-1].startswith("lightning_mp: after the checkpoint's fallbacks: FP8 (tensorwise): 1 of 4")
+    assert "net.2 (fell back)" in lines[-1]
