@@ -459,9 +459,7 @@ class LossScaler(torch.amp.GradScaler):
 
         As fresh as :meth:`get_scale`: exact on the CPU, at most one iteration old on an accelerator.
         """
-        return PrecisionStats(
-            loss_scale=self.get_scale(), last_step_skipped=self.last_step_skipped, **self._host.counters.counters()
-        )
+        return PrecisionStats.from_counters(self.get_scale(), self.last_step_skipped, self._host.counters.counters())
 
     def stats_with_pending(self) -> PrecisionStats:
         """:meth:`stats` as they will read after this iteration's :meth:`update`, computed on copies; changes nothing.

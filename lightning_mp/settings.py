@@ -178,6 +178,16 @@ class PluginSettings:
             _keep_fp32,
         ),
     )
+    scale_per_optimizer: bool = field(
+        default=False,
+        metadata=setting(
+            "give each optimizer its own dynamic loss scale (fp16): a non-finite gradient skips only its"
+            " optimizer's step and backs off only its scale; each backward names its optimizer"
+            " (``manual_backward(loss, for_optimizer=opt)``, ``fabric.backward(loss, for_optimizer=opt)``, or the"
+            " optimizer ``toggle_optimizer`` left trainable) (:mod:`lightning_mp.scaling.per_optimizer`).",
+            check_flag,
+        ),
+    )
     eval_precision: EvalPrecisionName | None = field(
         default=None,
         metadata=setting(
@@ -227,6 +237,12 @@ class PluginSettings:
             raise ValueError(
                 f"{owner}(precision='32-true', opt_level={opt_level!r}) is not allowed: {opt_level} casts to a half"
                 " type. Use precision='16-mixed' or 'bf16-mixed', or opt_level='O0'."
+            )
+        if self.scale_per_optimizer and (self.scaler_given or self.loss_scale != "dynamic"):
+            given = "scaler=..." if self.scaler_given else f"loss_scale={self.loss_scale!r}"
+            raise ValueError(
+                f"{owner}(scale_per_optimizer=True, {given}) is not allowed: a scale per optimizer is dynamic and"
+                " built by the plugin. Leave scaler=None and loss_scale='dynamic', or scale_per_optimizer=False."
             )
         if opt_level == "O0" and precision in HALF_DTYPES:
             raise ValueError(

@@ -55,6 +55,8 @@ class LossScaleMonitor(TelemetryCallback):
     - ``precision/rank_overflows_total``: overflows seen by each rank's own gradients, summed over the ranks. In a
       single process it equals the skipped steps; under DDP it exceeds them when several ranks overflowed on the
       same step, and with one run per rank it tells which rank overflows.
+    - ``precision/loss_scale/optimizer_<number>``: with ``scale_per_optimizer=True``, each optimizer's scale, by
+      the order the run met the optimizers (``precision/loss_scale`` is then the first's).
 
     A skipped step is always logged at the step where it happened, even between logging intervals, so that no skip
     is invisible in TensorBoard.
@@ -142,6 +144,10 @@ class LossScaleMonitor(TelemetryCallback):
                     "precision/scale_backoffs_total": backoffs_total,
                     "precision/scale_growths_total": growths_total,
                     "precision/rank_overflows_total": rank_overflows_total,
+                    **{
+                        f"precision/loss_scale/optimizer_{number}": scale
+                        for number, scale in enumerate(stats.loss_scales)
+                    },
                 },
                 step=step,
             )

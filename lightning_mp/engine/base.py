@@ -55,7 +55,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.engine.running_stats import RunningStats
 from lightning_mp.policies import PrecisionPolicy
-from lightning_mp.scaler import LossScaler
+from lightning_mp.scaling.per_optimizer import RunScaler
 from lightning_mp.scaling.stats import PrecisionStats
 from lightning_mp.scaling.steps import Phase
 from lightning_mp.scaling.verdict import StepVerdict
@@ -106,7 +106,7 @@ class StepEngine(ABC):
 
     """
 
-    def __init__(self, loss_scaler: LossScaler, policy: PrecisionPolicy) -> None:
+    def __init__(self, loss_scaler: RunScaler, policy: PrecisionPolicy) -> None:
         self.loss_scaler = loss_scaler
         self.policy = policy
         self.running_stats = RunningStats()

@@ -53,7 +53,7 @@ from lightning_mp.engine.fabric_models import (
 )
 from lightning_mp.overrides import cast_low_precision
 from lightning_mp.policies import PrecisionPolicy
-from lightning_mp.scaler import LossScaler
+from lightning_mp.scaling.per_optimizer import PerOptimizerScalers, RunScaler
 from lightning_mp.scaling.stats import PrecisionStats
 from lightning_mp.scaling.steps import OptimizerStep, Phase
 from lightning_mp.scaling.verdict import SKIPPED, TAKEN, StepVerdict
@@ -71,7 +71,7 @@ class FabricEngine(StepEngine):
     """
 
     def __init__(
-        self, loss_scaler: LossScaler, policy: PrecisionPolicy, follow_device: Callable[[str | None], str]
+        self, loss_scaler: RunScaler, policy: PrecisionPolicy, follow_device: Callable[[str | None], str]
     ) -> None:
         super().__init__(loss_scaler, policy)
         # Fabric loads an optimizer's state before its first step, where the opt level first sees it.
@@ -158,17 +158,31 @@ class FabricEngine(StepEngine):
     def backward(self, tensor: Tensor, module: Any, *args: Any, **kwargs: Any) -> None:
         """Apply the previous iteration's pending scale update, then back-propagate the scaled loss.
 
+        With a scale per optimizer, ``fabric.backward(loss, for_optimizer=optimizer)`` names the optimizer whose
+        scale the loss is multiplied by; elsewhere ``for_optimizer`` is accepted and changes nothing.
+
         Raises:
             TypeError: if ``tensor`` is not a tensor (a loss read with ``.item()`` has no graph to differentiate).
+            ValueError: with a scale per optimizer, where the backward names no optimizer.
             HalfOverflowError: under O2, when the previous step of a fused optimizer was skipped because a weight's
                 fp16 copy was inf (the host learns of such a skip at the scale update, one iteration late).
 
         """
         check_loss("fabric.backward", tensor)
+        named = kwargs.pop("for_optimizer", None)
+        scaler = self.loss_scaler
+        if isinstance(scaler, PerOptimizerScalers) and scaler.scales_loss and named is None:
+            raise ValueError(
+                "MixedPrecision(scale_per_optimizer=True) scales each loss by its optimizer's scale: name the optimizer"
+                " this loss trains, fabric.backward(loss, for_optimizer=optimizer)."
+            )
         self.apply_pending_update()
         self.forget_prepared()
         with self.policy.backward_context():
-            self.loss_scaler.scale(tensor).backward(*args, **kwargs)
+            if isinstance(scaler, PerOptimizerScalers):
+                scaler.scale(tensor, unwrapped(named)).backward(*args, **kwargs)
+            else:
+                scaler.scale(tensor).backward(*args, **kwargs)
 
     def post_backward(self, tensor: Tensor, module: Any) -> Any:
         """Nothing: Fabric has no hooks to run after backward."""

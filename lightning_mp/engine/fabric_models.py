@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.policies.sharded import refuse_sharding_after_conversion
-from lightning_mp.scaler import LossScaler
+from lightning_mp.scaling.per_optimizer import RunScaler
 
 
 def check_input_device(data: Any, device_type: str) -> None:
@@ -43,7 +43,7 @@ def check_input_device(data: Any, device_type: str) -> None:
         )
 
 
-def warn_if_resumed_without_plugin_state(optimizer: Optimizer, loss_scaler: LossScaler, state_loaded: bool) -> None:
+def warn_if_resumed_without_plugin_state(optimizer: Optimizer, loss_scaler: RunScaler, state_loaded: bool) -> None:
     """Warn when an optimizer arrives with a loaded state but the plugin's state was not loaded.
 
     That is a resume (``fabric.load`` of the model and the optimizer) that left the plugin out of the state: the fp16

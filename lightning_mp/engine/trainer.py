@@ -44,8 +44,27 @@ from lightning_mp.engine.schedulers import SkipAwareScheduler
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaler import LossScaler
 from lightning_mp.scaling.fused_steps import supports_fused_protocol
+from lightning_mp.scaling.per_optimizer import PerOptimizerScalers, RunScaler
 from lightning_mp.scaling.steps import Phase
 from lightning_mp.scaling.verdict import SKIPPED, TAKEN, StepVerdict
+
+
+def _trainable_optimizer(module: LightningModule) -> Optimizer:
+    """The one optimizer with trainable parameters: the one ``toggle_optimizer`` toggled.
+
+    Raises:
+        ValueError: where none, or more than one, has trainable parameters.
+
+    """
+    optimizers = list(module.trainer.optimizers)
+    trainable = [o for o in optimizers if any(p.requires_grad for g in o.param_groups for p in g["params"])]
+    if len(trainable) == 1:
+        return trainable[0]
+    raise ValueError(
+        f"MixedPrecision(scale_per_optimizer=True) cannot tell which of the {len(optimizers)} optimizers this loss"
+        " trains, to scale it by that optimizer's scale. Name it: self.manual_backward(loss, for_optimizer=opt), or"
+        " call self.toggle_optimizer(opt) first."
+    )
 
 
 def _has_gradients(optimizer: Optimizer) -> bool:
@@ -70,7 +89,7 @@ class TrainerEngine(StepEngine):
 
     def __init__(
         self,
-        loss_scaler: LossScaler,
+        loss_scaler: RunScaler,
         policy: PrecisionPolicy,
         lightning: Precision,
         skip_scheduler_on_overflow: bool = True,
@@ -91,6 +110,8 @@ class TrainerEngine(StepEngine):
         if self.loss_scaler.scales_loss and any(isinstance(o, LBFGS) for o in optimizers):
             raise self.closure_refusal()
         optimizers = self.policy.connect(model, optimizers)
+        if isinstance(self.loss_scaler, PerOptimizerScalers):
+            self.loss_scaler.register(optimizers)  # numbered in configure_optimizers' order
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         self.loss_scaler.param_names = self.policy.parameter_names(module)
         self.running_stats.clear()
@@ -138,12 +159,26 @@ class TrainerEngine(StepEngine):
 
         """
         check_loss("manual_backward", tensor)
-        if self.loss_scaler.scales_loss:
+        if self.loss_scaler.scales_loss and isinstance(self.loss_scaler, LossScaler):
             tensor = self.loss_scaler.scale(tensor)
         return Precision.pre_backward(self.lightning, tensor, module)
 
     def backward(self, tensor: Tensor, module: LightningModule, *args: Any, **kwargs: Any) -> None:
-        """Lightning's backward: ``module.backward`` of the loss ``pre_backward`` scaled, in the level's context."""
+        """Lightning's backward: ``module.backward`` of the loss ``pre_backward`` scaled, in the level's context.
+
+        With a scale per optimizer the loss is scaled here, by its optimizer's scale: the one Lightning steps in
+        automatic optimization, else ``manual_backward(loss, for_optimizer=opt)``, else the one optimizer
+        ``toggle_optimizer`` left trainable.
+
+        Raises:
+            ValueError: with a scale per optimizer, where a manual backward names no optimizer and none is toggled.
+
+        """
+        named = kwargs.pop("for_optimizer", None)
+        scaler = self.loss_scaler
+        if isinstance(scaler, PerOptimizerScalers) and scaler.scales_loss:
+            optimizer = named if named is not None else args[0] if args and args[0] is not None else None
+            tensor = scaler.scale(tensor, unwrapped(optimizer or _trainable_optimizer(module)))
         self.forget_prepared()
         with self.policy.backward_context():
             Precision.backward(self.lightning, tensor, module, *args, **kwargs)

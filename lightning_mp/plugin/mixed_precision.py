@@ -144,6 +144,10 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
             False: then nothing is checked, as in Lightning's ``"bf16-mixed"`` and ``"32-true"``, a step writes inf/NaN
             into the weights, and ``skipped_steps`` stays 0. A scaled run (fp16) always skips: its overflows are
             routine.
+        scale_per_optimizer: give each optimizer its own dynamic loss scale (fp16): a non-finite gradient skips only
+            its optimizer's step and backs off only its scale; each backward names its optimizer
+            (``manual_backward(loss, for_optimizer=opt)``, ``fabric.backward(loss, for_optimizer=opt)``, or the
+            optimizer ``toggle_optimizer`` left trainable) (:mod:`lightning_mp.scaling.per_optimizer`).
         eval_precision: the precision validation, test and predict run in, inside ``fit`` and in
             ``trainer.validate``, ``test`` and ``predict`` (under Fabric, inside ``plugin.evaluation()``):
             ``"16-mixed"`` or ``"bf16-mixed"`` (autocast over fp32 weights), ``"16-true"`` or ``"bf16-true"`` (half
@@ -189,6 +193,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         keep_fp32: Sequence[type | str] | None = PLUGIN_DEFAULTS.keep_fp32,
         max_consecutive_skips: int | None = SCALER_DEFAULTS.max_consecutive_skips,
         skip_nonfinite: bool = SCALER_DEFAULTS.skip_nonfinite,
+        scale_per_optimizer: bool = PLUGIN_DEFAULTS.scale_per_optimizer,
         eval_precision: EvalPrecisionName | str | int | None = PLUGIN_DEFAULTS.eval_precision,
         fp8: Fp8Recipe | FP8Settings | str | None = None,
     ) -> None:
@@ -214,6 +219,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
             keep_fp32=keep_fp32,
             max_consecutive_skips=max_consecutive_skips,
             skip_nonfinite=skip_nonfinite,
+            scale_per_optimizer=scale_per_optimizer,
             eval_precision=eval_precision,
         )
         self.settings = settings

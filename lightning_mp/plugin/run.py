@@ -36,6 +36,7 @@ from lightning_mp.plugin.resolved import OWNER, ResolvedSetup, resolve_setup
 from lightning_mp.policies import POLICIES, SHARDED_POLICIES, PrecisionPolicy
 from lightning_mp.policies.sharded import refuse_half_weights
 from lightning_mp.scaler import LossScaler, ScalingMode
+from lightning_mp.scaling.per_optimizer import PerOptimizerScalers, RunScaler
 from lightning_mp.settings import PluginSettings
 
 
@@ -47,8 +48,9 @@ class Run:
     """What setup resolved: the device, the precision, the opt level that runs."""
     policy: PrecisionPolicy
     """The opt level's policy."""
-    loss_scaler: LossScaler
-    """The loss scaler; in bf16 and fp32 one that only checks for inf/NaN."""
+    loss_scaler: RunScaler
+    """The loss scaler; in bf16 and fp32 one that only checks for inf/NaN; with ``scale_per_optimizer``, one per
+    optimizer (:mod:`lightning_mp.scaling.per_optimizer`)."""
     fp8: Fp8Mode | None
     """FP8's layers and fallbacks; None without ``fp8``."""
     evaluation: Evaluation
@@ -111,7 +113,7 @@ def build_run(
     return Run(setup, policy, loss_scaler, fp8, Evaluation(policy))
 
 
-def _build_loss_scaler(settings: PluginSettings, setup: ResolvedSetup) -> LossScaler:
+def _build_loss_scaler(settings: PluginSettings, setup: ResolvedSetup) -> RunScaler:
     mode: ScalingMode = "check"
     scaler_settings = settings.scaler
     if setup.precision == "16-mixed" and not settings.scaling_disabled:
@@ -121,6 +123,8 @@ def _build_loss_scaler(settings: PluginSettings, setup: ResolvedSetup) -> LossSc
             mode = "dynamic"
     if scaler_settings.mode != "static":
         scaler_settings = replace(scaler_settings, mode=mode)
+    if settings.scale_per_optimizer and scaler_settings.mode == "dynamic":
+        return PerOptimizerScalers(scaler_settings, setup.device)
     return LossScaler.from_settings(scaler_settings, setup.device)
 
 

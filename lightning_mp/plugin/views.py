@@ -19,6 +19,7 @@ from lightning_mp.plugin.run import Run
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.policies.sharded import fsdp2_mixed_precision_policy
 from lightning_mp.scaler import LossScaler
+from lightning_mp.scaling.per_optimizer import PerOptimizerScalers
 from lightning_mp.scaling.stats import PrecisionStats, ScalerView
 from lightning_mp.settings import HALF_DTYPES, PluginSettings, PrecisionName
 
@@ -66,13 +67,27 @@ class RunViews:
     def scaler(self) -> LossScaler | None:
         """The loss scaler, or None where nothing is scaled (bf16, fp32) and before setup. Reading it changes nothing.
 
+        With ``scale_per_optimizer=True`` it is the first optimizer's; :attr:`scalers` has each one's.
+
         Under Fabric the scale moves at the next ``fabric.backward`` (:mod:`lightning_mp.engine.fabric`), so right
         after a step the scaler's own getters still give the scale that step was unscaled with; :attr:`stats` gives
         the one the step leads to.
         """
-        if self._run is not None and self._run.loss_scaler.scales_loss:
-            return self._run.loss_scaler
-        return None
+        if self._run is None or not self._run.loss_scaler.scales_loss:
+            return None
+        scaler = self._run.loss_scaler
+        return scaler.scalers[0] if isinstance(scaler, PerOptimizerScalers) else scaler
+
+    @property
+    def scalers(self) -> tuple[LossScaler, ...]:
+        """Every loss scaler of the run, by optimizer number.
+
+        One per optimizer with ``scale_per_optimizer=True``, else the one :attr:`scaler` (none where nothing is
+        scaled, and before setup).
+        """
+        if self._run is not None and isinstance(self._run.loss_scaler, PerOptimizerScalers):
+            return tuple(self._run.loss_scaler.scalers)
+        return (self.scaler,) if self.scaler is not None else ()
 
     @property
     def scaler_view(self) -> ScalerView:

@@ -44,6 +44,4 @@ def stats_after_update(
     if transition.event != "collapsed":
         counters.record_scale_move(scale, transition.state.scale)
         scale = transition.state.scale
-    return PrecisionStats(
-        loss_scale=scaling.loss_scale(scale), last_step_skipped=counters.last_step_skipped, **counters.counters()
-    )
+    return PrecisionStats.from_counters(scaling.loss_scale(scale), counters.last_step_skipped, counters.counters())

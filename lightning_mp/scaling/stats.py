@@ -9,6 +9,7 @@ the previous iteration, since the host reads a non-blocking copy of the flag one
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ class PrecisionStats:
         scale_backoffs: how many times the scale was reduced.
         scale_growths: how many times the scale was increased.
         consecutive_skips: skipped steps in a row up to now (0 after a clean step).
+        loss_scales: with ``scale_per_optimizer=True``, each optimizer's scale, by optimizer number
+            (:mod:`lightning_mp.scaling.per_optimizer`); empty where one scale serves every optimizer.
 
     """
 
@@ -36,6 +39,20 @@ class PrecisionStats:
     scale_backoffs: int = 0
     scale_growths: int = 0
     consecutive_skips: int = 0
+    loss_scales: tuple[float, ...] = ()
+
+    @classmethod
+    def from_counters(cls, loss_scale: float, last_step_skipped: bool, counters: Mapping[str, int]) -> PrecisionStats:
+        """The statistics of one scaler: its scale, whether its last step was skipped, and its counters."""
+        return cls(
+            loss_scale=loss_scale,
+            optimizer_steps=counters["optimizer_steps"],
+            skipped_steps=counters["skipped_steps"],
+            last_step_skipped=last_step_skipped,
+            scale_backoffs=counters["scale_backoffs"],
+            scale_growths=counters["scale_growths"],
+            consecutive_skips=counters["consecutive_skips"],
+        )
 
     @property
     def skip_rate(self) -> float:
@@ -45,13 +62,20 @@ class PrecisionStats:
     def as_dict(self, prefix: str = "precision/") -> dict[str, float]:
         """Every counter and the skip rate as a float under ``prefix``: ready for ``fabric.log_dict`` or any logger.
 
+        With a scale per optimizer, each one's is ``loss_scale/optimizer_<number>`` too.
+
         Example:
             >>> PrecisionStats(loss_scale=1024.0, optimizer_steps=4, skipped_steps=1).as_dict()["precision/skip_rate"]
             0.25
 
         """
-        values = {field.name: float(getattr(self, field.name)) for field in dataclasses.fields(self)}
+        values = {
+            field.name: float(getattr(self, field.name))
+            for field in dataclasses.fields(self)
+            if field.name != "loss_scales"
+        }
         values["skip_rate"] = self.skip_rate
+        values.update({f"loss_scale/optimizer_{number}": scale for number, scale in enumerate(self.loss_scales)})
         return {prefix + name: value for name, value in values.items()}
 
 
