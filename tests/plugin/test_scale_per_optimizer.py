@@ -71,11 +71,14 @@ def _plugin(**kwargs: Any) -> MixedPrecision:
     return MixedPrecision("16-mixed", scale_per_optimizer=True, init_scale=2.0**8, growth_interval=2, **kwargs)
 
 
-def test_each_optimizer_has_its_own_scale_and_only_the_overflowing_one_skips_and_backs_off(tmp_path: Path) -> None:
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_each_optimizer_has_its_own_scale_and_only_the_overflowing_one_skips_and_backs_off(
+    tmp_path: Path, opt_level: str
+) -> None:
     """The discriminator's two overflows skip two of its steps and halve its scale twice; the generator steps every
     time and its scale grows undisturbed; both scales are logged under their own tag."""
     model = Gan()
-    plugin = _plugin()
+    plugin = _plugin(opt_level=opt_level)
     logger = TensorBoardLogger(tmp_path, name="", version="")
     trainer = make_trainer(plugin, max_steps=12, logger=logger, log_every_n_steps=1, callbacks=[LossScaleMonitor()])
     trainer.fit(model, data())
