@@ -1,4 +1,7 @@
-"""The reference task shared by the demo, the benchmark and the parity checks: a small transformer language model.
+"""The reference tasks: a small transformer language model, and a tiny regressor for the documentation's examples.
+
+The language model serves the demo, the benchmark and the parity checks; :func:`example_task` gives the regressor that
+the documentation's examples train.
 
 The text is generated in-process, so nothing is downloaded: a seeded Markov chain over ``vocab_size`` tokens in
 which every token has ``branching`` possible successors with random probabilities. A model that has learned the
@@ -167,3 +170,57 @@ class _Warmup:
 
     def __call__(self, step: int) -> float:
         return min(1.0, (step + 1) / self.steps)
+
+
+class ExampleRegressor(L.LightningModule):
+    """The documentation's example model: a linear body, a LayerNorm and a linear ``head``, trained with SGD.
+
+    Its submodules are named as the examples name them (``keep_fp32=["head"]``, ``keep_fp32=[nn.LayerNorm]``).
+    """
+
+    def __init__(self, features: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.body = nn.Linear(features, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, 1)
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.relu(self.norm(self.body(x))))
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x).float(), y))
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+def example_task(
+    samples: int = 64, batch_size: int = 8, seed: int = 0
+) -> tuple[ExampleRegressor, torch.optim.Optimizer, DataLoader, Tensor]:
+    """What the documentation's examples train: a tiny model, its optimizer, a loader of its data, and one batch.
+
+    The data is a seeded linear regression with a little noise, made in-process.
+
+    Example:
+        >>> model, optimizer, loader, batch = example_task()
+        >>> model(batch).shape
+        torch.Size([8, 1])
+
+    """
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 16, generator=generator)
+    y = x @ torch.randn(16, 1, generator=generator) + 0.1 * torch.randn(samples, 1, generator=generator)
+    torch.manual_seed(seed)
+    model = ExampleRegressor()
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
+    return model, model.configure_optimizers(), loader, x[:batch_size]
+

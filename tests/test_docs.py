@@ -37,6 +37,7 @@ from lightning_mp.callbacks import (
 from lightning_mp.fp8.convert import fp8_unavailable
 from lightning_mp.scaling.rules import ScalerSettings
 from lightning_mp.settings import PluginSettings
+from lightning_mp.tasks import example_task
 from tests.helpers import TinyRegressor, loader, make_trainer, read_events
 
 ROOT = Path(__file__).parents[1]
@@ -125,31 +126,16 @@ QUICKSTARTS = [README, DOCS / "get-started.md"]
 @pytest.mark.slow  # trains the quickstarts
 @pytest.mark.parametrize("page", QUICKSTARTS, ids=page_name)
 def test_the_quickstarts_train(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each quickstart block runs as written, given a model, its data, an optimizer and a loss: a reader's first run
-    works."""
+    """Each quickstart block runs as written, in a fresh namespace (it makes its own tiny model and data): a reader's
+    first run works."""
     monkeypatch.chdir(tmp_path)  # the blocks write logs and checkpoints into the working directory
     blocks = python_blocks(page)
     assert len(blocks) == 2, "one Trainer and one Fabric quickstart"
     for line, body in blocks:
-        # Seeded, and a rate at which 100 steps of SGD with momentum stay within fp16's range from any start.
         torch.manual_seed(0)
-        model = TinyRegressor(lr=0.01)
-        namespace = {
-            "model": model,
-            "train_loader": loader(),
-            "loader": loader(),
-            "optimizer": torch.optim.SGD(model.parameters(), lr=0.01),
-            "loss_fn": torch.nn.functional.mse_loss,
-        }
+        namespace: dict[str, Any] = {"__name__": "__main__"}
         exec(compile(body, f"{page_name(page)}:{line}", "exec"), namespace)
         assert namespace["plugin"].stats.optimizer_steps > 0, f"{page_name(page)}:{line} trained no step"
-
-
-GUIDE_BLOCKS = [
-    pytest.param(page, line, body, id=f"{page_name(page)}:{line}")
-    for page in sorted((DOCS / "guide").glob("*.md"))
-    for line, body in python_blocks(page, runnable=True)
-]
 
 
 class QuietTrainer(L.Trainer):
@@ -162,34 +148,27 @@ class QuietTrainer(L.Trainer):
         super().__init__(**{**quiet, **options, "accelerator": "cpu", "devices": 1})
 
 
+GUIDE_PAGES = [page for page in sorted((DOCS / "guide").glob("*.md")) if python_blocks(page, runnable=True)]
+
+
 @pytest.mark.slow  # runs the guide's code
-@pytest.mark.parametrize(("page", "line", "body"), GUIDE_BLOCKS)
-def test_every_guide_block_runs(
-    page: Path, line: int, body: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each Python block of the user guide runs as written, given what it names of the reader's (a tiny model, its
-    data, an optimizer, a batch); a Trainer it builds trains two steps with the block's plugin and callbacks."""
+@pytest.mark.parametrize("page", GUIDE_PAGES, ids=page_name)
+def test_every_guide_page_runs_as_written(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each page's Python blocks run as written, in order, in one fresh namespace, as a reader pastes them: nothing is
+    given but what the page's own setup block makes. A Trainer a page builds then trains two steps with its plugin
+    and callbacks (the harness caps every Trainer at two steps, without checkpoints or a progress bar)."""
     if page.name == "fp8.md" and (missing := fp8_unavailable()):
         pytest.skip(f"the FP8 guide's blocks need the fp8 extra: {missing}")
     monkeypatch.chdir(tmp_path)  # blocks write checkpoints and logs into the working directory
     monkeypatch.setattr(L, "Trainer", QuietTrainer)
-    model = TinyRegressor()
-    namespace: dict[str, Any] = {
-        "L": L,
-        "nn": torch.nn,
-        "torch": torch,
-        "MixedPrecision": MixedPrecision,
-        "model": model,
-        "loader": loader(),
-        "train_loader": loader(),
-        "optimizer": torch.optim.SGD(model.parameters(), lr=0.05),
-        "batch": next(iter(loader()))[0],
-    }
-    exec(compile(body, f"{page_name(page)}:{line}", "exec"), namespace)
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    for line, body in python_blocks(page, runnable=True):
+        exec(compile(body, f"{page_name(page)}:{line}", "exec"), namespace)
     trainer = namespace.get("trainer")
-    if isinstance(trainer, L.Trainer):
-        trainer.fit(TinyRegressor(), loader())
-        assert trainer.global_step == 2, f"{page_name(page)}:{line} trained no step"
+    if isinstance(trainer, L.Trainer) and trainer.global_step == 0:
+        model, _, loader, _ = example_task()
+        trainer.fit(model, loader)
+        assert trainer.global_step == 2, f"{page_name(page)}: its Trainer trained no step"
 
 
 def test_few_guide_blocks_are_not_run() -> None:
@@ -202,7 +181,7 @@ def test_few_guide_blocks_are_not_run() -> None:
     ]
     assert len(reasons) <= 5
     assert all(len(reason.split()) >= 2 for reason in reasons)
-    assert len(GUIDE_BLOCKS) >= 10
+    assert sum(len(python_blocks(page, runnable=True)) for page in GUIDE_PAGES) >= 10
 
 
 CODE_WIDTH = 88
