@@ -223,4 +223,3 @@ def example_task(
     model = ExampleRegressor()
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
     return model, model.configure_optimizers(), loader, x[:batch_size]
-
