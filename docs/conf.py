@@ -83,7 +83,7 @@ def gpu_reports_markdown() -> str:
     return "\n\n".join(blocks)
 
 
-GENERATED_PAGES = ["gpu-results", "performance", "contributing"]
+GENERATED_PAGES = ["gpu-results", "performance", "contributing", "guide/distributed"]
 """The pages whose tables are generated at build time, from files other than the page itself."""
 
 

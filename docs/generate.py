@@ -302,11 +302,30 @@ def measure_parity() -> None:
     )
 
 
+def measure_support_matrix() -> None:
+    """Every opt level under every strategy and front end, trained or refused (``tests/test_support_matrix.py``)."""
+    from tests.distributed.support_matrix import ROWS, run_row, summary
+
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for label, strategy, front in ROWS:
+            cells = summary(run_row(strategy, front, Path(scratch) / f"{strategy}-{front}"))
+            rows.append({"label": label, "strategy": strategy, "front": front, "cells": cells})
+            print(f"[support-matrix] {label} ({front})", file=sys.stderr, flush=True)
+    write_result(
+        "support-matrix",
+        "Each cell trains 8 AdamW steps of a 4-layer MLP on 2 CPU processes (gloo; one for a single device), or is"
+        " refused at setup; tests/distributed/test_support_matrix.py checks every cell.",
+        rows=rows,
+    )
+
+
 MEASUREMENTS: dict[str, Callable[[], None]] = {
     "parity": measure_parity,
     "counts": measure_counts,
     "opt-levels": measure_opt_levels,
     "memory": measure_memory,
+    "support-matrix": measure_support_matrix,
 }
 
 

@@ -184,6 +184,45 @@ def private_names_markdown() -> str:
     return "\n".join(lines)
 
 
+COLUMN_NAMES = {
+    "32-true:O0": "O0",
+    "16-mixed:O1": "fp16 O1",
+    "16-mixed:O2": "fp16 O2",
+    "16-mixed:O3": "fp16 O3",
+    "bf16-mixed:O1": "bf16 O1",
+    "bf16-mixed:O2": "bf16 O2",
+    "bf16-mixed:O3": "bf16 O3",
+    "bf16-mixed:lean": "lean",
+    "bf16-mixed:lean-kahan": "lean-kahan",
+    "bf16-mixed:O1:tensorwise": "FP8",
+}
+"""The table's column heading of each cell of ``tests/ddp_scripts/matrix_train.py``."""
+
+
+def support_matrix_markdown() -> str:
+    """Every opt level under every strategy and front end: "trains", or the refusal, numbered under the table."""
+    result = load("support-matrix")
+    cells = list(result["rows"][0]["cells"])
+    lines = [
+        "| strategy | front end | " + " | ".join(COLUMN_NAMES.get(cell, cell) for cell in cells) + " |",
+        "|---|---|" + "---|" * len(cells),
+    ]
+    refusals: dict[str, int] = {}
+    for row in result["rows"]:
+        marks = []
+        for cell in cells:
+            text = row["cells"][cell]
+            if text == "trains":
+                marks.append("trains")
+                continue
+            reason = text.split(": ", 2)[-1]
+            number = refusals.setdefault(reason, len(refusals) + 1)
+            marks.append(f"refused ({number})")
+        lines.append(f"| {row['label']} | {row['front'].capitalize()} | " + " | ".join(marks) + " |")
+    notes = [f"{number}. {reason}" for reason, number in refusals.items()]
+    return "\n".join([*lines, "", *notes, "", stamp(result)])
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "private-names": private_names_markdown,
     "parity": parity_markdown,
@@ -193,6 +232,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "memory": memory_markdown,
     "memory-facts": memory_facts_markdown,
     "host-work": host_work_markdown,
+    "support-matrix": support_matrix_markdown,
 }
 """Each marker's name and what it renders."""
 

@@ -343,10 +343,12 @@ def test_the_performance_page_and_the_private_names_are_generated_not_typed() ->
     from its source (the benchmark's result files, the registry); no page types one of those tables by hand."""
     tables = generated_tables()
     performance, contributing = (DOCS / "performance.md").read_text(), (DOCS / "contributing.md").read_text()
+    distributed = (DOCS / "guide" / "distributed.md").read_text()
     on_performance = tables.MARKER.findall(performance)
-    assert set(on_performance) == set(tables.RENDERERS) - {"private-names"}
+    assert set(on_performance) == set(tables.RENDERERS) - {"private-names", "support-matrix"}
     assert tables.MARKER.findall(contributing) == ["private-names"]
-    assert {path.stem for path in tables.RESULTS.glob("*.json")} <= set(on_performance)
+    assert tables.MARKER.findall(distributed) == ["support-matrix"]
+    assert {path.stem for path in tables.RESULTS.glob("*.json")} <= {*on_performance, "support-matrix"}
     generated = {header for name in tables.RENDERERS for header in table_headers(tables.render(name))}
     assert len(generated) >= 6
     for page in PAGES:

@@ -47,9 +47,9 @@ class Fp8Methods:
             return
         if has_sharded_parameters(module):
             raise ValueError(
-                f"{self!r} got a model FSDP2 sharded already: torchao converts linear layers before fully_shard, not"
-                " after. Call plugin.fp8_convert(self) first thing in configure_model, before fully_shard (or"
-                " fabric.setup's parallelize_fn)."
+                f"{self!r} with fp8={fp8.settings.recipe!r} got a model FSDP2 sharded already: torchao converts"
+                " linear layers before fully_shard, not after. Use plugin.fp8_convert(self) first thing in"
+                " configure_model, before fully_shard (or in fabric.setup's parallelize_fn)."
             )
         if fp8.settings.fsdp_float8_all_gather:
             raise ValueError(
