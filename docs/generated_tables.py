@@ -105,6 +105,13 @@ def memory_facts_markdown() -> str:
                 f" {o2.peak_bytes / o1.peak_bytes:.3f}x O1, and keeps {o2.persistent_bytes_per_parameter:.2f} bytes"
                 f" per parameter between steps (O1: {o1.persistent_bytes_per_parameter:.2f})."
             )
+    exact, o2 = rows.get("lean-exact-bf16"), rows.get("O2-bf16")
+    if exact and o2:
+        lines.append(
+            f"- lean-exact keeps {exact.weight_and_master_bytes_per_parameter:.2f} bytes of weight and master per"
+            f" parameter (O2 in bf16: {o2.weight_and_master_bytes_per_parameter:.2f}) and peaks at"
+            f" {exact.peak_bytes / o2.peak_bytes:.3f}x O2's, with O2's numbers bit for bit."
+        )
     o1, builtin = rows.get("O1-bf16"), rows.get("lightning-bf16")
     if o1 and builtin:
         lines.append(
@@ -194,6 +201,7 @@ COLUMN_NAMES = {
     "bf16-mixed:O3": "bf16 O3",
     "bf16-mixed:lean": "lean",
     "bf16-mixed:lean-kahan": "lean-kahan",
+    "bf16-mixed:lean-exact": "lean-exact",
     "bf16-mixed:O1:tensorwise": "FP8",
 }
 """The table's column heading of each cell of ``tests/ddp_scripts/matrix_train.py``."""

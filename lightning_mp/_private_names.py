@@ -61,6 +61,7 @@ _FOREACH_OPS = (
     "torch._foreach_sub",
     "torch._foreach_sign_",
     "torch._foreach_copy_",
+    "torch._foreach_add_",
 )
 """The ``torch._foreach_*`` ops the package uses."""
 _CORE_ATEN_OPS = ("aten._local_scalar_dense", "aten._to_copy")
@@ -94,6 +95,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
             "stochastic_rounding/step.py",
             "bench/counting.py",
             "policies/o2/masters.py",
+            "policies/o2/split.py",
         ),
         'a family: documented in torch\'s reference as "Foreach operations" (beta), spelled with an underscore.'
         " One dispatched op for a whole list of tensors, as torch.optim's foreach implementations use them; the"
@@ -141,10 +143,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "Tensor._version",
         "torch",
-        ("policies/o2/masters.py",),
+        ("policies/o2/masters.py", "policies/lean_exact.py"),
         "the in-place version counter autograd checks saved tensors against: O2 finds by it the half model parameters"
         " edited since they were last written (to merge the edit into their fp32 masters) and the half gradients a"
-        " user changed after the unscale (which then win over their masters')",
+        " user changed after the unscale (which then win over their masters'); lean-exact records it for a packed"
+        " weight edited between steps",
     ),
     # torch: device, compile and dispatch
     PrivateName(

@@ -154,8 +154,8 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
     Takes exactly the arguments of :class:`~lightning_mp.MixedPrecision`, with the same meaning and checks.
 
     Raises:
-        ValueError: for an opt level FSDP cannot run (``O3``, ``lean``, ``lean-kahan``), naming the alternative; for
-            ``fp8``, which runs under FSDP2 (``ModelParallelStrategy``) only. Otherwise as
+        ValueError: for an opt level FSDP cannot run (``O3``, ``lean``, ``lean-kahan``, ``lean-exact``), naming the
+            alternative; for ``fp8``, which runs under FSDP2 (``ModelParallelStrategy``) only. Otherwise as
             :class:`~lightning_mp.MixedPrecision`.
 
     Example::
@@ -166,6 +166,13 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.opt_level == "lean-exact":
+            raise ValueError(
+                "FSDPMixedPrecision(opt_level='lean-exact') is not allowed: lean-exact packs an fp32 master beside each"
+                " whole bf16 weight, while FSDP keeps the masters itself as fp32 shards (1/N of the weights per rank)."
+                " Use opt_level='O2', where FSDP gathers bf16 copies of its fp32 shards: the same bf16 compute."
+                f" Allowed: {list(FSDP_OPT_LEVELS)}."
+            )
         if self.opt_level not in FSDP_OPT_LEVELS:
             raise ValueError(
                 f"FSDPMixedPrecision(opt_level={self.opt_level!r}) is not allowed: {self.opt_level} keeps the model's"

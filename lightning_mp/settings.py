@@ -227,6 +227,13 @@ class PluginSettings:
                 " scaled (bf16 has fp32's exponent range). Use loss_scale='dynamic' (the default) here, or"
                 " precision='16-mixed' for a static fp16 scale."
             )
+        if opt_level == "lean-exact" and precision in ("16-mixed", "32-true"):
+            raise ValueError(
+                f"{owner}(precision={precision!r}, opt_level='lean-exact') is not allowed: lean-exact keeps each fp32"
+                " master as its bf16 weight plus the 16 bits rounding dropped, and only bf16 is the top half of an fp32"
+                " (fp16's exponent is narrower, so its bits are not). Use precision='bf16-mixed' (or 'auto'), or"
+                " opt_level='O2' for fp16."
+            )
         if opt_level.startswith("lean") and precision in ("16-mixed", "32-true"):
             raise ValueError(
                 f"{owner}(precision={precision!r}, opt_level={opt_level!r}) is not allowed: {opt_level} keeps"

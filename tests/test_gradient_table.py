@@ -48,6 +48,7 @@ LEVELS = [
     ("bf16-mixed", "O3"),
     ("bf16-mixed", "lean"),
     ("bf16-mixed", "lean-kahan"),
+    ("bf16-mixed", "lean-exact"),
 ]
 MOMENTS = ["after_backward", "before_step", "after_step", "after_skip", "after_zero_grad"]
 
@@ -56,8 +57,8 @@ def expected_row(precision: str, opt_level: str, moment: str) -> Row:
     """The table: the gradients' dtype is the weights' (fp32 at O0 and O1, half at O2, O3 and lean); in fp16 at O1 and
     O2 they are scaled from the backward until the plugin (or the user's ``unscale_``) unscales them, before the hooks
     and the clipping (O3 scales nothing unless given a ``loss_scale``); a step or a skip leaves them in place until
-    ``zero_grad``, but O2 frees them with a taken step."""
-    if moment == "after_zero_grad" or (moment == "after_step" and opt_level == "O2"):
+    ``zero_grad``, but O2 (and lean-exact, which is O2 with packed masters) frees them with a taken step."""
+    if moment == "after_zero_grad" or (moment == "after_step" and opt_level in ("O2", "lean-exact")):
         # O2 frees the gradients of the parameters it made half with the step (their fp32 copies were what it
         # applied); its normalisation layers keep theirs, as at every level.
         return Row(present=False)

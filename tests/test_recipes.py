@@ -34,7 +34,13 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*keep_fp32"),
 ]
 
-KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {
+    ("stochastic_weight_averaging", "bf16-lean-exact"): (
+        "SWA writes its fp32 average into the bf16 weights at the end of fit; lean-exact keeps each weight's last 16"
+        " low bits under the averaged top half where O2 takes the rounded average exactly, which is within one bf16"
+        " gap but over O2's bound here (the documented difference of a weight written by hand)"
+    ),
+}
 """(recipe pattern, level id pattern) -> why that cell fails today; the patterns are ``fnmatch``'s."""
 
 FAST_LEVELS = frozenset({"fp16-O2", "bf16-lean"})

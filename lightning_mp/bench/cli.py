@@ -41,7 +41,7 @@ from lightning_mp.bench.configurations import (
 from lightning_mp.bench.counts import counts_report
 from lightning_mp.bench.evaluation import run_evaluation
 from lightning_mp.bench.machine import machine_description, matmul_rates
-from lightning_mp.bench.memory import MEMORY_CONFIGURATIONS, run_memory
+from lightning_mp.bench.memory import MEMORY_CONFIGURATIONS, MEMORY_MODELS, run_memory
 from lightning_mp.bench.opt_level_counts import opt_level_report
 from lightning_mp.bench.proof import COMMAND as PROOF_COMMAND
 from lightning_mp.bench.proof import main as proof_main
@@ -130,6 +130,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--memory",
         action="store_true",
         help="peak tensor memory of one step per configuration, split by category (CPU; default size medium)",
+    )
+    parser.add_argument(
+        "--memory-model",
+        choices=MEMORY_MODELS,
+        default="lm",
+        help="the model --memory measures: the Markov-text transformer LM, or a ResNet with batch norm (cnn)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

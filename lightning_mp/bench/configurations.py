@@ -152,6 +152,12 @@ CONFIGURATIONS: dict[str, Configuration] = {
         Configuration("O2-bf16", "MixedPrecision bf16, O2", _plugin("bf16-mixed", "O2"), "lightning-bf16"),
         Configuration("lean-bf16", "MixedPrecision bf16, lean", _plugin("bf16-mixed", "lean"), "lightning-bf16"),
         Configuration(
+            "lean-kahan-bf16", "MixedPrecision bf16, lean-kahan", _plugin("bf16-mixed", "lean-kahan"), "lightning-bf16"
+        ),
+        Configuration(
+            "lean-exact-bf16", "MixedPrecision bf16, lean-exact", _plugin("bf16-mixed", "lean-exact"), "lightning-bf16"
+        ),
+        Configuration(
             "O1-bf16+monitors", "O1-bf16 with the three monitors", _three_monitors("bf16-mixed", "O1"), "lightning-bf16"
         ),
         Configuration(

@@ -2,6 +2,7 @@
 
 from lightning_mp.policies.base import PrecisionPolicy
 from lightning_mp.policies.lean import LeanKahanPolicy, LeanPolicy
+from lightning_mp.policies.lean_exact import LeanExactPolicy
 from lightning_mp.policies.o0 import O0Policy
 from lightning_mp.policies.o1 import O1Policy
 from lightning_mp.policies.o2 import O2Policy
@@ -15,6 +16,7 @@ POLICIES: dict[str, type[PrecisionPolicy]] = {
     "O3": O3Policy,
     "lean": LeanPolicy,
     "lean-kahan": LeanKahanPolicy,
+    "lean-exact": LeanExactPolicy,
 }
 """The registered opt levels by name: ``MixedPrecision(opt_level=...)`` takes any key, and a policy class added here
 (a :class:`PrecisionPolicy` subclass) becomes an opt level."""
@@ -24,6 +26,7 @@ SHARDED_POLICIES: dict[str, type[PrecisionPolicy]] = {"O2": ShardedO2Policy}
 __all__ = [
     "POLICIES",
     "SHARDED_POLICIES",
+    "LeanExactPolicy",
     "LeanKahanPolicy",
     "LeanPolicy",
     "O0Policy",

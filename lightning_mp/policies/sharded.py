@@ -75,8 +75,15 @@ def refuse_half_weights(policy_class: type[PrecisionPolicy], precision: str) -> 
         ShardedPrecisionError: naming the combination and the alternatives.
 
     """
+    opt_level = policy_class.opt_level
+    if policy_class.packs_masters:
+        raise ShardedPrecisionError(
+            f"MixedPrecision(precision={precision!r}, opt_level={opt_level!r}) is not allowed on a sharded model"
+            f" (FSDP2's fully_shard): {opt_level} packs an fp32 master beside each whole bf16 weight, while FSDP2"
+            " keeps the masters itself as fp32 shards (1/N of the weights per rank). Use opt_level='O2' with"
+            " fully_shard(..., mp_policy=plugin.fsdp2_policy()): the same bf16 compute on fp32 shards."
+        )
     if policy_class.half_weights:
-        opt_level = policy_class.opt_level
         raise ShardedPrecisionError(
             f"MixedPrecision(precision={precision!r}, opt_level={opt_level!r}) is not allowed on a sharded model"
             f" (FSDP2's fully_shard): {opt_level} casts the weights themselves to half, but FSDP2 owns the sharded"
@@ -168,10 +175,19 @@ def refuse_sharding_after_conversion(policy: PrecisionPolicy, modules: list[nn.M
         ShardedPrecisionError: naming the combination and the alternatives.
 
     """
-    if not (policy.opt_level == "O2" or policy.half_weights) or isinstance(policy, ShardedO2Policy):
+    if not (policy.opt_level == "O2" or policy.half_weights or policy.packs_masters):
         return
-    if not any(has_sharded_parameters(module) for module in modules):
+    if isinstance(policy, ShardedO2Policy) or not any(has_sharded_parameters(module) for module in modules):
         return
+    if policy.packs_masters:
+        raise ShardedPrecisionError(
+            f"MixedPrecision(opt_level={policy.opt_level!r}) on a model sharded after fabric.setup converted it"
+            " (Fabric's ModelParallelStrategy applies parallelize_fn after the plugin): its masters packed beside"
+            " whole bf16 weights do not combine with FSDP2, which keeps fp32 shards as the masters itself. Use"
+            " opt_level='O2' with the model sharded before fabric.setup (fully_shard(...,"
+            " mp_policy=plugin.fsdp2_policy()) after fabric.launch(), with"
+            " ModelParallelStrategy(parallelize_fn=lambda model, mesh: model))."
+        )
     if policy.opt_level == "O3":
         for module in modules:
             _refuse_mixed_dtype_groups(module)

@@ -48,6 +48,7 @@ CELLS = (
     "bf16-mixed:O3",
     "bf16-mixed:lean",
     "bf16-mixed:lean-kahan",
+    "bf16-mixed:lean-exact",
     "bf16-mixed:O1:tensorwise",
 )
 """The columns of the support table: every opt level in fp16 and bf16 where it exists, and FP8."""

@@ -185,6 +185,7 @@ OPT_LEVELS = [
     ("O1", "bf16-mixed", {}),
     ("O2", "16-mixed", {}),
     ("O2", "bf16-mixed", {}),
+    ("lean-exact", "bf16-mixed", {}),
     ("O3", "16-mixed", {}),
     ("O3", "bf16-mixed", {}),
     # keep_fp32 by BatchNorm type still matches once sync_batchnorm has turned the norm into a SyncBatchNorm.
@@ -209,7 +210,9 @@ def test_sync_batchnorm_composes_with_every_opt_level(opt_level, precision, extr
     assert model.norm.num_batches_tracked.dtype == torch.int64
     assert model.norm.weight.dtype == torch.float32
     # O3 casts the weights; O2 puts half model parameters in their place (the fp32 masters go to the optimizer).
-    assert model.linear.weight.dtype == (plugin.half_dtype if opt_level in ("O2", "O3") else torch.float32)
+    assert model.linear.weight.dtype == (
+        plugin.half_dtype if opt_level in ("O2", "O3", "lean-exact") else torch.float32
+    )
     # Lightning's teardown reverts the conversion; the plugin's dtypes survive it.
     reverted = TorchSyncBatchNorm().revert(model)
     assert not isinstance(reverted.norm, nn.SyncBatchNorm)

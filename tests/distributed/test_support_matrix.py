@@ -49,6 +49,10 @@ def test_every_cell_trains_in_its_precision_or_is_refused_by_name(
                 assert "Float8" in (rank["layer"] or ""), f"{cell}: FP8 was asked for, the layer is {rank['layer']}"
             elif rank["output_dtype"] is not None:
                 assert rank["output_dtype"] == COMPUTE_DTYPE[precision], f"{cell} computed in {rank['output_dtype']}"
+    o2, exact = cells.get("bf16-mixed:O2"), cells.get("bf16-mixed:lean-exact")
+    if o2 and exact and o2["outcome"] == exact["outcome"] == "trained":
+        # lean-exact is O2 with packed masters: the same weights, bit for bit, on every rank.
+        assert [rank["checksum"] for rank in exact["ranks"]] == [rank["checksum"] for rank in o2["ranks"]]
     committed = json.loads(COMMITTED.read_text())
     same_versions = (committed["machine"]["torch"], committed["machine"]["lightning"]) == (
         torch.__version__,

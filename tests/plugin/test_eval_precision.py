@@ -21,7 +21,14 @@ from lightning_mp.policies.evaluation import EvalMode, eval_mode
 from tests.helpers import make_trainer
 
 EVAL_PRECISIONS = [None, "16-mixed", "bf16-mixed", "32-true", "16-true", "bf16-true"]
-LEVELS = [("O1", "16-mixed"), ("O2", "16-mixed"), ("O2", "bf16-mixed"), ("O3", "bf16-mixed"), ("lean", "bf16-mixed")]
+LEVELS = [
+    ("O1", "16-mixed"),
+    ("O2", "16-mixed"),
+    ("O2", "bf16-mixed"),
+    ("O3", "bf16-mixed"),
+    ("lean", "bf16-mixed"),
+    ("lean-exact", "bf16-mixed"),
+]
 FAST_LEVELS = [("O1", "16-mixed"), ("O2", "bf16-mixed")]
 
 # What a validation step sees: (first weight's dtype, the LayerNorm weight's dtype, output dtype, autocast on).

@@ -17,16 +17,19 @@ def test_auto_keeps_a_half_type_exactly_for_the_levels_that_compute_with_half_we
     weights; O2, O3 and lean would otherwise lose what they are for."""
     chosen, _ = precision_for(EMULATING_CPU, opt_level)
     assert (chosen == "bf16-mixed") is POLICIES[opt_level].computes_with_half_weights
-    assert POLICIES[opt_level].computes_with_half_weights is (opt_level in ("O2", "O3", "lean", "lean-kahan"))
+    assert POLICIES[opt_level].computes_with_half_weights is (
+        opt_level in ("O2", "O3", "lean", "lean-kahan", "lean-exact")
+    )
 
 
 @pytest.mark.parametrize("opt_level", list(POLICIES))
 def test_a_sharded_model_refuses_exactly_the_levels_without_fp32_masters(opt_level: str) -> None:
     """FSDP2 owns the sharded weights, so the levels whose own weights are half (no masters) are refused by name."""
     policy = POLICIES[opt_level]
-    if policy.half_weights:
+    if policy.half_weights or policy.packs_masters:
         with pytest.raises(ShardedPrecisionError, match=rf"opt_level={opt_level!r}"):
             refuse_half_weights(policy, "bf16-mixed")
     else:
         refuse_half_weights(policy, "bf16-mixed")
     assert policy.half_weights is (opt_level in ("O3", "lean", "lean-kahan"))
+    assert policy.packs_masters is (opt_level == "lean-exact")

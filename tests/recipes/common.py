@@ -95,6 +95,7 @@ LEVELS: tuple[Level, ...] = (
     Level("bf16-mixed", "O3", 64, _ROUNDS_WEIGHTS),
     Level("bf16-mixed", "lean", 64, _ROUNDS_STOCHASTICALLY),
     Level("bf16-mixed", "lean-kahan", 64, _ROUNDS_STOCHASTICALLY + ", carrying each rounding error to the next step"),
+    Level("bf16-mixed", "lean-exact", 32, _ROUNDS_HALF),
 )
 """The matrix's levels: every opt level at every precision it runs at (O0 is fp32 only, lean bf16 only)."""
 

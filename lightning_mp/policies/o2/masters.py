@@ -9,11 +9,14 @@ hooks on it keep working. The master is an fp32 ``nn.Parameter`` that nothing el
 keeps it beside its model parameter, found by the model parameter's identity.
 
 Values. The master takes over the parameter's original fp32 storage, so a conversion copies nothing in fp32.
-:meth:`MasterParams.master_params_to_model_params` writes the stepped masters into their model parameters in one
-foreach copy (the one weight cast per step). The other way, a model parameter edited in place since it was last
-written (``load_state_dict``, a weight changed in a callback, DDP's broadcast of rank 0's weights at wrap time) is
-merged into its master element by element (:meth:`MasterParams.merge_edits`): where the model parameter still equals
-its master rounded to half, the master keeps its extra bits, so writing the same values back loses nothing.
+:meth:`MasterParams.master_params_to_model_params` writes the stepped masters into their model parameters (the one
+weight cast per step): in fp16 in one foreach copy, to nearest even; in bf16 to nearest with ties away from zero
+(:func:`~lightning_mp.policies.o2.split.write_rounded`, a fixed few ops per chunk of weights), the rounding whose 16
+dropped bits ``lean-exact`` keeps, so that both levels compute with the same weights. The other way, a model
+parameter edited in place since it was last written (``load_state_dict``, a weight changed in a callback, DDP's
+broadcast of rank 0's weights at wrap time) is merged into its master element by element
+(:meth:`MasterParams.merge_edits`): where the model parameter still equals its master rounded to half (either way a
+tie can round), the master keeps its extra bits, so writing the same values back loses nothing.
 ``state_dict()`` gives the masters' fp32 values, merged first, and ``load_state_dict`` writes fp32 values into the
 masters exactly (:meth:`MasterParams.register_state_dict_hooks`).
 
@@ -38,6 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+from lightning_mp.policies.o2.split import round_into, round_to_bf16, write_rounded
 
 
 class MasterParams:
@@ -66,6 +71,8 @@ class MasterParams:
         self._aliases: list[Tensor] = []
         """A detached alias of each model parameter (its storage and version counter), written without no_grad."""
         self._model_grad_versions: list[int] = []
+        self._loaded: set[int] = set()
+        """Entries whose masters a ``load_state_dict`` wrote, until its post-hook rounds them into the model."""
 
     def __len__(self) -> int:
         return len(self.model_params)
@@ -79,7 +86,7 @@ class MasterParams:
         """Make ``param`` half in place and keep its fp32 values as its master; return the entry's index."""
         with torch.no_grad():
             master = nn.Parameter(param.data, requires_grad=param.requires_grad)
-            param.data = param.data.to(self.dtype)
+            param.data = self.to_half(master.data)
         index = len(self.model_params)
         self.model_params.append(param)
         self.master_params.append(master)
@@ -90,6 +97,18 @@ class MasterParams:
         self._model_grads.append(None)
         self._model_grad_versions.append(0)
         return index
+
+    def to_half(self, master: Tensor) -> Tensor:
+        """``master`` rounded to the half type as the model computes with it (bf16: ties away from zero)."""
+        return round_to_bf16(master) if self.dtype == torch.bfloat16 else master.to(self.dtype)
+
+    def unchanged(self, param: Tensor, master: Tensor) -> Tensor:
+        """Where ``param`` still holds ``master`` rounded.
+
+        By this rounding, or to nearest even (torch's copy, which ``load_state_dict`` makes).
+        """
+        same = param == self.to_half(master)
+        return same.logical_or_(param == master.to(self.dtype)) if self.dtype == torch.bfloat16 else same
 
     def follow_devices(self, indices: Iterable[int]) -> None:
         """Move each master to its model parameter's device (the Trainer and Fabric move the model after setup)."""
@@ -113,14 +132,17 @@ class MasterParams:
                     master = self.master_params[i]
                     if master.device != param.device:
                         master.data = master.data.to(param.device)
-                    master.copy_(torch.where(param == master.to(self.dtype), master, param.to(master.dtype)))
+                    master.copy_(torch.where(self.unchanged(param, master), master, param.to(master.dtype)))
                     versions[i] = param._version
 
-    def master_params_to_model_params(self, indices: Sequence[int]) -> None:
-        """Write the masters ``indices`` into their model parameters, in one foreach copy.
+    def master_params_to_model_params(self, indices: Sequence[int], consume: bool = False) -> None:
+        """Write the masters ``indices`` into their model parameters.
 
-        Through detached aliases of the model parameters, which share their storage and version counter: the write
-        needs no ``torch.no_grad()``, and a graph that saved a model parameter sees it changed, as after an fp32 step.
+        In fp16 in one foreach copy, in bf16 rounded ties away from zero in a fixed few ops per chunk of weights;
+        with ``consume`` (bf16) the masters' lowest bits are set in place instead of in a copy, which leaves them
+        unfit for anything but freeing (:func:`~lightning_mp.policies.o2.split.round_into`). Through detached aliases
+        of the model parameters, which share their storage and version counter: the write needs no
+        ``torch.no_grad()``, and a graph that saved a model parameter sees it changed, as after an fp32 step.
         """
         if not indices:
             return
@@ -132,8 +154,11 @@ class MasterParams:
             if alias.data_ptr() != param.data_ptr():  # the model was moved since: new storage
                 alias = aliases[i] = param.detach()
             targets.append(alias)
-            sources.append(master_params[i])
-        torch._foreach_copy_(targets, sources)
+            sources.append(master_params[i].detach())  # no autograd record of the rounding's views
+        if self.dtype == torch.bfloat16:
+            (round_into if consume else write_rounded)(targets, sources)
+        else:
+            torch._foreach_copy_(targets, sources)
         versions = self._written_versions
         for i in indices:
             versions[i] = model_params[i]._version
@@ -188,10 +213,18 @@ class MasterParams:
     def finish_step(self, indices: Sequence[int]) -> None:
         """After an optimizer step of ``indices``: write the masters into the model parameters, free the gradients.
 
-        One foreach copy writes the stepped values; the masters' fp32 gradients are freed with the step, so an O2
-        parameter's ``.grad`` is None after a step, as after ``zero_grad()``.
+        The masters' fp32 gradients are freed with the step, so an O2 parameter's ``.grad`` is None after a step, as
+        after ``zero_grad()``.
         """
         self.master_params_to_model_params(indices)
+        model_params, master_params, seen = self.model_params, self.master_params, self._model_grads
+        for i in indices:
+            master_params[i].grad = None
+            model_params[i].grad = None
+            seen[i] = None
+
+    def free_step_gradients(self, indices: Sequence[int]) -> None:
+        """Free the gradients of the stepped entries ``indices``, half and fp32."""
         model_params, master_params, seen = self.model_params, self.master_params, self._model_grads
         for i in indices:
             master_params[i].grad = None
@@ -225,6 +258,7 @@ class MasterParams:
         return [
             module.register_state_dict_post_hook(functools.partial(_substitute_master_params, self, indices)),
             module.register_load_state_dict_pre_hook(functools.partial(_load_master_params, self, indices)),
+            module.register_load_state_dict_post_hook(functools.partial(_round_loaded_masters, self, indices)),
         ]
 
     def substitute_master_params(self, state_dict: dict[str, Any], prefix: str, indices: Sequence[int]) -> None:
@@ -245,14 +279,29 @@ class MasterParams:
                 value = state_dict.get(prefix + self.keys[i][0])
                 if isinstance(value, Tensor) and value.shape == master.shape:
                     master.copy_(value)
-                    # load_state_dict writes the same values rounded into the model parameter: merged at the step.
+                    # load_state_dict writes the same values rounded to nearest even into the model parameter; the
+                    # post-hook rounds them as a step would (round_loaded_masters).
                     self._written_versions[i] = -1
+                    self._loaded.add(i)
+
+    def round_loaded_masters(self, indices: Iterable[int]) -> None:
+        """Write the masters a ``load_state_dict`` set into their model parameters, rounded as a step writes them.
+
+        torch's load rounds to nearest even; a resumed run must compute with the weights the uninterrupted one had.
+        """
+        loaded = [i for i in indices if i in self._loaded]
+        self._loaded.difference_update(loaded)
+        self.master_params_to_model_params(loaded)
 
 
 def _substitute_master_params(
     masters: MasterParams, indices: list[int], module: nn.Module, state_dict: dict[str, Any], prefix: str, _: Any
 ) -> None:
     masters.substitute_master_params(state_dict, prefix, indices)
+
+
+def _round_loaded_masters(masters: MasterParams, indices: list[int], module: nn.Module, incompatible: Any) -> None:
+    masters.round_loaded_masters(indices)
 
 
 def _load_master_params(

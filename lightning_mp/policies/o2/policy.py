@@ -45,7 +45,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -120,6 +120,8 @@ class O2Policy(PrecisionPolicy):
     opt_level = "O2"
     uses_autocast = True
     computes_with_half_weights = True
+    masters_type: ClassVar[type[MasterParams]] = MasterParams
+    """What keeps the masters: fp32 tensors here, packed remainders at ``lean-exact``."""
 
     def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
         super().__init__(check_half_dtype(type(self).__name__, half_dtype), keep_fp32)
@@ -155,7 +157,7 @@ class O2Policy(PrecisionPolicy):
         # One MasterParams for every model this run converts (Fabric sets up a GAN's two models one by one); each
         # model's state-dict hooks know its own entries, whose names may repeat in another model.
         if self.masters is None:
-            self.masters = MasterParams(self.half_dtype)
+            self.masters = self.masters_type(self.half_dtype)
         masters = self.masters
         indices = [masters.add(param, keys) for param, keys in materialized]
         self.lazy_params += [

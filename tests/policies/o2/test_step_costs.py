@@ -19,7 +19,11 @@ from tests.policies.o2.helpers import HALF, PRECISIONS
 
 
 class WeightCasts(TorchDispatchMode):
-    """Counts the reads of the given fp32 weights by ops that write half tensors (casts), and all ops."""
+    """Counts the reads of the given fp32 weights by ops that write half tensors (casts), and all ops.
+
+    A concatenation of weights holds weights: O2 in bf16 rounds its masters into the model from one (setting the
+    tie bit, :func:`~lightning_mp.policies.o2.split.write_rounded`), and a cast from it casts a weight.
+    """
 
     def __init__(self, weights: list[Tensor]) -> None:
         super().__init__()
@@ -30,6 +34,10 @@ class WeightCasts(TorchDispatchMode):
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs, output)) if isinstance(t, Tensor)]
+        if func is torch.ops.aten.cat.default and any(
+            t.untyped_storage().data_ptr() in self.pointers for t in tree_leaves(args) if isinstance(t, Tensor)
+        ):
+            self.pointers.add(output.untyped_storage().data_ptr())
         if any(t.dtype in HALF.values() for t in tensors):
             self.casts += sum(
                 t.dtype == torch.float32 and t.untyped_storage().data_ptr() in self.pointers
@@ -40,7 +48,10 @@ class WeightCasts(TorchDispatchMode):
 
 
 def fabric_step_counts(opt_level: str, precision: str) -> tuple[int, int, int, int]:
-    """(weight casts in forward and backward, in the optimizer step, ops per step, Python calls per step)."""
+    """(weight casts in forward and backward, in the optimizer step, compute ops per step, Python calls per step).
+
+    Compute ops are the dispatched ops that are neither views nor host reads: each launches a kernel on a GPU.
+    """
     plugin = MixedPrecision(precision, opt_level=opt_level)  # type: ignore[arg-type]
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     torch.manual_seed(0)
@@ -73,7 +84,7 @@ def fabric_step_counts(opt_level: str, precision: str) -> tuple[int, int, int, i
         forward_backward()
         step()
     plugin.teardown()
-    return in_forward_and_backward.casts, in_step.casts, counts.ops, calls.python_calls
+    return in_forward_and_backward.casts, in_step.casts, counts.compute_ops, calls.python_calls
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -85,9 +96,10 @@ def test_o2_casts_each_weight_once_per_optimizer_step_and_never_in_forward_or_ba
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_o2_dispatches_no_more_ops_than_o1_and_a_fixed_few_more_python_calls(precision: str) -> None:
-    """A steady O2 step dispatches no more ATen ops than O1, and makes a fixed few more Python calls (its optimizer
-    hooks), whatever the number of parameters: nothing per parameter."""
+def test_o2_dispatches_no_more_compute_ops_than_o1_and_a_fixed_few_more_python_calls(precision: str) -> None:
+    """A steady O2 step dispatches no more compute ops than O1 (in bf16 its masters are rounded into the model in a
+    fixed few ops per chunk of weights), and makes a fixed few more Python calls (its optimizer hooks), whatever the
+    number of parameters: nothing per parameter."""
     _, _, o1_ops, o1_calls = fabric_step_counts("O1", precision)
     _, _, o2_ops, o2_calls = fabric_step_counts("O2", precision)
     assert o2_ops <= o1_ops

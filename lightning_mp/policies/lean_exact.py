@@ -1,0 +1,254 @@
+"""lean-exact: O2's results bit for bit, with each fp32 master kept as its bf16 weight plus a 16-bit remainder.
+
+Select it with ``MixedPrecision("bf16-mixed", opt_level="lean-exact")``.
+
+O2 keeps, per chosen weight, a bf16 model parameter (2 bytes) and an fp32 master (4 bytes). But the bf16 parameter
+*is* the top half of the master, rounded: :mod:`lightning_mp.policies.o2.split` shows that the master is exactly the
+bf16 weight plus the 16 bits the rounding dropped, kept as an int16 remainder, when the rounding goes to nearest with
+ties away from zero (the rounding O2 in bf16 uses too). So this level is O2 with each master stored as its
+remainder between optimizer steps: 4 bytes of weight and master per parameter instead of 6, and the same numbers.
+
+How a step runs (everything else is O2's, :mod:`lightning_mp.policies.o2.policy`):
+
+1. Between steps each master is *packed*: its remainder is kept, and the master (the same ``nn.Parameter`` object
+   the optimizer's state is keyed by) holds one zero expanded to its shape, so that it still takes the fp32 gradient
+   the loss scaler unscales and checks, as at O2.
+2. When the optimizer's ``step`` begins, the masters of its parameters are rebuilt exactly from weight and remainder
+   (:func:`~lightning_mp.policies.o2.split.unpack`: a fixed few ops per chunk of ``2**22`` weights, whatever their
+   number) and the remainders freed; torch's own step then runs on fp32 masters, fp32 gradients and fp32 states, as
+   at O2, whatever the optimizer (fused, foreach, single-tensor, LBFGS, a third-party one).
+3. After the step each stepped master's remainder is taken (its low 16 bits, one strided copy per chunk), the
+   master is rounded into its weight (its lowest bit set in place, then one foreach cast: no temporary), and the
+   master is freed. A step skipped on the host never unpacks; one skipped on the device (torch's fused kernels with
+   the scaler's inf flag) leaves the master as it was, so it packs back to the same bits.
+
+Memory per chosen parameter with AdamW: 2 bytes of bf16 weight and 2 of remainder, 8 of fp32 moment estimates, 2 of
+bf16 gradient from a backward to the step: 12 between steps, O2's 14 less the 2 bytes of the master's top half. In
+the step the stepped optimizer's masters and their fp32 gradients exist whole, as at O2 (the remainders are freed
+then), so the step's transient memory is O2's, not bounded by a chunk.
+
+What differs from O2. A weight written by hand between steps (a callback editing ``weight`` in place) keeps its
+master's 16 low bits under the new top half; O2 would take the new value exactly where it differs from the rounded
+master. ``load_state_dict``, DDP's start-up broadcast and the plugin's checkpoints go through the masters and are
+exact. Under FSDP the sharded strategies keep fp32 shards already; this level is refused there (use O2).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_mp.policies.o2.masters import MasterParams
+from lightning_mp.policies.o2.policy import O2Policy
+from lightning_mp.policies.o2.split import dense_flat, take_remainders, unpack
+
+
+class RemainderMasters(MasterParams):
+    """:class:`~lightning_mp.policies.o2.masters.MasterParams` whose masters are packed into int16 remainders.
+
+    Entry ``i`` is packed when ``remainders[i]`` holds its remainder (and its master no storage), unpacked in a step.
+
+    Args:
+        dtype: must be ``torch.bfloat16``.
+
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__(dtype)
+        self.remainders: list[Tensor | None] = []
+        self._zeros: dict[torch.device, Tensor] = {}
+        """Per device, the one fp32 zero every packed master there is a view of."""
+
+    def pack(self, indices: Iterable[int]) -> None:
+        """Keep the remainder of each unpacked master ``indices`` and free the master.
+
+        Its weight already holds it rounded. A fixed few ops per chunk of weights, per device
+        (:func:`~lightning_mp.policies.o2.split.take_remainders`).
+        """
+        for device_indices in self._by_device(i for i in indices if self.remainders[i] is None):
+            with torch.no_grad():
+                remainders = take_remainders([self.master_params[i].data for i in device_indices])
+            self._keep(device_indices, remainders)
+
+    def _keep(self, indices: list[int], remainders: list[Tensor]) -> None:
+        for i, remainder in zip(indices, remainders, strict=True):
+            self.remainders[i] = remainder
+            master = self.master_params[i]
+            zero = self._zeros.get(master.device)
+            if zero is None:
+                zero = self._zeros[master.device] = torch.zeros((), dtype=torch.float32, device=master.device)
+            # One fp32 zero expanded to the master's shape: its gradient can still be assigned (the scaler unscales
+            # the masters' gradients before the step), and an in-place write into it fails loudly.
+            master.data = zero.expand(master.shape)
+
+    @override
+    def finish_step(self, indices: Sequence[int]) -> None:
+        """Free the step's gradients; take each stepped master's remainder, round it into its weight, free it.
+
+        No temporary beyond the remainders themselves (:func:`~lightning_mp.policies.o2.split.round_into`).
+        """
+        self.free_step_gradients(indices)
+        for device_indices in self._by_device(i for i in indices if self.remainders[i] is None):
+            with torch.no_grad():
+                remainders = take_remainders([self.master_params[i].data for i in device_indices])
+            self.master_params_to_model_params(device_indices, consume=True)
+            self._keep(device_indices, remainders)
+
+    def unpack(self, indices: Iterable[int]) -> None:
+        """Rebuild each packed master ``indices`` from its model parameter and remainder, exactly; free the remainder.
+
+        A fixed few ops per chunk of weights (:func:`~lightning_mp.policies.o2.split.unpack`), per device; the masters
+        are laid out as their parameters.
+        """
+        for device_indices in self._by_device(i for i in indices if self.remainders[i] is not None):
+            weights = [self.model_params[i].detach() for i in device_indices]
+            device = weights[0].device
+            held = [self.remainders[i] for i in device_indices]
+            remainders = [r if r.device == device else r.to(device) for r in held if r is not None]
+            with torch.no_grad():
+                masters = unpack(weights, remainders)
+            for i, master in zip(device_indices, masters, strict=True):
+                self.master_params[i].data = master
+                self.remainders[i] = None
+
+    def value(self, i: int) -> Tensor:
+        """Entry ``i``'s fp32 master value: the master itself in a step, else a new tensor rebuilt from it."""
+        if self.remainders[i] is None:
+            return self.master_params[i]
+        weight = self.model_params[i].detach()
+        return unpack([weight], [self._remainder_on(i, weight.device)])[0]
+
+    def _remainder_on(self, i: int, device: torch.device) -> Tensor:
+        remainder = self.remainders[i]
+        assert remainder is not None
+        return remainder if remainder.device == device else remainder.to(device)
+
+    def _by_device(self, indices: Iterable[int]) -> list[list[int]]:
+        groups: dict[torch.device, list[int]] = {}
+        for i in indices:
+            groups.setdefault(self.model_params[i].device, []).append(i)
+        return list(groups.values())
+
+    @override
+    def add(self, param: nn.Parameter, keys: list[str]) -> int:
+        """Make ``param`` bf16 in place and keep its fp32 values' remainder; return the entry's index.
+
+        A parameter whose elements do not fill their span (a strided slice, not a layout) is made contiguous first.
+        """
+        if dense_flat(param) is None:
+            param.data = param.data.contiguous()
+        self.remainders.append(None)
+        index = MasterParams.add(self, param, keys)
+        self.pack((index,))
+        return index
+
+    @override
+    def follow_devices(self, indices: Iterable[int]) -> None:
+        indices = list(indices)
+        with torch.no_grad():
+            for i in indices:
+                remainder, param = self.remainders[i], self.model_params[i]
+                if remainder is not None and remainder.device != param.device:
+                    self.remainders[i] = remainder.to(param.device)
+        super().follow_devices(indices)
+
+    @override
+    def merge_edits(self, indices: Iterable[int], force: bool = False) -> None:
+        """A packed entry's edited weight keeps its remainder under the new top half: only the versions move."""
+        unpacked: list[int] = []
+        for i in indices:
+            if self.remainders[i] is None:
+                unpacked.append(i)
+            else:
+                self._written_versions[i] = self.model_params[i]._version
+        super().merge_edits(unpacked, force)
+
+    @override
+    def ready_for_step(self, indices: Iterable[int]) -> None:
+        indices = list(indices)
+        self.follow_devices(indices)
+        self.unpack(indices)
+        super().ready_for_step(indices)
+
+    @override
+    def restore_fp32(self) -> None:
+        self.unpack(range(len(self)))
+        super().restore_fp32()
+
+    @override
+    def substitute_master_params(self, state_dict: dict[str, Any], prefix: str, indices: Sequence[int]) -> None:
+        """Put each master's fp32 value, rebuilt exactly, in ``state_dict`` where its model parameter's is."""
+        self.merge_edits(indices, force=True)
+        for i in indices:
+            value = self.value(i).detach()
+            for key in self.keys[i]:
+                if isinstance(state_dict.get(prefix + key), Tensor):
+                    state_dict[prefix + key] = value
+
+    @override
+    def load_master_params(self, state_dict: dict[str, Any], prefix: str, indices: Iterable[int]) -> None:
+        """Unpack the masters ``state_dict`` holds values for, and write them; the post-hook packs them again."""
+        with torch.no_grad():
+            for i in indices:
+                value = state_dict.get(prefix + self.keys[i][0])
+                if isinstance(value, Tensor) and value.shape == self.model_params[i].shape:
+                    param = self.model_params[i]
+                    self.remainders[i] = None
+                    self.master_params[i].data = value.detach().to(device=param.device, dtype=torch.float32, copy=True)
+                    self._written_versions[i] = -1
+                    self._loaded.add(i)
+
+    @override
+    def round_loaded_masters(self, indices: Iterable[int]) -> None:
+        loaded = [i for i in indices if i in self._loaded]
+        super().round_loaded_masters(loaded)
+        self.pack(loaded)
+
+
+class LeanExactPolicy(O2Policy):
+    """O2 in bf16 with each fp32 master packed as an int16 remainder beside its bf16 weight between steps.
+
+    Args:
+        half_dtype: must be ``torch.bfloat16``.
+        keep_fp32: module types, qualified names or ``re:`` patterns whose modules compute in fp32.
+
+    Raises:
+        ValueError: if ``half_dtype`` is not bf16, or a ``keep_fp32`` entry is invalid.
+
+    """
+
+    opt_level = "lean-exact"
+    packs_masters = True
+    masters_type: ClassVar[type[MasterParams]] = RemainderMasters
+
+    def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
+        if half_dtype is not torch.bfloat16:
+            raise ValueError(
+                f"{type(self).__name__}(half_dtype={half_dtype!r}) is not allowed: opt_level='lean-exact' keeps each"
+                " fp32 master as its bf16 weight plus the 16 bits rounding dropped, and only bf16 is the top half of"
+                " an fp32 (fp16's exponent is narrower). Use MixedPrecision('bf16-mixed', opt_level='lean-exact'),"
+                " or opt_level='O2' for fp16."
+            )
+        if sys.byteorder != "little":
+            raise RuntimeError(
+                "opt_level='lean-exact' reads an fp32 master's low 16 bits as the first half of each 32-bit word,"
+                f" which needs a little-endian machine; this one is {sys.byteorder}-endian. Use opt_level='O2'."
+            )
+        super().__init__(half_dtype, keep_fp32)
+
+    @override
+    def master_param(self, parameter: Tensor) -> Tensor:
+        """The fp32 master of a parameter this level made bf16 (rebuilt between steps); any other parameter itself."""
+        masters = self.masters
+        i = None if masters is None else masters.index_of.get(id(parameter))
+        if i is None or not isinstance(masters, RemainderMasters):
+            return parameter
+        return masters.value(i)
+
+
+__all__ = ["LeanExactPolicy", "RemainderMasters"]

@@ -1,0 +1,224 @@
+"""lean-exact: O2's numbers bit for bit with 4 bytes of weight and master per parameter instead of 6.
+
+Every test trains the same seed and batches at O2 and at lean-exact and compares weights, optimizer states and losses
+with ``torch.equal``: the packed master is exact, so nothing may differ by a bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from lightning_mp import FSDPMixedPrecision, MixedPrecision
+from lightning_mp.policies.lean_exact import RemainderMasters
+from lightning_mp.policies.o2.split import join, remainder_of, round_to_bf16
+from tests.helpers import make_trainer
+from tests.policies.lean_helpers import LeanNet, classification_loader
+
+OPTIMIZERS: dict[str, Any] = {
+    "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),
+    "adamw-single-tensor": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=False),
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),
+    "adam-amsgrad": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True, weight_decay=1e-3),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05),
+    "sgd-nesterov": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True),
+    "sgd-fused": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.05),
+}
+
+
+def bits(tensor: Tensor) -> Tensor:
+    return tensor.view(torch.int32)
+
+
+def test_a_master_is_its_bf16_weight_plus_a_16_bit_remainder_exactly() -> None:
+    """Every fp32 pattern class rebuilds bit for bit: normal, tiny, huge, negative, zero, and exact ties."""
+    generator = torch.Generator().manual_seed(0)
+    spread = torch.randn(200_000, generator=generator) * torch.logspace(
+        -40, 37, 200_000
+    )  # finite: an inf master has no bf16 weight
+    tops = (torch.randn(1000, generator=generator).to(torch.bfloat16).view(torch.int16).to(torch.int32)) << 16
+    ties = torch.cat([(tops + 0x8000), (tops - 0x8000)]).view(torch.float32)
+    edges = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3.3e38, -3.3e38, 1.0, -1.0])
+    master = torch.cat([spread, ties, edges])
+    weight = round_to_bf16(master)
+    remainder = remainder_of(master, weight)
+    assert remainder.dtype == torch.int16
+    assert torch.equal(bits(join(weight, remainder)), bits(master))
+    differs = weight != master.to(torch.bfloat16)
+    assert differs.any()  # ties away from zero, not to even...
+    assert torch.equal(bits(master)[differs] & 0xFFFF, torch.full_like(bits(master)[differs], 0x8000))  # ...only there
+    nearest_even = master.to(torch.bfloat16).float()
+    assert torch.equal((weight.float() - master).abs(), (nearest_even - master).abs())  # a nearest value everywhere
+
+
+def fabric_run(opt_level: str, optimizer: str, steps: int = 12, accumulate: int = 2) -> dict[str, Any]:
+    """Fabric training with accumulation and clipping; a NaN gradient planted at one step, which the plugin skips."""
+    plugin = MixedPrecision("bf16-mixed", opt_level=opt_level)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+    module, opt = fabric.setup(model, OPTIMIZERS[optimizer](model.parameters()))
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            features, target = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+            with fabric.no_backward_sync(module, enabled=micro < accumulate - 1):
+                loss = F.cross_entropy(module(features).float(), target) / accumulate
+                fabric.backward(loss)
+            losses.append(loss.detach())
+        if step == 5:
+            model[3].weight.grad[0, 0] = float("nan")
+        fabric.clip_gradients(module, opt, max_norm=0.5)
+        opt.step()
+        opt.zero_grad()
+    result = {
+        "losses": torch.stack(losses),
+        "weights": {name: value.clone() for name, value in module.state_dict().items()},
+        "bf16": [p.detach().clone() for p in model.parameters()],
+        "state": opt.state_dict()["state"],
+        "skipped": plugin.stats.skipped_steps,
+        "masters": plugin.policy.masters,  # type: ignore[union-attr]
+    }
+    plugin.teardown()
+    return result
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_lean_exact_is_o2_bit_for_bit_with_every_optimizer_form(optimizer: str) -> None:
+    """Losses, fp32 weights, bf16 weights and optimizer states equal O2's, through accumulation, clipping and a skip."""
+    o2, exact = fabric_run("O2", optimizer), fabric_run("lean-exact", optimizer)
+    assert exact["skipped"] == o2["skipped"] == 1
+    assert torch.equal(exact["losses"], o2["losses"])
+    for name, value in o2["weights"].items():
+        assert exact["weights"][name].dtype == value.dtype == torch.float32, name
+        assert torch.equal(exact["weights"][name], value), name
+    for a, b in zip(exact["bf16"], o2["bf16"], strict=True):
+        assert torch.equal(a, b)
+    assert exact["state"].keys() == o2["state"].keys()
+    for index, entries in o2["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(exact["state"][index][key], value), (index, key)
+
+
+def test_between_steps_each_master_costs_its_2_byte_remainder_and_no_fp32_storage() -> None:
+    """After a step the bf16 weight and the int16 remainder are all a chosen parameter keeps: 4 bytes, not O2's 6."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean-exact")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    module, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    fabric.backward(module(torch.randn(4, 64)).float().square().mean())
+    opt.step()
+    opt.zero_grad()
+    masters = plugin.policy.masters  # type: ignore[union-attr]
+    assert isinstance(masters, RemainderMasters)
+    numel = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    remainder_storages = {
+        r.untyped_storage().data_ptr(): r.untyped_storage().nbytes() for r in masters.remainders if r is not None
+    }
+    remainder_bytes = sum(remainder_storages.values())  # views of one int16 tensor per chunk of weights
+    master_bytes = sum(m.untyped_storage().nbytes() for m in masters.master_params)
+    assert weight_bytes + remainder_bytes == 4 * numel
+    assert master_bytes == 4 * len(masters)  # one fp32 zero each, expanded to the master's shape
+    assert all(state["exp_avg"].dtype == torch.float32 for state in opt.state.values())
+    plugin.teardown()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_trainer_resume_in_the_middle_is_bit_for_bit_and_an_o2_checkpoint_resumes_at_lean_exact(
+    tmp_path: Path,
+) -> None:
+    """Straight O2, straight lean-exact, and lean-exact resumed from a lean-exact and from an O2 checkpoint agree."""
+
+    def fit(opt_level: str, epochs: int, ckpt_path: Path | None = None) -> tuple[LeanNet, L.Trainer]:
+        model = LeanNet()
+        trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level), max_steps=-1, max_epochs=epochs)
+        trainer.fit(model, classification_loader(), ckpt_path=ckpt_path)
+        return model, trainer
+
+    o2, o2_trainer = fit("O2", 3)
+    exact, exact_trainer = fit("lean-exact", 3)
+    for level in ("lean-exact", "O2"):
+        _, first = fit(level, 2)
+        first.save_checkpoint(tmp_path / f"{level}.ckpt")
+        checkpoint = torch.load(tmp_path / f"{level}.ckpt", weights_only=False)
+        assert {value.dtype for value in checkpoint["state_dict"].values()} == {torch.float32}
+        resumed, resumed_trainer = fit("lean-exact", 3, tmp_path / f"{level}.ckpt")
+        for name, value in o2.state_dict().items():
+            assert torch.equal(exact.state_dict()[name], value), name
+            assert torch.equal(resumed.state_dict()[name], value), (level, name)
+        expected = o2_trainer.optimizers[0].state_dict()["state"]
+        for trainer in (exact_trainer, resumed_trainer):
+            for index, entries in trainer.optimizers[0].state_dict()["state"].items():
+                for key, value in entries.items():
+                    assert torch.equal(value, expected[index][key]), (level, index, key)
+        assert resumed.losses[-4:] == o2.losses[-4:]
+
+
+def test_a_lean_exact_checkpoint_loads_into_a_plain_fp32_model() -> None:
+    """``state_dict()`` after fit gives the exact fp32 masters, which a model without the plugin loads as they are."""
+    model = LeanNet()
+    trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level="lean-exact"), max_steps=4)
+    trainer.fit(model, classification_loader())
+    plain = LeanNet()
+    plain.load_state_dict(model.state_dict())
+    assert all(p.dtype == torch.float32 for p in plain.parameters())
+    for (name, value), other in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(value, other), name
+
+
+def test_a_gradient_hook_registered_before_fit_fires_and_reads_bf16_gradients() -> None:
+    """The user's parameter is one object for the whole run: a hook from ``__init__`` fires at every backward."""
+    model = LeanNet()
+    seen: list[torch.dtype] = []
+    model.head.weight.register_hook(lambda grad: seen.append(grad.dtype))
+    make_trainer(MixedPrecision("bf16-mixed", opt_level="lean-exact"), max_steps=3).fit(model, classification_loader())
+    assert seen == [torch.bfloat16] * 3
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "32-true"])
+def test_lean_exact_refuses_every_precision_but_bf16_by_name(precision: str) -> None:
+    with pytest.raises(ValueError, match=r"opt_level='lean-exact'\) is not allowed: .*top half of an fp32.*Use"):
+        MixedPrecision(precision, opt_level="lean-exact")  # type: ignore[arg-type]
+
+
+def test_fsdp_refuses_lean_exact_naming_o2() -> None:
+    with pytest.raises(ValueError, match=r"opt_level='lean-exact'\) is not allowed: .*fp32 shards.*Use opt_level='O2'"):
+        FSDPMixedPrecision("bf16-mixed", opt_level="lean-exact")
+
+
+def test_packing_a_chunk_of_weights_in_any_layout_rebuilds_every_master_exactly() -> None:
+    """The remainder is the master's low 16 bits; taking it, rounding and rebuilding work on contiguous,
+    ``channels_last`` and transposed weights alike, in one chunk or several."""
+    from lightning_mp.policies.o2.split import round_into, take_remainders, unpack
+
+    generator = torch.Generator().manual_seed(0)
+    masters = [
+        torch.randn(4, 3, 5, 5, generator=generator).contiguous(memory_format=torch.channels_last),
+        torch.randn(7, 9, generator=generator).t(),
+        torch.randn(130, generator=generator),
+    ]
+    originals = [master.clone() for master in masters]
+    for chunk_numel in (1, 1 << 22):
+        weights = [torch.empty_like(master, dtype=torch.bfloat16) for master in masters]
+        working = [master.clone() for master in originals]
+        remainders = take_remainders(working, chunk_numel)
+        for master, remainder in zip(originals, remainders, strict=True):
+            flat = master.permute(*sorted(range(master.ndim), key=lambda d: -master.stride(d))).reshape(-1)
+            assert torch.equal(remainder, remainder_of(flat, round_to_bf16(flat)))
+        round_into(weights, working, chunk_numel)
+        rebuilt = unpack(weights, remainders, chunk_numel)
+        for master, weight, value in zip(originals, weights, rebuilt, strict=True):
+            assert torch.equal(weight, round_to_bf16(master))
+            assert value.stride() == master.stride()
+            assert torch.equal(bits(value), bits(master))
