@@ -3,7 +3,9 @@
 ``Trainer(plugins=[MixedPrecision(...)])`` runs the step under ``torch.autocast`` and a dynamic loss scaler with
 hysteresis, bounds and counters; the callbacks put the loss scale, skipped steps, gradient health and per-layer
 dtypes into TensorBoard, and the precision sentinel warns about silent precision failures. Under Lightning's
-``FSDPStrategy`` pass ``FSDPMixedPrecision``, built from the same arguments (:mod:`lightning_mp.fsdp`).
+``FSDPStrategy`` pass ``FSDPMixedPrecision``, built from the same arguments (:mod:`lightning_mp.fsdp`), and under
+``DeepSpeedStrategy`` ``DeepSpeedMixedPrecision``, which maps them onto DeepSpeed's engines
+(:mod:`lightning_mp.deepspeed`).
 """
 
 from lightning_mp.advisor import Advice, advise
@@ -14,6 +16,7 @@ from lightning_mp.callbacks import (
     LossScaleMonitor,
     PrecisionSentinel,
 )
+from lightning_mp.deepspeed import DeepSpeedMixedPrecision
 from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
 from lightning_mp.fp8.settings import FP8Settings
 from lightning_mp.fp8.telemetry import FP8Monitor
@@ -28,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Advice",
     "AdvisorCallback",
+    "DeepSpeedMixedPrecision",
     "FP8Monitor",
     "FP8Settings",
     "FSDPMixedPrecision",

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_mp.arguments.checks import plain_scalar
+from lightning_mp.deepspeed import DeepSpeedMixedPrecision
 from lightning_mp.plugin import MixedPrecision
 
 if TYPE_CHECKING:
@@ -84,6 +85,19 @@ def require_logger(trainer: pl.Trainer, callback_name: str) -> None:
         )
 
 
+def require_loss_accounting(trainer: pl.Trainer, callback_name: str) -> MixedPrecision | DeepSpeedMixedPrecision:
+    """Return the trainer's plugin that keeps loss-scaling counters: MixedPrecision, or its DeepSpeed form.
+
+    Raises:
+        MisconfigurationException: if the trainer uses another precision plugin.
+
+    """
+    plugin = trainer.precision_plugin
+    if isinstance(plugin, DeepSpeedMixedPrecision):
+        return plugin
+    return require_mixed_precision(trainer, callback_name)
+
+
 def require_mixed_precision(trainer: pl.Trainer, callback_name: str) -> MixedPrecision:
     """Return the trainer's :class:`~lightning_mp.plugin.MixedPrecision` plugin.
 
@@ -95,7 +109,12 @@ def require_mixed_precision(trainer: pl.Trainer, callback_name: str) -> MixedPre
     if not isinstance(plugin, MixedPrecision):
         raise MisconfigurationException(
             f"`{callback_name}` reads the counters of `lightning_mp.MixedPrecision`, but the trainer uses"
-            f" `{type(plugin).__name__}`. Pass `Trainer(plugins=[MixedPrecision(...)])`."
+            f" `{type(plugin).__name__}`. Pass `Trainer(plugins=[MixedPrecision(...)])`"
+            + (
+                " (under DeepSpeedStrategy only LossScaleMonitor reads DeepSpeedMixedPrecision's counters)."
+                if isinstance(plugin, DeepSpeedMixedPrecision)
+                else "."
+            )
         )
     return plugin
 

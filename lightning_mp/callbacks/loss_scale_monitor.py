@@ -22,6 +22,10 @@ with a single ``all_gather``; the result is read back in the one transfer the mo
 
 The scaler's device overflow counter comes from the plugin's read-only :attr:`~lightning_mp.MixedPrecision.scaler_view`.
 
+**Under DeepSpeedStrategy** the callback reads :class:`~lightning_mp.deepspeed.DeepSpeedMixedPrecision`'s counters,
+which come from DeepSpeed's engine, under the same tags. DeepSpeed decides a step's overflow over all ranks at once,
+so ``precision/rank_overflows_total`` counts each skipped step once (on rank 0).
+
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
 
@@ -37,10 +41,11 @@ from lightning_mp.callbacks._logging import (
     log_scalars,
     logging_step,
     require_logger,
-    require_mixed_precision,
+    require_loss_accounting,
     should_log,
     validate_bool,
 )
+from lightning_mp.plugin import MixedPrecision
 
 
 class LossScaleMonitor(TelemetryCallback):
@@ -99,19 +104,19 @@ class LossScaleMonitor(TelemetryCallback):
         if stage != "fit":
             return
         require_logger(trainer, type(self).__name__)
-        require_mixed_precision(trainer, type(self).__name__)
+        require_loss_accounting(trainer, type(self).__name__)
         host_reads(trainer).join(self)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Counters restored from a checkpoint belong to earlier windows, not to the first one of this run.
-        stats = require_mixed_precision(trainer, type(self).__name__).stats
+        stats = require_loss_accounting(trainer, type(self).__name__).stats
         self._seen_optimizer_steps = self._window_start_optimizer_steps = stats.optimizer_steps
         self._seen_skipped_steps = self._window_start_skipped_steps = stats.skipped_steps
 
     @override
     def batch_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        plugin = require_mixed_precision(trainer, type(self).__name__)
+        plugin = require_loss_accounting(trainer, type(self).__name__)
         stats = plugin.stats
         stepped = stats.optimizer_steps > self._seen_optimizer_steps
         skipped = stats.skipped_steps > self._seen_skipped_steps
@@ -157,7 +162,12 @@ class LossScaleMonitor(TelemetryCallback):
             host_reads(trainer).submit(trainer, self)
             log([*shared_counters, stats.skipped_steps])
             return
-        gathered = _gather_counters(trainer, shared_counters, plugin.scaler_view.local_overflows)
+        local_overflows = (
+            plugin.scaler_view.local_overflows
+            if isinstance(plugin, MixedPrecision)
+            else plugin.local_overflows(trainer)  # DeepSpeed decides over all ranks: rank 0 counts each skip
+        )
+        gathered = _gather_counters(trainer, shared_counters, local_overflows)
         host_reads(trainer).submit(trainer, self, gathered, log)
 
     @override

@@ -67,6 +67,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
@@ -310,10 +311,17 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
 
         Raises:
             RuntimeError: when a run in another thread uses the plugin now.
+            TypeError: under ``DeepSpeedStrategy``, naming :class:`~lightning_mp.deepspeed.DeepSpeedMixedPrecision`.
 
         """
         previous_run_ended = self._claim.claim(self)
         trainer = attached_trainer(module)
+        if trainer is not None and isinstance(trainer.strategy, DeepSpeedStrategy):
+            raise TypeError(
+                f"{type(self).__name__} does not run under DeepSpeedStrategy, which trains with DeepSpeed's own fp16"
+                " or bf16 engine: both would scale and cast. Use"
+                f" lightning_mp.deepspeed.DeepSpeedMixedPrecision({self.requested_precision!r}) there."
+            )
         if trainer is not None:
             if trainer.state.fn == TrainerFn.FITTING and self._run is not None:
                 self._start_new_run()

@@ -2,9 +2,11 @@
 
 Run as a user would run a training script (the strategy re-launches it, or spawns its workers)::
 
-    python matrix_train.py --out DIR --strategy single|ddp|ddp_spawn|fsdp|fsdp2 --front trainer|fabric [--cells A,B]
+    python matrix_train.py --out DIR --strategy single|ddp|ddp_spawn|fsdp|fsdp2|deepspeed1|deepspeed2|deepspeed3
+        --front trainer|fabric [--cells A,B]
 
-``single`` is one process on one device; the others run 2 processes.
+``single`` is one process on one device; the others run 2 processes. ``deepspeed<stage>`` runs Lightning's
+DeepSpeedStrategy at that ZeRO stage with :class:`~lightning_mp.DeepSpeedMixedPrecision`, under the Trainer only.
 
 A cell is ``precision:opt_level`` or ``bf16-mixed:O1:<fp8 recipe>`` (:data:`CELLS`). Each is fitted for
 :data:`STEPS` steps of AdamW on a small regression MLP whose middle layers FP8 can take, from the same seed on every
@@ -34,8 +36,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lightning_mp import FSDPMixedPrecision, MixedPrecision
+from lightning_mp import DeepSpeedMixedPrecision, FSDPMixedPrecision, MixedPrecision
 from tests.ddp_scripts.launch import leave_process_group
+from tests.deepspeed_helpers import CPUDeepSpeedStrategy, deepspeed_on_cpu
 from tests.helpers import CPUFabricFSDPStrategy, CPUFSDPStrategy, parameter_checksum
 
 CELLS = (
@@ -55,12 +58,15 @@ CELLS = (
 STEPS = 8
 
 
-def plugin_for(cell: str, strategy: str) -> MixedPrecision:
-    """The plugin of ``cell``: the FSDP form under FSDPStrategy, as the docs say to pass."""
+def plugin_for(cell: str, strategy: str) -> Any:
+    """The plugin of ``cell``: the FSDP form under FSDPStrategy and the DeepSpeed form under DeepSpeedStrategy, as the
+    docs say to pass."""
     precision, opt_level, *fp8 = cell.split(":")
     kwargs: dict[str, Any] = {"opt_level": opt_level, "fp8": fp8[0] if fp8 else None}
     if precision == "16-mixed":
         kwargs["init_scale"] = 2.0**8
+    if strategy.startswith("deepspeed"):
+        return DeepSpeedMixedPrecision(precision, **kwargs)
     form = FSDPMixedPrecision if strategy == "fsdp" else MixedPrecision
     return form(precision, **kwargs)
 
@@ -167,6 +173,12 @@ class MatrixModel(L.LightningModule):
 
     @override
     def on_train_end(self) -> None:
+        if getattr(self.trainer.strategy, "zero_stage_3", False):  # each rank holds a shard: gather the weights
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.parameters())):
+                report(self.out, self.cell, self.global_rank, self.losses, self, self.seen, self.trainer.model)
+            return
         report(self.out, self.cell, self.global_rank, self.losses, self, self.seen, self.trainer.model)
 
     @override
@@ -189,6 +201,8 @@ def trainer_strategy(strategy: str) -> Any:
         return CPUFSDPStrategy()
     if strategy == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    if strategy.startswith("deepspeed"):
+        return CPUDeepSpeedStrategy(stage=int(strategy.removeprefix("deepspeed")))
     return strategy
 
 
@@ -256,11 +270,17 @@ def run_fabric(args: argparse.Namespace, cell: str) -> None:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--strategy", choices=["single", "ddp", "ddp_spawn", "fsdp", "fsdp2"], required=True)
+    parser.add_argument(
+        "--strategy",
+        choices=["single", "ddp", "ddp_spawn", "fsdp", "fsdp2", "deepspeed1", "deepspeed2", "deepspeed3"],
+        required=True,
+    )
     parser.add_argument("--front", choices=["trainer", "fabric"], required=True)
     parser.add_argument("--cells", default=",".join(CELLS))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.strategy.startswith("deepspeed"):
+        deepspeed_on_cpu()
     run = run_trainer if args.front == "trainer" else run_fabric
     for cell in args.cells.split(","):
         try:

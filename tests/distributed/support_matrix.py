@@ -8,6 +8,7 @@ distributed guide shows from the same runs.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,22 @@ ROWS = (
     ("FSDPStrategy (FSDP1)", "fsdp", "fabric"),
     ("ModelParallelStrategy (FSDP2)", "fsdp2", "trainer"),
     ("ModelParallelStrategy (FSDP2)", "fsdp2", "fabric"),
+    ("DeepSpeedStrategy, ZeRO 1", "deepspeed1", "trainer"),
+    ("DeepSpeedStrategy, ZeRO 2", "deepspeed2", "trainer"),
+    ("DeepSpeedStrategy, ZeRO 3", "deepspeed3", "trainer"),
 )
-"""Each row: its label, the script's ``--strategy`` and ``--front``."""
+"""Each row: its label, the script's ``--strategy`` and ``--front``. The DeepSpeed rows run where DeepSpeed is
+installed (the ``deepspeed`` extra), under the Trainer: ``DeepSpeedMixedPrecision`` is a Trainer plugin."""
+
+
+def row_runs_here(strategy: str) -> bool:
+    """Whether this machine can run the row: the DeepSpeed rows need DeepSpeed."""
+    return not strategy.startswith("deepspeed") or importlib.util.find_spec("deepspeed") is not None
 
 
 def run_row(strategy: str, front: str, out: Path) -> dict[str, dict[str, Any]]:
     """Every cell of one row: ``cell -> {"outcome", ...}``, a trained cell with ``"ranks"``: each rank's report."""
-    env = clean_environment(MASTER_PORT=str(free_port()))
+    env = clean_environment(MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
     run(["--out", str(out), "--strategy", strategy, "--front", front], timeout=600, env=env, script=MATRIX_SCRIPT)
     cells: dict[str, dict[str, Any]] = {}
     for cell in CELLS:

@@ -1,0 +1,201 @@
+"""DeepSpeedMixedPrecision: the plugin's settings become DeepSpeed's, DeepSpeed's skips become the plugin's counters,
+and a skipped step holds the learning rate, on real DeepSpeed engines (ZeRO 1-3, fp16 and bf16) on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import DeepSpeedMixedPrecision, LossScaleMonitor, MixedPrecision
+from lightning_mp.deepspeed import deepspeed_precision_config
+from tests.ddp_scripts.launch import clean_environment, free_port, reports, run
+from tests.deepspeed_helpers import CPUDeepSpeedStrategy, deepspeed_on_cpu, deepspeed_trainer
+from tests.helpers import read_events, scalars
+
+PLANTED_AT = 3
+LR = 1e-2
+
+
+def test_the_plugins_settings_become_deepspeeds_precision_section() -> None:
+    fp16 = DeepSpeedMixedPrecision("16-mixed", init_scale=2.0**12, growth_interval=50, hysteresis=3, min_scale=2.0)
+    assert deepspeed_precision_config(fp16.settings) == {
+        "fp16": {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 12,
+            "loss_scale_window": 50,
+            "hysteresis": 3,
+            "consecutive_hysteresis": False,
+            "min_loss_scale": 2.0,
+        }
+    }
+    static = DeepSpeedMixedPrecision("16-mixed", loss_scale=128.0)
+    assert deepspeed_precision_config(static.settings)["fp16"]["loss_scale"] == 128.0
+    bf16 = DeepSpeedMixedPrecision("bf16-mixed")
+    assert deepspeed_precision_config(bf16.settings) == {"bf16": {"enabled": True, "check_grad_overflow": True}}
+    assert deepspeed_precision_config(DeepSpeedMixedPrecision("32-true").settings) == {}
+
+
+@pytest.mark.parametrize(
+    ("precision", "arguments", "named"),
+    [
+        ("16-mixed", {"opt_level": "O1"}, "opt_level='O1'"),
+        ("bf16-mixed", {"opt_level": "lean-exact"}, "opt_level='lean-exact'"),
+        ("16-mixed", {"growth_factor": 4.0}, "growth_factor=4.0"),
+        ("16-mixed", {"backoff_factor": 0.25}, "backoff_factor=0.25"),
+        ("16-mixed", {"init_scale": 1000.0}, "init_scale=1000.0"),
+        ("16-mixed", {"max_scale": 2.0**20}, "max_scale=1048576.0"),
+        ("bf16-mixed", {"keep_fp32": ["head"]}, "keep_fp32="),
+        ("bf16-mixed", {"eval_precision": "32-true"}, "eval_precision='32-true'"),
+        ("16-mixed", {"scale_per_optimizer": True}, "scale_per_optimizer=True"),
+        ("bf16-mixed", {"fp8": "tensorwise"}, "fp8='tensorwise'"),
+        ("16-mixed", {"scaler": torch.amp.GradScaler("cpu")}, "scaler=..."),
+        ("bf16-true", {}, "precision="),
+    ],
+)
+def test_what_deepspeed_cannot_express_is_refused_by_name(
+    precision: str, arguments: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"DeepSpeedMixedPrecision\({named}.*is not (allowed|supported)"):
+        DeepSpeedMixedPrecision(precision, **arguments)
+
+
+def test_counters_resume_from_the_plugins_state_and_a_malformed_one_is_refused() -> None:
+    plugin = DeepSpeedMixedPrecision("16-mixed")
+    plugin.load_state_dict(
+        {
+            "counters": {
+                "optimizer_steps": 7,
+                "skipped_steps": 2,
+                "scale_backoffs": 1,
+                "scale_growths": 0,
+                "consecutive_skips": 0,
+            },
+            "loss_scale": 32768.0,
+        }
+    )
+    assert (plugin.stats.optimizer_steps, plugin.stats.skipped_steps, plugin.stats.loss_scale) == (7, 2, 32768.0)
+    assert DeepSpeedMixedPrecision("16-mixed").state_dict()["counters"]["optimizer_steps"] == 0
+    with pytest.raises(ValueError, match=r"counters\['skipped_steps'\]=None"):
+        plugin.load_state_dict({"counters": {"optimizer_steps": 1}})
+
+
+class Regression(L.LightningModule):
+    """A small MLP with a per-step scheduler that halves the learning rate; a NaN loss at one global step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.planted = False
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        features, target = batch
+        loss = nn.functional.mse_loss(self.net(features).float(), target)
+        if self.global_step == PLANTED_AT and not self.planted:
+            self.planted = True
+            loss = loss * float("nan")
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(64, 16, generator=generator)
+    return DataLoader(TensorDataset(features, features[:, :1] * 2), batch_size=8)
+
+
+def fit(plugin: Any, tmp_path: Path, stage: int = 2, **strategy: Any) -> L.Trainer:
+    deepspeed_on_cpu()
+    trainer = deepspeed_trainer(
+        plugin,
+        CPUDeepSpeedStrategy(stage=stage, **strategy),
+        logger=L.pytorch.loggers.TensorBoardLogger(tmp_path, name="", version=""),
+        callbacks=[LossScaleMonitor()],
+        log_every_n_steps=1,
+    )
+    trainer.fit(Regression(), loader())
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("precision", "stage"),
+    [
+        ("bf16-mixed", 2),
+        pytest.param("bf16-mixed", 1, marks=pytest.mark.slow),
+        pytest.param("bf16-mixed", 3, marks=pytest.mark.slow),
+        pytest.param("16-mixed", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_a_step_deepspeed_skips_is_counted_logged_and_holds_the_learning_rate(
+    precision: str, stage: int, tmp_path: Path
+) -> None:
+    """The planted NaN is skipped by DeepSpeed; the plugin counts what the engine counted, LossScaleMonitor logs it,
+    and the learning rate halved once per applied step only (Lightning alone would halve it at every step)."""
+    plugin = DeepSpeedMixedPrecision(precision)
+    trainer = fit(plugin, tmp_path, stage)
+    engine: Any = trainer.strategy.model
+    stats = plugin.stats
+    assert stats.optimizer_steps == 6
+    assert stats.skipped_steps == engine.skipped_steps >= 1
+    applied = stats.optimizer_steps - stats.skipped_steps
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.5**applied)
+    if precision == "16-mixed":
+        assert stats.loss_scale == engine.optimizer.loss_scale < 2.0**16
+        assert stats.scale_backoffs >= 1
+    else:
+        assert stats.loss_scale == 1.0
+        assert stats.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in engine.module.parameters())
+    events = read_events(tmp_path)
+    skipped, scales = scalars(events, "precision/skipped_steps_total"), scalars(events, "precision/loss_scale")
+    assert skipped[max(skipped)] == stats.skipped_steps
+    assert scales[max(scales)] == stats.loss_scale
+
+
+def test_a_precision_section_of_the_strategys_own_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"DeepSpeedStrategy has a 'fp16' precision section of its own"):
+        fit(DeepSpeedMixedPrecision("16-mixed"), tmp_path, loss_scale=128.0)
+
+
+def test_mixed_precision_under_deepspeed_is_refused_naming_the_deepspeed_plugin(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"DeepSpeedMixedPrecision\('bf16-mixed'\)"):
+        fit(MixedPrecision("bf16-mixed"), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_a_nan_on_one_of_two_ranks_skips_the_step_on_both_and_holds_both_learning_rates(
+    precision: str, tmp_path: Path
+) -> None:
+    """Two CPU processes (gloo) under ZeRO 2: DeepSpeed decides the skip over both ranks; the ranks agree."""
+    deepspeed_on_cpu()
+    script = Path(__file__).resolve().parent / "ddp_scripts" / "deepspeed_train.py"
+    env = clean_environment(MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
+    run(["--out", str(tmp_path), "--precision", precision], timeout=120, env=env, script=script)
+    ranks = reports(tmp_path)
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["skipped_steps"] == ranks[0]["engine_skipped_steps"] >= 1
+    assert ranks[0]["finite"]
+    applied = ranks[0]["optimizer_steps"] - ranks[0]["skipped_steps"]
+    assert ranks[0]["lr"] == pytest.approx(LR * 0.5**applied)
+
+
+def test_with_gradient_accumulation_only_the_boundary_steps_are_counted(tmp_path: Path) -> None:
+    """accumulate_grad_batches=2: DeepSpeed steps every second batch, and the plugin counts those steps only."""
+    plugin = DeepSpeedMixedPrecision("bf16-mixed")
+    trainer = deepspeed_trainer(plugin, max_steps=4, accumulate_grad_batches=2)
+    trainer.fit(Regression(), loader())
+    assert plugin.stats.optimizer_steps == trainer.global_step == 4
+    assert plugin.stats.skipped_steps == 1  # the planted NaN
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.5**3)
