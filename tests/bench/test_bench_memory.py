@@ -85,11 +85,14 @@ def test_issue_targets_hold_on_the_small_model_too(measured: dict[str, MemoryBre
 
 
 def test_memory_table_has_one_row_per_configuration_and_ratios_to_fp32(measured: dict[str, MemoryBreakdown]) -> None:
-    """The table lists each configuration with its peak, its ratio to fp32 and its bytes per parameter."""
+    """The table lists each configuration with its peak, its ratio to fp32, its bytes per parameter kept between steps,
+    and its weight and master bytes per parameter (O2: a bf16 weight and an fp32 master, 6)."""
     rows = [line.split("|") for line in memory_table(list(measured.values())).splitlines()[2:]]
     assert [row[1].strip() for row in rows] == ["fp32", "lightning-bf16", "O1-bf16", "O2-bf16"]
     assert rows[0][3].strip() == "1.000" and float(rows[3][3]) < 1
-    assert float(rows[3][-2]) == pytest.approx(measured["O2-bf16"].persistent_bytes_per_parameter, abs=0.01)
+    assert float(rows[3][-3]) == pytest.approx(measured["O2-bf16"].persistent_bytes_per_parameter, abs=0.01)
+    assert float(rows[3][-2]) == pytest.approx(6.0, abs=0.05)
+    assert float(rows[0][-2]) == pytest.approx(4.0, abs=0.05)
 
 
 def test_memory_flag_prints_and_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
