@@ -221,3 +221,17 @@ def test_monitor_survives_pickling_after_a_run(tmp_path):
     pickle.loads(pickle.dumps(monitor))
     fit_with_layer_dtype_monitor(TensorBoardLogger(tmp_path), monitor, max_steps=1)
     assert pickle.loads(pickle.dumps(monitor)).every_n_steps == 5
+
+
+def test_lean_exact_table_shows_bf16_parameters_with_their_exact_fp32_masters(tmp_path):
+    """lean-exact keeps each master packed, but the table shows what the optimizer steps: an fp32 master."""
+    logger = TensorBoardLogger(tmp_path)
+    fit_with_layer_dtype_monitor(
+        logger, LayerDtypeMonitor(), max_steps=1, plugins=[MixedPrecision("bf16-mixed", opt_level="lean-exact")]
+    )
+    linear = tables(read_events(logger.log_dir))[0]["encoder.0"]
+    assert (linear["parameters"], linear["output"], linear["gradients"]) == (
+        "bfloat16 (float32 master)",
+        "bfloat16",
+        "bfloat16",
+    )

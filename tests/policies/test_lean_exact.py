@@ -222,3 +222,90 @@ def test_packing_a_chunk_of_weights_in_any_layout_rebuilds_every_master_exactly(
             assert torch.equal(weight, round_to_bf16(master))
             assert value.stride() == master.stride()
             assert torch.equal(bits(value), bits(master))
+
+
+class TiedLM(L.LightningModule):
+    """An embedding whose weight the output head shares (one parameter, two uses), as GPT-2 and Llama do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(64, 32)
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.GELU())
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        logits = self.head(self.body(self.embedding(batch[:, :-1])))
+        return F.cross_entropy(logits.float().reshape(-1, 64), batch[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("model_name", ["transformer-lm", "cnn-batch-norm", "tied-embeddings"])
+def test_real_models_train_at_lean_exact_as_at_o2_bit_for_bit(model_name: str) -> None:
+    """The benchmark's transformer LM (embeddings, attention, LayerNorm), its ResNet (batch norm, channels_last
+    convolutions) and an LM whose head shares the embedding's weight train to the same weights and running statistics
+    at lean-exact as at O2."""
+    from lightning_mp.bench.memory import CNN_SHAPE
+    from lightning_mp.bench.workloads import SIZES, RepeatedBatch, WorkloadModule, markov_task
+
+    def train(opt_level: str) -> dict[str, Tensor]:
+        L.seed_everything(0, verbose=False)
+        if model_name == "cnn-batch-norm":
+            module: L.LightningModule = WorkloadModule(CNN_SHAPE.build(), "foreach")
+            data: dict[str, Any] = {"train_dataloaders": RepeatedBatch(CNN_SHAPE, 6, torch.device("cpu"), 0)}
+        elif model_name == "tied-embeddings":
+            module = TiedLM()
+            tokens = torch.randint(0, 64, (48, 9), generator=torch.Generator().manual_seed(0))
+            data = {"train_dataloaders": torch.utils.data.DataLoader(tokens, batch_size=8)}
+        else:
+            datamodule, module = markov_task(SIZES["tiny"], 6, 0)
+            data = {"datamodule": datamodule}
+        trainer = make_trainer(MixedPrecision("bf16-mixed", opt_level=opt_level), max_steps=6)
+        trainer.fit(module, **data)
+        return {name: value.clone() for name, value in module.state_dict().items()}
+
+    o2, exact = train("O2"), train("lean-exact")
+    assert o2.keys() == exact.keys()
+    if model_name == "tied-embeddings":
+        assert torch.equal(exact["embedding.weight"], exact["head.weight"])  # still one weight
+    for name, value in o2.items():
+        assert value.dtype == exact[name].dtype, name
+        assert torch.equal(value, exact[name]), name
+
+
+def test_fabric_save_and_load_in_the_middle_resume_bit_for_bit(tmp_path: Path) -> None:
+    """Fabric's save and load of model, optimizer and plugin (the optimizer loaded before the plugin connects it)
+    continue a lean-exact run exactly as the uninterrupted one."""
+
+    def run(steps: range, load: bool = False, save: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+        plugin = MixedPrecision("bf16-mixed", opt_level="lean-exact")
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+        module, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        state = {"model": module, "optimizer": optimizer, "precision": plugin}
+        if load:
+            fabric.load(tmp_path / "checkpoint.pt", state)
+        losses = []
+        for step in steps:
+            generator = torch.Generator().manual_seed(step)
+            features, target = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+            loss = F.cross_entropy(module(features).float(), target)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        if save:
+            fabric.save(tmp_path / "checkpoint.pt", state)
+        weights = {name: value.clone() for name, value in module.state_dict().items()}
+        plugin.teardown()
+        return torch.stack(losses), weights
+
+    straight_losses, straight = run(range(6))
+    run(range(3), save=True)
+    resumed_losses, resumed = run(range(3, 6), load=True)
+    assert torch.equal(resumed_losses, straight_losses[3:])
+    for name, value in straight.items():
+        assert torch.equal(resumed[name], value), name
