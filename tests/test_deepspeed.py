@@ -199,3 +199,24 @@ def test_with_gradient_accumulation_only_the_boundary_steps_are_counted(tmp_path
     assert plugin.stats.optimizer_steps == trainer.global_step == 4
     assert plugin.stats.skipped_steps == 1  # the planted NaN
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.5**3)
+
+
+def test_a_resumed_run_continues_the_counters_deepspeeds_scale_and_the_held_schedule(tmp_path: Path) -> None:
+    """Lightning's DeepSpeed checkpoint keeps the plugin's counters and DeepSpeed's own scaler; resumed, the counts
+    go on from there and the learning rate has halved once per applied step over both runs."""
+    first = DeepSpeedMixedPrecision("16-mixed")
+    trainer = deepspeed_trainer(first, max_steps=4)
+    trainer.fit(Regression(), loader())
+    trainer.save_checkpoint(tmp_path / "checkpoint")
+    saved = first.stats
+    resumed = DeepSpeedMixedPrecision("16-mixed")
+    trainer = deepspeed_trainer(resumed, max_steps=6)
+    model = Regression()
+    model.planted = True  # the NaN belongs to the first run's step 3
+    trainer.fit(model, loader(), ckpt_path=tmp_path / "checkpoint")
+    engine: Any = trainer.strategy.model
+    assert resumed.stats.optimizer_steps == 6
+    assert resumed.stats.skipped_steps >= saved.skipped_steps >= 1
+    assert resumed.stats.loss_scale == engine.optimizer.loss_scale <= saved.loss_scale
+    applied = resumed.stats.optimizer_steps - resumed.stats.skipped_steps
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.5**applied)
