@@ -217,9 +217,16 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
 
         Raises:
             ValueError: if the DeepSpeed config already has an ``fp16`` or ``bf16`` section, naming it.
+            TypeError: outside a Trainer (Fabric's DeepSpeedStrategy), naming what to use there.
 
         """
         trainer = attached_trainer(module)
+        if trainer is None:
+            raise TypeError(
+                f"{type(self).__name__} runs under the Trainer's DeepSpeedStrategy, which lets it write DeepSpeed's"
+                " config and hold the scheduler; Fabric's DeepSpeedStrategy gives a precision plugin neither. Under"
+                " Fabric pass precision='16-mixed' or 'bf16-mixed' to Fabric for DeepSpeed's own precision."
+            )
         strategy = getattr(trainer, "strategy", None)
         config = getattr(strategy, "config", None)
         if isinstance(config, dict):

@@ -14,6 +14,8 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
@@ -62,3 +64,22 @@ def deepspeed_trainer(plugin: Any, strategy: Any = None, devices: int = 1, **opt
         deepspeed_on_cpu()
         strategy = CPUDeepSpeedStrategy(stage=2)
     return L.Trainer(devices=devices, strategy=strategy, plugins=[plugin], **settings)
+
+
+class CPUFabricDeepSpeedStrategy(FabricDeepSpeedStrategy):
+    """Fabric's DeepSpeedStrategy on CPU processes: DDP's environment setup, device ``cpu:<local rank>``."""
+
+    def setup_environment(self) -> None:
+        FabricDDPStrategy.setup_environment(self)  # type: ignore[arg-type]
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu", self.local_rank)
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self._set_world_ranks()
+        self._init_deepspeed_distributed()
+        if not self._config_initialized:
+            self._format_config()
+            self._config_initialized = True

@@ -15,7 +15,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import DeepSpeedMixedPrecision, LossScaleMonitor, MixedPrecision
 from lightning_mp.deepspeed import deepspeed_precision_config
 from tests.ddp_scripts.launch import clean_environment, free_port, reports, run
-from tests.deepspeed_helpers import CPUDeepSpeedStrategy, deepspeed_on_cpu, deepspeed_trainer
+from tests.deepspeed_helpers import (
+    CPUDeepSpeedStrategy,
+    CPUFabricDeepSpeedStrategy,
+    deepspeed_on_cpu,
+    deepspeed_trainer,
+)
 from tests.helpers import read_events, scalars
 
 PLANTED_AT = 3
@@ -220,3 +225,18 @@ def test_a_resumed_run_continues_the_counters_deepspeeds_scale_and_the_held_sche
     assert resumed.stats.loss_scale == engine.optimizer.loss_scale <= saved.loss_scale
     applied = resumed.stats.optimizer_steps - resumed.stats.skipped_steps
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.5**applied)
+
+
+@pytest.mark.parametrize("plugin_name", ["MixedPrecision", "DeepSpeedMixedPrecision"])
+def test_under_fabrics_deepspeed_strategy_the_plugins_are_refused_naming_what_to_use(plugin_name: str) -> None:
+    """Fabric's DeepSpeedStrategy casts and scales with DeepSpeed's engine: MixedPrecision there would scale twice
+    (refused at the first backward, before any step), and the DeepSpeed form needs the Trainer (refused at setup)."""
+    deepspeed_on_cpu()
+    plugin = MixedPrecision("16-mixed") if plugin_name == "MixedPrecision" else DeepSpeedMixedPrecision("16-mixed")
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=CPUFabricDeepSpeedStrategy(stage=2), plugins=[plugin])
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    with pytest.raises(TypeError, match=r"does not run under Fabric's DeepSpeedStrategy|runs under the Trainer's"):
+        module, _ = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+        fabric.backward(module(torch.randn(8, 16)).float().square().mean())

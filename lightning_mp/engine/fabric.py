@@ -59,6 +59,24 @@ from lightning_mp.scaling.steps import OptimizerStep, Phase
 from lightning_mp.scaling.verdict import SKIPPED, TAKEN, StepVerdict
 
 
+def refuse_deepspeed_engine(module: Any) -> None:
+    """Refuse a backward through a DeepSpeed engine: under Fabric's ``DeepSpeedStrategy`` DeepSpeed casts and scales.
+
+    Told by the class's name, so that DeepSpeed need not be importable.
+
+    Raises:
+        TypeError: naming Lightning's own DeepSpeed precision for Fabric and this package's for the Trainer.
+
+    """
+    if any(cls.__name__ == "DeepSpeedEngine" for cls in type(module).__mro__):
+        raise TypeError(
+            "MixedPrecision does not run under Fabric's DeepSpeedStrategy: DeepSpeed's own fp16 or bf16 engine"
+            " would cast and scale too. Under Fabric pass precision='16-mixed' or 'bf16-mixed' to Fabric for"
+            " DeepSpeed's precision; under the Trainer use lightning_mp.DeepSpeedMixedPrecision, which adds this"
+            " package's settings, counters and scheduler hold."
+        )
+
+
 class FabricEngine(StepEngine):
     """Backward, clipping and optimizer steps of :class:`~lightning_mp.MixedPrecision` under Fabric.
 
@@ -162,13 +180,16 @@ class FabricEngine(StepEngine):
         scale the loss is multiplied by; elsewhere ``for_optimizer`` is accepted and changes nothing.
 
         Raises:
-            TypeError: if ``tensor`` is not a tensor (a loss read with ``.item()`` has no graph to differentiate).
+            TypeError: if ``tensor`` is not a tensor (a loss read with ``.item()`` has no graph to differentiate), or
+                the model is a DeepSpeed engine (Fabric's ``DeepSpeedStrategy``, whose fp16/bf16 engine would cast
+                and scale as well).
             ValueError: with a scale per optimizer, where the backward names no optimizer.
             HalfOverflowError: under O2, when the previous step of a fused optimizer was skipped because a weight's
                 fp16 copy was inf (the host learns of such a skip at the scale update, one iteration late).
 
         """
         check_loss("fabric.backward", tensor)
+        refuse_deepspeed_engine(module)
         named = kwargs.pop("for_optimizer", None)
         scaler = self.loss_scaler
         if isinstance(scaler, PerOptimizerScalers) and scaler.scales_loss and named is None:
