@@ -78,13 +78,19 @@ class RemainderMasters(MasterParams):
     def _keep(self, indices: list[int], remainders: list[Tensor]) -> None:
         for i, remainder in zip(indices, remainders, strict=True):
             self.remainders[i] = remainder
-            master = self.master_params[i]
-            zero = self._zeros.get(master.device)
-            if zero is None:
-                zero = self._zeros[master.device] = torch.zeros((), dtype=torch.float32, device=master.device)
-            # One fp32 zero expanded to the master's shape: its gradient can still be assigned (the scaler unscales
-            # the masters' gradients before the step), and an in-place write into it fails loudly.
-            master.data = zero.expand(master.shape)
+            self._free_master(i, self.master_params[i].device)
+
+    def _free_master(self, i: int, device: torch.device) -> None:
+        """Let entry ``i``'s master hold one fp32 zero on ``device``, expanded to its shape.
+
+        Its gradient can still be assigned (the scaler unscales the masters' gradients before the step), and an
+        in-place write into it fails loudly.
+        """
+        zero = self._zeros.get(device)
+        if zero is None:
+            zero = self._zeros[device] = torch.zeros((), dtype=torch.float32, device=device)
+        master = self.master_params[i]
+        master.data = zero.expand(master.shape)
 
     @override
     def finish_step(self, indices: Sequence[int]) -> None:
@@ -149,13 +155,20 @@ class RemainderMasters(MasterParams):
 
     @override
     def follow_devices(self, indices: Iterable[int]) -> None:
-        indices = list(indices)
+        """Move each remainder to its parameter's device; a packed master gets its placeholder there, not a copy.
+
+        Moving the placeholder itself (an expanded zero) would copy it at its full size.
+        """
+        unpacked: list[int] = []
         with torch.no_grad():
             for i in indices:
                 remainder, param = self.remainders[i], self.model_params[i]
-                if remainder is not None and remainder.device != param.device:
+                if remainder is None:
+                    unpacked.append(i)
+                elif remainder.device != param.device:
                     self.remainders[i] = remainder.to(param.device)
-        super().follow_devices(indices)
+                    self._free_master(i, param.device)
+        super().follow_devices(unpacked)
 
     @override
     def merge_edits(self, indices: Iterable[int], force: bool = False) -> None:

@@ -217,11 +217,7 @@ class MasterParams:
         after ``zero_grad()``.
         """
         self.master_params_to_model_params(indices)
-        model_params, master_params, seen = self.model_params, self.master_params, self._model_grads
-        for i in indices:
-            master_params[i].grad = None
-            model_params[i].grad = None
-            seen[i] = None
+        self.free_step_gradients(indices)
 
     def free_step_gradients(self, indices: Sequence[int]) -> None:
         """Free the gradients of the stepped entries ``indices``, half and fp32."""
