@@ -43,6 +43,7 @@ from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from torch import nn
 from typing_extensions import override
 
+from lightning_mp.arguments.checks import arguments_of, caller
 from lightning_mp.engine.schedulers import SkipAwareScheduler
 from lightning_mp.plugin.front_ends import attached_trainer
 from lightning_mp.scaling.rules import SCALER_DEFAULTS
@@ -58,7 +59,7 @@ def deepspeed_precision_config(settings: PluginSettings) -> dict[str, Any]:
     """The DeepSpeed config's precision section (``{"fp16": {...}}``, ``{"bf16": {...}}`` or ``{}``) for ``settings``.
 
     Example:
-        >>> deepspeed_precision_config(PluginSettings.from_arguments("X", None, {}, precision="bf16-mixed"))
+        >>> deepspeed_precision_config(PluginSettings.from_arguments(None, {}, precision="bf16-mixed"))
         {'bf16': {'enabled': True, 'check_grad_overflow': True}}
 
     """
@@ -79,7 +80,7 @@ def deepspeed_precision_config(settings: PluginSettings) -> dict[str, Any]:
     return {"fp16": fp16}
 
 
-def refuse_what_deepspeed_cannot_express(owner: str, settings: PluginSettings) -> None:
+def refuse_what_deepspeed_cannot_express(settings: PluginSettings) -> None:
     """Refuse, naming the argument, each setting DeepSpeed's precision engines have no equivalent for.
 
     Raises:
@@ -150,7 +151,27 @@ def refuse_what_deepspeed_cannot_express(owner: str, settings: PluginSettings) -
     for refused, reason in refusals:
         if refused:
             argument, why = reason.split(": ", 1)
-            raise ValueError(f"{owner}({argument}) is not allowed under DeepSpeedStrategy: {why}.")
+            raise ValueError(f"{caller()}({argument}) is not allowed under DeepSpeedStrategy: {why}.")
+
+
+def _deepspeed_settings(precision: str, kwargs: dict[str, Any]) -> PluginSettings:
+    """``MixedPrecision``'s settings of these arguments with DeepSpeed's defaults, refusing what DeepSpeed lacks."""
+    for name, why in (("scaler", "DeepSpeed runs its own loss scaler"), ("fp8", "DeepSpeed has no FP8 training")):
+        value = kwargs.pop(name, None)
+        if value is not None:
+            shown = "..." if name == "scaler" else repr(value)
+            raise ValueError(
+                f"{caller()}({name}={shown}) is not allowed under DeepSpeedStrategy: {why}. Leave {name} out, or"
+                " use MixedPrecision under DDP or FSDP."
+            )
+    kwargs.setdefault("opt_level", "O0" if precision == "32-true" else "O2")
+    kwargs.setdefault("hysteresis", 2)
+    scaler_arguments = {name: kwargs.pop(name, None) for name in TORCH_SCALER_SETTINGS}
+    if precision == "16-mixed" and scaler_arguments["growth_interval"] is None:
+        scaler_arguments["growth_interval"] = 1000  # DeepSpeed's loss_scale_window
+    settings = PluginSettings.from_arguments(None, scaler_arguments, precision=precision, **kwargs)
+    refuse_what_deepspeed_cannot_express(settings)
+    return settings
 
 
 def _lightning_precision_sections(strategy: Any) -> dict[str, Any]:
@@ -183,23 +204,10 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
     """
 
     def __init__(self, precision: str = "16-mixed", **kwargs: Any) -> None:
-        owner = type(self).__name__
-        for name, why in (("scaler", "DeepSpeed runs its own loss scaler"), ("fp8", "DeepSpeed has no FP8 training")):
-            value = kwargs.pop(name, None)
-            if value is not None:
-                shown = "..." if name == "scaler" else repr(value)
-                raise ValueError(
-                    f"{owner}({name}={shown}) is not allowed under DeepSpeedStrategy: {why}. Leave {name} out, or use"
-                    " MixedPrecision under DDP or FSDP."
-                )
-        kwargs.setdefault("opt_level", "O0" if precision == "32-true" else "O2")
-        kwargs.setdefault("hysteresis", 2)
-        scaler_arguments = {name: kwargs.pop(name, None) for name in TORCH_SCALER_SETTINGS}
-        if precision == "16-mixed" and scaler_arguments["growth_interval"] is None:
-            scaler_arguments["growth_interval"] = 1000  # DeepSpeed's loss_scale_window
-        self.settings = PluginSettings.from_arguments(owner, None, scaler_arguments, precision=precision, **kwargs)
+        with arguments_of(type(self).__name__):
+            settings = _deepspeed_settings(precision, kwargs)
+        self.settings = settings
         """Every argument, validated as :class:`~lightning_mp.MixedPrecision` validates it."""
-        refuse_what_deepspeed_cannot_express(owner, self.settings)
         # PluginSettings narrows precision to this package's names, Lightning types it as its own Literal.
         super().__init__(self.settings.precision)  # type: ignore[arg-type]
         self.skip_scheduler_on_overflow = self.settings.skip_scheduler_on_overflow

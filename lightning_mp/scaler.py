@@ -74,6 +74,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from lightning_mp.arguments.checks import arguments_of
 from lightning_mp.arguments.setting_docs import with_setting_docs
 from lightning_mp.scaling.checkpoint import state_dict_of, validated_state
 from lightning_mp.scaling.device_rules import DeviceScale
@@ -157,22 +158,22 @@ class LossScaler(torch.amp.GradScaler):
         max_consecutive_skips: int | None = SCALER_DEFAULTS.max_consecutive_skips,
         skip_nonfinite: bool = SCALER_DEFAULTS.skip_nonfinite,
     ) -> None:
-        settings = ScalerSettings(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            consecutive_hysteresis=consecutive_hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            on_min_scale=on_min_scale,
-            mode=mode,
-            max_consecutive_skips=max_consecutive_skips,
-            skip_nonfinite=skip_nonfinite,
-            owner=type(self).__name__,
-        )
-        self._setup(device, settings)
+        with arguments_of(type(self).__name__):
+            settings = ScalerSettings(
+                init_scale=init_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                consecutive_hysteresis=consecutive_hysteresis,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                on_min_scale=on_min_scale,
+                mode=mode,
+                max_consecutive_skips=max_consecutive_skips,
+                skip_nonfinite=skip_nonfinite,
+            )
+            self._setup(device, settings)
 
     @classmethod
     def from_settings(cls, settings: ScalerSettings, device: str | torch.device | None = None) -> LossScaler:
@@ -184,8 +185,10 @@ class LossScaler(torch.amp.GradScaler):
         return scaler
 
     def _setup(self, device: str | torch.device | None, settings: ScalerSettings) -> None:
-        device_type = checked_device_type(type(self).__name__, default_device() if device is None else device)
-        self._scaling = scaling_for(settings, type(self).__name__)
+        with arguments_of(type(self).__name__):
+            device_type = checked_device_type(default_device() if device is None else device)
+            scaling = scaling_for(settings)
+        self._scaling = scaling
         """The mode's strategy (:mod:`~lightning_mp.scaling.modes`): whatever differs between the modes."""
         self.settings = settings
         super().__init__(
@@ -257,7 +260,8 @@ class LossScaler(torch.amp.GradScaler):
 
     def _replace_settings(self, **changes: Any) -> None:
         host = self._host
-        self.settings = replace(self.settings, init_scale=host.state.scale, owner=type(self).__name__, **changes)
+        with arguments_of(type(self).__name__):
+            self.settings = replace(self.settings, init_scale=host.state.scale, **changes)
         host.state = replace(
             host.state, growth_tracker=min(host.state.growth_tracker, self.settings.growth_interval - 1)
         )
@@ -408,8 +412,8 @@ class LossScaler(torch.amp.GradScaler):
         """
         record = self._steps.close()
         if new_scale is not None:
-            owner = f"{type(self).__name__}.update"
-            record.new_scale = self._scaling.checked_new_scale(owner, new_scale, self.settings)
+            with arguments_of(f"{type(self).__name__}.update"):
+                record.new_scale = self._scaling.checked_new_scale(new_scale, self.settings)
         elif not record.checked:
             raise AssertionError("No inf checks were recorded prior to update.")
         self._scaling.move_on_device(record, self._device_scale, self._host.state, self.settings)
@@ -514,7 +518,8 @@ class LossScaler(torch.amp.GradScaler):
             ValueError: if a field is malformed; the message names the key, the value and what was expected.
 
         """
-        loaded = validated_state(f"{type(self).__name__}.load_state_dict", state_dict, self.settings)
+        with arguments_of(f"{type(self).__name__}.load_state_dict"):
+            loaded = validated_state(state_dict, self.settings)
         host = self._host
         host.counters = replace(loaded.counters, last_nonfinite=host.counters.last_nonfinite)
         if loaded.scale_state is not None:

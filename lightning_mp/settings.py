@@ -22,12 +22,20 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 from __future__ import annotations
 
 import contextlib
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, cast
 
 import torch
 
-from lightning_mp.arguments.checks import check_choice, check_flag, check_number, exact, plain_scalar
+from lightning_mp.arguments.checks import (
+    arguments_of,
+    caller,
+    check_choice,
+    check_flag,
+    check_number,
+    exact,
+    plain_scalar,
+)
 from lightning_mp.arguments.setting_docs import setting
 from lightning_mp.overrides import Fp32Overrides, KeepFp32Pattern
 from lightning_mp.policies import POLICIES
@@ -70,47 +78,47 @@ EVAL_PRECISION_ALIASES: dict[Any, str] = {
 OPT_LEVEL_ALIASES: dict[Any, str] = {level: f"O{level}" for level in range(4)}
 
 
-def _precision(owner: str, name: str, precision: Any) -> PrecisionName:
-    check_choice(owner, name, precision, PRECISIONS, PRECISION_ALIASES)
+def _precision(name: str, precision: Any) -> PrecisionName:
+    check_choice(name, precision, PRECISIONS, PRECISION_ALIASES)
     return cast(PrecisionName, precision)
 
 
-def _eval_precision(owner: str, name: str, precision: Any) -> EvalPrecisionName | None:
+def _eval_precision(name: str, precision: Any) -> EvalPrecisionName | None:
     if precision is None:
         return None
-    check_choice(owner, name, precision, EVAL_PRECISIONS, EVAL_PRECISION_ALIASES)
+    check_choice(name, precision, EVAL_PRECISIONS, EVAL_PRECISION_ALIASES)
     return cast(EvalPrecisionName, precision)
 
 
-def _device_type(owner: str, name: str, device: Any) -> str | None:
+def _device_type(name: str, device: Any) -> str | None:
     """The device type of ``"cuda"``, ``"cuda:0"`` or ``torch.device("cuda", 0)``; None stays None."""
     if device is None:
         return None
     with contextlib.suppress(RuntimeError, TypeError):
         device = torch.device(device).type
-    check_choice(owner, name, device, DEVICE_TYPES)
+    check_choice(name, device, DEVICE_TYPES)
     return device
 
 
-def _opt_level(owner: str, name: str, opt_level: Any) -> str:
-    check_choice(owner, name, opt_level, POLICIES, OPT_LEVEL_ALIASES)
+def _opt_level(name: str, opt_level: Any) -> str:
+    check_choice(name, opt_level, POLICIES, OPT_LEVEL_ALIASES)
     return opt_level
 
 
-def _static_scale_or_dynamic(owner: str, name: str, loss_scale: Any) -> float | Literal["dynamic"]:
+def _static_scale_or_dynamic(name: str, loss_scale: Any) -> float | Literal["dynamic"]:
     loss_scale = plain_scalar(loss_scale)
     if isinstance(loss_scale, str) and loss_scale == "dynamic":
         return "dynamic"
     try:
-        return check_number(owner, name, loss_scale, at_least=STATIC_SCALE_FLOOR, at_most=FLOAT32_MAX)
+        return check_number(name, loss_scale, at_least=STATIC_SCALE_FLOOR, at_most=FLOAT32_MAX)
     except ValueError:
         raise ValueError(
-            f"{owner}(loss_scale={loss_scale!r}) is not allowed: loss_scale must be 'dynamic' or a static scale, a"
+            f"{caller()}(loss_scale={loss_scale!r}) is not allowed: loss_scale must be 'dynamic' or a static scale, a"
             f" finite number >= {exact(STATIC_SCALE_FLOOR)} and <= {exact(FLOAT32_MAX)} (float32's largest)."
         ) from None
 
 
-def _keep_fp32(owner: str, name: str, patterns: Any) -> tuple[KeepFp32Pattern, ...]:
+def _keep_fp32(name: str, patterns: Any) -> tuple[KeepFp32Pattern, ...]:
     return tuple(Fp32Overrides(patterns).patterns)
 
 
@@ -207,64 +215,66 @@ class PluginSettings:
     """The device type of a ``torch.amp.GradScaler`` given as ``scaler=``: setup refuses a run on another one."""
     scaling_disabled: bool = False
     """Whether the ``scaler=`` given was a disabled GradScaler: nothing is scaled, non-finite steps are skipped."""
-    owner: InitVar[str] = "PluginSettings"
 
-    def __post_init__(self, owner: str) -> None:
+    def __post_init__(self) -> None:
+        with arguments_of(type(self).__name__):
+            self._check_settings()
+
+    def _check_settings(self) -> None:
         for setting_field in fields(self):
             if "check" in setting_field.metadata:
-                value = setting_field.metadata["check"](owner, setting_field.name, getattr(self, setting_field.name))
+                value = setting_field.metadata["check"](setting_field.name, getattr(self, setting_field.name))
                 object.__setattr__(self, setting_field.name, value)
         if not self.scaler.skip_nonfinite and self.precision == "16-mixed":
             raise ValueError(
-                f"{owner}(precision='16-mixed', skip_nonfinite=False) is not allowed: fp16 overflows routinely, and"
+                f"{caller()}(precision='16-mixed', skip_nonfinite=False) is not allowed: fp16 overflows routinely, and"
                 " a scaled step whose gradients overflowed must be skipped. Use skip_nonfinite=False with"
                 " 'bf16-mixed' or '32-true' only."
             )
         precision, opt_level = self.precision, self.opt_level
         if self.loss_scale != "dynamic" and precision in ("bf16-mixed", "32-true"):
             raise ValueError(
-                f"{owner}(precision={precision!r}, loss_scale={self.loss_scale!r}) is not allowed: only fp16 is"
+                f"{caller()}(precision={precision!r}, loss_scale={self.loss_scale!r}) is not allowed: only fp16 is"
                 " scaled (bf16 has fp32's exponent range). Use loss_scale='dynamic' (the default) here, or"
                 " precision='16-mixed' for a static fp16 scale."
             )
         if opt_level == "lean-exact" and precision in ("16-mixed", "32-true"):
             raise ValueError(
-                f"{owner}(precision={precision!r}, opt_level='lean-exact') is not allowed: lean-exact keeps each fp32"
-                " master as its bf16 weight plus the 16 bits rounding dropped, and only bf16 is the top half of an fp32"
-                " (fp16's exponent is narrower, so its bits are not). Use precision='bf16-mixed' (or 'auto'), or"
+                f"{caller()}(precision={precision!r}, opt_level='lean-exact') is not allowed: lean-exact keeps each"
+                " fp32 master as its bf16 weight plus the 16 bits rounding dropped, and only bf16 is the top half of an"
+                " fp32 (fp16's exponent is narrower, so its bits are not). Use precision='bf16-mixed' (or 'auto'), or"
                 " opt_level='O2' for fp16."
             )
         if opt_level.startswith("lean") and precision in ("16-mixed", "32-true"):
             raise ValueError(
-                f"{owner}(precision={precision!r}, opt_level={opt_level!r}) is not allowed: {opt_level} keeps"
+                f"{caller()}(precision={precision!r}, opt_level={opt_level!r}) is not allowed: {opt_level} keeps"
                 " weights and optimizer states in bf16. Use precision='bf16-mixed' (or 'auto'), or opt_level='O2'"
                 " for fp16."
             )
         if precision == "32-true" and opt_level not in ("O0", "O1"):
             raise ValueError(
-                f"{owner}(precision='32-true', opt_level={opt_level!r}) is not allowed: {opt_level} casts to a half"
+                f"{caller()}(precision='32-true', opt_level={opt_level!r}) is not allowed: {opt_level} casts to a half"
                 " type. Use precision='16-mixed' or 'bf16-mixed', or opt_level='O0'."
             )
         if self.scale_per_optimizer and (self.scaler_given or self.loss_scale != "dynamic"):
             given = "scaler=..." if self.scaler_given else f"loss_scale={self.loss_scale!r}"
             raise ValueError(
-                f"{owner}(scale_per_optimizer=True, {given}) is not allowed: a scale per optimizer is dynamic and"
+                f"{caller()}(scale_per_optimizer=True, {given}) is not allowed: a scale per optimizer is dynamic and"
                 " built by the plugin. Leave scaler=None and loss_scale='dynamic', or scale_per_optimizer=False."
             )
         if opt_level == "O0" and precision in HALF_DTYPES:
             raise ValueError(
-                f"{owner}(precision={precision!r}, opt_level='O0') is not allowed: O0 is the fp32 baseline. Use"
+                f"{caller()}(precision={precision!r}, opt_level='O0') is not allowed: O0 is the fp32 baseline. Use"
                 " precision='32-true' or 'auto' with O0, or opt_level='O1' or higher for mixed precision."
             )
 
     @classmethod
     def from_arguments(
-        cls, owner: str, scaler: torch.amp.GradScaler | None, torch_fields: dict[str, Any], **settings: Any
+        cls, scaler: torch.amp.GradScaler | None, torch_fields: dict[str, Any], **settings: Any
     ) -> PluginSettings:
         """The settings of ``MixedPrecision(..., scaler=scaler, **torch_fields, **settings)``.
 
         Args:
-            owner: the name used in error messages.
             scaler: the ``scaler=`` argument: None, a ``torch.amp.GradScaler`` (translated into the scaler's settings
                 here), or a :class:`~lightning_mp.LossScaler` (used as it is, so its settings are not read).
             torch_fields: the settings of :data:`TORCH_SCALER_SETTINGS` as given; None means the default.
@@ -283,17 +293,17 @@ class PluginSettings:
         if scaler is not None:
             precision, loss_scale = plugin_fields.get("precision"), plugin_fields.get("loss_scale", "dynamic")
             if not isinstance(scaler, torch.amp.GradScaler):
-                raise TypeError(f"{owner}(scaler={scaler!r}) is not allowed: scaler must be a torch.amp.GradScaler.")
+                raise TypeError(f"{caller()}(scaler={scaler!r}) is not allowed: scaler must be a torch.amp.GradScaler.")
             if precision in ("bf16-mixed", "32-true"):
                 raise ValueError(
-                    f"{owner}(precision={precision!r}, scaler={type(scaler).__name__}) is not allowed:"
+                    f"{caller()}(precision={precision!r}, scaler={type(scaler).__name__}) is not allowed:"
                     f" `precision={precision!r}` does not use a scaler. Pass scaler=None, or precision='16-mixed'."
                 )
             if given or loss_scale != "dynamic":
                 names = ", ".join([*given, *(["loss_scale"] if loss_scale != "dynamic" else [])])
                 raise ValueError(
-                    f"{owner}(scaler=..., {names}=...) is not allowed: the scaler's own settings are used. Set them on"
-                    " the GradScaler, or pass the settings without a scaler."
+                    f"{caller()}(scaler=..., {names}=...) is not allowed: the scaler's own settings are used. Set them"
+                    " on the GradScaler, or pass the settings without a scaler."
                 )
             if not isinstance(scaler, LossScaler):
                 torch_scaler_device = torch.device(scaler._device).type
@@ -305,17 +315,16 @@ class PluginSettings:
                         "backoff_factor": scaler.get_backoff_factor(),
                         "growth_interval": scaler.get_growth_interval(),
                     }
-        scaler_settings = ScalerSettings(owner=owner, **given, **scaler_fields)
+        scaler_settings = ScalerSettings(**given, **scaler_fields)
         return cls(
             **plugin_fields,
             scaler=scaler_settings,
             scaler_given=scaler is not None,
             torch_scaler_device=torch_scaler_device,
             scaling_disabled=scaling_disabled,
-            owner=owner,
         )
 
-    def check_device(self, owner: str, device_type: str) -> None:
+    def check_device(self, device_type: str) -> None:
         """Refuse a run on ``device_type`` when ``device`` or a torch GradScaler's device says otherwise (setup).
 
         Raises:
@@ -324,22 +333,21 @@ class PluginSettings:
         """
         if self.device is not None and self.device != device_type:
             raise ValueError(
-                f"{owner}(device={self.device!r}) does not match the Trainer's accelerator, which runs on"
+                f"{caller()}(device={self.device!r}) does not match the Trainer's accelerator, which runs on"
                 f" {device_type!r}. Leave device=None to follow the Trainer."
             )
         scaler_device = self.torch_scaler_device
         if scaler_device is not None and scaler_device != device_type:
             raise ValueError(
-                f"{owner}(scaler=GradScaler({scaler_device!r})) cannot scale a run on {device_type!r}: torch disables"
-                f" a GradScaler built for {scaler_device!r} where that device is missing, so fp16 would train"
+                f"{caller()}(scaler=GradScaler({scaler_device!r})) cannot scale a run on {device_type!r}: torch"
+                f" disables a GradScaler built for {scaler_device!r} where that device is missing, so fp16 would train"
                 f" unscaled. Pass torch.amp.GradScaler({device_type!r}, ...) (enabled=False to turn scaling off)."
             )
 
-    def check_resolved(self, owner: str, precision: str, reason: str) -> None:
+    def check_resolved(self, precision: str, reason: str) -> None:
         """Refuse a static ``loss_scale`` or a ``scaler`` once ``precision="auto"`` has chosen a precision besides fp16.
 
         Args:
-            owner: the name used in error messages.
             precision: the precision chosen at setup.
             reason: why it was chosen, for the message.
 
@@ -350,6 +358,6 @@ class PluginSettings:
         if precision != "16-mixed" and (self.loss_scale != "dynamic" or self.scaler_given):
             given = f"loss_scale={self.loss_scale!r}" if self.loss_scale != "dynamic" else "scaler=..."
             raise ValueError(
-                f"{owner}({given}) needs fp16, but the precision is {precision!r} ({reason}). Use"
+                f"{caller()}({given}) needs fp16, but the precision is {precision!r} ({reason}). Use"
                 " precision='16-mixed' for a static scale or a GradScaler."
             )

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_mp.arguments.checks import check_choice
+from lightning_mp.arguments.checks import arguments_of, check_choice
 from lightning_mp.plugin.hardware import AMPERE, DeviceCapabilities
 from lightning_mp.scaling.rules import SCALER_DEFAULTS
 
@@ -111,7 +111,8 @@ class Advice:
 
         """
         if precision is not None:
-            check_choice("Advice.plugin_kwargs", "precision", precision, ("bf16-mixed", "16-mixed", "32-true", None))
+            with arguments_of("Advice.plugin_kwargs"):
+                check_choice("precision", precision, ("bf16-mixed", "16-mixed", "32-true", None))
         chosen = self.precision if precision is None else precision
         if chosen == "32-true":
             return {"precision": "32-true"}

@@ -56,7 +56,7 @@ from lightning_mp.advisor.advice import (
     at_risk_in_fp16,
     recommend,
 )
-from lightning_mp.arguments.checks import check_number
+from lightning_mp.arguments.checks import arguments_of, caller, check_number
 from lightning_mp.plugin.hardware import DeviceCapabilities
 
 LossFunction = Callable[[nn.Module, Any], Tensor]
@@ -225,7 +225,8 @@ def advise(
         raise ValueError(
             f"advise(dataloader={dataloader!r}) is not allowed: dataloader must be an iterable of batches."
         )
-    batches = check_number("advise", "batches", batches, at_least=1, integer=True)
+    with arguments_of("advise"):
+        batches = check_number("batches", batches, at_least=1, integer=True)
     if loss_fn is None and not isinstance(model, LightningModule):
         raise ValueError(
             f"advise(model={type(model).__name__}, loss_fn=None) is not allowed: a plain nn.Module needs"
@@ -257,7 +258,8 @@ def advise(
                 if parameter.grad is not None:
                     tally.add("gradient", parameter.grad)
 
-    seen = run_batches(work, dataloader, batches, loss_fn, "advise", after_backward=record_parameter_gradients)
+    with arguments_of("advise"):
+        seen = run_batches(work, dataloader, batches, loss_fn, after_backward=record_parameter_gradients)
     layers = tuple(tally.report() for tally in tallies.values() if tally.totals["activation"])
     return recommend(layers, seen, capabilities or DeviceCapabilities.detect(device.type))
 
@@ -267,7 +269,6 @@ def run_batches(
     dataloader: Iterable[Any],
     batches: int,
     loss_fn: LossFunction | None,
-    owner: str,
     after_backward: Callable[[], None] | None = None,
     autocast_dtype: torch.dtype | None = None,
 ) -> int:
@@ -279,7 +280,8 @@ def run_batches(
     the caller's training draws what it would have drawn without the advice.
 
     Raises:
-        ValueError: when the loader yields no batch, naming ``owner``.
+        ValueError: when the loader yields no batch, naming the caller
+            (:func:`~lightning_mp.arguments.checks.arguments_of`).
 
     """
     device = next((p.device for p in work.parameters()), torch.device("cpu"))
@@ -310,7 +312,7 @@ def run_batches(
         for generator, state in zip(generators, generator_states, strict=True):
             generator.set_state(state)
     if seen == 0:
-        raise ValueError(f"{owner}(dataloader=...) is not allowed: the data loader yielded no batch.")
+        raise ValueError(f"{caller()}(dataloader=...) is not allowed: the data loader yielded no batch.")
     return seen
 
 

@@ -1,4 +1,11 @@
-"""Argument checks that raise ValueError naming the argument, the value given and what is allowed.
+"""Argument checks that raise ValueError naming the caller, the argument, the value given and what is allowed.
+
+A message names the public call the user made (``MixedPrecision(opt_level='o4') is not supported: ...``). That name
+is not passed down through every helper: the public entry point opens :func:`arguments_of` around its checks, and a
+check reads :func:`caller` when it raises. The outermost entry point wins, so a ``ScalerSettings`` that
+``MixedPrecision`` builds for its scaler reports ``MixedPrecision(...)``, the call the user actually wrote, while a
+``ScalerSettings`` the user builds reports ``ScalerSettings(...)``. The name lives in a context variable, so threads
+and asyncio tasks checking arguments at the same time each see their own caller.
 
 Numbers may be Python numbers, numpy scalars or 0-d tensors of the right kind (an integer for an integer argument, any
 real number for a float argument); booleans are never numbers, and a boolean argument must be a real ``bool``. Every
@@ -11,13 +18,46 @@ import contextlib
 import difflib
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 
 INT32_MAX = 2**31 - 1
 """The largest count the scaler keeps in an int32 device tensor (torch's growth tracker is int32)."""
+
+
+_CALLER: ContextVar[str | None] = ContextVar("lightning_mp_argument_caller", default=None)
+UNNAMED_CALLER = "lightning_mp"
+"""What a message names when a check runs outside any :func:`arguments_of` block."""
+
+
+@contextlib.contextmanager
+def arguments_of(name: str) -> Iterator[None]:
+    """Name ``name`` (a class or ``Class.method``) in the messages of every check made inside the block.
+
+    Example:
+        >>> with arguments_of("LossScaler"):
+        ...     check_flag("enabled", "yes")
+        Traceback (most recent call last):
+        ...
+        ValueError: LossScaler(enabled='yes') is not allowed: enabled must be True or False.
+
+    """
+    if _CALLER.get() is not None:
+        yield
+        return
+    token = _CALLER.set(name)
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
+
+
+def caller() -> str:
+    """The public call whose arguments are being checked: the outermost :func:`arguments_of` name."""
+    return _CALLER.get() or UNNAMED_CALLER
 
 
 def suggest(value: Any, allowed: Iterable[Any], aliases: Mapping[Any, Any] | None = None) -> Any | None:
@@ -46,9 +86,7 @@ def suggest(value: Any, allowed: Iterable[Any], aliases: Mapping[Any, Any] | Non
     return close[0] if close else None
 
 
-def check_choice(
-    owner: str, name: str, value: Any, allowed: Iterable[Any], aliases: Mapping[Any, Any] | None = None
-) -> None:
+def check_choice(name: str, value: Any, allowed: Iterable[Any], aliases: Mapping[Any, Any] | None = None) -> None:
     """Raise unless ``value`` is one of ``allowed`` (of the same type); the message says "did you mean" for a near miss.
 
     Raises:
@@ -61,10 +99,10 @@ def check_choice(
     if not any(type(value) is type(choice) and value == choice for choice in allowed):
         guess = suggest(value, allowed, aliases)
         hint = f" Did you mean {name}={guess!r}?" if guess is not None else ""
-        raise ValueError(f"{owner}({name}={value!r}) is not supported: {name} must be one of {allowed}.{hint}")
+        raise ValueError(f"{caller()}({name}={value!r}) is not supported: {name} must be one of {allowed}.{hint}")
 
 
-def check_flag(owner: str, name: str, value: Any) -> bool:
+def check_flag(name: str, value: Any) -> bool:
     """Return ``value`` as a bool; accept only True/False (also as numpy or 0-d tensor booleans).
 
     Strings are refused: ``"no"`` is truthy in Python and would turn a feature on.
@@ -75,7 +113,7 @@ def check_flag(owner: str, name: str, value: Any) -> bool:
     """
     value = plain_scalar(value)
     if not isinstance(value, bool):
-        raise ValueError(f"{owner}({name}={value!r}) is not allowed: {name} must be True or False.")
+        raise ValueError(f"{caller()}({name}={value!r}) is not allowed: {name} must be True or False.")
     return value
 
 
@@ -136,7 +174,6 @@ def exact(value: float) -> str:
 
 
 def check_number(
-    owner: str,
     name: str,
     value: Any,
     *,
@@ -154,7 +191,7 @@ def check_number(
         ``value`` as a Python ``int`` (``integer=True``) or ``float``.
 
     Raises:
-        ValueError: naming ``owner``, ``name``, the value and the allowed range.
+        ValueError: naming the :func:`caller`, ``name``, the value and the allowed range.
 
     """
     kind = "an integer" if integer else "a finite number"
@@ -178,5 +215,5 @@ def check_number(
         and (at_most is None or number <= at_most)
     )
     if not ok:
-        raise ValueError(f"{owner}({name}={value!r}) is not allowed: {name} must be {allowed}.")
+        raise ValueError(f"{caller()}({name}={value!r}) is not allowed: {name} must be {allowed}.")
     return number

@@ -2,8 +2,8 @@
 
 A setting is a field of a frozen settings dataclass (:class:`~lightning_mp.scaling.rules.ScalerSettings`,
 :class:`~lightning_mp.settings.PluginSettings`) whose ``metadata`` is :func:`setting`'s: the one text that documents it
-and the one ``check(owner, name, value)`` that validates it (returning the value as a plain Python value, or raising
-a ``ValueError`` that names ``owner``, the argument, the value and what is allowed). The classes that take the settings
+and the one ``check(name, value)`` that validates it (returning the value as a plain Python value, or raising a
+``ValueError`` that names the caller, the argument, the value and what is allowed). The classes that take the settings
 as keyword arguments (:class:`~lightning_mp.MixedPrecision`, :class:`~lightning_mp.LossScaler`) give the setting's text
 in their ``Args:`` section, written out in the source so that it reads well there, in ``help()``, in Sphinx and in
 LightningCLI's ``--help``; :func:`with_setting_docs` checks, when the class is defined, that each entry is the setting's
@@ -22,13 +22,13 @@ from lightning_mp.arguments.checks import exact
 
 __all__ = ["setting", "setting_doc", "setting_doc_disagreements", "with_setting_docs"]
 
-Check = Callable[[str, str, Any], Any]
+Check = Callable[[str, Any], Any]
 _Documented = TypeVar("_Documented", bound=type)
 _ENTRY = re.compile(r"^(?P<name>\w+): (?P<text>.*)$")
 
 
 def setting(doc: str, check: Check | None = None) -> dict[str, Any]:
-    """The metadata of a settings field: its one ``doc`` and its one ``check(owner, name, value)``.
+    """The metadata of a settings field: its one ``doc`` and its one ``check(name, value)``.
 
     Example:
         >>> from dataclasses import dataclass, field

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lightning_mp.arguments.checks import arguments_of
 from lightning_mp.bench.comparison import paired_ratios, resolution
 from lightning_mp.bench.configurations import CONFIGURATIONS, FP32
 from lightning_mp.bench.report import summarize
@@ -226,7 +227,8 @@ def fp8_skip_reason(device: str) -> str | None:
     if reason is not None:
         return reason
     try:
-        check_fp8_device("gpu-proof", "tensorwise", device)
+        with arguments_of("gpu-proof"):
+            check_fp8_device("tensorwise", device)
     except RuntimeError as error:
         return str(error)
     return None

@@ -29,7 +29,7 @@ class HeatmapStyle:
     high: float
 
 
-def require_matplotlib(owner: str) -> None:
+def require_matplotlib(callback_name: str) -> None:
     """Fail early, with the fix, when matplotlib is missing.
 
     Raises:
@@ -40,7 +40,7 @@ def require_matplotlib(owner: str) -> None:
         import matplotlib  # noqa: F401
     except ModuleNotFoundError as error:
         raise ModuleNotFoundError(
-            f"`{owner}(log_heatmaps=True)` draws its heatmaps with matplotlib, which is not installed."
+            f"`{callback_name}(log_heatmaps=True)` draws its heatmaps with matplotlib, which is not installed."
             " Run `pip install matplotlib`, or pass `log_heatmaps=False`."
         ) from error
 

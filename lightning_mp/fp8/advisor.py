@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from lightning_mp.advisor import LossFunction, _attach_manual_optimization
 from lightning_mp.advisor.measure import run_batches
-from lightning_mp.arguments.checks import check_choice, check_flag, check_number
+from lightning_mp.arguments.checks import arguments_of, check_choice, check_flag, check_number
 from lightning_mp.fp8.quant import RECIPES, STAT_NAMES, Operand, cast_stats, recipe_casts
 from lightning_mp.fp8.selection import end_layers
 from lightning_mp.fp8.telemetry import FallbackRule
@@ -181,7 +181,8 @@ class FP8Advice:
     def _chosen(self, recipe: str | None) -> str:
         if recipe is None:
             return self.recipe
-        check_choice("FP8Advice", "recipe", recipe, list(self.exclude))
+        with arguments_of(type(self).__name__):
+            check_choice("recipe", recipe, list(self.exclude))
         return recipe
 
     def _recommendation(self) -> list[str]:
@@ -263,16 +264,17 @@ def advise_fp8(
         )
     if not isinstance(dataloader, Iterable):
         raise ValueError(f"advise_fp8(dataloader={dataloader!r}) is not allowed: it must be an iterable of batches.")
-    batches = check_number("advise_fp8", "batches", batches, at_least=1, integer=True)
     if isinstance(recipes, str) or not recipes:
         raise ValueError(
             f"advise_fp8(recipes={recipes!r}) is not allowed: pass a non-empty list of recipe names from"
             f" {list(RECIPES)}."
         )
-    for recipe in recipes:
-        check_choice("advise_fp8", "recipes", recipe, list(RECIPES))
-    rule = FallbackRule(max_underflow=max_underflow, min_sqnr_db=min_sqnr_db, patience=1)
-    keep_first_last = check_flag("advise_fp8", "keep_first_last", keep_first_last)
+    with arguments_of("advise_fp8"):
+        batches = check_number("batches", batches, at_least=1, integer=True)
+        for recipe in recipes:
+            check_choice("recipes", recipe, list(RECIPES))
+        rule = FallbackRule(max_underflow=max_underflow, min_sqnr_db=min_sqnr_db, patience=1)
+        keep_first_last = check_flag("keep_first_last", keep_first_last)
     if loss_fn is None and not isinstance(model, LightningModule):
         raise ValueError(
             f"advise_fp8(model={type(model).__name__}, loss_fn=None) is not allowed: a plain nn.Module needs"
@@ -314,7 +316,8 @@ def advise_fp8(
     for name, module in linears:
         if name not in unmeasured:
             module.register_forward_hook(recorder(name))
-    seen = run_batches(work, dataloader, batches, loss_fn, "advise_fp8", autocast_dtype=torch.bfloat16)
+    with arguments_of("advise_fp8"):
+        seen = run_batches(work, dataloader, batches, loss_fn, autocast_dtype=torch.bfloat16)
     keys = list(worst)
     host = torch.stack([worst[key] for key in keys]).tolist() if keys else []
     measured: dict[str, dict[str, dict[str, dict[str, float]]]] = {}

@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_mp.arguments.checks import caller
 from lightning_mp.fp8.settings import FP8Settings
 
 __all__ = [
@@ -102,7 +103,7 @@ def fp8_unavailable() -> str | None:
     return None
 
 
-def require_torchao(owner: str, recipe: str) -> Any:
+def require_torchao(recipe: str) -> Any:
     """Import ``torchao.float8``; refuse clearly when torchao is missing or torch or torchao is below the floor.
 
     Returns:
@@ -115,21 +116,21 @@ def require_torchao(owner: str, recipe: str) -> Any:
     """
     problem = fp8_unavailable()
     if problem is not None:
-        message = f"{owner}(fp8={recipe!r}) {problem}"
+        message = f"{caller()}(fp8={recipe!r}) {problem}"
         if "not installed" in problem:
             raise ModuleNotFoundError(message, name="torchao")
         raise RuntimeError(message)
     return importlib.import_module("torchao.float8")
 
 
-def check_fp8_device(owner: str, recipe: str, device_type: str, device: torch.device | None = None) -> None:
+def check_fp8_device(recipe: str, device_type: str, device: torch.device | None = None) -> None:
     """Refuse a device that cannot multiply in FP8: a CUDA GPU below compute capability 8.9, or not CUDA nor CPU.
 
     Raises:
         RuntimeError: naming the GPU, its compute capability and what to use instead.
 
     """
-    asked = f"{owner}(fp8={recipe!r})"
+    asked = f"{caller()}(fp8={recipe!r})"
     if device_type == "cpu":
         return
     if device_type != "cuda":

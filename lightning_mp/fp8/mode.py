@@ -52,6 +52,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_mp.arguments.checks import caller
 from lightning_mp.fp8.convert import convert_to_fp8, fp8_layer_names, restore_linear
 from lightning_mp.fp8.selection import Fp8Selection, select_fp8_layers, shortfall_warning, summary_line
 from lightning_mp.fp8.settings import FP8Settings
@@ -63,7 +64,7 @@ FP8_OPT_LEVELS = ("O1", "O2")
 
 
 def check_fp8_combination(
-    owner: str, settings: FP8Settings, precision: str, opt_level: str, eval_precision: str | None = None
+    settings: FP8Settings, precision: str, opt_level: str, eval_precision: str | None = None
 ) -> None:
     """Refuse a precision or an opt level FP8 does not combine with (module docstring), naming it and the fix.
 
@@ -71,7 +72,7 @@ def check_fp8_combination(
         ValueError: naming the argument, its value and what is allowed.
 
     """
-    asked = f"{owner}(precision={precision!r}, fp8={settings.recipe!r})"
+    asked = f"{caller()}(precision={precision!r}, fp8={settings.recipe!r})"
     if precision == "16-mixed":
         raise ValueError(
             f"{asked} is not supported: FP8 runs beside bf16, not fp16 (FP8's per-matmul scales replace the loss"
@@ -85,13 +86,13 @@ def check_fp8_combination(
         )
     if opt_level not in FP8_OPT_LEVELS:
         raise ValueError(
-            f"{owner}(opt_level={opt_level!r}, fp8={settings.recipe!r}) is not supported: fp8 combines with"
+            f"{caller()}(opt_level={opt_level!r}, fp8={settings.recipe!r}) is not supported: fp8 combines with"
             f" opt_level {' or '.join(repr(level) for level in FP8_OPT_LEVELS)} (fp32 or fp32-master weights);"
             f" {opt_level!r} is refused. Use opt_level='O1' (the default) or 'O2'."
         )
     if eval_precision not in (None, "bf16-mixed"):
         raise ValueError(
-            f"{owner}(eval_precision={eval_precision!r}, fp8={settings.recipe!r}) is not supported: the FP8 layers"
+            f"{caller()}(eval_precision={eval_precision!r}, fp8={settings.recipe!r}) is not supported: the FP8 layers"
             " compute in FP8 in evaluation too, so no other precision could be honoured. Leave eval_precision=None"
             " (or 'bf16-mixed') with fp8, or evaluate a model trained without fp8."
         )

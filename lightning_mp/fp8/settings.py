@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from lightning_mp.arguments.checks import check_choice, check_flag, check_number
+from lightning_mp.arguments.checks import arguments_of, caller, check_choice, check_flag, check_number
 
 __all__ = ["RECIPES", "REGEX_PREFIX", "ExcludePattern", "FP8Settings", "Fp8Recipe", "fp8_settings_from_argument"]
 
@@ -41,8 +41,6 @@ REGEX_PREFIX = "re:"
 ExcludePattern = type[nn.Module] | str
 """A module type, a qualified module name (its whole subtree), or a ``"re:"`` regular expression on the name."""
 
-_OWNER = "FP8Settings"
-
 
 def _check_exclude(patterns: Any) -> tuple[ExcludePattern, ...]:
     """The ``exclude`` patterns as a tuple; raise naming the entry that is neither a type, a name nor a regex."""
@@ -50,7 +48,7 @@ def _check_exclude(patterns: Any) -> tuple[ExcludePattern, ...]:
         return ()
     if isinstance(patterns, (str, type)) or not isinstance(patterns, Sequence):
         raise ValueError(
-            f"{_OWNER}(exclude={patterns!r}) is not allowed: exclude must be a list of module types, qualified names"
+            f"{caller()}(exclude={patterns!r}) is not allowed: exclude must be a list of module types, qualified names"
             " or 're:' patterns, for example exclude=['lm_head', 're:.*attn.*'] (or [] or None for none)."
         )
     for pattern in patterns:
@@ -58,7 +56,7 @@ def _check_exclude(patterns: Any) -> tuple[ExcludePattern, ...]:
             continue
         if not isinstance(pattern, str) or not pattern or pattern == REGEX_PREFIX:
             raise ValueError(
-                f"{_OWNER}(exclude=[..., {pattern!r}, ...]) is not allowed: each entry must be an nn.Module subclass,"
+                f"{caller()}(exclude=[..., {pattern!r}, ...]) is not allowed: each entry must be an nn.Module subclass,"
                 " a qualified module name ('blocks.0.mlp') or a regular expression prefixed with 're:' ('re:.*attn.*')."
             )
         if pattern.startswith(REGEX_PREFIX):
@@ -66,7 +64,7 @@ def _check_exclude(patterns: Any) -> tuple[ExcludePattern, ...]:
                 re.compile(pattern[len(REGEX_PREFIX) :])
             except re.error as error:
                 raise ValueError(
-                    f"{_OWNER}(exclude=[..., {pattern!r}, ...]) is not allowed: {pattern[len(REGEX_PREFIX) :]!r} is"
+                    f"{caller()}(exclude=[..., {pattern!r}, ...]) is not allowed: {pattern[len(REGEX_PREFIX) :]!r} is"
                     f" not a valid regular expression ({error})."
                 ) from error
     return tuple(patterns)
@@ -112,38 +110,42 @@ class FP8Settings:
     fallback_patience: int = 3
 
     def __post_init__(self) -> None:
-        check_choice(_OWNER, "recipe", self.recipe, RECIPES)
+        with arguments_of(type(self).__name__):
+            self._check_settings()
+
+    def _check_settings(self) -> None:
+        check_choice("recipe", self.recipe, RECIPES)
         set_field = object.__setattr__  # the dataclass is frozen; the checks store plain values once
         set_field(self, "exclude", _check_exclude(self.exclude))
         for name in ("keep_first_last", "fsdp_float8_all_gather", "fallback"):
-            set_field(self, name, check_flag(_OWNER, name, getattr(self, name)))
+            set_field(self, name, check_flag(name, getattr(self, name)))
         set_field(
             self,
             "fallback_max_underflow",
-            check_number(_OWNER, "fallback_max_underflow", self.fallback_max_underflow, at_least=0.0, at_most=1.0),
+            check_number("fallback_max_underflow", self.fallback_max_underflow, at_least=0.0, at_most=1.0),
         )
-        set_field(self, "fallback_min_sqnr_db", check_number(_OWNER, "fallback_min_sqnr_db", self.fallback_min_sqnr_db))
+        set_field(self, "fallback_min_sqnr_db", check_number("fallback_min_sqnr_db", self.fallback_min_sqnr_db))
         set_field(
             self,
             "fallback_patience",
-            check_number(_OWNER, "fallback_patience", self.fallback_patience, integer=True, at_least=1),
+            check_number("fallback_patience", self.fallback_patience, integer=True, at_least=1),
         )
         if self.fsdp_float8_all_gather and self.recipe != "tensorwise":
             raise ValueError(
-                f"{_OWNER}(recipe={self.recipe!r}, fsdp_float8_all_gather=True) is not allowed: torchao's float8"
+                f"{caller()}(recipe={self.recipe!r}, fsdp_float8_all_gather=True) is not allowed: torchao's float8"
                 " all-gather scales each weight as one tensor, so it needs recipe='tensorwise'. Use"
                 " recipe='tensorwise', or fsdp_float8_all_gather=False to gather in bf16."
             )
 
 
-def fp8_settings_from_argument(owner: str, fp8: Any) -> FP8Settings | None:
+def fp8_settings_from_argument(fp8: Any) -> FP8Settings | None:
     """``MixedPrecision(fp8=...)`` as settings: None stays None, a recipe name becomes ``FP8Settings(recipe=name)``.
 
     Raises:
         ValueError: for anything else, naming ``fp8``, the value and what is allowed.
 
     Example:
-        >>> fp8_settings_from_argument("MixedPrecision", "rowwise").recipe
+        >>> fp8_settings_from_argument("rowwise").recipe
         'rowwise'
 
     """
@@ -156,6 +158,6 @@ def fp8_settings_from_argument(owner: str, fp8: Any) -> FP8Settings | None:
             pass
     allowed = ", ".join(repr(recipe) for recipe in RECIPES)
     raise ValueError(
-        f"{owner}(fp8={fp8!r}) is not supported: fp8 must be None (no FP8), one of the recipes {allowed}, or an"
+        f"{caller()}(fp8={fp8!r}) is not supported: fp8 must be None (no FP8), one of the recipes {allowed}, or an"
         " FP8Settings(recipe=..., exclude=..., ...) from lightning_mp.fp8."
     )

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mp.arguments.checks import check_number
+from lightning_mp.arguments.checks import arguments_of, check_number
 
 LayerStats = Mapping[str, Mapping[str, Mapping[str, float]]]
 """``layer -> operand -> stat name -> value``, as one logging step measured it."""
@@ -52,15 +52,19 @@ class FallbackRule:
     patience: int = 3
 
     def __post_init__(self) -> None:
+        with arguments_of(type(self).__name__):
+            self._check_limits()
+
+    def _check_limits(self) -> None:
         if self.max_underflow is not None:
-            check_number("FallbackRule", "max_underflow", self.max_underflow, at_least=0, at_most=1)
+            check_number("max_underflow", self.max_underflow, at_least=0, at_most=1)
         if self.min_sqnr_db is not None:
-            check_number("FallbackRule", "min_sqnr_db", self.min_sqnr_db)
+            check_number("min_sqnr_db", self.min_sqnr_db)
         if self.max_underflow is None and self.min_sqnr_db is None:
             raise ValueError(
                 "FallbackRule(max_underflow=None, min_sqnr_db=None) is not allowed: set at least one limit."
             )
-        check_number("FallbackRule", "patience", self.patience, at_least=1, integer=True)
+        check_number("patience", self.patience, at_least=1, integer=True)
 
     @classmethod
     def from_settings(cls, settings: Any) -> FallbackRule:

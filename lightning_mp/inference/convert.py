@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_mp.arguments.checks import check_number
+from lightning_mp.arguments.checks import arguments_of, check_number
 from lightning_mp.inference.parity import check_batch, check_bool, compare, layer_errors
 from lightning_mp.inference.reports import ParityTable
 from lightning_mp.overrides import Fp32Overrides, KeepFp32Pattern, deepcopy_with_hooks
@@ -101,19 +101,20 @@ def to_inference(
         raise ValueError(
             f"to_inference(dtype={dtype!r}) is not allowed: dtype must be torch.bfloat16 or torch.float16."
         )
-    check_bool("to_inference", "keep_normalization_fp32", keep_normalization_fp32)
-    check_bool("to_inference", "verbose", verbose)
+    with arguments_of("to_inference"):
+        check_bool("keep_normalization_fp32", keep_normalization_fp32)
+        check_bool("verbose", verbose)
+        if batch is not None:
+            check_batch(batch)
     if max_rel_error is not None:
         try:
-            max_rel_error = check_number("to_inference", "max_rel_error", max_rel_error, above=0)
+            max_rel_error = check_number("max_rel_error", max_rel_error, above=0)
         except ValueError:
             raise ValueError(
                 f"to_inference(max_rel_error={max_rel_error!r}) is not allowed: max_rel_error must be None or a"
                 " finite number > 0, relative to the largest fp32 output."
             ) from None
-    if batch is not None:
-        check_batch("to_inference", batch)
-    elif max_rel_error is not None:
+    if batch is None and max_rel_error is not None:
         raise ValueError(
             f"to_inference(max_rel_error={max_rel_error!r}, batch=None) is not allowed: an error budget needs a"
             " representative batch to measure it on."

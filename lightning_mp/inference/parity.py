@@ -36,24 +36,25 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_mp.arguments.checks import arguments_of, caller
 from lightning_mp.inference.reports import LayerParity, ParityReport
 from lightning_mp.overrides import cast_low_precision
 from lightning_mp.policies.casting import HALF_DTYPES
 
 
-def check_bool(owner: str, name: str, value: Any) -> None:
+def check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{owner}({name}={value!r}) is not allowed: {name} must be True or False.")
+        raise TypeError(f"{caller()}({name}={value!r}) is not allowed: {name} must be True or False.")
 
 
-def check_batch(owner: str, batch: Any) -> None:
+def check_batch(batch: Any) -> None:
     tensors: list[Tensor] = []
     if isinstance(batch, (Tensor, Sequence, Mapping)) and not isinstance(batch, (str, bytes, bytearray)):
         apply_to_collection(batch, Tensor, tensors.append)
     if not tensors:
         shown = f"{batch!r}"[:60] if isinstance(batch, (str, bytes, bytearray)) else type(batch).__name__
         raise TypeError(
-            f"{owner}(batch={shown}) is not allowed: batch must be a tensor, a tuple or list of positional inputs,"
+            f"{caller()}(batch={shown}) is not allowed: batch must be a tensor, a tuple or list of positional inputs,"
             " or a dict of keyword inputs, holding at least one tensor."
         )
 
@@ -94,10 +95,11 @@ def compare(
     for argument, value in (("fp32_model", fp32_model), ("converted", converted)):
         if not isinstance(value, nn.Module):
             raise ValueError(f"compare({argument}={type(value).__name__}) is not allowed: it must be an nn.Module.")
-    check_batch("compare", batch)
-    if classifier is not None:
-        check_bool("compare", "classifier", classifier)
-    check_bool("compare", "verbose", verbose)
+    with arguments_of("compare"):
+        check_batch(batch)
+        if classifier is not None:
+            check_bool("classifier", classifier)
+        check_bool("verbose", verbose)
     raw_reference = _run(fp32_model, cast_low_precision(batch, torch.float32))
     reference, output = _flat_output(raw_reference), _flat_output(_run(converted, batch))
     if reference.shape != output.shape:

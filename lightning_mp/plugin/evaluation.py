@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_mp.arguments.checks import caller
 from lightning_mp.policies.base import PrecisionPolicy
 from lightning_mp.policies.casting import HALF_DTYPES
 from lightning_mp.policies.evaluation import EvalMode, EvalWeights
@@ -91,7 +92,7 @@ class Evaluation:
         self.modules = []
 
 
-def refuse_swapped_weights_when_sharded(mode: EvalMode, policy_class: type[PrecisionPolicy], owner: str) -> None:
+def refuse_swapped_weights_when_sharded(mode: EvalMode, policy_class: type[PrecisionPolicy]) -> None:
     """Refuse an evaluation precision that needs other weights than a sharded model computes with.
 
     A sharded model gathers its parameters from shards for each forward, so evaluation cannot point them at other
@@ -104,8 +105,8 @@ def refuse_swapped_weights_when_sharded(mode: EvalMode, policy_class: type[Preci
     if mode.as_training or (mode.weight_dtype not in HALF_DTYPES and not policy_class.computes_with_half_weights):
         return
     raise ValueError(
-        f"{owner}(opt_level={policy_class.opt_level!r}, eval_precision={mode.precision!r}) is not allowed on a sharded"
-        " model: its parameters are gathered from shards for each forward, so evaluation cannot compute with other"
-        " weights. Evaluate in the training precision (eval_precision=None), or at O1 in another autocast"
+        f"{caller()}(opt_level={policy_class.opt_level!r}, eval_precision={mode.precision!r}) is not allowed on a"
+        " sharded model: its parameters are gathered from shards for each forward, so evaluation cannot compute with"
+        " other weights. Evaluate in the training precision (eval_precision=None), or at O1 in another autocast"
         " ('16-mixed', 'bf16-mixed') or in '32-true'."
     )

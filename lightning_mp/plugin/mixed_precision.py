@@ -73,6 +73,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mp.arguments.checks import arguments_of
 from lightning_mp.arguments.setting_docs import with_setting_docs
 from lightning_mp.engine.base import StepEngine
 from lightning_mp.engine.fabric import FabricEngine
@@ -198,47 +199,47 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         eval_precision: EvalPrecisionName | str | int | None = PLUGIN_DEFAULTS.eval_precision,
         fp8: Fp8Recipe | FP8Settings | str | None = None,
     ) -> None:
-        settings = PluginSettings.from_arguments(
-            type(self).__name__,
-            scaler,
-            {
-                "init_scale": init_scale,
-                "growth_factor": growth_factor,
-                "backoff_factor": backoff_factor,
-                "growth_interval": growth_interval,
-            },
-            precision=precision,
-            device=device,
-            opt_level=opt_level,
-            hysteresis=hysteresis,
-            consecutive_hysteresis=consecutive_hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            on_min_scale=on_min_scale,
-            loss_scale=loss_scale,
-            skip_scheduler_on_overflow=skip_scheduler_on_overflow,
-            keep_fp32=keep_fp32,
-            max_consecutive_skips=max_consecutive_skips,
-            skip_nonfinite=skip_nonfinite,
-            scale_per_optimizer=scale_per_optimizer,
-            eval_precision=eval_precision,
-        )
-        self.settings = settings
-        """Every argument, validated (:class:`~lightning_mp.settings.PluginSettings`)."""
-        self.requested_precision: PrecisionName = settings.precision
-        self.requested_device = settings.device
-        """The ``device`` given; None follows the Trainer's accelerator, or under Fabric the model's device."""
-        self.opt_level = settings.opt_level
-        self.loss_scale = settings.loss_scale
-        self.skip_scheduler_on_overflow = settings.skip_scheduler_on_overflow
-        self.keep_fp32 = list(settings.keep_fp32)
-        self.fp8_settings = fp8_settings_from_argument(type(self).__name__, fp8)
-        """The FP8 mode's validated settings; None when the run has no FP8."""
-        if self.fp8_settings is not None:
-            check_fp8_combination(
-                type(self).__name__, self.fp8_settings, settings.precision, settings.opt_level, settings.eval_precision
+        with arguments_of(type(self).__name__):
+            settings = PluginSettings.from_arguments(
+                scaler,
+                {
+                    "init_scale": init_scale,
+                    "growth_factor": growth_factor,
+                    "backoff_factor": backoff_factor,
+                    "growth_interval": growth_interval,
+                },
+                precision=precision,
+                device=device,
+                opt_level=opt_level,
+                hysteresis=hysteresis,
+                consecutive_hysteresis=consecutive_hysteresis,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                on_min_scale=on_min_scale,
+                loss_scale=loss_scale,
+                skip_scheduler_on_overflow=skip_scheduler_on_overflow,
+                keep_fp32=keep_fp32,
+                max_consecutive_skips=max_consecutive_skips,
+                skip_nonfinite=skip_nonfinite,
+                scale_per_optimizer=scale_per_optimizer,
+                eval_precision=eval_precision,
             )
-            require_torchao(type(self).__name__, self.fp8_settings.recipe)
+            self.settings = settings
+            """Every argument, validated (:class:`~lightning_mp.settings.PluginSettings`)."""
+            self.requested_precision: PrecisionName = settings.precision
+            self.requested_device = settings.device
+            """The ``device`` given; None follows the Trainer's accelerator, or under Fabric the model's device."""
+            self.opt_level = settings.opt_level
+            self.loss_scale = settings.loss_scale
+            self.skip_scheduler_on_overflow = settings.skip_scheduler_on_overflow
+            self.keep_fp32 = list(settings.keep_fp32)
+            self.fp8_settings = fp8_settings_from_argument(fp8)
+            """The FP8 mode's validated settings; None when the run has no FP8."""
+            if self.fp8_settings is not None:
+                check_fp8_combination(
+                    self.fp8_settings, settings.precision, settings.opt_level, settings.eval_precision
+                )
+                require_torchao(self.fp8_settings.recipe)
         self._given_loss_scaler = scaler if isinstance(scaler, LossScaler) else None
         """A LossScaler given as ``scaler=``, used as it is; a torch GradScaler is translated into the settings."""
         self._run: Run | None = None
@@ -277,17 +278,17 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         """The run, built for ``device_type`` unless it is built already; a state loaded before it is loaded into it."""
         if self._run is not None:
             return self._run
-        self._run = build_run(
-            self.settings,
-            device_type,
-            lambda opt_level: self._policy_class(opt_level, sharded),
-            self.keep_fp32,
-            sharded=sharded,
-            given_loss_scaler=self._given_loss_scaler,
-            fp8_settings=self.fp8_settings,
-            fp8_converted=self._fp8_before_sharding,
-            owner=type(self).__name__,
-        )
+        with arguments_of(type(self).__name__):
+            self._run = build_run(
+                self.settings,
+                device_type,
+                lambda opt_level: self._policy_class(opt_level, sharded),
+                self.keep_fp32,
+                sharded=sharded,
+                given_loss_scaler=self._given_loss_scaler,
+                fp8_settings=self.fp8_settings,
+                fp8_converted=self._fp8_before_sharding,
+            )
         self._fp8_before_sharding = None
         if self._state_before_setup is not None:
             loaded, self._state_before_setup = self._state_before_setup, None

@@ -42,9 +42,6 @@ ShownPrecision = Literal["16-mixed", "bf16-mixed", "32-true", "16-true", "bf16-t
 HALF_WEIGHTS_SHOWN: dict[str, ShownPrecision] = {"16-mixed": "16-true", "bf16-mixed": "bf16-true"}
 """The name Lightning sees for a run whose opt level keeps half weights with no fp32 masters (O3, lean)."""
 
-OWNER = "MixedPrecision"
-"""The name error messages give the plugin."""
-
 
 @dataclass(frozen=True)
 class ResolvedSetup:
@@ -83,13 +80,13 @@ def resolve_setup(
             precision that a static ``loss_scale`` or a ``scaler`` cannot run.
 
     """
-    settings.check_device(OWNER, device_type)
+    settings.check_device(device_type)
     if settings.precision == "auto":
         precision, reason = choose_precision(device_type, settings.opt_level)
         rank_zero_info(f"lightning_mp: precision='auto' chose {precision!r}: {reason}.")
     else:
         precision, reason = settings.precision, "asked for"
-    settings.check_resolved(OWNER, precision, reason)
+    settings.check_resolved(precision, reason)
     half_dtype = HALF_DTYPES.get(precision)
     _warn_about_slow_half(settings, device_type, half_dtype, reason)
     opt_level = "O0" if half_dtype is None else settings.opt_level

@@ -32,7 +32,7 @@ from lightning_mp.fp8.convert import check_fp8_device
 from lightning_mp.fp8.mode import Fp8Mode
 from lightning_mp.fp8.settings import FP8Settings
 from lightning_mp.plugin.evaluation import Evaluation, refuse_swapped_weights_when_sharded
-from lightning_mp.plugin.resolved import OWNER, ResolvedSetup, resolve_setup
+from lightning_mp.plugin.resolved import ResolvedSetup, resolve_setup
 from lightning_mp.policies import POLICIES, SHARDED_POLICIES, PrecisionPolicy
 from lightning_mp.policies.sharded import refuse_half_weights
 from lightning_mp.scaler import LossScaler, ScalingMode
@@ -79,7 +79,6 @@ def build_run(
     given_loss_scaler: LossScaler | None = None,
     fp8_settings: FP8Settings | None = None,
     fp8_converted: Fp8Mode | None = None,
-    owner: str = OWNER,
 ) -> Run:
     """Resolve the settings for ``device_type`` and build the run's policy, loss scaler and FP8 (module docstring).
 
@@ -92,7 +91,6 @@ def build_run(
         given_loss_scaler: a LossScaler given as ``scaler=``, used as it is.
         fp8_settings: the FP8 settings; None runs no FP8.
         fp8_converted: FP8 layers converted before FSDP2 sharded the model (``plugin.fp8_convert``), the run's own.
-        owner: the plugin's class name, for FP8's error messages.
 
     Raises:
         ValueError: if the device contradicts ``device`` or a torch GradScaler's, ``"auto"`` chose a precision the
@@ -102,10 +100,10 @@ def build_run(
     setup = resolve_setup(settings, device_type, policy_class_for)
     if sharded:
         refuse_half_weights(setup.policy_class, setup.precision)
-        refuse_swapped_weights_when_sharded(setup.evaluation, setup.policy_class, owner)
+        refuse_swapped_weights_when_sharded(setup.evaluation, setup.policy_class)
     fp8 = None
     if fp8_settings is not None:
-        check_fp8_device(owner, fp8_settings.recipe, device_type)
+        check_fp8_device(fp8_settings.recipe, device_type)
         fp8 = fp8_converted or Fp8Mode(fp8_settings)
     policy = setup.policy_class(setup.half_dtype, keep_fp32=keep_fp32)
     loss_scaler = given_loss_scaler or _build_loss_scaler(settings, setup)

@@ -26,6 +26,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_mp.arguments.checks import caller
 from lightning_mp.overrides import (
     BATCH_NORMS,
     Fp32Overrides,
@@ -71,7 +72,7 @@ def is_normalization(module: nn.Module) -> bool:
     return isinstance(module, NORMALIZATION_TYPES) or _NORM_NAME.search(type(module).__name__) is not None
 
 
-def check_half_dtype(owner: str, half_dtype: torch.dtype | None) -> torch.dtype:
+def check_half_dtype(half_dtype: torch.dtype | None) -> torch.dtype:
     """Return ``half_dtype`` if it is fp16 or bf16.
 
     Raises:
@@ -80,7 +81,7 @@ def check_half_dtype(owner: str, half_dtype: torch.dtype | None) -> torch.dtype:
     """
     if half_dtype not in HALF_DTYPES:
         raise ValueError(
-            f"{owner}(half_dtype={half_dtype!r}) is not allowed: half_dtype must be torch.float16 or torch.bfloat16."
+            f"{caller()}(half_dtype={half_dtype!r}) is not allowed: half_dtype must be torch.float16 or torch.bfloat16."
         )
     assert half_dtype is not None
     return half_dtype

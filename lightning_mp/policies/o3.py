@@ -52,6 +52,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mp.arguments.checks import arguments_of
 from lightning_mp.overrides import Fp32Overrides
 from lightning_mp.policies.base import PrecisionPolicy
 from lightning_mp.policies.casting import check_half_dtype, convert_to_half
@@ -142,7 +143,9 @@ class O3Policy(PrecisionPolicy):
     """The optimizer steps half gradients, which the loss scaler must accept."""
 
     def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
-        super().__init__(check_half_dtype(type(self).__name__, half_dtype), keep_fp32)
+        with arguments_of(type(self).__name__):
+            half_dtype = check_half_dtype(half_dtype)
+        super().__init__(half_dtype, keep_fp32)
         self.overrides = Fp32Overrides(self.keep_fp32)
         rank_zero_warn(
             f"lightning_mp: opt_level='O3' trains pure {self.half_dtype} weights without fp32 master weights. It is a"

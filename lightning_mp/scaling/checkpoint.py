@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mp.arguments.checks import check_number
+from lightning_mp.arguments.checks import caller, check_number
 from lightning_mp.scaling.counters import StepCounters
 from lightning_mp.scaling.rules import ScalerSettings, ScaleState, float32_within
 
@@ -73,11 +73,12 @@ def state_dict_of(
     }
 
 
-def validated_state(owner: str, state_dict: Any, settings: ScalerSettings) -> LoadedScalerState:
+def validated_state(state_dict: Any, settings: ScalerSettings) -> LoadedScalerState:
     """Validate a scaler's ``state_dict`` (or torch's GradScaler dict) against this run's ``settings``.
 
+    Messages name the caller (``LossScaler.load_state_dict``): :func:`~lightning_mp.arguments.checks.arguments_of`.
+
     Args:
-        owner: the caller's name for messages, such as ``"LossScaler.load_state_dict"``.
         state_dict: the dict to restore.
         settings: this run's settings, which win over the dict's.
 
@@ -90,12 +91,12 @@ def validated_state(owner: str, state_dict: Any, settings: ScalerSettings) -> Lo
 
     """
     if not isinstance(state_dict, dict):
-        raise ValueError(f"{owner}(state_dict={state_dict!r}) is not allowed: expected a dict.")
+        raise ValueError(f"{caller()}(state_dict={state_dict!r}) is not allowed: expected a dict.")
     if not state_dict:
         raise RuntimeError("The loss scaler state dict is empty: there is no scale to restore.")
     _warn_on_changed_settings(state_dict, settings)
-    counters = _validated_counters(owner, state_dict, settings.max_consecutive_skips)
-    scale_state = _validated_scale_state(owner, state_dict, settings) if settings.mode == "dynamic" else None
+    counters = _validated_counters(state_dict, settings.max_consecutive_skips)
+    scale_state = _validated_scale_state(state_dict, settings) if settings.mode == "dynamic" else None
     return LoadedScalerState(scale_state, counters)
 
 
@@ -117,22 +118,20 @@ def _warn_on_changed_settings(state_dict: dict[str, Any], settings: ScalerSettin
         )
 
 
-def _validated_counters(owner: str, state_dict: dict[str, Any], max_consecutive_skips: int | None) -> StepCounters:
+def _validated_counters(state_dict: dict[str, Any], max_consecutive_skips: int | None) -> StepCounters:
     counters = state_dict.get("counters", {})
     if not isinstance(counters, dict):
-        raise ValueError(f"{owner}: key 'counters' holds {counters!r}; expected a dict of non-negative integers.")
-    values = {
-        name: _count(owner, f"counters['{name}']", counters.get(name, 0)) for name in StepCounters.counter_names()
-    }
+        raise ValueError(f"{caller()}: key 'counters' holds {counters!r}; expected a dict of non-negative integers.")
+    values = {name: _count(f"counters['{name}']", counters.get(name, 0)) for name in StepCounters.counter_names()}
     if values["skipped_steps"] > values["optimizer_steps"] or values["consecutive_skips"] > values["skipped_steps"]:
         raise ValueError(
-            f"{owner}: counters {values} are inconsistent; expected consecutive_skips <= skipped_steps <="
+            f"{caller()}: counters {values} are inconsistent; expected consecutive_skips <= skipped_steps <="
             " optimizer_steps."
         )
     streaks = state_dict.get("streaks", [values["consecutive_skips"]] if values["consecutive_skips"] else [])
     if not isinstance(streaks, list):
-        raise ValueError(f"{owner}: key 'streaks' holds {streaks!r}; expected a list of non-negative integers.")
-    streaks = [_count(owner, f"streaks[{i}]", s) for i, s in enumerate(streaks)]
+        raise ValueError(f"{caller()}: key 'streaks' holds {streaks!r}; expected a list of non-negative integers.")
+    streaks = [_count(f"streaks[{i}]", s) for i, s in enumerate(streaks)]
     limit = max_consecutive_skips
     if limit is not None and any(s >= limit for s in streaks):
         warnings.warn(
@@ -144,20 +143,20 @@ def _validated_counters(owner: str, state_dict: dict[str, Any], max_consecutive_
         streaks = [min(s, limit - 1) for s in streaks]
     last_step_skipped = state_dict.get("last_step_skipped", False)
     if not isinstance(last_step_skipped, bool):
-        raise ValueError(f"{owner}: key 'last_step_skipped' holds {last_step_skipped!r}; expected a bool.")
+        raise ValueError(f"{caller()}: key 'last_step_skipped' holds {last_step_skipped!r}; expected a bool.")
     return StepCounters.restored(values, streaks, last_step_skipped)
 
 
-def _validated_scale_state(owner: str, state_dict: dict[str, Any], settings: ScalerSettings) -> ScaleState:
+def _validated_scale_state(state_dict: dict[str, Any], settings: ScalerSettings) -> ScaleState:
     if "scale" not in state_dict:
-        raise ValueError(f"{owner}: the dict has no key 'scale'; expected the loss scale, a positive number.")
+        raise ValueError(f"{caller()}: the dict has no key 'scale'; expected the loss scale, a positive number.")
     raw_scale = state_dict["scale"]
     try:
         # Training never makes a scale of 0, a negative one or a non-finite one: such a value is damage.
-        scale = check_number(owner, "scale", raw_scale, above=0)
+        scale = check_number("scale", raw_scale, above=0)
     except ValueError:
         raise ValueError(
-            f"{owner}: key 'scale' holds {raw_scale!r}; expected a finite positive number (the loss scale). No"
+            f"{caller()}: key 'scale' holds {raw_scale!r}; expected a finite positive number (the loss scale). No"
             " training writes such a scale, so the checkpoint is damaged: restore another one, or drop the"
             " scaler's state to start again from init_scale."
         ) from None
@@ -169,8 +168,8 @@ def _validated_scale_state(owner: str, state_dict: dict[str, Any], settings: Sca
             UserWarning,
             stacklevel=_CALLER_OF_LOAD + 1,
         )
-    growth_tracker = _count(owner, "_growth_tracker", state_dict.get("_growth_tracker", 0))
-    hysteresis_left = _count(owner, "hysteresis_tracker", state_dict.get("hysteresis_tracker", settings.hysteresis))
+    growth_tracker = _count("_growth_tracker", state_dict.get("_growth_tracker", 0))
+    hysteresis_left = _count("hysteresis_tracker", state_dict.get("hysteresis_tracker", settings.hysteresis))
     fitted_growth = min(growth_tracker, settings.growth_interval - 1)
     fitted_hysteresis = min(hysteresis_left, settings.hysteresis)
     for key, saved, fitted in (
@@ -186,8 +185,8 @@ def _validated_scale_state(owner: str, state_dict: dict[str, Any], settings: Sca
     return ScaleState(float32_within(scale, low, high), fitted_growth, fitted_hysteresis)
 
 
-def _count(owner: str, key: str, value: Any) -> int:
+def _count(key: str, value: Any) -> int:
     try:
-        return check_number(owner, key, value, at_least=0, integer=True)
+        return check_number(key, value, at_least=0, integer=True)
     except ValueError:
-        raise ValueError(f"{owner}: key {key!r} holds {value!r}; expected a non-negative integer.") from None
+        raise ValueError(f"{caller()}: key {key!r} holds {value!r}; expected a non-negative integer.") from None

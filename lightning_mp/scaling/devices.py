@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_mp.arguments.checks import caller
+
 __all__ = ["checked_device_type", "default_device", "distributed"]
 
 
@@ -26,7 +28,7 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def checked_device_type(owner: str, device: Any) -> str:
+def checked_device_type(device: Any) -> str:
     """The device type of ``device`` (a string or a ``torch.device``).
 
     Raises:
@@ -37,13 +39,13 @@ def checked_device_type(owner: str, device: Any) -> str:
         device_type = torch.device(device).type
     except (RuntimeError, TypeError):
         raise ValueError(
-            f"{owner}(device={device!r}) is not allowed: device must be a device type such as 'cpu' or 'cuda'."
+            f"{caller()}(device={device!r}) is not allowed: device must be a device type such as 'cpu' or 'cuda'."
         ) from None
     backend = getattr(torch, device_type, None)
     available = device_type == "cpu" or (backend is not None and getattr(backend, "is_available", lambda: False)())
     if not available:
         raise ValueError(
-            f"{owner}(device={device!r}) is not available on this machine; use device='cpu', or leave device=None"
+            f"{caller()}(device={device!r}) is not available on this machine; use device='cpu', or leave device=None"
             f" to pick {default_device()!r}."
         )
     return device_type

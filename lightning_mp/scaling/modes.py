@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 from typing_extensions import override
 
-from lightning_mp.arguments.checks import check_number
+from lightning_mp.arguments.checks import caller, check_number
 from lightning_mp.scaling import fused_steps, kernels, sharded
 from lightning_mp.scaling.device_rules import DeviceScale
 from lightning_mp.scaling.devices import distributed
@@ -112,7 +112,7 @@ class Scaling(ABC):
         """Move the device scale by the rules at the end of ``record``, where its flags stay on the device."""
 
     @abstractmethod
-    def checked_new_scale(self, owner: str, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:
+    def checked_new_scale(self, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:
         """A scale set by hand (``update(new_scale)``), validated and rounded to a float32."""
 
     @abstractmethod
@@ -200,8 +200,8 @@ class DynamicScaling(Scaling):
             record.device_ruled = True
 
     @override
-    def checked_new_scale(self, owner: str, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:
-        return _within(owner, new_scale, settings.floor, settings.max_scale)
+    def checked_new_scale(self, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:
+        return _within(new_scale, settings.floor, settings.max_scale)
 
     @override
     def loss_scale(self, scale: float) -> float:
@@ -214,8 +214,8 @@ class StaticScaling(DynamicScaling):
     move_on_device = Scaling.move_on_device
 
     @override
-    def checked_new_scale(self, owner: str, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:
-        return _within(owner, new_scale, STATIC_SCALE_FLOOR, FLOAT32_MAX)
+    def checked_new_scale(self, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:
+        return _within(new_scale, STATIC_SCALE_FLOOR, FLOAT32_MAX)
 
 
 class CheckOnlyScaling(Scaling):
@@ -247,8 +247,8 @@ class CheckOnlyScaling(Scaling):
         return fused_steps.skips_safely_on_device(optimizer)
 
     @override
-    def checked_new_scale(self, owner: str, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:
-        raise ValueError(f"{owner}(new_scale={new_scale!r}) is not allowed: check mode scales nothing.")
+    def checked_new_scale(self, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:
+        raise ValueError(f"{caller()}(new_scale={new_scale!r}) is not allowed: check mode scales nothing.")
 
     @override
     def loss_scale(self, scale: float) -> float:
@@ -264,8 +264,8 @@ class UncheckedScaling(CheckOnlyScaling):
         return {}
 
 
-def _within(owner: str, new_scale: float | torch.Tensor, low: float, high: float) -> float:
-    value = check_number(owner, "new_scale", new_scale, at_least=low, at_most=high)
+def _within(new_scale: float | torch.Tensor, low: float, high: float) -> float:
+    value = check_number("new_scale", new_scale, at_least=low, at_most=high)
     return float32_within(value, low, high)
 
 
@@ -277,7 +277,7 @@ _STRATEGIES: dict[tuple[str, bool], type[Scaling]] = {
 }
 
 
-def scaling_for(settings: ScalerSettings, owner: str) -> Scaling:
+def scaling_for(settings: ScalerSettings) -> Scaling:
     """The strategy of ``settings.mode`` and ``settings.skip_nonfinite``.
 
     Raises:
@@ -287,7 +287,7 @@ def scaling_for(settings: ScalerSettings, owner: str) -> Scaling:
     strategy = _STRATEGIES.get((settings.mode, settings.skip_nonfinite))
     if strategy is None:
         raise ValueError(
-            f"{owner}(mode={settings.mode!r}, skip_nonfinite=False) is not allowed: a scaled step whose gradients"
+            f"{caller()}(mode={settings.mode!r}, skip_nonfinite=False) is not allowed: a scaled step whose gradients"
             " overflowed must be skipped. Use skip_nonfinite=False with mode='check' (bf16, fp32)."
         )
     return strategy()

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from lightning_mp.arguments.checks import INT32_MAX, check_choice, check_flag, check_number, exact
+from lightning_mp.arguments.checks import INT32_MAX, arguments_of, caller, check_choice, check_flag, check_number, exact
 from lightning_mp.arguments.setting_docs import setting
 
 __all__ = [
@@ -59,8 +59,8 @@ STATIC_SCALE_FLOOR = 2.0**-126
 normal scale is not flushed to zero where denormals are."""
 
 
-def _choice(owner: str, name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    check_choice(owner, name, value, allowed)
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    check_choice(name, value, allowed)
     return value
 
 
@@ -86,12 +86,12 @@ def float32_within(value: float, low: float, high: float) -> float:
     return rounded
 
 
-def _interval(owner: str, name: str, value: Any) -> int:
-    return check_number(owner, name, value, at_least=1, at_most=INT32_MAX, integer=True)
+def _interval(name: str, value: Any) -> int:
+    return check_number(name, value, at_least=1, at_most=INT32_MAX, integer=True)
 
 
-def _scale_bound(owner: str, name: str, value: Any) -> float:
-    return check_number(owner, name, value, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX)
+def _scale_bound(name: str, value: Any) -> float:
+    return check_number(name, value, at_least=COLLAPSE_FLOOR, at_most=FLOAT32_MAX)
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,8 @@ class ScalerSettings:
     involve two settings. Numbers may be Python numbers, numpy scalars or 0-d tensors; booleans must be ``True`` or
     ``False``. They are stored as Python ``int``/``float``/``bool``.
 
-    ``owner`` is the name used in error messages (``"LossScaler"``, ``"MixedPrecision"``); it is not stored.
+    Error messages name the public call that built the settings (``LossScaler(...)``, ``MixedPrecision(...)``, or
+    ``ScalerSettings(...)`` when built directly): :func:`lightning_mp.arguments.checks.arguments_of`.
 
     Raises:
         ValueError: naming the argument, the value and what is allowed.
@@ -127,14 +128,14 @@ class ScalerSettings:
         default=2.0,
         metadata=setting(
             "scale multiplier after ``growth_interval`` clean iterations; > 1 (the scale stops at ``max_scale``).",
-            lambda owner, name, value: check_number(owner, name, value, above=1),
+            lambda name, value: check_number(name, value, above=1),
         ),
     )
     backoff_factor: float = field(
         default=0.5,
         metadata=setting(
             "scale multiplier on an overflow that exhausts the hysteresis; in (0, 1).",
-            lambda owner, name, value: check_number(owner, name, value, above=0, below=1),
+            lambda name, value: check_number(name, value, above=0, below=1),
         ),
     )
     growth_interval: int = field(
@@ -164,7 +165,7 @@ class ScalerSettings:
         default=None,
         metadata=setting(
             "the scale's floor, from ``2**-24`` to ``max_scale``; None means the collapse floor ``2**-24``.",
-            lambda owner, name, value: None if value is None else _scale_bound(owner, name, value),
+            lambda name, value: None if value is None else _scale_bound(name, value),
         ),
     )
     max_scale: float = field(
@@ -179,7 +180,7 @@ class ScalerSettings:
         metadata=setting(
             '``"raise"`` :class:`~lightning_mp.errors.LossScaleCollapseError`, or ``"warn"`` and stay at the floor,'
             " when an overflow would push the scale below the floor.",
-            lambda owner, name, value: _choice(owner, name, value, ("raise", "warn")),
+            lambda name, value: _choice(name, value, ("raise", "warn")),
         ),
     )
     mode: ScalingMode = field(
@@ -187,7 +188,7 @@ class ScalerSettings:
         metadata=setting(
             '``"dynamic"``, ``"static"`` (a fixed ``init_scale``) or ``"check"`` (nothing scaled, non-finite'
             " steps skipped: bf16 and fp32).",
-            lambda owner, name, value: _choice(owner, name, value, ("dynamic", "static", "check")),
+            lambda name, value: _choice(name, value, ("dynamic", "static", "check")),
         ),
     )
     max_consecutive_skips: int | None = field(
@@ -195,7 +196,7 @@ class ScalerSettings:
         metadata=setting(
             "stop with :class:`~lightning_mp.errors.NonFiniteStepsError` after this many skipped steps in a row of one"
             " optimizer (1 to 2**31 - 1), in every precision; None never stops.",
-            lambda owner, name, value: None if value is None else _interval(owner, name, value),
+            lambda name, value: None if value is None else _interval(name, value),
         ),
     )
     skip_nonfinite: bool = field(
@@ -208,32 +209,35 @@ class ScalerSettings:
             check_flag,
         ),
     )
-    owner: InitVar[str] = "ScalerSettings"
 
-    def __post_init__(self, owner: str) -> None:
+    def __post_init__(self) -> None:
+        with arguments_of(type(self).__name__):
+            self._check_settings()
+
+    def _check_settings(self) -> None:
         normalised = {
-            field.name: field.metadata["check"](owner, field.name, getattr(self, field.name))
+            field.name: field.metadata["check"](field.name, getattr(self, field.name))
             for field in fields(self)
             if "check" in field.metadata
         }
         min_scale, max_scale = normalised["min_scale"], normalised["max_scale"]
         if min_scale is not None and min_scale > max_scale:
             raise ValueError(
-                f"{owner}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}) is not allowed: min_scale"
+                f"{caller()}(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}) is not allowed: min_scale"
                 " must be <= max_scale."
             )
         if self.mode == "check":
             normalised["init_scale"] = 1.0
         elif self.mode == "static":
             normalised["init_scale"] = check_number(
-                owner, "init_scale", self.init_scale, at_least=STATIC_SCALE_FLOOR, at_most=FLOAT32_MAX
+                "init_scale", self.init_scale, at_least=STATIC_SCALE_FLOOR, at_most=FLOAT32_MAX
             )
         else:
             low = COLLAPSE_FLOOR if min_scale is None else min_scale
-            init_scale = check_number(owner, "init_scale", self.init_scale, above=0)
+            init_scale = check_number("init_scale", self.init_scale, above=0)
             if not low <= init_scale <= max_scale:
                 raise ValueError(
-                    f"{owner}(init_scale={self.init_scale!r}) is not allowed: init_scale must lie in"
+                    f"{caller()}(init_scale={self.init_scale!r}) is not allowed: init_scale must lie in"
                     f" [min_scale, max_scale] = [{exact(low)}, {exact(max_scale)}] (min_scale=None means"
                     f" the floor {exact(COLLAPSE_FLOOR)})."
                 )

@@ -14,6 +14,7 @@ if fp8_unavailable() is not None:  # torchao below its torch floor may fail to i
 pytest.importorskip("torchao")
 
 from lightning_mp import MixedPrecision
+from lightning_mp.arguments.checks import arguments_of
 from lightning_mp.fp8 import FP8Settings
 from lightning_mp.fp8 import convert as fp8_convert
 
@@ -98,14 +99,14 @@ def test_gpu_without_fp8_tensor_cores_is_refused_with_what_to_use(monkeypatch):
     """An A100 (compute capability 8.0) is refused, naming the GPU, its capability and bf16 as the alternative."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    with pytest.raises(RuntimeError) as error:
-        fp8_convert.check_fp8_device("MixedPrecision", "tensorwise", "cuda")
+    with pytest.raises(RuntimeError) as error, arguments_of("MixedPrecision"):
+        fp8_convert.check_fp8_device("tensorwise", "cuda")
     for text in ("A100", "compute capability 8.0", ">= 8.9", "MixedPrecision('bf16-mixed')"):
         assert text in str(error.value)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    fp8_convert.check_fp8_device("MixedPrecision", "tensorwise", "cuda")
+    fp8_convert.check_fp8_device("tensorwise", "cuda")
     with pytest.raises(RuntimeError, match="'mps'"):
-        fp8_convert.check_fp8_device("MixedPrecision", "tensorwise", "mps")
+        fp8_convert.check_fp8_device("tensorwise", "mps")
 
 
 def test_float8_all_gather_without_fsdp2_is_refused_with_the_fix():

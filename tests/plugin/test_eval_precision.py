@@ -320,9 +320,9 @@ def test_fsdp1_refuses_evaluation_that_needs_other_weights() -> None:
 def test_a_sharded_model_refuses_evaluation_that_needs_other_weights() -> None:
     half = EvalMode("bf16-true", False, weight_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"eval_precision='bf16-true'.*sharded"):
-        refuse_swapped_weights_when_sharded(half, POLICIES["O1"], "MixedPrecision")
+        refuse_swapped_weights_when_sharded(half, POLICIES["O1"])
     autocast_only = EvalMode("16-mixed", False, weight_dtype=torch.float32, autocast_dtype=torch.float16)
-    refuse_swapped_weights_when_sharded(autocast_only, POLICIES["O1"], "MixedPrecision")
+    refuse_swapped_weights_when_sharded(autocast_only, POLICIES["O1"])
 
 
 def test_eval_mode_follows_the_table() -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import fields
 
 import pytest
 import torch
 
 from lightning_mp import LossScaler, MixedPrecision
-from lightning_mp.arguments.checks import exact
+from lightning_mp.arguments.checks import UNNAMED_CALLER, arguments_of, caller, check_flag, exact
+from lightning_mp.fp8 import FP8Settings
 from lightning_mp.scaling.rules import ScalerSettings
 from lightning_mp.settings import TORCH_SCALER_SETTINGS, PluginSettings
 from tests.helpers import TinyRegressor, loader, make_trainer
@@ -77,7 +79,7 @@ def test_the_settings_are_frozen_and_validated_once_built():
     with pytest.raises(AttributeError):
         settings.opt_level = "O7"  # type: ignore[misc]
     with pytest.raises(ValueError, match=r"PluginSettings\(opt_level='o2'\) is not supported.*Did you mean"):
-        PluginSettings(opt_level="o2", owner="PluginSettings")
+        PluginSettings(opt_level="o2")
 
 
 def test_lean_with_fp16_is_refused_with_the_lean_message():
@@ -91,3 +93,52 @@ def test_a_device_the_trainer_does_not_run_on_is_refused_at_setup():
     plugin = MixedPrecision("bf16-mixed", device="cuda")
     with pytest.raises(ValueError, match=r"MixedPrecision\(device='cuda'\) does not match .* runs on 'cpu'"):
         make_trainer(plugin, max_steps=1).fit(TinyRegressor(), loader())
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        (lambda: MixedPrecision("16-mixed", growth_factor=0.5), r"MixedPrecision\(growth_factor=0\.5\)"),
+        (lambda: LossScaler(growth_factor=0.5), r"LossScaler\(growth_factor=0\.5\)"),
+        (lambda: ScalerSettings(growth_factor=0.5), r"ScalerSettings\(growth_factor=0\.5\)"),
+        (lambda: PluginSettings(opt_level="O9"), r"PluginSettings\(opt_level='O9'\)"),
+        (lambda: FP8Settings(fallback_patience=0), r"FP8Settings\(fallback_patience=0\)"),
+    ],
+)
+def test_a_refused_argument_names_the_call_the_user_wrote(build, named):
+    """The message names the class the user called, even where that class builds another's settings for it."""
+    with pytest.raises(ValueError, match=named):
+        build()
+
+
+def test_a_refused_scale_update_or_checkpoint_names_the_scaler_method():
+    """LossScaler.update(new_scale=...) and LossScaler.load_state_dict name themselves, not the constructor."""
+    scaler = LossScaler(init_scale=2.0**8, device="cpu")
+    with pytest.raises(ValueError, match=r"LossScaler\.update\(new_scale=-1\.0\) is not allowed"):
+        scaler.update(new_scale=-1.0)
+    with pytest.raises(ValueError, match=r"LossScaler\.load_state_dict: the dict has no key 'scale'"):
+        scaler.load_state_dict({"counters": {}})
+
+
+def test_each_thread_names_its_own_caller():
+    """Two threads checking arguments at once each report their own call (the caller lives in a context variable)."""
+    barrier = threading.Barrier(2)
+    messages: dict[str, str] = {}
+
+    def check_as(name: str) -> None:
+        with arguments_of(name):
+            barrier.wait()
+            try:
+                check_flag("enabled", "yes")
+            except ValueError as error:
+                messages[name] = str(error)
+
+    threads = [threading.Thread(target=check_as, args=(name,)) for name in ("First", "Second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert messages == {
+        name: f"{name}(enabled='yes') is not allowed: enabled must be True or False." for name in ("First", "Second")
+    }
+    assert caller() == UNNAMED_CALLER

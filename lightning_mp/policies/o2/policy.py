@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mp.arguments.checks import arguments_of
 from lightning_mp.overrides import Fp32Overrides, Fp32Region, has_fp32_region, outermost
 from lightning_mp.policies.base import PrecisionPolicy
 from lightning_mp.policies.casting import check_half_dtype, keep_tied_weights_together
@@ -124,7 +125,9 @@ class O2Policy(PrecisionPolicy):
     """What keeps the masters: fp32 tensors here, packed remainders at ``lean-exact``."""
 
     def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
-        super().__init__(check_half_dtype(type(self).__name__, half_dtype), keep_fp32)
+        with arguments_of(type(self).__name__):
+            half_dtype = check_half_dtype(half_dtype)
+        super().__init__(half_dtype, keep_fp32)
         self.overrides = Fp32Overrides(self.keep_fp32)
         self.masters: MasterParams | None = None
         """The model parameters and their masters, from ``convert_module`` until ``teardown``."""
