@@ -337,7 +337,7 @@ class LossScaler(torch.amp.GradScaler):
             RuntimeError: when called twice for ``optimizer`` in one iteration, or after its ``step``.
 
         """
-        self._steps.unscale(optimizer, True, self._host.state, self.allow_fp16_gradients)
+        self._steps.check(optimizer, True, self._host.state, self.allow_fp16_gradients)
 
     def recheck_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Check ``optimizer``'s unscaled gradients again before its step, and skip the step if one is now inf or NaN.
@@ -383,7 +383,7 @@ class LossScaler(torch.amp.GradScaler):
 
         The same pass as :meth:`unscale_`, multiplying by one; fp16 gradients are allowed, as in torch.
         """
-        return self._steps.unscale(optimizer, False, self._host.state, self.allow_fp16_gradients)
+        return self._steps.check(optimizer, False, self._host.state, self.allow_fp16_gradients)
 
     @override
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from typing_extensions import override
 from lightning_mp.engine.base import StepEngine, check_loss, unwrapped
 from lightning_mp.engine.fabric_models import (
     FabricModels,
+    refuse_deepspeed_engine,
     warn_if_resumed_without_plugin_state,
     zero_gradient_placeholder,
 )
@@ -55,26 +56,8 @@ from lightning_mp.overrides import cast_low_precision
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.scaling.per_optimizer import PerOptimizerScalers, RunScaler
 from lightning_mp.scaling.stats import PrecisionStats
-from lightning_mp.scaling.steps import OptimizerStep, Phase
-from lightning_mp.scaling.verdict import SKIPPED, TAKEN, StepVerdict
-
-
-def refuse_deepspeed_engine(module: Any) -> None:
-    """Refuse a backward through a DeepSpeed engine: under Fabric's ``DeepSpeedStrategy`` DeepSpeed casts and scales.
-
-    Told by the class's name, so that DeepSpeed need not be importable.
-
-    Raises:
-        TypeError: naming Lightning's own DeepSpeed precision for Fabric and this package's for the Trainer.
-
-    """
-    if any(cls.__name__ == "DeepSpeedEngine" for cls in type(module).__mro__):
-        raise TypeError(
-            "MixedPrecision does not run under Fabric's DeepSpeedStrategy: DeepSpeed's own fp16 or bf16 engine"
-            " would cast and scale too. Under Fabric pass precision='16-mixed' or 'bf16-mixed' to Fabric for"
-            " DeepSpeed's precision; under the Trainer use lightning_mp.DeepSpeedMixedPrecision, which adds this"
-            " package's settings, counters and scheduler hold."
-        )
+from lightning_mp.scaling.steps import Phase
+from lightning_mp.scaling.verdict import StepVerdict
 
 
 class FabricEngine(StepEngine):
@@ -113,7 +96,7 @@ class FabricEngine(StepEngine):
         stepped = self.loss_scaler.steps.stepped()
         if not stepped:
             return
-        on_device = [record.optimizer() for record in stepped if _decided_on_device(record)]
+        on_device = [record.optimizer() for record in stepped if record.decided_on_device]
         self.loss_scaler.update()
         if self.loss_scaler.last_step_skipped:
             for optimizer in on_device:
@@ -269,7 +252,7 @@ class FabricEngine(StepEngine):
         record = self.loss_scaler.steps.of(optimizer)
         record.kernel_ran = False
         output = self.loss_scaler.step(optimizer, **kwargs)
-        verdict = _verdict(record, self.loss_scaler.step_verdict(optimizer))
+        verdict = StepVerdict.after_kernel(record.kernel_ran, self.loss_scaler.step_verdict(optimizer))
         if verdict.skipped and record.finite_when_clipped:
             _warn_clipping_made_gradients_nonfinite()
         self.end_step(optimizer, verdict, self.models.modules_of(optimizer))
@@ -304,19 +287,6 @@ class FabricEngine(StepEngine):
 
     def _record_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self.loss_scaler.steps.of(optimizer).kernel_ran = True
-
-
-def _decided_on_device(record: OptimizerStep) -> bool:
-    """Whether the step of ``record`` ran its kernel with the flag on the device, which skips unseen by the host."""
-    return record.kernel_ran and record.verdict is not None and record.verdict.flag is not None
-
-
-def _verdict(record: OptimizerStep, flag: bool | Tensor | None) -> StepVerdict:
-    """The verdict of a step whose record says whether its kernel ran, with the device's flag where it decided."""
-    skipped = not record.kernel_ran
-    if isinstance(flag, Tensor):
-        return StepVerdict(skipped, flag)
-    return SKIPPED if skipped else TAKEN
 
 
 def _warn_clipping_made_gradients_nonfinite() -> None:

@@ -5,7 +5,8 @@ the Fabric engine asks these models where they are at every forward (:meth:`Fabr
 that the inputs are there too (:func:`check_input_device`); an optimizer is connected with the model it steps
 (:meth:`FabricModels.module_of`); and, once, at the first forward, a model that Fabric's strategy sharded after the
 plugin converted it is refused where the opt level does not combine with the sharding
-(:func:`~lightning_mp.policies.sharded.refuse_sharding_after_conversion`).
+(:func:`~lightning_mp.policies.sharded.refuse_sharding_after_conversion`). A model that is a DeepSpeed engine
+(Fabric's ``DeepSpeedStrategy``) is refused at its first backward (:func:`refuse_deepspeed_engine`).
 """
 
 from __future__ import annotations
@@ -129,3 +130,21 @@ class FabricModels:
         """The model ``optimizer`` is connected with: the first it steps, else the last set up."""
         owners = self.modules_of(optimizer)
         return owners[0] if owners else self.modules[-1]
+
+
+def refuse_deepspeed_engine(module: Any) -> None:
+    """Refuse a backward through a DeepSpeed engine: under Fabric's ``DeepSpeedStrategy`` DeepSpeed casts and scales.
+
+    Told by the class's name, so that DeepSpeed need not be importable.
+
+    Raises:
+        TypeError: naming Lightning's own DeepSpeed precision for Fabric and this package's for the Trainer.
+
+    """
+    if any(cls.__name__ == "DeepSpeedEngine" for cls in type(module).__mro__):
+        raise TypeError(
+            "MixedPrecision does not run under Fabric's DeepSpeedStrategy: DeepSpeed's own fp16 or bf16 engine"
+            " would cast and scale too. Under Fabric pass precision='16-mixed' or 'bf16-mixed' to Fabric for"
+            " DeepSpeed's precision; under the Trainer use lightning_mp.DeepSpeedMixedPrecision, which adds this"
+            " package's settings, counters and scheduler hold."
+        )

@@ -128,6 +128,11 @@ class OptimizerStep:
     connected: bool = False
     """Whether the step engine has connected it to the opt level."""
 
+    @property
+    def decided_on_device(self) -> bool:
+        """Whether its last step ran its kernel with the flag on the device, which skips unseen by the host."""
+        return self.kernel_ran and self.verdict is not None and self.verdict.flag is not None
+
     def next_iteration(self) -> None:
         """The iteration closed: back to READY, with nothing of the step kept but its verdict."""
         self.phase = Phase.READY
@@ -267,10 +272,13 @@ class StepStates:
         self.record.stepped.add(UNCHECKED)
         self.record.host_flags[UNCHECKED] = float(skipped)
 
-    def unscale(
+    def check(
         self, optimizer: torch.optim.Optimizer, unscales: bool, state: ScaleState, allow_fp16: bool
     ) -> dict[Any, Any]:
-        """PREPARED -> UNSCALED: unscale (when ``unscales``) and check ``optimizer``'s gradients; each device's flag.
+        """PREPARED -> UNSCALED: check ``optimizer``'s gradients for inf/NaN, unscaling them on the way (``unscales``).
+
+        Returns each device's found_inf flag. The scaler's ``unscale_`` and torch's check before a fused step
+        (``_check_inf_per_device``, which unscales nothing) are this one transition.
 
         Raises:
             RuntimeError: when ``optimizer`` was already unscaled or stepped in this iteration.

@@ -59,6 +59,18 @@ class StepVerdict:
             return cls(False, verdict)
         return SKIPPED if verdict else TAKEN
 
+    @classmethod
+    def after_kernel(cls, kernel_ran: bool, flag: bool | Tensor | None) -> StepVerdict:
+        """The verdict of a step that knows whether the optimizer's kernel ran, with the device's flag where it decided.
+
+        Under Fabric the host learns whether ``optimizer.step()`` ran from a step post-hook: a step the host
+        skipped ran no kernel.
+        """
+        skipped = not kernel_ran
+        if isinstance(flag, Tensor):
+            return cls(skipped, flag)
+        return SKIPPED if skipped else TAKEN
+
     @staticmethod
     def any_of(verdicts: Sequence[StepVerdict]) -> StepVerdict:
         """Whether any of an iteration's steps was skipped; device flags combined on the device, never read."""
