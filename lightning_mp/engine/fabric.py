@@ -68,13 +68,19 @@ class FabricEngine(StepEngine):
         policy: the opt level's policy.
         follow_device: given the device type the models are on now (None without parameters), returns the device
             type to autocast on, or raises where the plugin's settings contradict it.
+        plugin: the plugin as the user built it, for the messages that refuse a model.
 
     """
 
     def __init__(
-        self, loss_scaler: RunScaler, policy: PrecisionPolicy, follow_device: Callable[[str | None], str]
+        self,
+        loss_scaler: RunScaler,
+        policy: PrecisionPolicy,
+        follow_device: Callable[[str | None], str],
+        plugin: str = "MixedPrecision",
     ) -> None:
         super().__init__(loss_scaler, policy)
+        self.plugin = plugin
         # Fabric loads an optimizer's state before its first step, where the opt level first sees it.
         policy.optimizers_connect_late = True
         self.models = FabricModels(follow_device)
@@ -172,7 +178,7 @@ class FabricEngine(StepEngine):
 
         """
         check_loss("fabric.backward", tensor)
-        refuse_deepspeed_engine(module)
+        refuse_deepspeed_engine(module, self.plugin)
         named = kwargs.pop("for_optimizer", None)
         scaler = self.loss_scaler
         if isinstance(scaler, PerOptimizerScalers) and scaler.scales_loss and named is None:

@@ -132,10 +132,11 @@ class FabricModels:
         return owners[0] if owners else self.modules[-1]
 
 
-def refuse_deepspeed_engine(module: Any) -> None:
+def refuse_deepspeed_engine(module: Any, plugin: str) -> None:
     """Refuse a backward through a DeepSpeed engine: under Fabric's ``DeepSpeedStrategy`` DeepSpeed casts and scales.
 
-    Told by the class's name, so that DeepSpeed need not be importable.
+    Told by the class's name, so that DeepSpeed need not be importable. ``plugin`` is the plugin as the user built
+    it (its ``repr``: precision, opt level, FP8 recipe), which the message names.
 
     Raises:
         TypeError: naming Lightning's own DeepSpeed precision for Fabric and this package's for the Trainer.
@@ -143,8 +144,8 @@ def refuse_deepspeed_engine(module: Any) -> None:
     """
     if any(cls.__name__ == "DeepSpeedEngine" for cls in type(module).__mro__):
         raise TypeError(
-            "MixedPrecision does not run under Fabric's DeepSpeedStrategy: DeepSpeed's own fp16 or bf16 engine"
-            " would cast and scale too. Under Fabric pass precision='16-mixed' or 'bf16-mixed' to Fabric for"
-            " DeepSpeed's precision; under the Trainer use lightning_mp.DeepSpeedMixedPrecision, which adds this"
+            f"{plugin} does not run under Fabric's DeepSpeedStrategy: DeepSpeed's own fp16 or bf16 engine"
+            " would cast and scale too. Under Fabric pass precision='16-mixed', 'bf16-mixed' or '32-true' to Fabric"
+            " for DeepSpeed's precision; under the Trainer use lightning_mp.DeepSpeedMixedPrecision, which adds this"
             " package's settings, counters and scheduler hold."
         )

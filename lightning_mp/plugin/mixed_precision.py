@@ -341,7 +341,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         run.evaluation.track(module)
         module = run.policy.convert_module(module)
         if not isinstance(self._engine, FabricEngine):
-            self._engine = fabric_engine(run, self._follow_model_device)
+            self._engine = fabric_engine(run, self._follow_model_device, repr(self))
         self._engine.add_module(module)
         return module
 
@@ -415,7 +415,8 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
 
     def __repr__(self) -> str:
         precision = self._run.setup.precision if self._run is not None else self.requested_precision
-        return f"{type(self).__name__}(precision={precision!r}, opt_level={self.opt_level!r})"
+        fp8 = "" if self.fp8_settings is None else f", fp8={self.fp8_settings.recipe!r}"
+        return f"{type(self).__name__}(precision={precision!r}, opt_level={self.opt_level!r}{fp8})"
 
 
 __all__ = ["PLUGIN_DEFAULTS", "MixedPrecision"]

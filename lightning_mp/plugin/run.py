@@ -131,9 +131,9 @@ def trainer_engine(run: Run, lightning: Precision, skip_scheduler_on_overflow: b
     return TrainerEngine(run.loss_scaler, run.policy, lightning, skip_scheduler_on_overflow)
 
 
-def fabric_engine(run: Run, follow_device: Callable[[str | None], str]) -> FabricEngine:
+def fabric_engine(run: Run, follow_device: Callable[[str | None], str], plugin: str) -> FabricEngine:
     """Fabric's engine for ``run``; ``follow_device`` gives the device to autocast on where the model is now."""
-    return FabricEngine(run.loss_scaler, run.policy, follow_device)
+    return FabricEngine(run.loss_scaler, run.policy, follow_device, plugin)
 
 
 __all__ = ["Run", "build_run", "fabric_engine", "policy_class_for", "trainer_engine"]

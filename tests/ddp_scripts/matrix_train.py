@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from lightning_mp import DeepSpeedMixedPrecision, FSDPMixedPrecision, MixedPrecision
 from tests.ddp_scripts.launch import leave_process_group
-from tests.deepspeed_helpers import CPUDeepSpeedStrategy, deepspeed_on_cpu
+from tests.deepspeed_helpers import CPUDeepSpeedStrategy, CPUFabricDeepSpeedStrategy, deepspeed_on_cpu
 from tests.helpers import CPUFabricFSDPStrategy, CPUFSDPStrategy, parameter_checksum
 
 CELLS = (
@@ -58,14 +58,14 @@ CELLS = (
 STEPS = 8
 
 
-def plugin_for(cell: str, strategy: str) -> Any:
-    """The plugin of ``cell``: the FSDP form under FSDPStrategy and the DeepSpeed form under DeepSpeedStrategy, as the
-    docs say to pass."""
+def plugin_for(cell: str, strategy: str, front: str) -> Any:
+    """The plugin of ``cell``: the FSDP form under FSDPStrategy and the DeepSpeed form under the Trainer's
+    DeepSpeedStrategy, as the docs say to pass; under Fabric's DeepSpeedStrategy the one a Fabric user would try."""
     precision, opt_level, *fp8 = cell.split(":")
     kwargs: dict[str, Any] = {"opt_level": opt_level, "fp8": fp8[0] if fp8 else None}
     if precision == "16-mixed":
         kwargs["init_scale"] = 2.0**8
-    if strategy.startswith("deepspeed"):
+    if strategy.startswith("deepspeed") and front == "trainer":
         return DeepSpeedMixedPrecision(precision, **kwargs)
     form = FSDPMixedPrecision if strategy == "fsdp" else MixedPrecision
     return form(precision, **kwargs)
@@ -207,7 +207,7 @@ def trainer_strategy(strategy: str) -> Any:
 
 
 def run_trainer(args: argparse.Namespace, cell: str) -> None:
-    plugin = plugin_for(cell, args.strategy)
+    plugin = plugin_for(cell, args.strategy, args.front)
     model = MatrixModel(args.out, cell, plugin, shard=args.strategy == "fsdp2")
     trainer = L.Trainer(
         accelerator="cpu",
@@ -228,6 +228,8 @@ def fabric_strategy(strategy: str, plugin: MixedPrecision) -> Any:
         return "auto"
     if strategy == "fsdp":
         return CPUFabricFSDPStrategy()
+    if strategy.startswith("deepspeed"):
+        return CPUFabricDeepSpeedStrategy(stage=int(strategy.removeprefix("deepspeed")))
     if strategy == "fsdp2":
 
         def shard(module: nn.Module, device_mesh: Any) -> nn.Module:
@@ -242,7 +244,7 @@ def fabric_strategy(strategy: str, plugin: MixedPrecision) -> Any:
 
 
 def run_fabric(args: argparse.Namespace, cell: str) -> None:
-    plugin = plugin_for(cell, args.strategy)
+    plugin = plugin_for(cell, args.strategy, args.front)
     strategy = fabric_strategy(args.strategy, plugin)
     fabric = Fabric(accelerator="cpu", devices=devices(args.strategy), strategy=strategy, plugins=[plugin])
     fabric.launch()

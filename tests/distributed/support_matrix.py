@@ -30,9 +30,14 @@ ROWS = (
     ("DeepSpeedStrategy, ZeRO 1", "deepspeed1", "trainer"),
     ("DeepSpeedStrategy, ZeRO 2", "deepspeed2", "trainer"),
     ("DeepSpeedStrategy, ZeRO 3", "deepspeed3", "trainer"),
+    ("DeepSpeedStrategy, ZeRO 1", "deepspeed1", "fabric"),
+    ("DeepSpeedStrategy, ZeRO 2", "deepspeed2", "fabric"),
+    ("DeepSpeedStrategy, ZeRO 3", "deepspeed3", "fabric"),
 )
 """Each row: its label, the script's ``--strategy`` and ``--front``. The DeepSpeed rows run where DeepSpeed is
-installed (the ``deepspeed`` extra), under the Trainer: ``DeepSpeedMixedPrecision`` is a Trainer plugin."""
+installed (the ``deepspeed`` extra): under the Trainer with ``DeepSpeedMixedPrecision``; under Fabric, whose
+DeepSpeedStrategy gives a precision plugin neither its config nor its scheduler, ``MixedPrecision`` is refused by
+name, pointing to Fabric's own ``precision=``."""
 
 
 def row_runs_here(strategy: str) -> bool:
