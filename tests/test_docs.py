@@ -1,8 +1,10 @@
 """The README and the documentation say what the code does.
 
-Every Python block parses, the quickstarts of the README and Get started train, every link between pages resolves,
-the API reference covers ``lightning_mp.__all__``, no page tells history (that is CHANGELOG.md's job), and the tables
-of TensorBoard tags, notebooks and loss-scaler settings are checked against the code.
+Every Python block parses, the quickstarts of the README, the landing page and Get started train, every link between
+pages resolves (on GitHub and on the site, whose built links docs/check_links.py checks in CI), the pages are grouped
+by the reader's level, the API reference covers ``lightning_mp.__all__``, no page tells history (that is
+CHANGELOG.md's job), and the tables of TensorBoard tags, notebooks and loss-scaler settings are checked against the
+code.
 """
 
 from __future__ import annotations
@@ -43,12 +45,26 @@ from tests.helpers import TinyRegressor, loader, make_trainer, read_events
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
+SITE = "https://lightning-mp.readthedocs.io"
+"""The rendered documentation; README links to its pages under ``/en/latest/``."""
+REPOSITORY = "https://github.com/lightning-mp/lightning_mp"
 # The GPU reports under docs/gpu-results/ are written by the benchmark, not by hand; the build output is not a page.
 PAGES = [README, *sorted(path for path in DOCS.rglob("*.md") if not {"_build", "gpu-results"} & set(path.parts))]
 NOT_CHECKED = "<!-- not-checked -->"
 NOT_RUN = re.compile(r"^<!-- not-run: (?P<reason>.+) -->$")
 """The marker on the line before a Python block that parses but cannot run here, with the reason (a GPU, several
 processes, a user's own model class)."""
+
+
+def docs_script(name: str) -> Any:
+    """The module ``docs/<name>.py`` (the docs' scripts are no package: each is loaded from its file)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def page_name(page: Path) -> str:
@@ -95,10 +111,16 @@ def python_blocks(page: Path, runnable: bool = False) -> list[tuple[int, str]]:
 
 
 def heading_anchors(page: Path) -> set[str]:
-    """The anchors GitHub and MyST give the headings of ``page`` (lower case, punctuation dropped, spaces to -)."""
+    """The anchors GitHub and MyST give the headings of ``page`` (lower case, punctuation dropped, spaces to -).
+
+    Only the headings of levels 1 to 3 count: the site makes anchors down to ``myst_heading_anchors = 3``. A ``#``
+    line inside a code block is a comment, not a heading."""
     anchors = set()
+    fenced = False
     for line in page.read_text().splitlines():
-        heading = re.match(r"^#{1,6}\s+(.*)$", line)
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        heading = None if fenced else re.match(r"^#{1,3}\s+(.*)$", line)
         if heading:
             text = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower())
             anchors.add(text.replace(" ", "-"))
@@ -120,7 +142,7 @@ def test_every_python_block_on_the_page_parses(page: Path) -> None:
             pytest.fail(f"{page_name(page)}:{line + (error.lineno or 1) - 1}: {error.msg}")
 
 
-QUICKSTARTS = [README, DOCS / "get-started.md"]
+QUICKSTARTS = [README, DOCS / "index.md", DOCS / "get-started.md"]
 
 
 @pytest.mark.slow  # trains the quickstarts
@@ -197,7 +219,7 @@ def prose_paragraphs(text: str) -> list[str]:
     for line in text.splitlines():
         if line.strip().startswith("```"):
             fenced = not fenced
-        plain = not fenced and line.strip() and not re.match(r"^(\s*([-*]|\d+\.)\s|#|\||<!--|  |```)", line)
+        plain = not fenced and line.strip() and not re.match(r"^(\s*([-*]|\d+\.)\s|#|\||<!--|  |```|:)", line)
         if plain:
             current.append(line)
         elif current:
@@ -231,17 +253,46 @@ def test_the_pages_have_python_blocks_and_few_are_exempt() -> None:
     assert sum(page.read_text().count(NOT_CHECKED) for page in PAGES) <= 3
 
 
+def link_targets(text: str) -> list[str]:
+    """The targets of a page's Markdown links and images, inline (``[text](target)``) and by reference
+    (``[name]: target``)."""
+    return re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"^\[[^\]]+\]:\s+(\S+)", text, re.MULTILINE)
+
+
+def linked_file(page: Path, target: str) -> Path | None:
+    """The file a link of ``page`` names, as GitHub and the site both read it; None for an address elsewhere.
+
+    An address on the documentation site names its page's source (``guide/o2.html`` is docs/guide/o2.md); one in the
+    repository names the file at that path. A path that starts with ``/`` is read from the repository's root on
+    GitHub and from docs/ on the site: the two agree only for the notebooks, which the site copies into
+    docs/notebooks/. Any other path is relative to the page.
+    """
+    path = target.partition("#")[0]
+    if path.startswith(f"{SITE}/"):
+        page_path = path.removeprefix(f"{SITE}/").removeprefix("en/latest/").removesuffix(".html") or "index"
+        if page_path.startswith("notebooks/"):
+            return ROOT / f"{page_path}.ipynb"
+        return DOCS / f"{page_path}.md"
+    if path.startswith(f"{REPOSITORY}/blob/main/"):
+        return ROOT / path.removeprefix(f"{REPOSITORY}/blob/main/")
+    if re.match(r"^[a-z]+:", path):
+        return None
+    if path.startswith("/"):
+        return ROOT / path.lstrip("/") if path.startswith("/notebooks/") else ROOT / "no such path on the site"
+    return (page.parent / path).resolve() if path else page
+
+
 @pytest.mark.parametrize("page", PAGES, ids=page_name)
 def test_every_link_between_pages_resolves(page: Path) -> None:
-    """Each relative Markdown link names a file that exists (and a heading on it), each {doc} a page, each {ref} a
-    target."""
+    """Each relative Markdown link, and each link to the documentation site or the repository, names a file that
+    exists (and a heading on it), each {doc} a page, each {ref} a target, each ``[text][name]`` a definition."""
     text = page.read_text()
     broken = []
-    for target in re.findall(r"\]\(([^)\s]+)\)", text):
-        if re.match(r"^[a-z]+://", target) or target.startswith("mailto:"):
+    for target in link_targets(text):
+        linked = linked_file(page, target)
+        if linked is None:
             continue
-        path, _, anchor = target.partition("#")
-        linked = (page.parent / path).resolve() if path else page
+        anchor = target.partition("#")[2]
         anchored = not anchor or linked.suffix != ".md" or anchor in heading_anchors(linked) | labels()
         if not (linked.exists() and anchored):
             broken.append(target)
@@ -252,14 +303,120 @@ def test_every_link_between_pages_resolves(page: Path) -> None:
     for target in re.findall(r"\{ref\}`(?:[^`<]*<)?([^`>]+)>?`", text):
         if target not in labels():
             broken.append(f"{{ref}}`{target}`")
+    defined = set(re.findall(r"^\[([^\]]+)\]:\s", text, re.MULTILINE))
+    broken += [f"[{name}] (not defined)" for name in re.findall(r"\]\[([^\]]+)\]", text) if name not in defined]
     assert broken == [], page_name(page)
 
 
-def test_every_docs_page_is_in_the_table_of_contents() -> None:
-    """A page under docs/ that no toctree lists would be built but unreachable; every one is listed."""
-    listed = set(re.findall(r"^([\w/\-]+)$", (DOCS / "index.md").read_text(), re.MULTILINE))
+def test_the_link_checker_finds_the_broken_links_of_a_built_site(tmp_path: Path) -> None:
+    """CI's check of the built site (docs/check_links.py) reports a link to a missing page or a missing anchor, and
+    passes a site whose links all resolve."""
+    check_links = docs_script("check_links")
+    (tmp_path / "guide").mkdir()
+    (tmp_path / "index.html").write_text(
+        '<a href="guide/o2.html#masters">ok</a> <a href="#top">ok</a> <img src="_static/a.png">'
+        '<a href="https://example.org/x.html">external</a> <h1 id="top">lightning_mp</h1>'
+    )
+    (tmp_path / "guide" / "o2.html").write_text('<h2 id="masters">O2</h2><a href="../index.html">home</a>')
+    (tmp_path / "_static").mkdir()
+    (tmp_path / "_static" / "a.png").write_bytes(b"\x89PNG")
+    assert check_links.broken_links(tmp_path) == []
+    lean = '<a href="o2.html#master">a typo</a> <a href="lean-exact.html">a page not built</a>'
+    (tmp_path / "guide" / "lean.html").write_text(lean)
+    assert check_links.broken_links(tmp_path) == [
+        "guide/lean.html: o2.html#master (no such anchor)",
+        "guide/lean.html: lean-exact.html (no such file)",
+    ]
+    assert check_links.main([str(tmp_path)]) == 1
+
+
+def test_ci_checks_the_links_of_the_built_site() -> None:
+    """.ci/run builds the site with warnings as errors, then runs the link checker over what it built."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    build = ci.index("sphinx-build -W --keep-going -b html docs docs/_build/html\n")
+    assert build < ci.index("\npython docs/check_links.py docs/_build/html\n")
+
+
+def test_the_hosted_site_is_built_as_ci_builds_it() -> None:
+    """.readthedocs.yaml builds docs/ with the CPU torch CI pins, the docs extra, warnings as errors and the link
+    check, so the hosted site fails where CI's build does."""
+    import yaml
+
+    hosting = yaml.safe_load((ROOT / ".readthedocs.yaml").read_text())
+    ci = (ROOT / ".ci" / "run").read_text()
+    torch_pin = re.search(r"^pip_install (torch==\S+)$", ci, re.MULTILINE)
+    assert torch_pin and any(torch_pin.group(1) in line for line in hosting["build"]["jobs"]["pre_install"])
+    assert hosting["python"]["install"] == [{"method": "pip", "path": ".", "extra_requirements": ["docs"]}]
+    assert hosting["sphinx"] == {"configuration": "docs/conf.py", "fail_on_warning": True}
+    assert any("docs/check_links.py" in line for line in hosting["build"]["jobs"]["post_build"])
+
+
+def test_the_readme_links_to_the_rendered_pages() -> None:
+    """A reader of the README on GitHub or on the package index lands on the rendered site: no link into a page's
+    Markdown source under docs/."""
+    sources = [target for target in link_targets(README.read_text()) if re.match(r"^docs/.+\.md", target)]
+    assert sources == ["docs/index.md"]  # the one link to the site's sources, named as such
+    assert f"[docs]: {SITE}/en/latest/" in README.read_text()
+
+
+def test_the_project_addresses_agree() -> None:
+    """pyproject.toml's project.urls, the README and the site's edit links name one site and one repository."""
+    tomllib = pytest.importorskip("tomllib") if sys.version_info >= (3, 11) else pytest.importorskip("tomli")
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
+    assert urls == {
+        "Documentation": SITE,
+        "Source": REPOSITORY,
+        "Changelog": f"{REPOSITORY}/blob/main/CHANGELOG.md",
+        "Issues": f"{REPOSITORY}/issues",
+    }
+    assert f'REPOSITORY = "{REPOSITORY}"' in (DOCS / "conf.py").read_text()
+    addresses = re.findall(r"https://[^\s)>\]]+", README.read_text())
+    ours = [address for address in addresses if "lightning-mp" in address or "lightning_mp" in address]
+    assert ours and all(address.startswith((SITE, REPOSITORY)) for address in ours)
+
+
+LEVELS = ("Start here", "Everyday training", "Going further", "Reference")
+"""The landing page's toctrees, by the reader's level: the sidebar's sections, in this order."""
+LEVEL_LINE = re.compile(r"^\*\*(?P<level>[^*]+)\*\* · For: \S.* · Assumes: \S.*$")
+
+
+def toctree_levels() -> dict[str, str]:
+    """Each page the landing page's toctrees list, with the caption (the reader's level) of its toctree."""
+    levels = {}
+    index = (DOCS / "index.md").read_text()
+    for block in re.findall(r"^```\{toctree\}\n(.*?)^```$", index, re.MULTILINE | re.DOTALL):
+        caption = re.search(r"^:caption: (.+)$", block, re.MULTILINE)
+        assert caption, block
+        for entry in re.findall(r"^([\w/\-]+)$", block, re.MULTILINE):
+            assert entry not in levels, f"{entry} is listed twice"
+            levels[entry] = caption.group(1)
+    return levels
+
+
+def test_the_table_of_contents_groups_every_page_by_level() -> None:
+    """The sidebar's sections are the reader's levels, in order, and every page under docs/ sits in one of them (a
+    page no toctree lists would be built but unreachable)."""
+    levels = toctree_levels()
+    assert list(dict.fromkeys(levels.values())) == list(LEVELS)
     pages = {page.relative_to(DOCS).with_suffix("").as_posix() for page in PAGES if page != README}
-    assert pages - {"index"} <= listed
+    assert pages - {"index"} == set(levels)
+
+
+LEVELLED_PAGES = sorted(
+    set((DOCS / "guide").glob("*.md"))
+    | {DOCS / f"{entry}.md" for entry, level in toctree_levels().items() if level != "Reference"}
+)
+
+
+@pytest.mark.parametrize("page", LEVELLED_PAGES, ids=page_name)
+def test_each_page_says_who_it_is_for(page: Path) -> None:
+    """Under its title each guide page says in one line its level, who it is for and what it assumes, and that
+    level is the sidebar section the page sits in."""
+    lines = page.read_text().splitlines()
+    assert lines[0].startswith("# ") and lines[1] == ""
+    level_line = LEVEL_LINE.match(lines[2])
+    assert level_line, f"{page_name(page)}: line 3 is not '**Level** · For: ... · Assumes: ...'"
+    assert level_line["level"] == toctree_levels()[page.relative_to(DOCS).with_suffix("").as_posix()]
 
 
 def test_the_api_reference_documents_every_public_name() -> None:
@@ -323,13 +480,7 @@ def test_a_docstring_that_drifts_from_its_setting_fails_at_class_definition() ->
 
 def generated_tables() -> Any:
     """``docs/generated_tables.py``, which the Sphinx build uses to fill the pages' ``<!-- generated: NAME -->``."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("generated_tables", DOCS / "generated_tables.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_script("generated_tables")
 
 
 def table_headers(markdown: str) -> list[str]:
@@ -473,15 +624,19 @@ def test_every_tensorboard_tag_the_docs_list_is_what_a_real_run_writes(tmp_path:
         assert set(written[kind]) == listed[kind], kind
 
 
-def test_the_docs_list_every_notebook_and_the_set_up_lines_count_them() -> None:
-    """The notebook table names each notebook in notebooks/, and the README and Get started say how many CI runs."""
-    get_started = DOCS / "get-started.md"
+def test_the_gallery_shows_every_notebook_and_the_set_up_lines_count_them() -> None:
+    """The notebook gallery links each notebook in notebooks/ (rendered on the site from its toctree's glob), each
+    notebook is linked from a guide page it illustrates, and the README and Get started say how many CI runs."""
+    gallery = DOCS / "notebooks.md"
     on_disk = sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "notebooks").glob("*.ipynb"))
-    table = markdown_table(get_started, "| notebook |")
-    listed = sorted(re.findall(r"`([^`]+\.ipynb)`", " ".join(row[0] for row in table)))
+    table = markdown_table(gallery, "| notebook |")
+    listed = sorted(re.findall(r"\(/(notebooks/[^)]+\.ipynb)\)", " ".join(row[0] for row in table)))
     assert listed == on_disk
+    assert re.search(r"^:glob:\n\nnotebooks/\*$", gallery.read_text(), re.MULTILINE)
+    guide = " ".join(page.read_text() for page in PAGES if page != gallery)
+    assert [notebook for notebook in on_disk if f"(/{notebook})" not in guide] == []
     counts = {3: "three", 4: "four", 5: "five", 6: "six"}
-    for page in (README, get_started):
+    for page in (README, DOCS / "get-started.md"):
         assert f"executes the {counts[len(on_disk)]} notebooks" in " ".join(page.read_text().split()), page.name
 
 
@@ -561,13 +716,7 @@ def test_the_setting_table_gives_the_bounds_the_plugin_enforces() -> None:
 
 def generate_script() -> Any:
     """``docs/generate.py``, the script that draws the documentation's pictures from a run's TensorBoard events."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("generate", DOCS / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_script("generate")
 
 
 @pytest.mark.slow  # trains and draws
