@@ -25,6 +25,8 @@ optimizer without a fused form, is decided on the host. So are SGD and Adagrad o
 ``DTensor`` runs Adam's and AdamW's fused kernels, not theirs. And so is SGD over fp16 or bf16 parameters where
 torch's fused SGD kernel leaves them unchanged (some torch releases on the CPU; :mod:`lightning_mp._compat` says
 which, by a probe): handed to it, O3's half weights would never move while every step counted as taken.
+Each check reads the tensors the step applies, not the groups' parameters where they differ: O2's fp32 masters,
+which stand in for its half model parameters inside the step, go to the fused SGD kernel like any fp32 weight.
 
 Private names: :mod:`lightning_mp._private_names` lists them, with the reason for each.
 """
@@ -32,7 +34,7 @@ Private names: :mod:`lightning_mp._private_names` lists them, with the reason fo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,8 +56,12 @@ def supports_fused_protocol(optimizer: torch.optim.Optimizer) -> bool:
     return getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
-def has_fused_form(optimizer: torch.optim.Optimizer) -> bool:
+def has_fused_form(optimizer: torch.optim.Optimizer, stepped: Sequence[torch.Tensor] | None = None) -> bool:
     """Whether torch's fused kernel of ``optimizer``'s own update rule can take its step (and skip it on the device).
+
+    ``stepped`` are the tensors the step applies, where they are not the groups' parameters: O2's fp32 masters,
+    which stand in for the half model parameters inside the step, are what the kernel updates (default: the groups'
+    parameters).
 
     Only the exact torch classes (a subclass may override ``step``), not configured ``fused`` already, not
     ``differentiable``, with dense floating gradients of their parameter's dtype on a CPU or CUDA device: the cases
@@ -70,22 +76,23 @@ def has_fused_form(optimizer: torch.optim.Optimizer) -> bool:
     cpu_only = type(optimizer) is torch.optim.Adagrad and not FUSED_ADAGRAD_TAKES_FOUND_INF
     device_types = ("cpu",) if cpu_only else _FUSED_DEVICE_TYPES
     is_sgd = type(optimizer) is torch.optim.SGD
-    for group in optimizer.param_groups:
-        if group.get("fused") or group.get("differentiable"):
+    if any(group.get("fused") or group.get("differentiable") for group in optimizer.param_groups):
+        return False
+    if stepped is None:
+        stepped = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    for parameter in stepped:
+        grad = parameter.grad
+        if grad is None:
+            continue
+        if (
+            grad.is_sparse
+            or not parameter.is_floating_point()
+            or parameter.device.type not in device_types
+            or (grad.dtype, grad.device) != (parameter.dtype, parameter.device)
+            or (is_sharded(parameter) and not sharded_allowed)
+            or (is_sgd and not fused_sgd_steps(optimizer, parameter))
+        ):
             return False
-        for parameter in group["params"]:
-            grad = parameter.grad
-            if grad is None:
-                continue
-            if (
-                grad.is_sparse
-                or not parameter.is_floating_point()
-                or parameter.device.type not in device_types
-                or (grad.dtype, grad.device) != (parameter.dtype, parameter.device)
-                or (is_sharded(parameter) and not sharded_allowed)
-                or (is_sgd and not fused_sgd_steps(optimizer, parameter))
-            ):
-                return False
     return True
 
 
@@ -102,7 +109,7 @@ def fused_sgd_steps(optimizer: torch.optim.Optimizer, parameter: torch.Tensor) -
     return fused_sgd_updates_half(parameter.device.type, parameter.dtype)
 
 
-def skips_safely_on_device(optimizer: torch.optim.Optimizer) -> bool:
+def skips_safely_on_device(optimizer: torch.optim.Optimizer, stepped: Sequence[torch.Tensor] | None = None) -> bool:
     """Whether ``optimizer`` can skip its step on the device, told through ``found_inf``, and leave its state intact.
 
     True for fused optimizers (:func:`supports_fused_protocol`) and for those with a fused form
@@ -111,7 +118,7 @@ def skips_safely_on_device(optimizer: torch.optim.Optimizer) -> bool:
     leave garbage buffers that wreck every later step (torch's own GradScaler included). That one step is decided on
     the host instead.
     """
-    if not (supports_fused_protocol(optimizer) or has_fused_form(optimizer)):
+    if not (supports_fused_protocol(optimizer) or has_fused_form(optimizer, stepped)):
         return False
     if not isinstance(optimizer, torch.optim.SGD):
         return True

@@ -52,6 +52,8 @@ class IterationRecord:
         """Optimizer index -> a reader of its flag's host copy, once published."""
         self.norms: dict[int, torch.Tensor] = {}
         """Optimizer index -> the inf-norms of its gradients, where its step reads them on the host (check mode)."""
+        self.skip_on_device: set[int] = set()
+        """The optimizer indices whose check handed their step to torch's fused kernel, which skips on the device."""
         self.new_scale: float | None = None
         """A scale the user set in ``update(new_scale)``, which replaces the rules for this iteration."""
         self.device_ruled = False

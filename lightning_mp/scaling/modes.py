@@ -102,10 +102,6 @@ class Scaling(ABC):
     def fused_grad_scale(self, device_scale: DeviceScale, user_scale: torch.Tensor | None) -> torch.Tensor | None:
         """The ``grad_scale`` a fused optimizer gets when nothing unscaled its gradients yet."""
 
-    @abstractmethod
-    def uses_fused_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer``'s step goes through torch's fused kernel of its rule, which skips on the device."""
-
     def move_on_device(  # noqa: B027 (only dynamic scaling moves a scale on the device)
         self, record: IterationRecord, device_scale: DeviceScale, state: ScaleState, settings: ScalerSettings
     ) -> None:
@@ -188,10 +184,6 @@ class DynamicScaling(Scaling):
         return scale if user_scale is None else scale * user_scale
 
     @override
-    def uses_fused_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        return False
-
-    @override
     def move_on_device(
         self, record: IterationRecord, device_scale: DeviceScale, state: ScaleState, settings: ScalerSettings
     ) -> None:
@@ -230,7 +222,12 @@ class CheckOnlyScaling(Scaling):
     @override
     def check_gradients(self, check: GradientCheck) -> FlagsPerDevice:
         groups = kernels.gradient_groups(check.parameters, False)
-        if not distributed() and not fused_steps.skips_safely_on_device(check.optimizer):
+        if fused_steps.skips_safely_on_device(check.optimizer, check.parameters):
+            # The step goes to torch's fused kernel of its rule, which reads the flag and skips on the device.
+            check.record.skip_on_device.add(check.index)
+            return self._flags_from_kernel(groups, None, check)
+        check.record.skip_on_device.discard(check.index)
+        if not distributed():
             norms = kernels.single_group_norms(groups)
             if norms is not None:
                 # The step decides on the host anyway: it reads these norms (its one sync), and no flag is kept.
@@ -241,10 +238,6 @@ class CheckOnlyScaling(Scaling):
     @override
     def fused_grad_scale(self, device_scale: DeviceScale, user_scale: torch.Tensor | None) -> torch.Tensor | None:
         return user_scale
-
-    @override
-    def uses_fused_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        return fused_steps.skips_safely_on_device(optimizer)
 
     @override
     def checked_new_scale(self, new_scale: float | torch.Tensor, settings: ScalerSettings) -> float:

@@ -325,7 +325,7 @@ class StepStates:
         self.record.stepped.add(index)
         record.phase = Phase.STEPPED
         flag = self.record.device_flags.get(index)
-        if flag is not None and self.scaling.uses_fused_step(optimizer):
+        if flag is not None and index in self.record.skip_on_device:
             remember(index, flag)
             return fused_steps.step_on_device(optimizer, flag, None, *args, **kwargs)
         if self._host_verdict(index, flag, remember):

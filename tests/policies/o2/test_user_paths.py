@@ -14,6 +14,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
+from lightning_mp import MixedPrecision
+from lightning_mp.bench.counting import count_syncs_and_ops
 from tests.helpers import make_trainer
 from tests.policies.o2.helpers import PRECISIONS
 from tests.policies.o2.user_path_helpers import (
@@ -244,3 +246,30 @@ def test_o2_gan_without_toggle_optimizer_trains_like_fp32(precision: str) -> Non
     model = UntoggledGAN()
     make_trainer(plugin(precision), max_steps=-1, max_epochs=1).fit(model)
     assert largest_relative_error(weights(model), weights(fp32)) < TOLERANCE[precision]
+
+
+def test_o2_bf16_sgd_with_momentum_skips_a_nonfinite_step_on_the_device_without_a_host_sync() -> None:
+    """O2 in bf16 with SGD and momentum: after the first step, a steady step makes no host sync (the fp32 masters go
+    to torch's fused SGD kernel, which skips on the device), and a NaN step leaves weights and momentum untouched."""
+    model, mixed = mlp(), MixedPrecision("bf16-mixed", opt_level="O2")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[mixed])
+    module, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    loader = list(batches(4))
+
+    def step(features: Tensor, target: Tensor) -> None:
+        fabric.backward(F.mse_loss(module(features).float(), target))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(*loader[0])  # the first step with momentum is decided on the host: its buffers do not exist yet
+    with count_syncs_and_ops() as counts:
+        step(*loader[1])
+    assert counts.syncs == 0, counts.sync_ops
+    before = weights(model)
+    momentum = {id(p): optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()}
+    step(loader[2][0] * float("nan"), loader[2][1])
+    fabric.backward(F.mse_loss(module(loader[3][0]).float(), loader[3][1]))  # applies the pending update
+    assert mixed.stats.skipped_steps == 1
+    assert_same(weights(model), before)
+    for parameter in model.parameters():
+        assert torch.equal(optimizer.state[parameter]["momentum_buffer"], momentum[id(parameter)])
