@@ -44,7 +44,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mp.engine.schedulers import SkipAwareScheduler
-from lightning_mp.plugin.front_ends import attached_trainer
+from lightning_mp.front_ends import attached_trainer
 from lightning_mp.scaling.rules import SCALER_DEFAULTS
 from lightning_mp.scaling.stats import PrecisionStats
 from lightning_mp.settings import TORCH_SCALER_SETTINGS, PluginSettings

@@ -36,22 +36,19 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_mp.advisor import LossFunction, _attach_manual_optimization
-from lightning_mp.advisor.measure import run_batches
-from lightning_mp.arguments.checks import check_choice, check_flag, check_number
+from lightning_mp.arguments.checks import check_choice, check_flag
 from lightning_mp.fp8.quant import RECIPES, STAT_NAMES, Operand, cast_stats, recipe_casts
 from lightning_mp.fp8.selection import end_layers
-from lightning_mp.fp8.telemetry import FallbackRule
+from lightning_mp.fp8.telemetry_rules import FallbackRule
+from lightning_mp.measuring.trial_batches import LossFunction, measuring_copy, run_batches
 
 MAX_UNDERFLOW = 0.01
 """A layer whose FP8 casts flush more than this share of an operand's non-zero values to zero stays in bf16."""
@@ -254,16 +251,6 @@ def advise_fp8(
             the value and what is allowed.
 
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"advise_fp8(model={type(model).__name__}) is not allowed: model must be an nn.Module.")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(
-            f"advise_fp8(loss_fn={loss_fn!r}) is not allowed: loss_fn must be None or a callable"
-            " loss_fn(model, batch) -> loss tensor."
-        )
-    if not isinstance(dataloader, Iterable):
-        raise ValueError(f"advise_fp8(dataloader={dataloader!r}) is not allowed: it must be an iterable of batches.")
-    batches = check_number("advise_fp8", "batches", batches, at_least=1, integer=True)
     if isinstance(recipes, str) or not recipes:
         raise ValueError(
             f"advise_fp8(recipes={recipes!r}) is not allowed: pass a non-empty list of recipe names from"
@@ -273,15 +260,8 @@ def advise_fp8(
         check_choice("advise_fp8", "recipes", recipe, list(RECIPES))
     rule = FallbackRule(max_underflow=max_underflow, min_sqnr_db=min_sqnr_db, patience=1)
     keep_first_last = check_flag("advise_fp8", "keep_first_last", keep_first_last)
-    if loss_fn is None and not isinstance(model, LightningModule):
-        raise ValueError(
-            f"advise_fp8(model={type(model).__name__}, loss_fn=None) is not allowed: a plain nn.Module needs"
-            " loss_fn=lambda model, batch: loss; a LightningModule's training_step is used otherwise."
-        )
-    work = copy.deepcopy(model).float().train()
+    work, batches = measuring_copy("advise_fp8", model, dataloader, batches, loss_fn)
     device = next((p.device for p in work.parameters()), torch.device("cpu"))
-    if loss_fn is None and isinstance(work, LightningModule) and not work.automatic_optimization:
-        _attach_manual_optimization(work)
     linears = [(name, module) for name, module in work.named_modules() if isinstance(module, nn.Linear)]
     unmeasured = _unmeasured_reasons(work, linears, keep_first_last)
     worst: dict[tuple[str, str, str], Tensor] = {}

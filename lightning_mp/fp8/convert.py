@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_mp.fp8.host import fp8_host_of
 from lightning_mp.fp8.settings import FP8Settings
 
 __all__ = [
@@ -230,12 +231,9 @@ def fallback_layer(model: nn.Module, name: str, reason: str) -> bool:
         Whether the layer fell back now (False where it was not an FP8 layer any more).
 
     """
-    from lightning_mp.plugin.front_ends import attached_trainer  # the plugin imports this module
-
-    trainer = attached_trainer(model)
-    plugin = trainer.precision_plugin if trainer is not None else None
-    if plugin is not None and getattr(plugin, "fp8_settings", None) is not None:
-        return bool(plugin.fallback_layer(model, name, reason))
+    host = fp8_host_of(model)
+    if host is not None:
+        return name in host.fallback_layers(model, {name: reason})
     if name not in fp8_layer_names(model):
         return False
     restore_linear(model, [name])

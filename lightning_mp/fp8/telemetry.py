@@ -27,7 +27,7 @@ decides the same. The layers fallen back are kept in the callback's state and ap
 
 **Cost.** A step that does not log attaches no hook, runs no op and reads nothing. A logging step runs about twenty
 ops per operand, on the device, and its values join the one device-to-host transfer the monitors share per batch
-(:mod:`lightning_mp.callbacks._host_reads`).
+(:mod:`lightning_mp.measuring.host_reads`).
 """
 
 from __future__ import annotations
@@ -42,29 +42,28 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_mp.callbacks._heatmaps import HeatmapStyle, render_heatmap, require_matplotlib
-from lightning_mp.callbacks._host_reads import host_reads
-from lightning_mp.callbacks._logging import (
-    TelemetryCallback,
+from lightning_mp.fp8.convert import fallback_layer
+from lightning_mp.fp8.host import Fp8Host, fp8_host
+from lightning_mp.fp8.quant import OPERANDS, STAT_NAMES, Operand, cast_stats, casts_of_config
+from lightning_mp.fp8.telemetry_rules import FallbackRule, fallback_decisions, rank_layers
+from lightning_mp.measuring.heatmaps import HeatmapStyle
+from lightning_mp.measuring.logging_steps import (
     log_scalars,
     log_text,
     logging_step,
     require_logger,
-    tensorboard_writers,
-    validate_bool,
     validate_positive_int,
 )
-from lightning_mp.fp8.quant import OPERANDS, STAT_NAMES, Operand, cast_stats, casts_of_config
-from lightning_mp.fp8.telemetry_rules import FallbackRule, fallback_decisions, rank_layers
+from lightning_mp.measuring.monitors import HeatmapQuantities, SampledMonitor
 
-UNDERFLOW_STYLE = HeatmapStyle("FP8 underflow share (non-zero values cast to 0)", "share of elements", "viridis", 0, 1)
-SQNR_STYLE = HeatmapStyle("FP8 quantisation SQNR", "dB", "RdYlGn", 0, 40)
-HEATMAPS = {
-    "fp8_monitor/heatmap/underflow_share": ("underflow_share", UNDERFLOW_STYLE),
-    "fp8_monitor/heatmap/sqnr_db": ("sqnr_db", SQNR_STYLE),
+HEATMAPS: HeatmapQuantities = {
+    "fp8_monitor/heatmap/underflow_share": (
+        "underflow_share",
+        HeatmapStyle("FP8 underflow share (non-zero values cast to 0)", "share of elements", "viridis", 0, 1),
+    ),
+    "fp8_monitor/heatmap/sqnr_db": ("sqnr_db", HeatmapStyle("FP8 quantisation SQNR", "dB", "RdYlGn", 0, 40)),
 }
 
 
@@ -90,7 +89,7 @@ class _Sample:
     stats: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
 
-class FP8Monitor(TelemetryCallback):
+class FP8Monitor(SampledMonitor[_Sample]):
     r"""Log, per FP8 layer and operand, what torchao's FP8 casts lose; name the worst layers; optionally fall back.
 
     Needs a logger; the heatmaps need a :class:`~lightning.pytorch.loggers.TensorBoardLogger` and matplotlib. Works
@@ -131,6 +130,8 @@ class FP8Monitor(TelemetryCallback):
 
     """
 
+    heatmap_quantities = HEATMAPS
+
     def __init__(
         self,
         every_n_steps: int = 50,
@@ -140,10 +141,8 @@ class FP8Monitor(TelemetryCallback):
         fallback: FallbackRule | None = None,
         fallback_fn: FallbackFunction | None = None,
     ) -> None:
-        self.every_n_steps = validate_positive_int("every_n_steps", every_n_steps)
+        super().__init__(every_n_steps, log_heatmaps, heatmap_every_n_samples)
         self.worst_k = validate_positive_int("worst_k", worst_k)
-        self.log_heatmaps = validate_bool("log_heatmaps", log_heatmaps)
-        self.heatmap_every_n_samples = validate_positive_int("heatmap_every_n_samples", heatmap_every_n_samples)
         if fallback is not None and not isinstance(fallback, FallbackRule):
             raise TypeError(f"FP8Monitor(fallback={fallback!r}) is not allowed: pass a FallbackRule(...) or None.")
         if fallback_fn is not None and not callable(fallback_fn):
@@ -155,18 +154,14 @@ class FP8Monitor(TelemetryCallback):
         self.fallback_fn = fallback_fn
         self.rule: FallbackRule | None = fallback
         """The rule this fit falls back by: ``fallback``, else the plugin's settings' (at setup), else None."""
-        self._plugin: Any = None
+        self._plugin: Fp8Host | None = None
         """The run's plugin where it returns layers to bf16 itself (``fallback_layers``), for one collective a step."""
-        self.samples: list[_Sample] = []
         self.worst_layers: list[str] = []
         """The worst layers of the latest sample, worst first (:func:`rank_layers`)."""
         self.fell_back: dict[str, str] = {}
         """``layer -> reason`` for every layer returned to bf16, in order."""
         self._streaks: dict[str, int] = {}
-        self._samples_drawn = 0
         self._sampled_step: int | None = None
-        self._sampling = False
-        self._handles: list[RemovableHandle] = []
         self._recorded: dict[tuple[str, Operand], torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------------ hooks
@@ -176,18 +171,15 @@ class FP8Monitor(TelemetryCallback):
         if stage != "fit":
             return
         require_logger(trainer, type(self).__name__)
-        if self.log_heatmaps and tensorboard_writers(trainer):
-            require_matplotlib(type(self).__name__)
-        plugin = trainer.precision_plugin
-        settings = getattr(plugin, "fp8_settings", None)
+        super().setup(trainer, pl_module, stage)
+        host = fp8_host(trainer.precision_plugin)
         self.rule = self.fallback
-        if self.rule is None and settings is not None and settings.fallback:
-            self.rule = FallbackRule.from_settings(settings)
-        self._plugin = plugin if settings is not None and self.fallback_fn is None else None
+        if self.rule is None and host is not None and host.fp8_settings is not None and host.fp8_settings.fallback:
+            self.rule = FallbackRule.from_settings(host.fp8_settings)
+        self._plugin = host if self.fallback_fn is None else None
         if self.rule is not None and self.fallback_fn is None and self._plugin is None:
-            self.fallback_fn = _package_fallback()
-        host_reads(trainer).join(self)
-        self.samples, self.worst_layers, self._samples_drawn, self._sampled_step = [], [], 0, None
+            self.fallback_fn = fallback_layer
+        self.worst_layers, self._sampled_step = [], None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -222,18 +214,14 @@ class FP8Monitor(TelemetryCallback):
         self._sampled_step = step
         for name, module in pl_module.named_modules():
             if is_float8_linear(module):
-                self._handles.append(module.register_forward_hook(self._recorder(name)))
+                self.watch(module, self._recorder(name))
 
     @override
-    def batch_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        if not self._sampling:
-            host_reads(trainer).submit(trainer, self)
-            return
+    def sample_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         self._sampling = False
-        self._remove_hooks()
         recorded, self._recorded = self._recorded, {}
         if not recorded:
-            host_reads(trainer).submit(trainer, self)
+            self.submit(trainer)
             return
         keys = list(recorded)
         values = torch.stack([recorded[key] for key in keys])
@@ -250,23 +238,12 @@ class FP8Monitor(TelemetryCallback):
                 sample.stats.setdefault(layer, {})[operand] = dict(zip(STAT_NAMES, row, strict=True))
             self._record(trainer, pl_module, sample)
 
-        host_reads(trainer).submit(trainer, self, values, consume)
+        self.submit(trainer, values, consume)
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if len(self.samples) > self._samples_drawn:
-            self._draw(trainer)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._remove_hooks()
-        self._recorded, self._sampling = {}, False
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._remove_hooks()
-        self._recorded, self._sampling = {}, False
-        host_reads(trainer).leave(self)
+    def stop_sampling(self) -> None:
+        super().stop_sampling()
+        self._recorded = {}
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -280,7 +257,7 @@ class FP8Monitor(TelemetryCallback):
     # ------------------------------------------------------------------------------------------------ rules
 
     def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, sample: _Sample) -> None:
-        self.samples.append(sample)
+        self.keep_sample(sample)
         ranked = rank_layers(sample.stats)
         self.worst_layers = ranked[: self.worst_k]
         log_scalars(trainer, _scalars(sample), step=sample.step)
@@ -299,8 +276,7 @@ class FP8Monitor(TelemetryCallback):
                 self.fell_back[layer] = reason
                 rank_zero_info(f"FP8Monitor: layer {layer!r} goes back to bf16: {reason}.")
                 log_text(trainer, "fp8_monitor/fallback", f"`{layer}` goes back to bf16: {reason}.", sample.step)
-        if len(self.samples) - self._samples_drawn >= self.heatmap_every_n_samples:
-            self._draw(trainer)
+        self.draw_if_due(trainer)
 
     # ------------------------------------------------------------------------------------------------ plumbing
 
@@ -334,30 +310,20 @@ class FP8Monitor(TelemetryCallback):
 
         return hook
 
-    def _draw(self, trainer: pl.Trainer) -> None:
-        self._samples_drawn = len(self.samples)
-        writers = tensorboard_writers(trainer) if self.log_heatmaps else []
-        if not writers:
-            return
-        steps = [sample.step for sample in self.samples]
-        rows = list(
-            dict.fromkeys((layer, operand) for s in self.samples for layer in s.stats for operand in s.stats[layer])
+    @override
+    def heatmap_rows(self, quantity: str) -> dict[str, list[float]]:
+        rows = dict.fromkeys(
+            (layer, operand)
+            for sample in self.samples
+            for layer, operands in sample.stats.items()
+            for operand in operands
         )
-        labels = [f"{layer} [{operand}]" for layer, operand in rows]
-        for tag, (stat, style) in HEATMAPS.items():
-            values = [
-                [s.stats.get(layer, {}).get(operand, {}).get(stat, math.nan) for s in self.samples]
-                for layer, operand in rows
+        return {
+            f"{layer} [{operand}]": [
+                sample.stats.get(layer, {}).get(operand, {}).get(quantity, math.nan) for sample in self.samples
             ]
-            image = render_heatmap(style, labels, steps, values)
-            for writer in writers:
-                writer.add_image(tag, image, global_step=steps[-1], dataformats="HWC")
-                writer.flush()
-
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+            for layer, operand in rows
+        }
 
 
 def _scalars(sample: _Sample) -> dict[str, float]:
@@ -393,21 +359,6 @@ def _has_submodule(model: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def _package_fallback() -> FallbackFunction:
-    """This package's ``fallback_layer``; a clear error where this installation has none."""
-    try:
-        convert = importlib.import_module("lightning_mp.fp8.convert")
-    except ImportError:
-        convert = None
-    function: FallbackFunction | None = getattr(convert, "fallback_layer", None)
-    if function is None:
-        raise ModuleNotFoundError(
-            "FP8Monitor(fallback=...) needs lightning_mp.fp8.convert.fallback_layer, which this installation lacks;"
-            " pass fallback_fn=your_function(model, name, reason)."
-        )
-    return function
 
 
 __all__ = ["FP8Monitor", "FallbackFunction", "FallbackRule", "fallback_decisions", "is_float8_linear", "rank_layers"]
