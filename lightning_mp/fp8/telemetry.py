@@ -3,11 +3,12 @@
 What each FP8 cast loses, layer by layer, and a way back to bf16 for the layers that cannot take FP8.
 
 **What it measures.** On a logging step (every ``every_n_steps`` steps, at the steps Lightning's
-``log_every_n_steps=every_n_steps`` logs), for every torchao ``Float8Linear`` in the model and each of its three
-matmul operands (the input, the weight and the gradient of the output), it replays the cast torchao makes (the
-recipe's granularity, FP8 dtype and scale rounding, read from the layer's own ``config``) with
-:func:`lightning_mp.fp8.quant.cast_stats`: the amax, the scale, the share of non-zero elements that underflow to
-zero in FP8, the share that saturate, and the SQNR in dB. A forward hook per layer takes the input and the weight;
+``log_every_n_steps=every_n_steps`` logs), for every FP8 layer in the model (torchao's ``Float8Linear``, and the FP8
+form of transformers' ``Conv1D``, :mod:`lightning_mp.fp8.transposed`) and each of its three matmul operands (the
+input, the weight and the gradient of the output), it replays the cast torchao makes (the recipe's granularity, FP8
+dtype and scale rounding, read from the layer's own ``config``) with :func:`lightning_mp.fp8.quant.cast_stats`: the
+amax, the scale, the share of non-zero elements that underflow to zero in FP8, the share that saturate, and the SQNR
+in dB. A forward hook per layer takes the input and the weight;
 a gradient hook on the layer's output takes the output gradient. Both are attached at the start of the logging
 step's batch and removed at its end.
 
@@ -32,7 +33,6 @@ ops per operand, on the device, and its values join the one device-to-host trans
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,9 +44,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_mp.fp8.convert import fallback_layer
+from lightning_mp.fp8.convert import fallback_layer, is_fp8_linear
 from lightning_mp.fp8.host import Fp8Host, fp8_host
 from lightning_mp.fp8.quant import OPERANDS, STAT_NAMES, Operand, cast_stats, casts_of_config
+from lightning_mp.fp8.selection import matmul_weight
 from lightning_mp.fp8.telemetry_rules import FallbackRule, fallback_decisions, rank_layers
 from lightning_mp.measuring.heatmaps import HeatmapStyle
 from lightning_mp.measuring.logging_steps import (
@@ -75,12 +76,11 @@ class FallbackFunction(Protocol):
 
 
 def is_float8_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is torchao's ``Float8Linear`` (False when torchao is not installed)."""
-    try:
-        float8_linear = importlib.import_module("torchao.float8.float8_linear")
-    except ImportError:
-        return False
-    return isinstance(module, float8_linear.Float8Linear)
+    """Whether ``module`` is a linear layer in FP8: torchao's ``Float8Linear``, or a ``Conv1D``'s FP8 form.
+
+    False while torchao is not imported (nothing can be converted before); it imports nothing.
+    """
+    return is_fp8_linear(module)
 
 
 @dataclass
@@ -284,7 +284,7 @@ class FP8Monitor(SampledMonitor[_Sample]):
         return self.rule is not None and trainer.world_size > 1 and torch.distributed.is_initialized()
 
     def _recorder(self, layer: str) -> Callable[..., None]:
-        def hook(module: nn.Linear, args: tuple[Any, ...], output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             casts = casts_of_config(module.config)
             with torch.no_grad():
                 if (layer, "input") not in self._recorded and args and isinstance(args[0], torch.Tensor):
@@ -294,7 +294,7 @@ class FP8Monitor(SampledMonitor[_Sample]):
                         inputs = inputs.to(torch.get_autocast_dtype("cuda"))
                     self._recorded[layer, "input"] = cast_stats(inputs, casts.input)
                 if (layer, "weight") not in self._recorded:
-                    self._recorded[layer, "weight"] = cast_stats(module.weight, casts.weight)
+                    self._recorded[layer, "weight"] = cast_stats(matmul_weight(module), casts.weight)
             if (
                 isinstance(output, torch.Tensor)
                 and output.requires_grad
