@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+from tests.fp8.plugin_models import LossRecorder
 
 VOCAB, WIDTH, CONTEXT = 128, 32, 8
 
@@ -99,15 +100,12 @@ class HeadFirstGpt(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
-class TinyLm(L.LightningModule):
+class TinyLm(LossRecorder):
     """Trains ``network`` (seeded) on next-token prediction with AdamW; records every training loss."""
 
     def __init__(self, network: type[nn.Module] = Gpt2Shaped, lr: float = 3e-3, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
+        super().__init__(lr, seed)
         self.network = network()
-        self.lr = lr
-        self.losses: list[float] = []
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.network(tokens)
@@ -118,9 +116,6 @@ class TinyLm(L.LightningModule):
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         self.losses.append(loss.item())
         return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 def counting_loader(n: int = 1024, batch_size: int = 16, seed: int = 0) -> DataLoader:

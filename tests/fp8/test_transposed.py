@@ -25,6 +25,7 @@ from lightning_mp.fp8.convert import convert_to_fp8, restore_linear
 from lightning_mp.fp8.quant import cast_stats, recipe_casts
 from lightning_mp.fp8.transposed import Float8TransposedLinear
 from tests.fp8.lm_models import CONTEXT, VOCAB, Conv1D, Gpt2Shaped, HeadFirstGpt, TinyLm, counting_loader
+from tests.fp8.plugin_models import fabric_setup
 from tests.helpers import fit
 
 PROJECTIONS = [f"network.h.{block}.{name}" for block in (0, 1) for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc")]
@@ -124,10 +125,7 @@ def test_fabric_steps_the_conv1d_weights_its_optimizer_holds_and_teardown_gives_
     puts the Conv1D modules back with them."""
     torch.manual_seed(0)
     network = Gpt2Shaped()
-    optimizer = torch.optim.AdamW(network.parameters(), lr=3e-3)
-    plugin = MixedPrecision("bf16-mixed", fp8="rowwise")
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    wrapped, optimizer = fabric.setup(network, optimizer)
+    fabric, plugin, wrapped, optimizer = fabric_setup(network, fp8="rowwise")
     assert plugin.fp8_layers == [name.removeprefix("network.") for name in GPT2_FP8]
     weight = network.h[1].mlp.c_fc.weight
     before = weight.detach().clone()
@@ -146,9 +144,7 @@ def test_a_conv1d_that_falls_back_is_a_conv1d_again_with_its_parameters():
     others stay FP8."""
     torch.manual_seed(0)
     network = Gpt2Shaped()
-    plugin = MixedPrecision("bf16-mixed", fp8="tensorwise")
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    wrapped, _ = fabric.setup(network, torch.optim.AdamW(network.parameters()))
+    _, plugin, wrapped, _ = fabric_setup(network)
     weight = network.h[0].mlp.c_fc.weight
     assert plugin.fallback_layer(wrapped, "h.0.mlp.c_fc", "by hand") is True
     assert type(network.h[0].mlp.c_fc) is Conv1D and network.h[0].mlp.c_fc.weight is weight
