@@ -11,6 +11,7 @@ dtypes into TensorBoard, and the precision sentinel warns about silent precision
 from lightning_mp.advisor import Advice, advise
 from lightning_mp.callbacks import (
     AdvisorCallback,
+    FP8Monitor,
     GradientHealthMonitor,
     LayerDtypeMonitor,
     LossScaleMonitor,
@@ -19,7 +20,6 @@ from lightning_mp.callbacks import (
 from lightning_mp.deepspeed import DeepSpeedMixedPrecision
 from lightning_mp.errors import LossScaleCollapseError, NonFiniteStepsError
 from lightning_mp.fp8.settings import FP8Settings
-from lightning_mp.fp8.telemetry import FP8Monitor
 from lightning_mp.fsdp import FSDPMixedPrecision
 from lightning_mp.inference import ParityReport, compare, to_inference
 from lightning_mp.plugin import MixedPrecision

@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from lightning_mp.arguments.checks import arguments_of, caller
 from lightning_mp.engine.schedulers import SkipAwareScheduler
-from lightning_mp.plugin.front_ends import attached_trainer
+from lightning_mp.front_ends import attached_trainer
 from lightning_mp.scaling.rules import SCALER_DEFAULTS
 from lightning_mp.scaling.stats import PrecisionStats
 from lightning_mp.settings import TORCH_SCALER_SETTINGS, PluginSettings

@@ -84,9 +84,9 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mp.front_ends import attached_trainer
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.plugin.checkpoint import TORCH_SCALER_KEYS
-from lightning_mp.plugin.front_ends import attached_trainer
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.policies.fsdp_o2 import FSDPO2Policy
 

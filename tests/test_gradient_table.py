@@ -57,8 +57,12 @@ def expected_row(precision: str, opt_level: str, moment: str) -> Row:
     """The table: the gradients' dtype is the weights' (fp32 at O0 and O1, half at O2, O3 and lean); in fp16 at O1 and
     O2 they are scaled from the backward until the plugin (or the user's ``unscale_``) unscales them, before the hooks
     and the clipping (O3 scales nothing unless given a ``loss_scale``); a step or a skip leaves them in place until
-    ``zero_grad``, but O2 (and lean-exact, which is O2 with packed masters) frees them with a taken step."""
-    if moment == "after_zero_grad" or (moment == "after_step" and opt_level in ("O2", "lean-exact")):
+    ``zero_grad``, but O2 (and lean-exact, which is O2 with packed masters) frees them with a taken step, and with a
+    skip the device decided (bf16 hands SGD's step to torch's fused kernel; fp16's plain SGD is decided on the
+    host)."""
+    o2 = opt_level in ("O2", "lean-exact")
+    skipped_on_device = moment == "after_skip" and precision == "bf16-mixed"
+    if moment == "after_zero_grad" or (o2 and (moment == "after_step" or skipped_on_device)):
         # O2 frees the gradients of the parameters it made half with the step (their fp32 copies were what it
         # applied); its normalisation layers keep theirs, as at every level.
         return Row(present=False)
@@ -210,7 +214,7 @@ def test_every_moment_of_the_step_shows_the_gradients_the_table_says(
         if moment in reference and row.present:
             factor = SCALE if expected.scaled else 1.0
             assert norm / factor == pytest.approx(reference[moment], rel=TOLERANCE[precision]), moment
-        if moment == "after_skip":
+        if moment == "after_skip" and row.present:
             assert not math.isfinite(norm)
 
 

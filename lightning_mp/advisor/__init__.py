@@ -19,11 +19,8 @@ from lightning_mp.advisor.advice import FP16_SMALLEST_SUBNORMAL as FP16_SMALLEST
 from lightning_mp.advisor.advice import MAX_INIT_SCALE as MAX_INIT_SCALE
 from lightning_mp.advisor.advice import MIN_INIT_SCALE as MIN_INIT_SCALE
 from lightning_mp.advisor.advice import RecommendedPrecision as RecommendedPrecision
-from lightning_mp.advisor.measure import LossFunction as LossFunction
-from lightning_mp.advisor.measure import _attach_manual_optimization as _attach_manual_optimization
-from lightning_mp.advisor.measure import _loader_generators as _loader_generators
-from lightning_mp.advisor.measure import _training_loss as _training_loss
 from lightning_mp.advisor.measure import advise
+from lightning_mp.measuring.trial_batches import LossFunction as LossFunction
 from lightning_mp.plugin.hardware import DeviceCapabilities
 
 __all__ = [

@@ -14,10 +14,8 @@ Forward hooks record activations and tensor hooks their gradients, reduced on th
 then goes to the advisor's rules (:mod:`~lightning_mp.advisor.advice`), which recommend the precision, the
 ``keep_fp32`` layers and the ``init_scale``.
 
-A LightningModule with manual optimization (``automatic_optimization = False``) calls ``self.optimizers()`` and
-``self.manual_backward()`` in its ``training_step``; the deep copy has no Trainer, so the advisor sets the copy up
-in a single-device :class:`~lightning.fabric.Fabric` (Lightning's documented way to run a LightningModule without
-a Trainer) with the optimizers of the copy's own ``configure_optimizers()``. The copy's steps change only the copy.
+The measuring run itself, the copy and the batches, is the one both advisors share
+(:mod:`lightning_mp.measuring.trial_batches`), which also runs a LightningModule with manual optimization.
 
 Example:
     >>> import torch
@@ -33,19 +31,12 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
-from lightning.fabric import Fabric
-from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch import LightningModule
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.optim import Optimizer
 
 from lightning_mp.advisor.advice import (
     FP16_MAX,
@@ -56,10 +47,9 @@ from lightning_mp.advisor.advice import (
     at_risk_in_fp16,
     recommend,
 )
-from lightning_mp.arguments.checks import arguments_of, caller, check_number
+from lightning_mp.arguments.checks import arguments_of
+from lightning_mp.measuring.trial_batches import LossFunction, measuring_copy, run_batches
 from lightning_mp.plugin.hardware import DeviceCapabilities
-
-LossFunction = Callable[[nn.Module, Any], Tensor]
 
 
 class _Tally:
@@ -125,62 +115,6 @@ def _recorded_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def _training_loss(model: nn.Module, batch: Any, batch_idx: int, loss_fn: LossFunction | None) -> Tensor | None:
-    """The loss to back-propagate; None when a manual-optimization ``training_step`` ran its own backward."""
-    if loss_fn is not None:
-        loss = loss_fn(model, batch)
-        if not isinstance(loss, Tensor):
-            raise TypeError(f"advise(loss_fn=...) must return a loss tensor, got {type(loss).__name__}.")
-        return loss
-    assert isinstance(model, LightningModule)
-    output = model.training_step(batch, batch_idx)
-    if not model.automatic_optimization:
-        return None
-    returned = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(returned, Tensor):
-        raise ValueError(
-            f"advise(...) needs a loss: {type(model).__name__}.training_step returned {type(output).__name__}. Return"
-            " the loss (or a dict with 'loss'), or pass loss_fn=lambda model, batch: ..."
-        )
-    return returned
-
-
-def _loader_generators(dataloader: Iterable) -> list[torch.Generator]:
-    """The random generators a DataLoader's sampler draws from, to restore after peeking at it."""
-    candidates = [
-        getattr(dataloader, "generator", None),
-        getattr(getattr(dataloader, "sampler", None), "generator", None),
-    ]
-    return [generator for generator in candidates if isinstance(generator, torch.Generator)]
-
-
-def _attach_manual_optimization(model: LightningModule) -> None:
-    """Give a manual-optimization copy what its ``training_step`` calls: ``optimizers()`` and ``manual_backward``.
-
-    The copy is set up in a single-device fp32 Fabric with the optimizers of its own ``configure_optimizers()``,
-    which hold the copy's parameters, so stepping them leaves the user's model and optimizers untouched.
-    """
-    try:
-        configured = model.configure_optimizers()
-    except Exception as error:  # e.g. it reads self.trainer, which the copy has not
-        raise ValueError(
-            f"advise(model={type(model).__name__}) uses manual optimization, and its configure_optimizers() failed on"
-            f" the advisor's copy, which has no Trainer ({type(error).__name__}: {error}). Pass"
-            " loss_fn=lambda model, batch: loss instead."
-        ) from error
-    optimizers: list[Optimizer] = []
-    apply_to_collection(configured, Optimizer, optimizers.append)
-    if not optimizers:
-        raise ValueError(
-            f"advise(model={type(model).__name__}) uses manual optimization, but its configure_optimizers() returned"
-            " no optimizer to give its training_step. Pass loss_fn=lambda model, batch: loss instead."
-        )
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    devices = [device.index or 0] if device.type == "cuda" else 1
-    fabric = Fabric(accelerator=device.type, devices=devices, precision="32-true", loggers=[])
-    fabric.setup(model, *optimizers, move_to_device=False)
-
-
 def advise(
     model: nn.Module,
     dataloader: Iterable,
@@ -210,32 +144,13 @@ def advise(
         ValueError: if an argument is invalid, or the data loader yields no batch.
 
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"advise(model={type(model).__name__}) is not allowed: model must be an nn.Module.")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(
-            f"advise(loss_fn={loss_fn!r}) is not allowed: loss_fn must be None or a callable"
-            " loss_fn(model, batch) -> loss tensor."
-        )
     if capabilities is not None and not isinstance(capabilities, DeviceCapabilities):
         raise TypeError(
             f"advise(capabilities={capabilities!r}) is not allowed: it must be None (detect) or a DeviceCapabilities."
         )
-    if not isinstance(dataloader, Iterable):
-        raise ValueError(
-            f"advise(dataloader={dataloader!r}) is not allowed: dataloader must be an iterable of batches."
-        )
     with arguments_of("advise"):
-        batches = check_number("batches", batches, at_least=1, integer=True)
-    if loss_fn is None and not isinstance(model, LightningModule):
-        raise ValueError(
-            f"advise(model={type(model).__name__}, loss_fn=None) is not allowed: a plain nn.Module needs"
-            " loss_fn=lambda model, batch: loss; a LightningModule's training_step is used otherwise."
-        )
-    work = copy.deepcopy(model).float().train()
+        work, batches = measuring_copy(model, dataloader, batches, loss_fn)
     device = next((p.device for p in work.parameters()), torch.device("cpu"))
-    if loss_fn is None and isinstance(work, LightningModule) and not work.automatic_optimization:
-        _attach_manual_optimization(work)
     tallies = {module: _Tally(name, module) for name, module in _recorded_modules(work)}
 
     def record_forward(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -264,56 +179,4 @@ def advise(
     return recommend(layers, seen, capabilities or DeviceCapabilities.detect(device.type))
 
 
-def run_batches(
-    work: nn.Module,
-    dataloader: Iterable[Any],
-    batches: int,
-    loss_fn: LossFunction | None,
-    after_backward: Callable[[], None] | None = None,
-    autocast_dtype: torch.dtype | None = None,
-) -> int:
-    """Train ``work`` (a copy the advisor owns) on up to ``batches`` batches without stepping; the number it ran.
-
-    Each batch is moved to ``work``'s device and copied (a model that writes into its input, ``ELU(inplace=True)``
-    first, must not change the data), its loss computed (under ``autocast_dtype`` where given) and back-propagated,
-    then ``after_backward`` runs. The global random streams and the loader's own generators are restored after, so
-    the caller's training draws what it would have drawn without the advice.
-
-    Raises:
-        ValueError: when the loader yields no batch, naming the caller
-            (:func:`~lightning_mp.arguments.checks.arguments_of`).
-
-    """
-    device = next((p.device for p in work.parameters()), torch.device("cpu"))
-    generators = _loader_generators(dataloader)
-    generator_states = [generator.get_state() for generator in generators]
-    cuda_devices = [device.index or 0] if device.type == "cuda" else []
-    autocast = (
-        torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    )
-    seen = 0
-    try:
-        with torch.random.fork_rng(devices=cuda_devices), warnings.catch_warnings():
-            # A LightningModule's self.log() warns without a Trainer; the copy has none on purpose.
-            warnings.filterwarnings("ignore", message=r".*self\.log\(\)")
-            for batch_idx, batch in enumerate(dataloader):
-                if batch_idx == batches:
-                    break
-                work.zero_grad(set_to_none=True)
-                own_batch = apply_to_collection(move_data_to_device(batch, device), Tensor, torch.clone)
-                with autocast:
-                    loss = _training_loss(work, own_batch, batch_idx, loss_fn)
-                if loss is not None:
-                    loss.backward()
-                if after_backward is not None:
-                    after_backward()
-                seen += 1
-    finally:
-        for generator, state in zip(generators, generator_states, strict=True):
-            generator.set_state(state)
-    if seen == 0:
-        raise ValueError(f"{caller()}(dataloader=...) is not allowed: the data loader yielded no batch.")
-    return seen
-
-
-__all__ = ["LossFunction", "advise", "run_batches"]
+__all__ = ["advise"]

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mp.advisor import Advice, LossFunction, advise
-from lightning_mp.callbacks._logging import log_text, logging_step, validate_positive_int
+from lightning_mp.measuring.logging_steps import log_text, logging_step, validate_positive_int
 from lightning_mp.overrides import Fp32Overrides
 
 ADVICE_TAG = "precision/advice"

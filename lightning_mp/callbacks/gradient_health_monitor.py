@@ -44,7 +44,7 @@ a clean step never reads anything.
 - a step that does not log: one op (the batched ``max |g|``), no synchronisation;
 - a logging step: one ``view`` per gradient, one ``cat`` into a flat float32 copy, then one op per statistic and
   one ``histc`` for the whole histogram (:func:`lightning_mp.scaling.gradients.gradient_summary`). The resulting vector
-  is read at the end of the batch in the one transfer the monitors share (:mod:`lightning_mp.callbacks._host_reads`).
+  is read at the end of the batch in the one transfer the monitors share (:mod:`lightning_mp.measuring.host_reads`).
   The flat copy holds twice the gradients' size for the duration of the hook;
 - a skipped step: one more transfer, of one number per parameter tensor.
 
@@ -63,20 +63,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp.callbacks._host_reads import Consumer, host_reads
-from lightning_mp.callbacks._logging import (
-    TelemetryCallback,
+from lightning_mp.callbacks._plugin_lookup import require_mixed_precision
+from lightning_mp.callbacks._sharding import gradient_copies
+from lightning_mp.measuring.host_reads import Consumer, host_reads
+from lightning_mp.measuring.logging_steps import (
     log_scalars,
     log_text,
     logging_step,
     require_logger,
-    require_mixed_precision,
     should_log,
     tensorboard_writers,
     validate_bool,
     validate_positive_int,
 )
-from lightning_mp.callbacks._sharding import gradient_copies
+from lightning_mp.measuring.monitors import TelemetryCallback
 from lightning_mp.scaling.fused_steps import supports_fused_protocol
 from lightning_mp.scaling.gradients import (
     LOG2_HISTOGRAM_RANGE,

@@ -33,14 +33,14 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_mp.callbacks._logging import (
-    TelemetryCallback,
+from lightning_mp.measuring.logging_steps import (
     log_scalars,
     log_text,
     logging_step,
     require_logger,
     validate_positive_int,
 )
+from lightning_mp.measuring.monitors import TelemetryCallback
 
 _NONE = "-"
 MasterDtype = Callable[[torch.Tensor], "torch.dtype | None"]

@@ -18,7 +18,7 @@ progress bar, so the bar shows the scale after this batch's step.
 **Cost under DDP**: one collective per logging step, and no synchronisation of its own. The four counters are
 stacked into one vector (this rank's overflow count stays a device tensor until then) and gathered from every rank
 with a single ``all_gather``; the result is read back in the one transfer the monitors share per batch
-(:mod:`lightning_mp.callbacks._host_reads`), and the maxima and the sum are taken on the host.
+(:mod:`lightning_mp.measuring.host_reads`), and the maxima and the sum are taken on the host.
 
 The scaler's device overflow counter comes from the plugin's read-only :attr:`~lightning_mp.MixedPrecision.scaler_view`.
 
@@ -35,16 +35,16 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_mp.callbacks._host_reads import host_reads
-from lightning_mp.callbacks._logging import (
-    TelemetryCallback,
+from lightning_mp.callbacks._plugin_lookup import require_loss_accounting
+from lightning_mp.measuring.host_reads import host_reads
+from lightning_mp.measuring.logging_steps import (
     log_scalars,
     logging_step,
     require_logger,
-    require_loss_accounting,
     should_log,
     validate_bool,
 )
+from lightning_mp.measuring.monitors import TelemetryCallback
 from lightning_mp.plugin import MixedPrecision
 
 

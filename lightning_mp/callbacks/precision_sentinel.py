@@ -52,7 +52,7 @@ image must not share a tag: TensorBoard's server would show only one of them.)
 
 **Cost.** A step that is not sampled costs nothing: no hook is attached and no op runs. A sampled step costs one op
 per leaf module, about ten batched ops for the gradients and weights, and its values join the one device-to-host
-transfer the monitors share per batch (:mod:`lightning_mp.callbacks._host_reads`). The heatmaps are drawn on the
+transfer the monitors share per batch (:mod:`lightning_mp.measuring.host_reads`). The heatmaps are drawn on the
 host from numbers already read.
 """
 
@@ -65,21 +65,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_mp.arguments.checks import plain_scalar
-from lightning_mp.callbacks._heatmaps import HeatmapStyle, render_heatmap, require_matplotlib
-from lightning_mp.callbacks._host_reads import host_reads
-from lightning_mp.callbacks._logging import (
-    TelemetryCallback,
-    log_scalars,
-    logging_step,
-    only_accumulates,
-    tensorboard_writers,
-    validate_bool,
-    validate_positive_int,
-)
 from lightning_mp.callbacks._sentinel_measures import (
     ALL_LAYERS,
     HALF_NAMES,
@@ -107,19 +95,22 @@ from lightning_mp.callbacks._sentinel_rules import (
     underflow_finding,
 )
 from lightning_mp.callbacks._sharding import CopiesOf, gradient_copies
+from lightning_mp.measuring.heatmaps import HeatmapStyle
+from lightning_mp.measuring.logging_steps import log_scalars, logging_step, only_accumulates
+from lightning_mp.measuring.monitors import HeatmapQuantities, SampledMonitor
 from lightning_mp.plugin import MixedPrecision
 
 HEADROOM_STYLE = HeatmapStyle("activation headroom (doublings to fp16 max)", "log2(65504 / max|a|)", "RdYlGn", 0, 16)
 UNDERFLOW_STYLE = HeatmapStyle("gradient underflow share (exact zeros)", "share of elements", "viridis", 0, 1)
 STALE_STYLE = HeatmapStyle("stale-update share (update below half an ulp)", "share of elements", "magma", 0, 1)
-HEATMAP_TAGS = {
+HEATMAP_TAGS: HeatmapQuantities = {
     "precision_sentinel/activation_headroom_log2": ("headroom", HEADROOM_STYLE),
     "precision_sentinel/grad_underflow_share": ("underflow", UNDERFLOW_STYLE),
     "precision_sentinel/stale_update_share": ("stale", STALE_STYLE),
 }
 
 
-class PrecisionSentinel(TelemetryCallback):
+class PrecisionSentinel(SampledMonitor[Sample]):
     r"""Warn once, with the fix, about stale updates, underflow, overflow risk and precision misconfiguration.
 
     Works with any precision plugin (Lightning's included); the underflow rule needs
@@ -154,6 +145,8 @@ class PrecisionSentinel(TelemetryCallback):
 
     """
 
+    heatmap_quantities = HEATMAP_TAGS
+
     def __init__(
         self,
         every_n_steps: int = 50,
@@ -163,19 +156,13 @@ class PrecisionSentinel(TelemetryCallback):
         log_heatmaps: bool = True,
         heatmap_every_n_samples: int = 5,
     ) -> None:
-        self.every_n_steps = validate_positive_int("every_n_steps", every_n_steps)
+        super().__init__(every_n_steps, log_heatmaps, heatmap_every_n_samples)
         self.stale_update_share = _validate_in_range("stale_update_share", stale_update_share, 0.0, 1.0)
         self.underflow_growth = _validate_in_range("underflow_growth", underflow_growth, 0.0, 1.0)
         self.headroom_log2 = _validate_in_range("headroom_log2", headroom_log2, 0.0, 16.0)
-        self.log_heatmaps = validate_bool("log_heatmaps", log_heatmaps)
-        self.heatmap_every_n_samples = validate_positive_int("heatmap_every_n_samples", heatmap_every_n_samples)
-        self.samples: list[Sample] = []
         self.warned: set[str] = set()
-        self._samples_drawn = 0
         self._lowest_zero_share = math.inf
         self._output_dtypes: set[str] = set()
-        self._sampling = False
-        self._handles: list[RemovableHandle] = []
         self._activation_maxima: list[tuple[str, torch.Tensor]] = []
         self._snapshots: list[Snapshot] = []
         self._skipped_before: int | None = None
@@ -189,13 +176,11 @@ class PrecisionSentinel(TelemetryCallback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        if self.log_heatmaps and tensorboard_writers(trainer):
-            require_matplotlib(type(self).__name__)
-        host_reads(trainer).join(self)
         self._declared_sizes = {id(parameter): parameter.numel() for parameter in pl_module.parameters()}
-        self.samples, self.warned, self._samples_drawn = [], set(), 0
+        self.warned = set()
         self._lowest_zero_share = math.inf
         self._output_dtypes = set()
 
@@ -215,7 +200,7 @@ class PrecisionSentinel(TelemetryCallback):
             return
         self._skipped_before = skipped_steps(trainer.precision_plugin)
         for name, module in measured_layers(pl_module):
-            self._handles.append(module.register_forward_hook(self._activation_recorder(name)))
+            self.watch(module, self._activation_recorder(name))
 
     @override
     def on_before_optimizer_step(
@@ -232,14 +217,10 @@ class PrecisionSentinel(TelemetryCallback):
         self._snapshots.append(take_snapshot(parameters, weights))
 
     @override
-    def batch_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        if not self._sampling:
-            host_reads(trainer).submit(trainer, self)
-            return
-        self._remove_hooks()
+    def sample_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         if not self._snapshots and only_accumulates(trainer, batch_idx):
             # Accumulating gradients: one micro-batch's activations are enough; the step comes on a later batch.
-            host_reads(trainer).submit(trainer, self)
+            self.submit(trainer)
             return
         self._sampling = False
         maxima, self._activation_maxima = self._activation_maxima, []
@@ -258,10 +239,10 @@ class PrecisionSentinel(TelemetryCallback):
             copies = [self._copies(p) for p in parameters]
             sizes = [self._declared_sizes.get(id(p), p.numel()) for p in parameters]
             if not trainer.is_global_zero:
-                host_reads(trainer).submit(trainer, self)
+                self.submit(trainer)
                 return
         if not device_values:
-            host_reads(trainer).submit(trainer, self)
+            self.submit(trainer)
             return
         step = logging_step(trainer, finished_batch=batch_idx)
         layers = [layer for layer, _ in maxima]
@@ -282,30 +263,19 @@ class PrecisionSentinel(TelemetryCallback):
                 per_layer_shares(sample, parameter_layers, sizes, counts, skipped)
             self._record(trainer, pl_module, sample, parameter_half)
 
-        host_reads(trainer).submit(trainer, self, torch.cat([v.reshape(-1).float() for v in device_values]), consume)
+        self.submit(trainer, torch.cat([v.reshape(-1).float() for v in device_values]), consume)
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if len(self.samples) > self._samples_drawn:
-            self._draw(trainer)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._remove_hooks()
-        self._snapshots, self._activation_maxima, self._sampling = [], [], False
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._remove_hooks()
-        self._snapshots, self._activation_maxima, self._sampling = [], [], False
-        host_reads(trainer).leave(self)
+    def stop_sampling(self) -> None:
+        super().stop_sampling()
+        self._snapshots, self._activation_maxima = [], []
 
     # ------------------------------------------------------------------------------------------------ rules
 
     def _record(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, sample: Sample, parameter_half: set[str]
     ) -> None:
-        self.samples.append(sample)
+        self.keep_sample(sample)
         findings: list[Finding | None] = list(
             misconfigurations(
                 run_facts(
@@ -327,8 +297,7 @@ class PrecisionSentinel(TelemetryCallback):
         for finding in findings:
             self._warn(finding)
         log_scalars(trainer, summary_scalars(sample), step=sample.step)
-        if len(self.samples) - self._samples_drawn >= self.heatmap_every_n_samples:
-            self._draw(trainer)
+        self.draw_if_due(trainer)
 
     def _underflow(self, trainer: pl.Trainer, zero_share: float) -> Finding | None:
         plugin = trainer.precision_plugin
@@ -361,27 +330,14 @@ class PrecisionSentinel(TelemetryCallback):
 
         return hook
 
-    def _draw(self, trainer: pl.Trainer) -> None:
-        self._samples_drawn = len(self.samples)
-        writers = tensorboard_writers(trainer) if self.log_heatmaps else []
-        if not writers:
-            return
-        steps = [sample.step for sample in self.samples]
-        for tag, (attribute, style) in HEATMAP_TAGS.items():
-            layers = list(dict.fromkeys(layer for s in self.samples for layer in getattr(s, attribute)))
-            layers = [layer for layer in layers if layer != ALL_LAYERS]
-            if not layers:
-                continue
-            values = [[getattr(s, attribute).get(layer, math.nan) for s in self.samples] for layer in layers]
-            image = render_heatmap(style, layers, steps, values)
-            for writer in writers:
-                writer.add_image(tag, image, global_step=steps[-1], dataformats="HWC")
-                writer.flush()
-
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    @override
+    def heatmap_rows(self, quantity: str) -> dict[str, list[float]]:
+        layers = dict.fromkeys(layer for sample in self.samples for layer in getattr(sample, quantity))
+        return {
+            layer: [getattr(sample, quantity).get(layer, math.nan) for sample in self.samples]
+            for layer in layers
+            if layer != ALL_LAYERS
+        }
 
 
 def _validate_in_range(name: str, value: object, low: float, high: float) -> float:

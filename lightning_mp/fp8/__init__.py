@@ -2,15 +2,20 @@
 
 :mod:`~lightning_mp.fp8.settings` validates the FP8 settings, :mod:`~lightning_mp.fp8.selection` decides which linear
 layers run FP8, :mod:`~lightning_mp.fp8.convert` adapts torchao's conversion (and undoes it), and
-:mod:`~lightning_mp.fp8.mode` is the plugin's FP8 run: setup line, fallback, checkpoints, teardown. Importing this
-package needs no torchao; the plugin asks for it when ``fp8`` is given.
+:mod:`~lightning_mp.fp8.mode` is the plugin's FP8 run: setup line, fallback, checkpoints, teardown.
+:mod:`~lightning_mp.fp8.telemetry` is the FP8 monitor, :mod:`~lightning_mp.fp8.advisor` the FP8 advisor.
+
+The package sits below the plugin: it builds on the core and on :mod:`lightning_mp.measuring` only, the plugin calls
+its FP8 mode, and the one way back up is the two members of :class:`~lightning_mp.fp8.host.Fp8Host`.
+Importing it needs no torchao; the plugin asks for it when ``fp8`` is given.
 """
 
-from typing import Any
-
+from lightning_mp.fp8.advisor import FP8Advice, advise_fp8
 from lightning_mp.fp8.convert import fp8_layer_names
 from lightning_mp.fp8.mode import FP8_OPT_LEVELS
 from lightning_mp.fp8.settings import RECIPES, Fp8Recipe, FP8Settings
+from lightning_mp.fp8.telemetry import FP8Monitor
+from lightning_mp.fp8.telemetry_rules import FallbackRule
 
 __all__ = [
     "FP8_OPT_LEVELS",
@@ -23,19 +28,3 @@ __all__ = [
     "advise_fp8",
     "fp8_layer_names",
 ]
-
-_LATER = {
-    "FP8Monitor": "lightning_mp.fp8.telemetry",
-    "FallbackRule": "lightning_mp.fp8.telemetry_rules",
-    "FP8Advice": "lightning_mp.fp8.advisor",
-    "advise_fp8": "lightning_mp.fp8.advisor",
-}
-"""Names imported on first use: the monitor and the advisor import the plugin, which imports this package."""
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LATER:
-        import importlib
-
-        return getattr(importlib.import_module(_LATER[name]), name)
-    raise AttributeError(f"module 'lightning_mp.fp8' has no attribute {name!r}")

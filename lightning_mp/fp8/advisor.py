@@ -9,7 +9,8 @@ its small values vanish; rowwise scaling confines the damage to the rows the out
 
 :func:`advise_fp8` runs ``batches`` training batches on a deep copy of the model under bf16 autocast (the model, its
 gradients, the random generators and the data loader's generators are left as they were) and, for every
-``nn.Linear`` whose dimensions FP8 matmuls take (both divisible by 16), replays each recipe's casts of its three
+linear layer whose dimensions FP8 matmuls take (both divisible by 16; ``nn.Linear`` and transformers' ``Conv1D``,
+as the FP8 mode converts them), replays each recipe's casts of its three
 operands (the input as bf16 autocast gives it to the matmul, the weight, the output gradient) with
 :func:`~lightning_mp.fp8.quant.cast_stats`. It keeps the worst value of each statistic over the batches, on the
 device, and reads them all back once at the end.
@@ -36,22 +37,19 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_mp.advisor import LossFunction, _attach_manual_optimization
-from lightning_mp.advisor.measure import run_batches
-from lightning_mp.arguments.checks import arguments_of, check_choice, check_flag, check_number
+from lightning_mp.arguments.checks import arguments_of, check_choice, check_flag
 from lightning_mp.fp8.quant import RECIPES, STAT_NAMES, Operand, cast_stats, recipe_casts
-from lightning_mp.fp8.selection import end_layers
-from lightning_mp.fp8.telemetry import FallbackRule
+from lightning_mp.fp8.selection import end_layers, features, linear_layers, matmul_weight
+from lightning_mp.fp8.telemetry_rules import FallbackRule
+from lightning_mp.measuring.trial_batches import LossFunction, measuring_copy, run_batches
 
 MAX_UNDERFLOW = 0.01
 """A layer whose FP8 casts flush more than this share of an operand's non-zero values to zero stays in bf16."""
@@ -204,7 +202,7 @@ def _worst(operands: Mapping[str, Mapping[str, float]]) -> tuple[float, float]:
 
 
 def _unmeasured_reasons(
-    model: nn.Module, linears: Sequence[tuple[str, nn.Linear]], keep_first_last: bool
+    model: nn.Module, linears: Sequence[tuple[str, nn.Module]], keep_first_last: bool
 ) -> dict[str, str]:
     """Why FP8 would not take some layers anyway, as the FP8 mode's layer selection decides."""
     ends = end_layers(model, linears) if keep_first_last else {}
@@ -212,7 +210,7 @@ def _unmeasured_reasons(
     for name, layer in linears:
         if name in ends:
             reasons[name] = ends[name]
-        elif layer.in_features % FP8_DIM_MULTIPLE or layer.out_features % FP8_DIM_MULTIPLE:
+        elif any(size % FP8_DIM_MULTIPLE for size in features(layer)):
             reasons[name] = f"dims not divisible by {FP8_DIM_MULTIPLE}"
     return reasons
 
@@ -255,36 +253,19 @@ def advise_fp8(
             the value and what is allowed.
 
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"advise_fp8(model={type(model).__name__}) is not allowed: model must be an nn.Module.")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(
-            f"advise_fp8(loss_fn={loss_fn!r}) is not allowed: loss_fn must be None or a callable"
-            " loss_fn(model, batch) -> loss tensor."
-        )
-    if not isinstance(dataloader, Iterable):
-        raise ValueError(f"advise_fp8(dataloader={dataloader!r}) is not allowed: it must be an iterable of batches.")
     if isinstance(recipes, str) or not recipes:
         raise ValueError(
             f"advise_fp8(recipes={recipes!r}) is not allowed: pass a non-empty list of recipe names from"
             f" {list(RECIPES)}."
         )
     with arguments_of("advise_fp8"):
-        batches = check_number("batches", batches, at_least=1, integer=True)
         for recipe in recipes:
             check_choice("recipes", recipe, list(RECIPES))
         rule = FallbackRule(max_underflow=max_underflow, min_sqnr_db=min_sqnr_db, patience=1)
         keep_first_last = check_flag("keep_first_last", keep_first_last)
-    if loss_fn is None and not isinstance(model, LightningModule):
-        raise ValueError(
-            f"advise_fp8(model={type(model).__name__}, loss_fn=None) is not allowed: a plain nn.Module needs"
-            " loss_fn=lambda model, batch: loss; a LightningModule's training_step is used otherwise."
-        )
-    work = copy.deepcopy(model).float().train()
+        work, batches = measuring_copy(model, dataloader, batches, loss_fn)
     device = next((p.device for p in work.parameters()), torch.device("cpu"))
-    if loss_fn is None and isinstance(work, LightningModule) and not work.automatic_optimization:
-        _attach_manual_optimization(work)
-    linears = [(name, module) for name, module in work.named_modules() if isinstance(module, nn.Linear)]
+    linears = linear_layers(work)
     unmeasured = _unmeasured_reasons(work, linears, keep_first_last)
     worst: dict[tuple[str, str, str], Tensor] = {}
     worst_is_largest = torch.tensor(_WORST_IS_LARGEST, device=device)
@@ -302,12 +283,12 @@ def advise_fp8(
                 worst[key] = stats
 
     def recorder(layer: str) -> Any:
-        def hook(module: nn.Linear, args: tuple[Any, ...], output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if not args or not isinstance(args[0], Tensor):
                 return
             # The matmul under bf16 autocast reads the input in bf16; the weight is scaled from its fp32 master.
             record(layer, "input", args[0].detach().to(torch.bfloat16))
-            record(layer, "weight", module.weight.detach())
+            record(layer, "weight", matmul_weight(module).detach())
             if isinstance(output, Tensor) and output.requires_grad:
                 output.register_hook(lambda gradient: record(layer, "grad_output", gradient))
 
@@ -327,7 +308,7 @@ def advise_fp8(
 
 
 def _recommend(
-    linears: Sequence[tuple[str, nn.Linear]],
+    linears: Sequence[tuple[str, nn.Module]],
     unmeasured: Mapping[str, str],
     measured: Mapping[str, Mapping[str, Mapping[str, Mapping[str, float]]]],
     recipes: list[str],
@@ -345,7 +326,7 @@ def _recommend(
                 keep[recipe] = reason
         # A measured layer whose forward never ran (unused) is reported as such, not as safe.
         not_measured = unmeasured.get(name, "" if stats else "not called")
-        layers.append(LayerEstimate(name, module.in_features, module.out_features, not_measured, stats, keep))
+        layers.append(LayerEstimate(name, *features(module), not_measured, stats, keep))
     exclude = {recipe: tuple(layer.name for layer in layers if recipe in layer.keep_bf16) for recipe in recipes}
     fp8_parameters = {
         recipe: sum(layer.parameters for layer in layers if not layer.not_measured and recipe not in layer.keep_bf16)

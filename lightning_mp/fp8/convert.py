@@ -7,14 +7,16 @@ optimizer built before the conversion (Fabric) or after it (the Trainer) steps t
 ``state_dict`` keeps its keys: an FP8 checkpoint is a bf16 checkpoint. At every matmul the ``Float8Linear`` computes
 a scale from each operand's current amax (dynamic scaling), casts the input and the weight to e4m3 and the output
 gradient to e5m2 (e4m3 in the rowwise recipes), multiplies with ``torch._scaled_mm`` and returns the high-precision
-result.
+result. A transformers ``Conv1D`` (a linear layer with its weight stored transposed) becomes a
+:class:`~lightning_mp.fp8.transposed.Float8TransposedLinear` instead, which also keeps its Parameter objects and its
+``state_dict``, and runs the same FP8 matmul.
 
 :func:`restore_linear` undoes it: each ``Float8Linear`` is replaced by a plain ``nn.Linear`` built on the meta
 device and given the very same ``weight`` and ``bias`` Parameter objects, so nothing is copied, and an optimizer's
 state (keyed by those objects) still belongs to them. The plugin calls it at teardown, so that after fit the model
 holds no torchao object (``torch.save`` of the whole model loads without torchao), and for a single layer when it
 falls back to bf16 mid-run (:func:`fallback_layer`). Hooks registered on a ``Float8Linear`` stay with that replaced
-object.
+object. A ``Float8TransposedLinear`` gives back the original ``Conv1D``, holding the same Parameters.
 
 The checks the FP8 mode needs before it starts are here too: torchao installed (the ``fp8`` extra), the torch and
 torchao versions at or above the mode's floor (:data:`TORCH_FLOOR`, :data:`TORCHAO_FLOOR`), and a CUDA GPU able to
@@ -38,7 +40,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_mp.arguments.checks import caller
+from lightning_mp.fp8.host import fp8_host_of
 from lightning_mp.fp8.settings import FP8Settings
+from lightning_mp.fp8.transposed import Float8TransposedLinear, is_conv1d
 
 __all__ = [
     "FP8_EXTRA_INSTALL",
@@ -149,14 +153,16 @@ def check_fp8_device(recipe: str, device_type: str, device: torch.device | None 
 
 
 def is_fp8_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is one of torchao's float8 training linears."""
-    return isinstance(module, importlib.import_module("torchao.float8.float8_linear").Float8Linear)
+    """Whether ``module`` is a linear layer converted to FP8: torchao's ``Float8Linear``, or a transposed one's form.
+
+    False for everything while torchao is not imported, since nothing can be converted before; it imports nothing.
+    """
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    return float8_linear is not None and isinstance(module, (float8_linear.Float8Linear, Float8TransposedLinear))
 
 
 def fp8_layer_names(model: nn.Module) -> list[str]:
     """Qualified names of the layers of ``model`` that compute in FP8 now, in ``named_modules`` order."""
-    if "torchao.float8.float8_linear" not in sys.modules:  # nothing can be converted before torchao is imported
-        return []
     return [name for name, module in model.named_modules() if is_fp8_linear(module)]
 
 
@@ -175,6 +181,10 @@ def convert_to_fp8(model: nn.Module, settings: FP8Settings, layers: Collection[s
     float8.convert_to_float8_training(
         model, module_filter_fn=lambda module, name: name in chosen and not is_fp8_linear(module), config=config
     )
+    for name, module in list(model.named_modules()):
+        if name in chosen and is_conv1d(module):
+            parent, child = _parent(model, name)
+            setattr(parent, child, Float8TransposedLinear(module, config))
     return fp8_layer_names(model)
 
 
@@ -184,7 +194,7 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def restore_linear(model: nn.Module, names: Collection[str] | None = None) -> list[str]:
-    """Put plain ``nn.Linear`` layers back in place of FP8 ones, with the same weight and bias Parameter objects.
+    """Put plain ``nn.Linear`` layers (and ``Conv1D`` ones) back in place of FP8 ones, with the same Parameter objects.
 
     Args:
         model: the model, converted in place by :func:`convert_to_fp8`.
@@ -208,6 +218,9 @@ def restore_linear(model: nn.Module, names: Collection[str] | None = None) -> li
     for name in chosen:
         parent, child = _parent(model, name)
         fp8_layer = getattr(parent, child)
+        if isinstance(fp8_layer, Float8TransposedLinear):
+            setattr(parent, child, fp8_layer.restored())
+            continue
         with torch.device("meta"):
             plain = nn.Linear(fp8_layer.in_features, fp8_layer.out_features, bias=False)
         plain.weight = fp8_layer.weight
@@ -231,12 +244,9 @@ def fallback_layer(model: nn.Module, name: str, reason: str) -> bool:
         Whether the layer fell back now (False where it was not an FP8 layer any more).
 
     """
-    from lightning_mp.plugin.front_ends import attached_trainer  # the plugin imports this module
-
-    trainer = attached_trainer(model)
-    plugin = trainer.precision_plugin if trainer is not None else None
-    if plugin is not None and getattr(plugin, "fp8_settings", None) is not None:
-        return bool(plugin.fallback_layer(model, name, reason))
+    host = fp8_host_of(model)
+    if host is not None:
+        return name in host.fallback_layers(model, {name: reason})
     if name not in fp8_layer_names(model):
         return False
     restore_linear(model, [name])

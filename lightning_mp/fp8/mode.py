@@ -43,7 +43,7 @@ One run, in order:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,11 +53,21 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_mp.arguments.checks import caller
-from lightning_mp.fp8.convert import convert_to_fp8, fp8_layer_names, restore_linear
+from lightning_mp.fp8.convert import check_fp8_device, convert_to_fp8, fp8_layer_names, require_torchao, restore_linear
 from lightning_mp.fp8.selection import Fp8Selection, select_fp8_layers, shortfall_warning, summary_line
 from lightning_mp.fp8.settings import FP8Settings
+from lightning_mp.fp8.telemetry import FP8Monitor
 
-__all__ = ["FP8_OPT_LEVELS", "Fp8Mode", "check_fp8_combination"]
+__all__ = [
+    "FP8_OPT_LEVELS",
+    "Fp8Mode",
+    "check_fp8_combination",
+    "check_fp8_device",
+    "require_torchao",
+    "warn_if_fallback_unwatched",
+]
+"""The plugin's interface to FP8: it imports from this module and :mod:`lightning_mp.fp8.settings`, nothing else of
+``fp8/`` (the device and torchao checks are :mod:`lightning_mp.fp8.convert`'s, offered here)."""
 
 FP8_OPT_LEVELS = ("O1", "O2")
 """The opt levels the FP8 mode combines with."""
@@ -95,6 +105,18 @@ def check_fp8_combination(
             f"{caller()}(eval_precision={eval_precision!r}, fp8={settings.recipe!r}) is not supported: the FP8 layers"
             " compute in FP8 in evaluation too, so no other precision could be honoured. Leave eval_precision=None"
             " (or 'bf16-mixed') with fp8, or evaluate a model trained without fp8."
+        )
+
+
+def warn_if_fallback_unwatched(settings: FP8Settings, callbacks: Sequence[object]) -> None:
+    """Warn where ``FP8Settings(fallback=True)`` has no :class:`~lightning_mp.FP8Monitor` among a Trainer's callbacks.
+
+    The fallback returns layers to bf16 by what the monitor measures: without one, no layer ever falls back.
+    """
+    if settings.fallback and not any(isinstance(callback, FP8Monitor) for callback in callbacks):
+        rank_zero_warn(
+            "lightning_mp: FP8Settings(fallback=True) falls back by what FP8Monitor measures, and this Trainer has"
+            " none, so no layer will fall back. Add callbacks=[FP8Monitor()] (it takes the settings' thresholds)."
         )
 
 

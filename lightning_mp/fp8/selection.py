@@ -1,24 +1,29 @@
 """Which linear layers run in FP8: pure rules over the model's linear layers, and the one-line setup summary.
 
-Every ``nn.Linear`` of the model (subclasses included, in ``named_modules`` order) is either chosen for FP8 or kept
-in bf16 with a reason. The rules, in the order they are asked (the first that applies gives the reason):
+Every linear layer of the model (:func:`linear_layers`: each ``nn.Linear``, subclasses included, and each of
+transformers' ``Conv1D``, a linear layer that stores its weight transposed; in ``named_modules`` order) is either
+chosen for FP8 or kept in bf16 with a reason. The rules, in the order they are asked (the first that applies gives
+the reason):
 
 1. ``excluded``: an ``exclude`` pattern matches the layer or a module above it (a module type, a qualified name,
    or a ``"re:"`` regular expression matched against the whole qualified name), as ``keep_fp32`` matches.
 2. ``first linear`` / ``last linear``: with ``keep_first_last`` (the default), the input-side and the output-side
    linear layer stay bf16. They see the rawest inputs (embeddings) and make the outputs the loss reads directly (the
    head), where FP8's 3 mantissa bits cost the most and their matmuls are a small share of the work. They are found
-   by where they sit in the forward, not where they are registered (litgpt registers ``lm_head`` before the blocks):
-   the output head is the last linear layer whose outputs are a vocabulary (as many as an embedding of the model
-   has rows), else the last one registered; the input side is the first other one (:func:`end_layers`).
+   by what they do in the forward, not where they are registered (litgpt registers ``lm_head`` before the blocks),
+   and without running the model: the output head is the linear layer that emits a vocabulary (:func:`end_layers`:
+   its weight is an embedding's, as GPT-2 ties them, or it has as many outputs as an embedding has rows and sits
+   outside the repeated blocks), else the last one registered; the input side is the first other one. A model with
+   no embedding that registers its head before its body is the one case this reads wrong: name the layers in
+   ``exclude`` there, with ``keep_first_last=False``.
 3. ``dims not divisible by 16``: FP8 matmul kernels (``torch._scaled_mm``) need both the input and the output
    features to be multiples of 16.
 4. ``fell back``: the layer returned to bf16 during the run (:func:`lightning_mp.fp8.convert.restore_linear`), and
    stays there after a resume.
 
-transformers' ``Conv1D`` (GPT-2 and its family: a linear layer whose weight is stored transposed) is listed among
-the kept layers, with that reason: torchao converts ``nn.Linear`` only, and converting it would change the shape of
-a weight that checkpoints and ``save_pretrained`` expect as it is.
+transformers' ``Conv1D`` layers (GPT-2 and its family) follow the same rules and run FP8 with their weight as it is
+stored (:mod:`lightning_mp.fp8.transposed`), except under ``fsdp_float8_all_gather``, which gathers ``nn.Linear``
+weights only: there they stay bf16 with that reason (:data:`CONV1D_REASON`).
 
 A model that is itself one ``nn.Linear`` is kept (it is its own first and last layer, and torchao would replace it
 rather than convert it in place).
@@ -35,17 +40,22 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_mp.fp8.settings import REGEX_PREFIX, ExcludePattern, FP8Settings
+from lightning_mp.fp8.transposed import Float8TransposedLinear, is_conv1d
 
 __all__ = [
     "CONV1D_REASON",
     "Fp8Selection",
     "KeptReason",
     "end_layers",
+    "features",
     "is_transposed_linear",
+    "linear_layers",
+    "matmul_weight",
     "select_fp8_layers",
     "summary_line",
 ]
@@ -98,38 +108,69 @@ def _parameter_count(layer: nn.Module) -> int:
 
 KEEP_FP32_REASON = "keep_fp32"
 """The reason of a layer that ``keep_fp32`` keeps: it computes in fp32, and the setup line lists it apart."""
-CONV1D_REASON = "transformers Conv1D: a linear with a transposed weight, which torchao does not convert"
+CONV1D_REASON = (
+    "transformers Conv1D under fsdp_float8_all_gather: FSDP2's float8 all-gather takes nn.Linear weights only"
+)
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is transformers' ``Conv1D``: ``x @ weight + bias`` with a 2-D ``(in, out)`` weight."""
-    weight = getattr(module, "weight", None)
-    return type(module).__name__ == "Conv1D" and isinstance(weight, nn.Parameter) and weight.dim() == 2
+    """Whether ``module`` computes ``x @ weight + bias`` with an ``(in, out)`` weight: a ``Conv1D``, or its FP8 form."""
+    return is_conv1d(module) or isinstance(module, Float8TransposedLinear)
 
 
-def end_layers(model: nn.Module, linears: Sequence[tuple[str, nn.Linear]]) -> dict[str, KeptReason]:
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every linear layer of ``model`` with its qualified name, in ``named_modules`` order (module docstring)."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) or is_transposed_linear(module)
+    ]
+
+
+def features(layer: nn.Module) -> tuple[int, int]:
+    """A linear layer's ``(in_features, out_features)``, whichever way it stores its weight."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    weight = cast(Tensor, layer.weight)
+    return weight.shape[0], weight.shape[1]
+
+
+def matmul_weight(layer: nn.Module) -> Tensor:
+    """A linear layer's weight as ``nn.Linear`` holds it, ``(out, in)``: a transposed layer's ``weight.t()``."""
+    weight = cast(Tensor, layer.weight)
+    return weight.t() if is_transposed_linear(layer) else weight
+
+
+def end_layers(model: nn.Module, linears: Sequence[tuple[str, nn.Module]]) -> dict[str, KeptReason]:
     """The input-side and output-side linear layers of ``model``, as ``name -> "first linear" | "last linear"``.
 
-    The output head is the last linear layer whose ``out_features`` is an embedding's ``num_embeddings`` (a
-    vocabulary), else the last registered; the input side is the first registered linear layer other than it.
+    ``linears`` are the model's linear layers (:func:`linear_layers`). The output head is the last registered of the
+    first kind that exists among: the linear layers whose weight is an embedding's weight (a tied head); those whose
+    ``out_features`` is an embedding's ``num_embeddings`` (a vocabulary) outside every ``nn.ModuleList`` (the
+    repeated blocks, where an MLP may happen to be as wide as the vocabulary); those anywhere; every linear layer.
+    The input side is the first registered linear layer other than the head.
 
     Example:
         >>> class HeadFirst(nn.Module):  # as litgpt registers its GPT
         ...     def __init__(self):
         ...         super().__init__()
-        ...         self.lm_head = nn.Linear(32, 100)
-        ...         self.wte = nn.Embedding(100, 32)
-        ...         self.blocks = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+        ...         self.lm_head = nn.Linear(32, 128)
+        ...         self.wte = nn.Embedding(128, 32)
+        ...         self.h = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.Linear(128, 32)) for _ in range(2))
         >>> model = HeadFirst()
-        >>> end_layers(model, [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)])
-        {'blocks.0': 'first linear', 'lm_head': 'last linear'}
+        >>> end_layers(model, linear_layers(model))
+        {'h.0.0': 'first linear', 'lm_head': 'last linear'}
 
     """
     if not linears:
         return {}
-    vocabularies = {module.num_embeddings for module in model.modules() if isinstance(module, nn.Embedding)}
-    heads = [name for name, layer in linears if layer.out_features in vocabularies]
-    last = heads[-1] if heads else linears[-1][0]
+    embeddings = [module for module in model.modules() if isinstance(module, nn.Embedding)]
+    vocabularies = {embedding.num_embeddings for embedding in embeddings}
+    repeated = [name for name, module in model.named_modules() if isinstance(module, nn.ModuleList)]
+    tied = [name for name, layer in linears if any(layer.weight is embedding.weight for embedding in embeddings)]
+    vocabulary_sized = [name for name, layer in linears if features(layer)[1] in vocabularies]
+    outside_blocks = [name for name in vocabulary_sized if not _under(name, repeated)]
+    last = (tied or outside_blocks or vocabulary_sized or [linears[-1][0]])[-1]
     first = next((name for name, _ in linears if name != last), None)
     return {**({first: "first linear"} if first is not None else {}), last: "last linear"}
 
@@ -155,13 +196,12 @@ def select_fp8_layers(
         (('2',), {'0': 'first linear', '3': 'dims not divisible by 16', '4': 'last linear'})
 
     """
-    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    transposed = [(name, module) for name, module in model.named_modules() if is_transposed_linear(module)]
+    linears = linear_layers(model)
     excluded = _excluded_roots(model, settings.exclude or ())
     in_fp32 = _excluded_roots(model, keep_fp32)
     ends = end_layers(model, linears)
     fp8: list[str] = []
-    kept: dict[str, KeptReason] = dict.fromkeys((name for name, _ in transposed), CONV1D_REASON)
+    kept: dict[str, KeptReason] = {}
     fp8_parameters = 0
     for name, layer in linears:
         if name == "":
@@ -172,8 +212,10 @@ def select_fp8_layers(
             kept[name] = "excluded"
         elif settings.keep_first_last and name in ends:
             kept[name] = ends[name]
-        elif layer.in_features % FP8_DIM_MULTIPLE or layer.out_features % FP8_DIM_MULTIPLE:
+        elif any(size % FP8_DIM_MULTIPLE for size in features(layer)):
             kept[name] = f"dims not divisible by {FP8_DIM_MULTIPLE}"
+        elif settings.fsdp_float8_all_gather and is_transposed_linear(layer):
+            kept[name] = CONV1D_REASON
         elif name in fell_back:
             kept[name] = "fell back"
         else:
@@ -183,7 +225,7 @@ def select_fp8_layers(
         fp8=tuple(fp8),
         kept=kept,
         fp8_parameters=fp8_parameters,
-        linear_parameters=sum(_parameter_count(layer) for _, layer in [*linears, *transposed]),
+        linear_parameters=sum(_parameter_count(layer) for _, layer in linears),
     )
 
 
@@ -246,6 +288,7 @@ def shortfall_warning(selection: Fp8Selection, recipe: str, shown: int = 6) -> s
         f"lightning_mp: fp8={recipe!r} was asked for, but {share} ({_count(selection.fp8_parameters)} of"
         f" {_count(selection.linear_parameters)} linear parameters). Kept in bf16: {listed or 'none'}"
         + (f" and {more} more" if more else "")
-        + ". FP8 takes nn.Linear layers whose dimensions are multiples of 16; the first and last stay bf16 unless"
+        + ". FP8 takes linear layers (nn.Linear, transformers' Conv1D) whose dimensions are multiples of 16; the first"
+        " and last stay bf16 unless"
         " FP8Settings(keep_first_last=False)."
     )

@@ -77,8 +77,9 @@ class FP8Settings:
     Args:
         recipe: torchao's float8 training recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``
             (module docstring).
-        keep_first_last: keep the first and the last linear layer (in ``named_modules`` order) in bf16, as
-            Accelerate does: the embedding-side projection and the output head are the layers FP8 hurts most.
+        keep_first_last: keep the input-side and the output-side linear layer in bf16, as Accelerate does: the
+            embedding-side projection and the output head are the layers FP8 hurts most. They are found by what they
+            do, not by registration order (:func:`~lightning_mp.fp8.selection.end_layers`).
         exclude: more layers to keep in bf16: module types, qualified names (a name keeps its whole subtree) or
             ``"re:"`` regular expressions matched against the whole qualified name, as ``keep_fp32`` takes them.
         fsdp_float8_all_gather: under FSDP2, all-gather the weights in FP8 (torchao's float8 all-gather), half the

@@ -3,11 +3,12 @@
 What each FP8 cast loses, layer by layer, and a way back to bf16 for the layers that cannot take FP8.
 
 **What it measures.** On a logging step (every ``every_n_steps`` steps, at the steps Lightning's
-``log_every_n_steps=every_n_steps`` logs), for every torchao ``Float8Linear`` in the model and each of its three
-matmul operands (the input, the weight and the gradient of the output), it replays the cast torchao makes (the
-recipe's granularity, FP8 dtype and scale rounding, read from the layer's own ``config``) with
-:func:`lightning_mp.fp8.quant.cast_stats`: the amax, the scale, the share of non-zero elements that underflow to
-zero in FP8, the share that saturate, and the SQNR in dB. A forward hook per layer takes the input and the weight;
+``log_every_n_steps=every_n_steps`` logs), for every FP8 layer in the model (torchao's ``Float8Linear``, and the FP8
+form of transformers' ``Conv1D``, :mod:`lightning_mp.fp8.transposed`) and each of its three matmul operands (the
+input, the weight and the gradient of the output), it replays the cast torchao makes (the recipe's granularity, FP8
+dtype and scale rounding, read from the layer's own ``config``) with :func:`lightning_mp.fp8.quant.cast_stats`: the
+amax, the scale, the share of non-zero elements that underflow to zero in FP8, the share that saturate, and the SQNR
+in dB. A forward hook per layer takes the input and the weight;
 a gradient hook on the layer's output takes the output gradient. Both are attached at the start of the logging
 step's batch and removed at its end.
 
@@ -27,12 +28,11 @@ decides the same. The layers fallen back are kept in the callback's state and ap
 
 **Cost.** A step that does not log attaches no hook, runs no op and reads nothing. A logging step runs about twenty
 ops per operand, on the device, and its values join the one device-to-host transfer the monitors share per batch
-(:mod:`lightning_mp.callbacks._host_reads`).
+(:mod:`lightning_mp.measuring.host_reads`).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,29 +42,29 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_mp.callbacks._heatmaps import HeatmapStyle, render_heatmap, require_matplotlib
-from lightning_mp.callbacks._host_reads import host_reads
-from lightning_mp.callbacks._logging import (
-    TelemetryCallback,
+from lightning_mp.fp8.convert import fallback_layer, is_fp8_linear
+from lightning_mp.fp8.host import Fp8Host, fp8_host
+from lightning_mp.fp8.quant import OPERANDS, STAT_NAMES, Operand, cast_stats, casts_of_config
+from lightning_mp.fp8.selection import matmul_weight
+from lightning_mp.fp8.telemetry_rules import FallbackRule, fallback_decisions, rank_layers
+from lightning_mp.measuring.heatmaps import HeatmapStyle
+from lightning_mp.measuring.logging_steps import (
     log_scalars,
     log_text,
     logging_step,
     require_logger,
-    tensorboard_writers,
-    validate_bool,
     validate_positive_int,
 )
-from lightning_mp.fp8.quant import OPERANDS, STAT_NAMES, Operand, cast_stats, casts_of_config
-from lightning_mp.fp8.telemetry_rules import FallbackRule, fallback_decisions, rank_layers
+from lightning_mp.measuring.monitors import HeatmapQuantities, SampledMonitor
 
-UNDERFLOW_STYLE = HeatmapStyle("FP8 underflow share (non-zero values cast to 0)", "share of elements", "viridis", 0, 1)
-SQNR_STYLE = HeatmapStyle("FP8 quantisation SQNR", "dB", "RdYlGn", 0, 40)
-HEATMAPS = {
-    "fp8_monitor/heatmap/underflow_share": ("underflow_share", UNDERFLOW_STYLE),
-    "fp8_monitor/heatmap/sqnr_db": ("sqnr_db", SQNR_STYLE),
+HEATMAPS: HeatmapQuantities = {
+    "fp8_monitor/heatmap/underflow_share": (
+        "underflow_share",
+        HeatmapStyle("FP8 underflow share (non-zero values cast to 0)", "share of elements", "viridis", 0, 1),
+    ),
+    "fp8_monitor/heatmap/sqnr_db": ("sqnr_db", HeatmapStyle("FP8 quantisation SQNR", "dB", "RdYlGn", 0, 40)),
 }
 
 
@@ -76,12 +76,11 @@ class FallbackFunction(Protocol):
 
 
 def is_float8_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is torchao's ``Float8Linear`` (False when torchao is not installed)."""
-    try:
-        float8_linear = importlib.import_module("torchao.float8.float8_linear")
-    except ImportError:
-        return False
-    return isinstance(module, float8_linear.Float8Linear)
+    """Whether ``module`` is a linear layer in FP8: torchao's ``Float8Linear``, or a ``Conv1D``'s FP8 form.
+
+    False while torchao is not imported (nothing can be converted before); it imports nothing.
+    """
+    return is_fp8_linear(module)
 
 
 @dataclass
@@ -90,7 +89,7 @@ class _Sample:
     stats: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
 
-class FP8Monitor(TelemetryCallback):
+class FP8Monitor(SampledMonitor[_Sample]):
     r"""Log, per FP8 layer and operand, what torchao's FP8 casts lose; name the worst layers; optionally fall back.
 
     Needs a logger; the heatmaps need a :class:`~lightning.pytorch.loggers.TensorBoardLogger` and matplotlib. Works
@@ -131,6 +130,8 @@ class FP8Monitor(TelemetryCallback):
 
     """
 
+    heatmap_quantities = HEATMAPS
+
     def __init__(
         self,
         every_n_steps: int = 50,
@@ -140,10 +141,8 @@ class FP8Monitor(TelemetryCallback):
         fallback: FallbackRule | None = None,
         fallback_fn: FallbackFunction | None = None,
     ) -> None:
-        self.every_n_steps = validate_positive_int("every_n_steps", every_n_steps)
+        super().__init__(every_n_steps, log_heatmaps, heatmap_every_n_samples)
         self.worst_k = validate_positive_int("worst_k", worst_k)
-        self.log_heatmaps = validate_bool("log_heatmaps", log_heatmaps)
-        self.heatmap_every_n_samples = validate_positive_int("heatmap_every_n_samples", heatmap_every_n_samples)
         if fallback is not None and not isinstance(fallback, FallbackRule):
             raise TypeError(f"FP8Monitor(fallback={fallback!r}) is not allowed: pass a FallbackRule(...) or None.")
         if fallback_fn is not None and not callable(fallback_fn):
@@ -155,18 +154,14 @@ class FP8Monitor(TelemetryCallback):
         self.fallback_fn = fallback_fn
         self.rule: FallbackRule | None = fallback
         """The rule this fit falls back by: ``fallback``, else the plugin's settings' (at setup), else None."""
-        self._plugin: Any = None
+        self._plugin: Fp8Host | None = None
         """The run's plugin where it returns layers to bf16 itself (``fallback_layers``), for one collective a step."""
-        self.samples: list[_Sample] = []
         self.worst_layers: list[str] = []
         """The worst layers of the latest sample, worst first (:func:`rank_layers`)."""
         self.fell_back: dict[str, str] = {}
         """``layer -> reason`` for every layer returned to bf16, in order."""
         self._streaks: dict[str, int] = {}
-        self._samples_drawn = 0
         self._sampled_step: int | None = None
-        self._sampling = False
-        self._handles: list[RemovableHandle] = []
         self._recorded: dict[tuple[str, Operand], torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------------ hooks
@@ -176,18 +171,15 @@ class FP8Monitor(TelemetryCallback):
         if stage != "fit":
             return
         require_logger(trainer, type(self).__name__)
-        if self.log_heatmaps and tensorboard_writers(trainer):
-            require_matplotlib(type(self).__name__)
-        plugin = trainer.precision_plugin
-        settings = getattr(plugin, "fp8_settings", None)
+        super().setup(trainer, pl_module, stage)
+        host = fp8_host(trainer.precision_plugin)
         self.rule = self.fallback
-        if self.rule is None and settings is not None and settings.fallback:
-            self.rule = FallbackRule.from_settings(settings)
-        self._plugin = plugin if settings is not None and self.fallback_fn is None else None
+        if self.rule is None and host is not None and host.fp8_settings is not None and host.fp8_settings.fallback:
+            self.rule = FallbackRule.from_settings(host.fp8_settings)
+        self._plugin = host if self.fallback_fn is None else None
         if self.rule is not None and self.fallback_fn is None and self._plugin is None:
-            self.fallback_fn = _package_fallback()
-        host_reads(trainer).join(self)
-        self.samples, self.worst_layers, self._samples_drawn, self._sampled_step = [], [], 0, None
+            self.fallback_fn = fallback_layer
+        self.worst_layers, self._sampled_step = [], None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -222,18 +214,14 @@ class FP8Monitor(TelemetryCallback):
         self._sampled_step = step
         for name, module in pl_module.named_modules():
             if is_float8_linear(module):
-                self._handles.append(module.register_forward_hook(self._recorder(name)))
+                self.watch(module, self._recorder(name))
 
     @override
-    def batch_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        if not self._sampling:
-            host_reads(trainer).submit(trainer, self)
-            return
+    def sample_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         self._sampling = False
-        self._remove_hooks()
         recorded, self._recorded = self._recorded, {}
         if not recorded:
-            host_reads(trainer).submit(trainer, self)
+            self.submit(trainer)
             return
         keys = list(recorded)
         values = torch.stack([recorded[key] for key in keys])
@@ -250,23 +238,12 @@ class FP8Monitor(TelemetryCallback):
                 sample.stats.setdefault(layer, {})[operand] = dict(zip(STAT_NAMES, row, strict=True))
             self._record(trainer, pl_module, sample)
 
-        host_reads(trainer).submit(trainer, self, values, consume)
+        self.submit(trainer, values, consume)
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if len(self.samples) > self._samples_drawn:
-            self._draw(trainer)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._remove_hooks()
-        self._recorded, self._sampling = {}, False
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._remove_hooks()
-        self._recorded, self._sampling = {}, False
-        host_reads(trainer).leave(self)
+    def stop_sampling(self) -> None:
+        super().stop_sampling()
+        self._recorded = {}
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -280,7 +257,7 @@ class FP8Monitor(TelemetryCallback):
     # ------------------------------------------------------------------------------------------------ rules
 
     def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, sample: _Sample) -> None:
-        self.samples.append(sample)
+        self.keep_sample(sample)
         ranked = rank_layers(sample.stats)
         self.worst_layers = ranked[: self.worst_k]
         log_scalars(trainer, _scalars(sample), step=sample.step)
@@ -299,8 +276,7 @@ class FP8Monitor(TelemetryCallback):
                 self.fell_back[layer] = reason
                 rank_zero_info(f"FP8Monitor: layer {layer!r} goes back to bf16: {reason}.")
                 log_text(trainer, "fp8_monitor/fallback", f"`{layer}` goes back to bf16: {reason}.", sample.step)
-        if len(self.samples) - self._samples_drawn >= self.heatmap_every_n_samples:
-            self._draw(trainer)
+        self.draw_if_due(trainer)
 
     # ------------------------------------------------------------------------------------------------ plumbing
 
@@ -308,7 +284,7 @@ class FP8Monitor(TelemetryCallback):
         return self.rule is not None and trainer.world_size > 1 and torch.distributed.is_initialized()
 
     def _recorder(self, layer: str) -> Callable[..., None]:
-        def hook(module: nn.Linear, args: tuple[Any, ...], output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             casts = casts_of_config(module.config)
             with torch.no_grad():
                 if (layer, "input") not in self._recorded and args and isinstance(args[0], torch.Tensor):
@@ -318,7 +294,7 @@ class FP8Monitor(TelemetryCallback):
                         inputs = inputs.to(torch.get_autocast_dtype("cuda"))
                     self._recorded[layer, "input"] = cast_stats(inputs, casts.input)
                 if (layer, "weight") not in self._recorded:
-                    self._recorded[layer, "weight"] = cast_stats(module.weight, casts.weight)
+                    self._recorded[layer, "weight"] = cast_stats(matmul_weight(module), casts.weight)
             if (
                 isinstance(output, torch.Tensor)
                 and output.requires_grad
@@ -334,30 +310,20 @@ class FP8Monitor(TelemetryCallback):
 
         return hook
 
-    def _draw(self, trainer: pl.Trainer) -> None:
-        self._samples_drawn = len(self.samples)
-        writers = tensorboard_writers(trainer) if self.log_heatmaps else []
-        if not writers:
-            return
-        steps = [sample.step for sample in self.samples]
-        rows = list(
-            dict.fromkeys((layer, operand) for s in self.samples for layer in s.stats for operand in s.stats[layer])
+    @override
+    def heatmap_rows(self, quantity: str) -> dict[str, list[float]]:
+        rows = dict.fromkeys(
+            (layer, operand)
+            for sample in self.samples
+            for layer, operands in sample.stats.items()
+            for operand in operands
         )
-        labels = [f"{layer} [{operand}]" for layer, operand in rows]
-        for tag, (stat, style) in HEATMAPS.items():
-            values = [
-                [s.stats.get(layer, {}).get(operand, {}).get(stat, math.nan) for s in self.samples]
-                for layer, operand in rows
+        return {
+            f"{layer} [{operand}]": [
+                sample.stats.get(layer, {}).get(operand, {}).get(quantity, math.nan) for sample in self.samples
             ]
-            image = render_heatmap(style, labels, steps, values)
-            for writer in writers:
-                writer.add_image(tag, image, global_step=steps[-1], dataformats="HWC")
-                writer.flush()
-
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+            for layer, operand in rows
+        }
 
 
 def _scalars(sample: _Sample) -> dict[str, float]:
@@ -393,21 +359,6 @@ def _has_submodule(model: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def _package_fallback() -> FallbackFunction:
-    """This package's ``fallback_layer``; a clear error where this installation has none."""
-    try:
-        convert = importlib.import_module("lightning_mp.fp8.convert")
-    except ImportError:
-        convert = None
-    function: FallbackFunction | None = getattr(convert, "fallback_layer", None)
-    if function is None:
-        raise ModuleNotFoundError(
-            "FP8Monitor(fallback=...) needs lightning_mp.fp8.convert.fallback_layer, which this installation lacks;"
-            " pass fallback_fn=your_function(model, name, reason)."
-        )
-    return function
 
 
 __all__ = ["FP8Monitor", "FallbackFunction", "FallbackRule", "fallback_decisions", "is_float8_linear", "rank_layers"]

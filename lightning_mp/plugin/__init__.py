@@ -5,7 +5,7 @@
 * :mod:`~lightning_mp.plugin.run`: the factory of a run's policy, loss scaler, FP8 and engine;
 * :mod:`~lightning_mp.plugin.checkpoint`: the checkpoint entry, and the other plugins' entries it resumes from;
 * :mod:`~lightning_mp.plugin.claims`: one run at a time per plugin, across threads;
-* :mod:`~lightning_mp.plugin.front_ends`: the Trainer or Fabric, and the device a run sets up on;
+* :mod:`~lightning_mp.front_ends`: the Trainer or Fabric, and the device a run sets up on;
 * :mod:`~lightning_mp.plugin.fp8`: the FP8 methods.
 """
 

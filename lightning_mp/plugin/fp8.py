@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_mp.fp8.mode import Fp8Mode
+from lightning_mp.fp8.mode import Fp8Mode, warn_if_fallback_unwatched
 from lightning_mp.fp8.settings import FP8Settings
-from lightning_mp.plugin.front_ends import attached_trainer
+from lightning_mp.front_ends import attached_trainer
 from lightning_mp.plugin.run import Run
 from lightning_mp.scaling.sharded import has_sharded_parameters
 
@@ -58,7 +57,9 @@ class Fp8Methods:
                 " fsdp_float8_all_gather=False."
             )
         fp8.convert(module, self.keep_fp32)
-        _warn_if_fallback_has_no_monitor(fp8.settings, module)
+        trainer = attached_trainer(module)
+        if trainer is not None:
+            warn_if_fallback_unwatched(fp8.settings, trainer.callbacks)
 
     def fp8_convert(self, module: nn.Module) -> nn.Module:
         """Convert ``module``'s chosen linear layers to FP8 now, for FSDP2: call it before ``fully_shard``.
@@ -141,17 +142,3 @@ class Fp8Methods:
 
 
 __all__ = ["Fp8Methods"]
-
-
-def _warn_if_fallback_has_no_monitor(settings: FP8Settings, module: nn.Module) -> None:
-    """Warn where ``FP8Settings(fallback=True)`` has no ``FP8Monitor`` to measure the layers it would fall back by."""
-    trainer = attached_trainer(module)
-    if not settings.fallback or trainer is None:
-        return
-    from lightning_mp.fp8.telemetry import FP8Monitor  # the FP8 mode runs, so torchao is there
-
-    if not any(isinstance(callback, FP8Monitor) for callback in trainer.callbacks):
-        rank_zero_warn(
-            "lightning_mp: FP8Settings(fallback=True) falls back by what FP8Monitor measures, and this Trainer has"
-            " none, so no layer will fall back. Add callbacks=[FP8Monitor()] (it takes the settings' thresholds)."
-        )

@@ -78,13 +78,12 @@ from lightning_mp.arguments.setting_docs import with_setting_docs
 from lightning_mp.engine.base import StepEngine
 from lightning_mp.engine.fabric import FabricEngine
 from lightning_mp.engine.trainer import TrainerEngine
-from lightning_mp.fp8.convert import require_torchao
-from lightning_mp.fp8.mode import Fp8Mode, check_fp8_combination
+from lightning_mp.fp8.mode import Fp8Mode, check_fp8_combination, require_torchao
 from lightning_mp.fp8.settings import Fp8Recipe, FP8Settings, fp8_settings_from_argument
+from lightning_mp.front_ends import attached_trainer, fabric_device_type, trainer_device_type
 from lightning_mp.plugin.checkpoint import CheckpointEntry
 from lightning_mp.plugin.claims import RunClaim
 from lightning_mp.plugin.fp8 import Fp8Methods
-from lightning_mp.plugin.front_ends import attached_trainer, fabric_device_type, trainer_device_type
 from lightning_mp.plugin.resolved import follow_device
 from lightning_mp.plugin.run import Run, build_run, fabric_engine, policy_class_for, trainer_engine
 from lightning_mp.plugin.step_hooks import StepHooks

@@ -28,8 +28,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 from lightning_mp.engine.fabric import FabricEngine
 from lightning_mp.engine.trainer import TrainerEngine
-from lightning_mp.fp8.convert import check_fp8_device
-from lightning_mp.fp8.mode import Fp8Mode
+from lightning_mp.fp8.mode import Fp8Mode, check_fp8_device
 from lightning_mp.fp8.settings import FP8Settings
 from lightning_mp.plugin.evaluation import Evaluation, refuse_swapped_weights_when_sharded
 from lightning_mp.plugin.resolved import ResolvedSetup, resolve_setup

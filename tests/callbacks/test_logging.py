@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_mp import MixedPrecision
 from lightning_mp.callbacks import LossScaleMonitor
-from lightning_mp.callbacks._logging import logging_step, only_accumulates, should_log
+from lightning_mp.measuring.logging_steps import logging_step, only_accumulates, should_log
 from tests.helpers import FEATURES, TinyRegressor, loader, make_trainer, read_events, scalars
 
 BATCHES = 10

@@ -19,7 +19,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecision, PrecisionSentinel
-from lightning_mp.callbacks._heatmaps import heatmap_figure
 from lightning_mp.callbacks._sentinel_rules import (
     RunFacts,
     misconfigurations,
@@ -28,6 +27,7 @@ from lightning_mp.callbacks._sentinel_rules import (
     underflow_finding,
 )
 from lightning_mp.callbacks.precision_sentinel import HEADROOM_STYLE, STALE_STYLE, UNDERFLOW_STYLE
+from lightning_mp.measuring.heatmaps import heatmap_figure
 from tests.helpers import make_trainer, read_events
 
 HEATMAP_TAGS = (

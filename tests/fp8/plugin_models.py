@@ -7,7 +7,10 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MixedPrecision
 
 NOISE = 1.0
 """The targets' noise: the loss a perfect model reaches is NOISE**2 per output, as an LM's loss has its entropy."""
@@ -21,15 +24,25 @@ def mlp(width: int = 64) -> nn.Sequential:
     )  # fmt: skip
 
 
-class TinyMlp(L.LightningModule):
-    """The MLP trained with AdamW on :func:`regression_loader`; records every training loss."""
+class LossRecorder(L.LightningModule):
+    """Seeded before the subclass builds its layers, trained with AdamW at ``lr``; keeps every training loss."""
 
     def __init__(self, lr: float = 3e-3, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.net = mlp()
         self.lr = lr
         self.losses: list[float] = []
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class TinyMlp(LossRecorder):
+    """The MLP trained with AdamW on :func:`regression_loader`; records every training loss."""
+
+    def __init__(self, lr: float = 3e-3, seed: int = 0) -> None:
+        super().__init__(lr, seed)
+        self.net = mlp()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -40,8 +53,17 @@ class TinyMlp(L.LightningModule):
         self.losses.append(loss.item())
         return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+def fabric_setup(
+    model: nn.Module, fp8: Any = "tensorwise", lr: float = 3e-3
+) -> tuple[L.Fabric, MixedPrecision, nn.Module, Optimizer]:
+    """``fabric.setup`` of ``model`` and an AdamW built before it, on one CPU with a bf16-mixed plugin of ``fp8``:
+    the Fabric, the plugin, the module Fabric returned and its optimizer."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    plugin = MixedPrecision("bf16-mixed", fp8=fp8)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    wrapped, optimizer = fabric.setup(model, optimizer)
+    return fabric, plugin, wrapped, optimizer
 
 
 def teacher_regression_data(n: int = 9600, seed: int = 0) -> TensorDataset:

@@ -20,7 +20,7 @@ pytest.importorskip("torchao")
 from lightning_mp import MixedPrecision
 from lightning_mp.fp8 import FP8Settings, fp8_layer_names
 from lightning_mp.fp8.convert import fallback_layer, is_fp8_linear
-from tests.fp8.plugin_models import TinyMlp, mlp, regression_loader
+from tests.fp8.plugin_models import TinyMlp, fabric_setup, mlp, regression_loader
 from tests.helpers import fit, make_trainer
 
 FP8_LAYERS = ["net.2", "net.4"]
@@ -219,10 +219,7 @@ def test_fabric_trains_in_fp8_and_teardown_restores_plain_layers():
     """Under Fabric the optimizer built before setup steps the FP8 layers' weights; teardown gives plain layers."""
     torch.manual_seed(0)
     model = mlp()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    plugin = MixedPrecision("bf16-mixed", fp8="rowwise")
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    wrapped, optimizer = fabric.setup(model, optimizer)
+    fabric, plugin, wrapped, optimizer = fabric_setup(model, fp8="rowwise")
     assert [is_fp8_linear(layer) for layer in model] == [False, False, True, False, True, False, False]
     assert plugin.fp8_layers == ["2", "4"]
     before = model[2].weight.detach().clone()
@@ -317,9 +314,7 @@ def test_fabric_falls_back_a_layer_of_the_module_fabric_returned():
     """fallback_layer takes the module fabric.setup returned, the only one a Fabric user holds."""
     torch.manual_seed(0)
     model = mlp()
-    plugin = MixedPrecision("bf16-mixed", fp8="tensorwise")
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    wrapped, _ = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    _, plugin, wrapped, _ = fabric_setup(model)
     assert plugin.fallback_layer(wrapped, "2", "by hand") is True
     assert plugin.fp8_layers == ["4"] and type(model[2]) is nn.Linear
     with pytest.raises(RuntimeError, match="not the model the FP8 mode converted"):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import torch
 from torch import nn
 
 from lightning_mp.fp8 import FP8Settings
 from lightning_mp.fp8.selection import CONV1D_REASON, select_fp8_layers, shortfall_warning, summary_line
+from tests.fp8.lm_models import Conv1D, Gpt2Shaped, HeadFirstGpt
+
+CONV1D_NAMES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 def _model() -> nn.Module:
@@ -79,72 +81,36 @@ def test_summary_line_says_counts_and_why_each_layer_stays_bf16():
     assert "and 1 more" in summary_line(select_fp8_layers(_model(), FP8Settings()), "rowwise", shown=3)
 
 
-class Conv1D(nn.Module):
-    """transformers' Conv1D, rebuilt: ``x @ weight + bias`` with a weight of shape ``(in, out)``."""
-
-    def __init__(self, out_features: int, in_features: int) -> None:
-        super().__init__()
-        self.nf = out_features
-        self.weight = nn.Parameter(torch.randn(in_features, out_features) * 0.02)
-        self.bias = nn.Parameter(torch.zeros(out_features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], self.nf)
-
-
-class Gpt2Shaped(nn.Module):
-    """GPT-2's layout: embeddings, blocks of Conv1D projections (c_attn, c_proj, c_fc, c_proj), a linear head."""
-
-    def __init__(self, vocab: int = 128, width: int = 32, blocks: int = 2) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, width)
-        self.h = nn.ModuleList(
-            nn.ModuleDict(
-                {
-                    "c_attn": Conv1D(3 * width, width),
-                    "attn_proj": Conv1D(width, width),
-                    "c_fc": Conv1D(4 * width, width),
-                    "mlp_proj": Conv1D(width, 4 * width),
-                }
-            )
-            for _ in range(blocks)
-        )
-        self.lm_head = nn.Linear(width, vocab, bias=False)
-
-
-class HeadFirst(nn.Module):
-    """litgpt's GPT layout: ``lm_head`` registered before the embedding and the blocks."""
-
-    def __init__(self, vocab: int = 128, width: int = 32) -> None:
-        super().__init__()
-        self.lm_head = nn.Linear(width, vocab, bias=False)
-        self.wte = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict({"qkv": nn.Linear(width, 3 * width), "proj": nn.Linear(width, width)}) for _ in range(2)
-        )
-
-
 def test_a_head_first_model_keeps_the_input_side_projection_and_the_head() -> None:
-    """keep_first_last keeps the output head (the layer that emits the vocabulary) and the first projection after
-    the embedding, wherever the model registers them, and converts the rest."""
-    selection = select_fp8_layers(HeadFirst(), FP8Settings())
-    assert selection.kept == {"lm_head": "last linear", "blocks.0.qkv": "first linear"}
-    assert selection.fp8 == ("blocks.0.proj", "blocks.1.qkv", "blocks.1.proj")
+    """keep_first_last keeps the output head and the first projection after the embedding of a model registered
+    head-first (litgpt's GPT), even where an MLP is as wide as the vocabulary, and converts the rest."""
+    selection = select_fp8_layers(HeadFirstGpt(), FP8Settings())
+    assert selection.kept == {"lm_head": "last linear", "transformer.h.0.attn.qkv": "first linear"}
+    assert selection.fp8[0] == "transformer.h.0.attn.proj" and "transformer.h.1.mlp.fc" in selection.fp8
+    assert len(selection.fp8) == 7
 
 
-def test_gpt2s_conv1d_projections_are_named_with_their_reason_and_the_shortfall_is_warned() -> None:
-    """GPT-2's Conv1D projections are listed as kept (torchao converts nn.Linear only), counted among the linear
-    parameters, and the warning says that no layer runs FP8, naming them."""
+def test_gpt2s_conv1d_projections_run_fp8_with_the_first_one_and_the_tied_head_kept() -> None:
+    """GPT-2's Conv1D projections are linear layers to FP8: every one runs FP8 but the first (c_attn of block 0),
+    and the head tied to the token embedding stays bf16; the setup line counts them."""
     model = Gpt2Shaped()
     selection = select_fp8_layers(model, FP8Settings())
+    projections = [f"h.{block}.{name}" for block in (0, 1) for name in CONV1D_NAMES]
+    assert selection.fp8 == tuple(projections[1:])
+    assert selection.kept == {"h.0.attn.c_attn": "first linear", "lm_head": "last linear"}
+    conv1d_parameters = sum(p.numel() for m in model.modules() if isinstance(m, Conv1D) for p in m.parameters())
+    assert selection.linear_parameters == conv1d_parameters + model.lm_head.weight.numel()
+    assert shortfall_warning(selection, "tensorwise") is None
+
+
+def test_under_fsdp_float8_all_gather_gpt2s_conv1d_projections_are_named_with_the_reason() -> None:
+    """FSDP2's float8 all-gather takes nn.Linear weights only: there the Conv1D projections stay bf16, each named
+    with that reason, and the warning says no layer runs FP8."""
+    selection = select_fp8_layers(Gpt2Shaped(), FP8Settings(fsdp_float8_all_gather=True))
     assert selection.fp8 == ()
-    assert selection.kept["h.0.c_attn"] == CONV1D_REASON and selection.kept["lm_head"] == "last linear"
-    conv_parameters = sum(p.numel() for name, p in model.named_parameters() if name.startswith("h."))
-    assert selection.linear_parameters == conv_parameters + model.lm_head.weight.numel()
+    assert selection.kept["h.1.attn.c_attn"] == CONV1D_REASON
     warning = shortfall_warning(selection, "tensorwise")
-    assert (
-        warning is not None and "no linear layer runs FP8" in warning and "h.0.c_attn (transformers Conv1D" in warning
-    )
+    assert warning is not None and "h.0.attn.c_proj (transformers Conv1D under fsdp_float8_all_gather" in warning
 
 
 def test_keep_fp32_layers_are_listed_apart_in_the_setup_line() -> None:

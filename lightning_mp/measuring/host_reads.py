@@ -36,6 +36,7 @@ class HostReads:
         self.participants.add(id(callback))
 
     def leave(self, callback: pl.Callback) -> None:
+        """Stop taking part (at teardown): the transfer no longer waits for ``callback``."""
         self.participants.discard(id(callback))
         self.submitted.pop(id(callback), None)
 

@@ -1,6 +1,6 @@
-"""Logger plumbing shared by the telemetry callbacks.
+"""Logger plumbing shared by the telemetry callbacks, the FP8 monitor's included.
 
-The three monitors follow the conventions of Lightning's ``LearningRateMonitor`` and ``DeviceStatsMonitor``:
+The monitors follow the conventions of Lightning's ``LearningRateMonitor`` and ``DeviceStatsMonitor``:
 
 - they need a logger, and say so in ``setup`` when there is none;
 - they log at the step at which ``self.log`` writes, so their curves line up with the user's own metrics
@@ -26,18 +26,13 @@ Scalars go to every logger. Text (Markdown) goes only to :class:`~lightning.pyto
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks.callback import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.types import STEP_OUTPUT
-from typing_extensions import override
 
 from lightning_mp.arguments.checks import plain_scalar
-from lightning_mp.deepspeed import DeepSpeedMixedPrecision
-from lightning_mp.plugin import MixedPrecision
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -83,40 +78,6 @@ def require_logger(trainer: pl.Trainer, callback_name: str) -> None:
             f"Cannot use `{callback_name}` callback with `Trainer(logger=False)`: it logs through the trainer's"
             " loggers. Pass a logger, for example `Trainer(logger=TensorBoardLogger('logs'))`."
         )
-
-
-def require_loss_accounting(trainer: pl.Trainer, callback_name: str) -> MixedPrecision | DeepSpeedMixedPrecision:
-    """Return the trainer's plugin that keeps loss-scaling counters: MixedPrecision, or its DeepSpeed form.
-
-    Raises:
-        MisconfigurationException: if the trainer uses another precision plugin.
-
-    """
-    plugin = trainer.precision_plugin
-    if isinstance(plugin, DeepSpeedMixedPrecision):
-        return plugin
-    return require_mixed_precision(trainer, callback_name)
-
-
-def require_mixed_precision(trainer: pl.Trainer, callback_name: str) -> MixedPrecision:
-    """Return the trainer's :class:`~lightning_mp.plugin.MixedPrecision` plugin.
-
-    Raises:
-        MisconfigurationException: if the trainer uses another precision plugin.
-
-    """
-    plugin = trainer.precision_plugin
-    if not isinstance(plugin, MixedPrecision):
-        raise MisconfigurationException(
-            f"`{callback_name}` reads the counters of `lightning_mp.MixedPrecision`, but the trainer uses"
-            f" `{type(plugin).__name__}`. Pass `Trainer(plugins=[MixedPrecision(...)])`"
-            + (
-                " (under DeepSpeedStrategy only LossScaleMonitor reads DeepSpeedMixedPrecision's counters)."
-                if isinstance(plugin, DeepSpeedMixedPrecision)
-                else "."
-            )
-        )
-    return plugin
 
 
 def only_accumulates(trainer: pl.Trainer, batch_idx: int) -> bool:
@@ -179,25 +140,3 @@ def log_text(trainer: pl.Trainer, tag: str, markdown: str, step: int) -> None:
     """Write Markdown to every TensorBoard logger; loggers that cannot show text are skipped."""
     for writer in tensorboard_writers(trainer):
         writer.add_text(tag, markdown, global_step=step)
-
-
-class TelemetryCallback(Callback):
-    """The monitors' common base: Lightning's end-of-batch hook, handed on as :meth:`batch_ended`.
-
-    The monitors measure a training batch once its optimizer step is taken or skipped; none of them needs the
-    batch's outputs or inputs.
-    """
-
-    @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: STEP_OUTPUT,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        self.batch_ended(trainer, pl_module, batch_idx)
-
-    def batch_ended(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        """A training batch ended, after its optimizer step (taken or skipped); ``batch_idx`` is Lightning's."""
