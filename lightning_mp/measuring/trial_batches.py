@@ -81,7 +81,7 @@ def training_loss(model: nn.Module, batch: Any, batch_idx: int, loss_fn: LossFun
     if loss_fn is not None:
         loss = loss_fn(model, batch)
         if not isinstance(loss, Tensor):
-            raise TypeError(f"advise(loss_fn=...) must return a loss tensor, got {type(loss).__name__}.")
+            raise TypeError(f"{caller()}(loss_fn=...) must return a loss tensor, got {type(loss).__name__}.")
         return loss
     assert isinstance(model, LightningModule)
     output = model.training_step(batch, batch_idx)
@@ -90,8 +90,8 @@ def training_loss(model: nn.Module, batch: Any, batch_idx: int, loss_fn: LossFun
     returned = output.get("loss") if isinstance(output, dict) else output
     if not isinstance(returned, Tensor):
         raise ValueError(
-            f"advise(...) needs a loss: {type(model).__name__}.training_step returned {type(output).__name__}. Return"
-            " the loss (or a dict with 'loss'), or pass loss_fn=lambda model, batch: ..."
+            f"{caller()}(...) needs a loss: {type(model).__name__}.training_step returned {type(output).__name__}."
+            " Return the loss (or a dict with 'loss'), or pass loss_fn=lambda model, batch: ..."
         )
     return returned
 
@@ -115,16 +115,16 @@ def attach_manual_optimization(model: LightningModule) -> None:
         configured = model.configure_optimizers()
     except Exception as error:  # e.g. it reads self.trainer, which the copy has not
         raise ValueError(
-            f"advise(model={type(model).__name__}) uses manual optimization, and its configure_optimizers() failed on"
-            f" the advisor's copy, which has no Trainer ({type(error).__name__}: {error}). Pass"
+            f"{caller()}(model={type(model).__name__}) uses manual optimization, and its configure_optimizers() failed"
+            f" on the advisor's copy, which has no Trainer ({type(error).__name__}: {error}). Pass"
             " loss_fn=lambda model, batch: loss instead."
         ) from error
     optimizers: list[Optimizer] = []
     apply_to_collection(configured, Optimizer, optimizers.append)
     if not optimizers:
         raise ValueError(
-            f"advise(model={type(model).__name__}) uses manual optimization, but its configure_optimizers() returned"
-            " no optimizer to give its training_step. Pass loss_fn=lambda model, batch: loss instead."
+            f"{caller()}(model={type(model).__name__}) uses manual optimization, but its configure_optimizers()"
+            " returned no optimizer to give its training_step. Pass loss_fn=lambda model, batch: loss instead."
         )
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     devices = [device.index or 0] if device.type == "cuda" else 1
