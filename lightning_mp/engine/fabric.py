@@ -66,24 +66,15 @@ class FabricEngine(StepEngine):
     Args:
         loss_scaler: the run's scaler (in every precision: bf16 and fp32 use its check-only mode).
         policy: the opt level's policy.
-        follow_device: given the device type the models are on now (None without parameters), returns the device
-            type to autocast on, or raises where the plugin's settings contradict it.
-        plugin: the plugin as the user built it, for the messages that refuse a model.
+        models: the models Fabric sets up with the plugin, and where they run.
 
     """
 
-    def __init__(
-        self,
-        loss_scaler: RunScaler,
-        policy: PrecisionPolicy,
-        follow_device: Callable[[str | None], str],
-        plugin: str = "MixedPrecision",
-    ) -> None:
+    def __init__(self, loss_scaler: RunScaler, policy: PrecisionPolicy, models: FabricModels) -> None:
         super().__init__(loss_scaler, policy)
-        self.plugin = plugin
         # Fabric loads an optimizer's state before its first step, where the opt level first sees it.
         policy.optimizers_connect_late = True
-        self.models = FabricModels(follow_device)
+        self.models = models
         self.scaler_state_loaded = False
         """The plugin's own state was loaded (``fabric.load`` with the plugin in the state)."""
 
@@ -178,7 +169,7 @@ class FabricEngine(StepEngine):
 
         """
         check_loss("fabric.backward", tensor)
-        refuse_deepspeed_engine(module, self.plugin)
+        refuse_deepspeed_engine(module, self.models.plugin)
         named = kwargs.pop("for_optimizer", None)
         scaler = self.loss_scaler
         if isinstance(scaler, PerOptimizerScalers) and scaler.scales_loss and named is None:

@@ -82,11 +82,13 @@ class FabricModels:
     Args:
         follow_device: given the device type the models are on now (None without parameters), returns the device
             type to autocast on, or raises where the plugin's settings contradict it.
+        plugin: the plugin as the user built it (its ``repr``), which a refusal of a model names.
 
     """
 
-    def __init__(self, follow_device: Callable[[str | None], str]) -> None:
+    def __init__(self, follow_device: Callable[[str | None], str], plugin: str = "MixedPrecision") -> None:
         self.follow_device = follow_device
+        self.plugin = plugin
         self.modules: list[nn.Module] = []
         self._sharding_checked = False
 

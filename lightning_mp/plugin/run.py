@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from lightning.pytorch.plugins.precision import Precision
 
 from lightning_mp.engine.fabric import FabricEngine
+from lightning_mp.engine.fabric_models import FabricModels
 from lightning_mp.engine.trainer import TrainerEngine
 from lightning_mp.fp8.mode import Fp8Mode, check_fp8_device
 from lightning_mp.fp8.settings import FP8Settings
@@ -132,7 +133,7 @@ def trainer_engine(run: Run, lightning: Precision, skip_scheduler_on_overflow: b
 
 def fabric_engine(run: Run, follow_device: Callable[[str | None], str], plugin: str) -> FabricEngine:
     """Fabric's engine for ``run``; ``follow_device`` gives the device to autocast on where the model is now."""
-    return FabricEngine(run.loss_scaler, run.policy, follow_device, plugin)
+    return FabricEngine(run.loss_scaler, run.policy, FabricModels(follow_device, plugin))
 
 
 __all__ = ["Run", "build_run", "fabric_engine", "policy_class_for", "trainer_engine"]

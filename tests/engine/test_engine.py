@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_mp import LossScaler, MixedPrecision
 from lightning_mp.engine.base import unwrapped
 from lightning_mp.engine.fabric import FabricEngine
+from lightning_mp.engine.fabric_models import FabricModels
 from lightning_mp.engine.running_stats import RunningStats
 from lightning_mp.engine.trainer import TrainerEngine
 from lightning_mp.policies import POLICIES
@@ -37,7 +38,8 @@ from tests.helpers import TinyRegressor, loader, make_trainer
 def fabric_engine(model: nn.Module, mode: str = "dynamic", **scaler_fields: Any) -> FabricEngine:
     """Fabric's engine over ``model`` with a CPU scaler in ``mode`` and an O1 policy, as ``fabric.setup`` builds it."""
     half = torch.float16 if mode == "dynamic" else torch.bfloat16
-    engine = FabricEngine(LossScaler("cpu", mode=mode, **scaler_fields), POLICIES["O1"](half), lambda device: "cpu")
+    models = FabricModels(lambda device: "cpu")
+    engine = FabricEngine(LossScaler("cpu", mode=mode, **scaler_fields), POLICIES["O1"](half), models)
     engine.add_module(model)
     return engine
 
