@@ -302,13 +302,13 @@ class LeanExactPolicy(O2Policy):
         """Put back the groups of a chunked step that raised after the pre-hook; then as O2."""
         chunked = self._chunked_steps.pop(id(optimizer), None)
         if chunked is not None:
-            chunked.close()
+            chunked.restore()
         super().after_optimizer_step(optimizer, skipped)
 
     @override
     def teardown(self) -> None:
         for chunked in self._chunked_steps.values():
-            chunked.close()
+            chunked.restore()
         self._chunked_steps = {}
         super().teardown()
 
@@ -330,12 +330,26 @@ class LeanExactPolicy(O2Policy):
 
     @override
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        """Put back the optimizer's groups after a chunked step, and free its gradients; after a whole one as O2."""
+        """Free the gradients of a chunked step, whose masters its loop packed; after a whole step as O2.
+
+        Raises:
+            RuntimeError: if the optimizer's ``step`` returned without walking its groups as torch's loop does.
+
+        """
         chunked = self._chunked_steps.pop(id(optimizer), None)
         if chunked is None:
             super()._after_step(optimizer, args, kwargs)
-        elif self.masters is not None:
-            self.masters.finish_step(chunked.close())
+            return
+        chunked.restore()
+        if not chunked.walked:
+            raise RuntimeError(
+                f"lean-exact expected {type(optimizer).__name__}.step to walk optimizer.param_groups in its own loop,"
+                " as torch's step does, to hand it the fp32 masters a chunk at a time; it returned without, so it"
+                " stepped the bf16 weights directly. A wrapped or compiled step cannot be chunked: use"
+                " opt_level='O2', or call the optimizer's own step."
+            )
+        if self.masters is not None:
+            self.masters.finish_step(chunked.entries())
 
     @override
     def master_param(self, parameter: Tensor) -> Tensor:
