@@ -16,8 +16,9 @@ How a step runs (everything else is O2's, :mod:`lightning_mp.policies.o2.policy`
 2. The optimizer's ``step`` runs once, over one chunk of parameters at a time
    (:mod:`~lightning_mp.policies.o2.chunked_step`: at most ``master_chunk_numel`` elements, :data:`MASTER_CHUNK_NUMEL`
    by default, or one larger parameter). Each chunk's masters are rebuilt exactly from weight and remainder
-   (:func:`~lightning_mp.policies.o2.split.unpack`: a fixed few ops per chunk, whatever the number of weights in it)
-   and their remainders freed; torch's own step updates them in fp32 with their fp32 gradients and states, as at O2.
+   (:func:`~lightning_mp.policies.o2.split.unpack`: a fixed few ops per chunk, whatever the number of weights in it,
+   with the remainders as scratch space) and the remainders freed; torch's own step updates the masters in fp32 with
+   their fp32 gradients and states, as at O2.
 3. Before the next chunk, each stepped master's remainder is taken (its low 16 bits, one strided copy), the master
    is rounded into its weight (its lowest bit set in place, then one foreach cast: no temporary), and the master is
    freed. A step skipped on the host never unpacks; one skipped on the device (torch's fused kernels with the
@@ -30,9 +31,9 @@ whole, every master rebuilt at once, as at O2.
 
 Memory per chosen parameter with AdamW: 2 bytes of bf16 weight and 2 of remainder, 8 of fp32 moment estimates, 2 of
 bf16 gradient from a backward to the step: 12 between steps, O2's 14 less the 2 bytes of the master's top half. In
-the step the fp32 gradients exist whole, as at O2 (the loss scaler checks and clipping scales them before it), and
-beyond them only one chunk: its masters (4 bytes per element) and the optimizer's temporaries for it (4 bytes per
-element for foreach AdamW's, none for fused AdamW's), where O2's step holds every master and temporary at once.
+the step the fp32 gradients exist whole, as at O2 (the loss scaler checks them and clipping scales them before it),
+and the step adds one chunk: its rebuilt masters, 4 bytes per element, and the optimizer's temporaries for it (none
+for fused AdamW, 4 bytes per element for foreach AdamW). O2's step holds every master, and every temporary, at once.
 
 What differs from O2. A weight written by hand between steps (a callback editing ``weight`` in place) keeps its
 master's 16 low bits under the new top half; O2 would take the new value exactly where it differs from the rounded
@@ -137,7 +138,8 @@ class RemainderMasters(MasterParams):
             held = [self.remainders[i] for i in device_indices]
             remainders = [r if r.device == device else r.to(device) for r in held if r is not None]
             with torch.no_grad():
-                masters = unpack(weights, remainders, self.chunk_numel)
+                # The remainders are freed below: the rebuild may use them as scratch space instead of a temporary.
+                masters = unpack(weights, remainders, self.chunk_numel, consume=True)
             for i, master in zip(device_indices, masters, strict=True):
                 self.master_params[i].data = master
                 self.remainders[i] = None

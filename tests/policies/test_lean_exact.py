@@ -168,8 +168,9 @@ def test_fsdp_refuses_lean_exact_naming_o2() -> None:
 
 
 def test_packing_a_chunk_of_weights_in_any_layout_rebuilds_every_master_exactly() -> None:
-    """The remainder is the master's low 16 bits; taking it, rounding and rebuilding work on contiguous,
-    ``channels_last`` and transposed weights alike, in one chunk or several."""
+    """The remainder is the master's low 16 bits; taking it, rounding and rebuilding (also with the remainders as
+    scratch space, apart or side by side in one buffer) work on contiguous, ``channels_last`` and transposed weights
+    alike, in one chunk or several."""
     from lightning_mp.policies.o2.split import round_into, take_remainders, unpack
 
     generator = torch.Generator().manual_seed(0)
@@ -192,6 +193,12 @@ def test_packing_a_chunk_of_weights_in_any_layout_rebuilds_every_master_exactly(
             assert torch.equal(weight, round_to_bf16(master))
             assert value.stride() == master.stride()
             assert torch.equal(bits(value), bits(master))
+        apart = [remainder.clone() for remainder in remainders]
+        side_by_side = take_remainders([master.clone() for master in originals], chunk_numel)
+        for scratch in (apart, side_by_side):
+            for master, value in zip(originals, unpack(weights, scratch, chunk_numel, consume=True), strict=True):
+                assert value.stride() == master.stride()
+                assert torch.equal(bits(value), bits(master))
 
 
 class TiedLM(L.LightningModule):

@@ -140,11 +140,16 @@ def round_into(weights: list[Tensor], masters: list[Tensor], chunk_numel: int = 
         torch._foreach_copy_(flat_weights[start:end], flat_masters[start:end])
 
 
-def unpack(weights: list[Tensor], remainders: list[Tensor], chunk_numel: int = WRITE_CHUNK_NUMEL) -> list[Tensor]:
+def unpack(
+    weights: list[Tensor], remainders: list[Tensor], chunk_numel: int = WRITE_CHUNK_NUMEL, consume: bool = False
+) -> list[Tensor]:
     """The fp32 master of each bf16 ``weights[i]`` and flat int16 ``remainders[i]``, exactly, laid out as the weight.
 
-    Per chunk, one foreach copy widens the weights' bits into one int32 tensor, and one shift and one add (:func:`join`
-    on the whole chunk) finish it in place; the masters are views of it.
+    Per chunk, one foreach copy widens the weights' bits into one int32 tensor and one shift moves them into the high
+    halves; the masters are views of it. Then the remainders are added: as one add (:func:`join` on the whole chunk),
+    which widens them into a temporary as large as the masters; or, with ``consume``, through the halves of each
+    32-bit word (little-endian), with no temporary: the low halves take the remainders as they are, and the high
+    halves their sign (``-1`` or ``0``, shifted in place, which leaves the remainders unfit for anything but freeing).
     """
     flat_weights = _flats(weights)
     sizes = [weight.numel() for weight in flat_weights]
@@ -154,11 +159,21 @@ def unpack(weights: list[Tensor], remainders: list[Tensor], chunk_numel: int = W
         pieces = list(bits.split_with_sizes(sizes[start:end]))
         torch._foreach_copy_(pieces, [weight.view(torch.int16) for weight in flat_weights[start:end]])
         bits.bitwise_left_shift_(16)
-        whole = one_flat(remainders[start:end])
-        if whole is not None:
-            bits.add_(whole)
+        chunk_remainders = remainders[start:end]
+        whole = one_flat(chunk_remainders)
+        if not consume:
+            if whole is not None:
+                bits.add_(whole)
+            else:
+                torch._foreach_add_(pieces, chunk_remainders)
+        elif whole is not None:
+            halves = bits.view(torch.int16)
+            halves[0::2].copy_(whole)
+            halves[1::2].add_(whole.bitwise_right_shift_(15))
         else:
-            torch._foreach_add_(pieces, remainders[start:end])
+            torch._foreach_copy_([low_halves(piece) for piece in pieces], chunk_remainders)
+            signs = [remainder.bitwise_right_shift_(15) for remainder in chunk_remainders]
+            torch._foreach_add_([piece.view(torch.int16)[1::2] for piece in pieces], signs)
         chunk_weights = weights[start:end]
         values = bits.view(torch.float32).split_with_sizes(sizes[start:end])
         masters += [value.as_strided(w.shape, w.stride()) for value, w in zip(values, chunk_weights, strict=True)]

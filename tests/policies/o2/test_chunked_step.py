@@ -213,12 +213,14 @@ def bytes_made_by_a_step(width: int, layers: int, optimizer: str, master_chunk_n
 
 @pytest.mark.parametrize("optimizer", ["foreach", "fused"])
 def test_the_steps_extra_memory_is_bounded_by_the_chunk_not_by_the_model(optimizer: str) -> None:
-    """With a chunk of two layers the step adds at most 8 bytes per element of a chunk (its rebuilt masters, and their
-    rebuild's or AdamW's temporaries), whether the model has 4 layers or 8; in one chunk it adds that per parameter."""
+    """With a chunk of two layers, the step adds the 4 bytes per element of one chunk's rebuilt masters (AdamW's
+    fused kernel, which bf16 steps go to, makes no temporaries) whether the model has 4 layers or 8; in one chunk,
+    as many bytes per parameter of the model."""
     width = 64
     layer = width * width + width
     chunk = 2 * layer
     four, eight = (bytes_made_by_a_step(width, layers, optimizer, chunk) for layers in (4, 8))
     whole = bytes_made_by_a_step(width, 8, optimizer, None)  # the default chunk, 2**22, holds the whole model
-    assert 4 * chunk < four == eight <= 8 * chunk
-    assert whole >= 4 * 8 * layer
+    scalars = 256  # the step's inf flag and such, whatever the model
+    assert 4 * chunk <= four == eight <= 4 * chunk + scalars
+    assert 4 * 8 * layer <= whole <= 4 * 8 * layer + scalars
