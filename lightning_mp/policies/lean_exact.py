@@ -320,15 +320,18 @@ class LeanExactPolicy(O2Policy):
         masters = self.masters
         if not isinstance(masters, RemainderMasters) or not steps_each_parameter_alone(optimizer):
             super()._before_step(optimizer, args, kwargs)
-        elif id(optimizer) not in self._chunked_steps:
-            self._chunked_steps[id(optimizer)] = ChunkedStep(
-                optimizer,
-                masters,
-                self.master_chunk_numel,
-                # No group entry swapped: only the state is keyed by the masters, for the length of each walk.
-                key_state_by_masters=lambda stepping: self._hold_masters(stepping, []),
-                key_state_by_params=self._hold_model_params,
-            )
+            return
+        stale = self._chunked_steps.pop(id(optimizer), None)  # a step that raised where nothing put its list back
+        if stale is not None:
+            stale.restore()
+        self._chunked_steps[id(optimizer)] = ChunkedStep(
+            optimizer,
+            masters,
+            self.master_chunk_numel,
+            # No group entry swapped: only the state is keyed by the masters, for the length of each walk.
+            key_state_by_masters=lambda stepping: self._hold_masters(stepping, []),
+            key_state_by_params=self._hold_model_params,
+        )
 
     @override
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:

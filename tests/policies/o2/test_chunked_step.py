@@ -158,6 +158,51 @@ def test_a_pre_hook_that_walks_the_groups_changes_nothing_but_what_it_writes() -
     assert_same_run(exact, o2)
 
 
+def train_through_a_failing_step(failing: bool) -> tuple[dict[str, Tensor], dict[Any, Any], list[bool]]:
+    """Six lean-exact Fabric steps in chunks; at step 3 a step pre-hook raises (``failing``) or no step is taken."""
+    plugin = MixedPrecision("bf16-mixed", opt_level="lean-exact", master_chunk_numel=CHUNK_NUMEL)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+    module, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    params = list(model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    own_params_after_failure: list[bool] = []
+
+    def fail_at_step_3(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if step == 3:
+            raise RuntimeError("a hook failed")
+
+    for step in range(6):
+        features, target = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+        fabric.backward(nn.functional.cross_entropy(module(features).float(), target))
+        if step == 1 and failing:
+            opt.optimizer.register_step_pre_hook(fail_at_step_3)  # after the plugin's: it runs inside the step
+        if step != 3 or failing:
+            try:
+                opt.step()
+            except RuntimeError:
+                grouped = [p for group in opt.optimizer.param_groups for p in group["params"]]
+                own_params_after_failure.append(all(a is b for a, b in zip(grouped, params, strict=True)))
+        opt.zero_grad()
+    result = {name: value.clone() for name, value in module.state_dict().items()}, opt.state_dict()["state"]
+    plugin.teardown()
+    return *result, own_params_after_failure
+
+
+def test_a_step_that_fails_in_a_hook_is_a_step_not_taken() -> None:
+    """A step pre-hook that raises leaves the groups holding the user's parameters and the masters packed: training
+    goes on exactly as if that step had not been taken."""
+    weights, state, own_params = train_through_a_failing_step(failing=True)
+    expected_weights, expected_state, _ = train_through_a_failing_step(failing=False)
+    assert own_params == [True]
+    for name, value in expected_weights.items():
+        assert torch.equal(weights[name], value), name
+    for index, entries in expected_state.items():
+        for key, value in entries.items():
+            assert torch.equal(state[index][key], value), (index, key)
+
+
 MARKER_BYTES = 999_983
 """The size of a tensor made just before the measured step and freed after it, which marks it in the profile."""
 
