@@ -38,7 +38,9 @@ for fused AdamW, 4 bytes per element for foreach AdamW). O2's step holds every m
 What differs from O2. A weight written by hand between steps (a callback editing ``weight`` in place) keeps its
 master's 16 low bits under the new top half; O2 would take the new value exactly where it differs from the rounded
 master. ``load_state_dict``, DDP's start-up broadcast and the plugin's checkpoints go through the masters and are
-exact. Under FSDP the sharded strategies keep fp32 shards already; this level is refused there (use O2).
+exact. The optimizer's step hooks find the user's parameters in its groups, wherever they were registered, where at
+O2 a hook that runs between the plugin's own finds the masters. Under FSDP the sharded strategies keep fp32 shards
+already; this level is refused there (use O2).
 """
 
 from __future__ import annotations
