@@ -17,8 +17,8 @@ How a step runs (everything else is O2's, :mod:`lightning_mp.policies.o2.policy`
    (:mod:`~lightning_mp.policies.o2.chunked_step`: at most ``master_chunk_numel`` elements, :data:`MASTER_CHUNK_NUMEL`
    by default, or one larger parameter). Each chunk's masters are rebuilt exactly from weight and remainder
    (:func:`~lightning_mp.policies.o2.split.unpack`: a fixed few ops per chunk, whatever the number of weights in it,
-   with the remainders as scratch space) and the remainders freed; torch's own step updates the masters in fp32 with
-   their fp32 gradients and states, as at O2.
+   and no temporary) and the remainders freed; torch's own step updates the masters in fp32 with their fp32
+   gradients and states, as at O2.
 3. Before the next chunk, each stepped master's remainder is taken (its low 16 bits, one strided copy), the master
    is rounded into its weight (its lowest bit set in place, then one foreach cast: no temporary), and the master is
    freed. A step skipped on the host never unpacks; one skipped on the device (torch's fused kernels with the
@@ -140,8 +140,7 @@ class RemainderMasters(MasterParams):
             held = [self.remainders[i] for i in device_indices]
             remainders = [r if r.device == device else r.to(device) for r in held if r is not None]
             with torch.no_grad():
-                # The remainders are freed below: the rebuild may use them as scratch space instead of a temporary.
-                masters = unpack(weights, remainders, self.chunk_numel, consume=True)
+                masters = unpack(weights, remainders, self.chunk_numel)
             for i, master in zip(device_indices, masters, strict=True):
                 self.master_params[i].data = master
                 self.remainders[i] = None

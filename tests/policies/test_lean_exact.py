@@ -168,8 +168,8 @@ def test_fsdp_refuses_lean_exact_naming_o2() -> None:
 
 
 def test_packing_a_chunk_of_weights_in_any_layout_rebuilds_every_master_exactly() -> None:
-    """The remainder is the master's low 16 bits; taking it, rounding and rebuilding (also with the remainders as
-    scratch space, apart or side by side in one buffer) work on contiguous, ``channels_last`` and transposed weights
+    """The remainder is the master's low 16 bits; taking it, rounding and rebuilding (from remainders side by side in
+    one buffer or apart, which it leaves as they were) work on contiguous, ``channels_last`` and transposed weights
     alike, in one chunk or several."""
     from lightning_mp.policies.o2.split import round_into, take_remainders, unpack
 
@@ -193,12 +193,12 @@ def test_packing_a_chunk_of_weights_in_any_layout_rebuilds_every_master_exactly(
             assert torch.equal(weight, round_to_bf16(master))
             assert value.stride() == master.stride()
             assert torch.equal(bits(value), bits(master))
-        apart = [remainder.clone() for remainder in remainders]
-        side_by_side = take_remainders([master.clone() for master in originals], chunk_numel)
-        for scratch in (apart, side_by_side):
-            for master, value in zip(originals, unpack(weights, scratch, chunk_numel, consume=True), strict=True):
-                assert value.stride() == master.stride()
-                assert torch.equal(bits(value), bits(master))
+        apart = [remainder.clone() for remainder in remainders]  # not side by side in one buffer
+        for master, value in zip(originals, unpack(weights, apart, chunk_numel), strict=True):
+            assert torch.equal(bits(value), bits(master))
+            assert value.stride() == master.stride()
+        for remainder, kept in zip(remainders, apart, strict=True):
+            assert torch.equal(remainder, kept)  # the rebuild reads the remainders and leaves them as they were
 
 
 class TiedLM(L.LightningModule):

@@ -140,16 +140,15 @@ def round_into(weights: list[Tensor], masters: list[Tensor], chunk_numel: int = 
         torch._foreach_copy_(flat_weights[start:end], flat_masters[start:end])
 
 
-def unpack(
-    weights: list[Tensor], remainders: list[Tensor], chunk_numel: int = WRITE_CHUNK_NUMEL, consume: bool = False
-) -> list[Tensor]:
+def unpack(weights: list[Tensor], remainders: list[Tensor], chunk_numel: int = WRITE_CHUNK_NUMEL) -> list[Tensor]:
     """The fp32 master of each bf16 ``weights[i]`` and flat int16 ``remainders[i]``, exactly, laid out as the weight.
 
     Per chunk, one foreach copy widens the weights' bits into one int32 tensor and one shift moves them into the high
-    halves; the masters are views of it. Then the remainders are added: as one add (:func:`join` on the whole chunk),
-    which widens them into a temporary as large as the masters; or, with ``consume``, through the halves of each
-    32-bit word (little-endian), with no temporary: the low halves take the remainders as they are, and the high
-    halves their sign (``-1`` or ``0``, shifted in place, which leaves the remainders unfit for anything but freeing).
+    halves of its 32-bit words; the masters are views of it. The remainders are added through the halves
+    (little-endian), with no temporary: an int32 add of int16 remainders would widen them into one as large as the
+    masters. The low halves take the remainders as they are, which is their sum modulo ``2**16``; each high half then
+    takes its remainder's sign (``-1`` or ``0``: the low half shifted right by 15 in place, and added), and the low
+    halves the remainders again.
     """
     flat_weights = _flats(weights)
     sizes = [weight.numel() for weight in flat_weights]
@@ -159,21 +158,19 @@ def unpack(
         pieces = list(bits.split_with_sizes(sizes[start:end]))
         torch._foreach_copy_(pieces, [weight.view(torch.int16) for weight in flat_weights[start:end]])
         bits.bitwise_left_shift_(16)
+        halves = bits.view(torch.int16)
+        low, high = halves[0::2], halves[1::2]
         chunk_remainders = remainders[start:end]
         whole = one_flat(chunk_remainders)
-        if not consume:
-            if whole is not None:
-                bits.add_(whole)
-            else:
-                torch._foreach_add_(pieces, chunk_remainders)
-        elif whole is not None:
-            halves = bits.view(torch.int16)
-            halves[0::2].copy_(whole)
-            halves[1::2].add_(whole.bitwise_right_shift_(15))
+        if whole is not None:
+            low.copy_(whole)
+            high.add_(low.bitwise_right_shift_(15))
+            low.copy_(whole)
         else:
-            torch._foreach_copy_([low_halves(piece) for piece in pieces], chunk_remainders)
-            signs = [remainder.bitwise_right_shift_(15) for remainder in chunk_remainders]
-            torch._foreach_add_([piece.view(torch.int16)[1::2] for piece in pieces], signs)
+            lows = [low_halves(piece) for piece in pieces]
+            torch._foreach_copy_(lows, chunk_remainders)
+            high.add_(low.bitwise_right_shift_(15))
+            torch._foreach_copy_(lows, chunk_remainders)
         chunk_weights = weights[start:end]
         values = bits.view(torch.float32).split_with_sizes(sizes[start:end])
         masters += [value.as_strided(w.shape, w.stride()) for value, w in zip(values, chunk_weights, strict=True)]
