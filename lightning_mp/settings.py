@@ -122,6 +122,10 @@ def _keep_fp32(name: str, patterns: Any) -> tuple[KeepFp32Pattern, ...]:
     return tuple(Fp32Overrides(patterns).patterns)
 
 
+def _chunk_numel(name: str, numel: Any) -> int | None:
+    return None if numel is None else check_number(name, numel, at_least=1, integer=True)
+
+
 @dataclass(frozen=True)
 class PluginSettings:
     """Every argument of :class:`~lightning_mp.MixedPrecision`, checked once when the object is built.
@@ -207,6 +211,16 @@ class PluginSettings:
             _eval_precision,
         ),
     )
+    master_chunk_numel: int | None = field(
+        default=None,
+        metadata=setting(
+            '``opt_level="lean-exact"`` only: the most parameter elements whose fp32 masters an optimizer step'
+            " rebuilds at once, an integer >= 1 (a larger parameter is a chunk of its own). Beyond the gradients, the"
+            " step then adds one chunk's rebuilt masters, 4 bytes per element, and the optimizer's temporaries for it"
+            " (none for fused AdamW). None takes ``2**22``: 16 MiB of masters.",
+            _chunk_numel,
+        ),
+    )
     scaler: ScalerSettings = SCALER_DEFAULTS
     """The loss scaler's settings."""
     scaler_given: bool = False
@@ -244,6 +258,12 @@ class PluginSettings:
                 " fp32 master as its bf16 weight plus the 16 bits rounding dropped, and only bf16 is the top half of an"
                 " fp32 (fp16's exponent is narrower, so its bits are not). Use precision='bf16-mixed' (or 'auto'), or"
                 " opt_level='O2' for fp16."
+            )
+        if self.master_chunk_numel is not None and opt_level != "lean-exact":
+            raise ValueError(
+                f"{caller()}(opt_level={opt_level!r}, master_chunk_numel={self.master_chunk_numel!r}) is not allowed:"
+                f" master_chunk_numel sizes the chunks in which lean-exact rebuilds its packed masters, and {opt_level}"
+                " packs none. Leave master_chunk_numel out, or use opt_level='lean-exact'."
             )
         if opt_level.startswith("lean") and precision in ("16-mixed", "32-true"):
             raise ValueError(

@@ -155,6 +155,10 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
             weights, no autocast), ``"32-true"``, or ``"auto"`` (what ``precision="auto"`` chooses); None evaluates as
             the model trains. Evaluation leaves training bitwise as it would be without it
             (:mod:`lightning_mp.policies.evaluation`).
+        master_chunk_numel: ``opt_level="lean-exact"`` only: the most parameter elements whose fp32 masters an
+            optimizer step rebuilds at once, an integer >= 1 (a larger parameter is a chunk of its own). Beyond the
+            gradients, the step then adds one chunk's rebuilt masters, 4 bytes per element, and the optimizer's
+            temporaries for it (none for fused AdamW). None takes ``2**22``: 16 MiB of masters.
         fp8: run the linear layers' matmuls in FP8 with torchao's float8 training: a recipe name (``"tensorwise"``,
             ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a :class:`~lightning_mp.fp8.FP8Settings` for the layers kept
             in bf16 and the fallback thresholds. With ``precision="bf16-mixed"`` and ``opt_level`` ``"O1"`` or
@@ -196,6 +200,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         skip_nonfinite: bool = SCALER_DEFAULTS.skip_nonfinite,
         scale_per_optimizer: bool = PLUGIN_DEFAULTS.scale_per_optimizer,
         eval_precision: EvalPrecisionName | str | int | None = PLUGIN_DEFAULTS.eval_precision,
+        master_chunk_numel: int | None = PLUGIN_DEFAULTS.master_chunk_numel,
         fp8: Fp8Recipe | FP8Settings | str | None = None,
     ) -> None:
         with arguments_of(type(self).__name__):
@@ -222,6 +227,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
                 skip_nonfinite=skip_nonfinite,
                 scale_per_optimizer=scale_per_optimizer,
                 eval_precision=eval_precision,
+                master_chunk_numel=master_chunk_numel,
             )
             self.settings = settings
             """Every argument, validated (:class:`~lightning_mp.settings.PluginSettings`)."""

@@ -33,7 +33,7 @@ from lightning_mp.fp8.mode import Fp8Mode, check_fp8_device
 from lightning_mp.fp8.settings import FP8Settings
 from lightning_mp.plugin.evaluation import Evaluation, refuse_swapped_weights_when_sharded
 from lightning_mp.plugin.resolved import ResolvedSetup, resolve_setup
-from lightning_mp.policies import POLICIES, SHARDED_POLICIES, PrecisionPolicy
+from lightning_mp.policies import POLICIES, SHARDED_POLICIES, LeanExactPolicy, PrecisionPolicy
 from lightning_mp.policies.sharded import refuse_half_weights
 from lightning_mp.scaler import LossScaler, ScalingMode
 from lightning_mp.scaling.per_optimizer import PerOptimizerScalers, RunScaler
@@ -105,7 +105,13 @@ def build_run(
     if fp8_settings is not None:
         check_fp8_device(fp8_settings.recipe, device_type)
         fp8 = fp8_converted or Fp8Mode(fp8_settings)
-    policy = setup.policy_class(setup.half_dtype, keep_fp32=keep_fp32)
+    policy_class = setup.policy_class
+    if issubclass(policy_class, LeanExactPolicy):
+        policy: PrecisionPolicy = policy_class(
+            setup.half_dtype, keep_fp32=keep_fp32, master_chunk_numel=settings.master_chunk_numel
+        )
+    else:
+        policy = policy_class(setup.half_dtype, keep_fp32=keep_fp32)
     loss_scaler = given_loss_scaler or _build_loss_scaler(settings, setup)
     loss_scaler.allow_fp16_gradients = setup.policy_class.half_gradients
     return Run(setup, policy, loss_scaler, fp8, Evaluation(policy))

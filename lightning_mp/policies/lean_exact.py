@@ -13,24 +13,34 @@ How a step runs (everything else is O2's, :mod:`lightning_mp.policies.o2.policy`
 1. Between steps each master is *packed*: its remainder is kept, and the master (the same ``nn.Parameter`` object
    the optimizer's state is keyed by) holds one zero expanded to its shape, so that it still takes the fp32 gradient
    the loss scaler unscales and checks, as at O2.
-2. When the optimizer's ``step`` begins, the masters of its parameters are rebuilt exactly from weight and remainder
-   (:func:`~lightning_mp.policies.o2.split.unpack`: a fixed few ops per chunk of ``2**22`` weights, whatever their
-   number) and the remainders freed; torch's own step then runs on fp32 masters, fp32 gradients and fp32 states, as
-   at O2, whatever the optimizer (fused, foreach, single-tensor, LBFGS, a third-party one).
-3. After the step each stepped master's remainder is taken (its low 16 bits, one strided copy per chunk), the
-   master is rounded into its weight (its lowest bit set in place, then one foreach cast: no temporary), and the
-   master is freed. A step skipped on the host never unpacks; one skipped on the device (torch's fused kernels with
-   the scaler's inf flag) leaves the master as it was, so it packs back to the same bits.
+2. The optimizer's ``step`` runs once, over one chunk of parameters at a time
+   (:mod:`~lightning_mp.policies.o2.chunked_step`: at most ``master_chunk_numel`` elements, :data:`MASTER_CHUNK_NUMEL`
+   by default, or one larger parameter). Each chunk's masters are rebuilt exactly from weight and remainder
+   (:func:`~lightning_mp.policies.o2.split.unpack`: a fixed few ops per chunk, whatever the number of weights in it,
+   and no temporary) and the remainders freed; torch's own step updates the masters in fp32 with their fp32
+   gradients and states, as at O2.
+3. Before the next chunk, each stepped master's remainder is taken (its low 16 bits, one strided copy), the master
+   is rounded into its weight (its lowest bit set in place, then one foreach cast: no temporary), and the master is
+   freed. A step skipped on the host never unpacks; one skipped on the device (torch's fused kernels with the
+   scaler's inf flag) leaves the master as it was, so it packs back to the same bits.
+
+torch's per-parameter optimizers (Adam, AdamW, SGD, Adagrad, RMSprop and the others of
+:data:`~lightning_mp.policies.o2.chunked_step.INDEPENDENT_STEPS`, in their fused, foreach and single-tensor forms) step
+in chunks; any other optimizer (LBFGS, whose update couples every parameter, or one with a ``step`` of its own) steps
+whole, every master rebuilt at once, as at O2.
 
 Memory per chosen parameter with AdamW: 2 bytes of bf16 weight and 2 of remainder, 8 of fp32 moment estimates, 2 of
 bf16 gradient from a backward to the step: 12 between steps, O2's 14 less the 2 bytes of the master's top half. In
-the step the stepped optimizer's masters and their fp32 gradients exist whole, as at O2 (the remainders are freed
-then), so the step's transient memory is O2's, not bounded by a chunk.
+the step the fp32 gradients exist whole, as at O2 (the loss scaler checks them and clipping scales them before it),
+and the step adds one chunk: its rebuilt masters, 4 bytes per element, and the optimizer's temporaries for it (none
+for fused AdamW, 4 bytes per element for foreach AdamW). O2's step holds every master, and every temporary, at once.
 
 What differs from O2. A weight written by hand between steps (a callback editing ``weight`` in place) keeps its
 master's 16 low bits under the new top half; O2 would take the new value exactly where it differs from the rounded
 master. ``load_state_dict``, DDP's start-up broadcast and the plugin's checkpoints go through the masters and are
-exact. Under FSDP the sharded strategies keep fp32 shards already; this level is refused there (use O2).
+exact. The optimizer's step hooks find the user's parameters in its groups, wherever they were registered, where at
+O2 a hook that runs between the plugin's own finds the masters. Under FSDP the sharded strategies keep fp32 shards
+already; this level is refused there (use O2).
 """
 
 from __future__ import annotations
@@ -41,11 +51,17 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mp.policies.o2.chunked_step import ChunkedStep, steps_each_parameter_alone
 from lightning_mp.policies.o2.masters import MasterParams
 from lightning_mp.policies.o2.policy import O2Policy
 from lightning_mp.policies.o2.split import dense_flat, take_remainders, unpack
+
+MASTER_CHUNK_NUMEL = 1 << 22
+"""The most parameter elements whose fp32 masters a step rebuilds at once unless ``master_chunk_numel`` says
+otherwise: 16 MiB of masters."""
 
 
 class RemainderMasters(MasterParams):
@@ -55,11 +71,13 @@ class RemainderMasters(MasterParams):
 
     Args:
         dtype: must be ``torch.bfloat16``.
+        chunk_numel: the most elements one rebuild or packing holds at once (a larger tensor is one of its own).
 
     """
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, chunk_numel: int = MASTER_CHUNK_NUMEL) -> None:
         super().__init__(dtype)
+        self.chunk_numel = chunk_numel
         self.remainders: list[Tensor | None] = []
         self._zeros: dict[torch.device, Tensor] = {}
         """Per device, the one fp32 zero every packed master there is a view of."""
@@ -72,7 +90,7 @@ class RemainderMasters(MasterParams):
         """
         for device_indices in self._by_device(i for i in indices if self.remainders[i] is None):
             with torch.no_grad():
-                remainders = take_remainders([self.master_params[i].data for i in device_indices])
+                remainders = take_remainders([self.master_params[i].data for i in device_indices], self.chunk_numel)
             self._keep(device_indices, remainders)
 
     def _keep(self, indices: list[int], remainders: list[Tensor]) -> None:
@@ -94,14 +112,19 @@ class RemainderMasters(MasterParams):
 
     @override
     def finish_step(self, indices: Sequence[int]) -> None:
-        """Free the step's gradients; take each stepped master's remainder, round it into its weight, free it.
-
-        No temporary beyond the remainders themselves (:func:`~lightning_mp.policies.o2.split.round_into`).
-        """
+        """Free the step's gradients, and pack the masters ``indices`` the step left rebuilt (:meth:`repack`)."""
         self.free_step_gradients(indices)
+        self.repack(indices)
+
+    def repack(self, indices: Iterable[int]) -> None:
+        """Take each rebuilt master's remainder, round the master into its weight, and free it.
+
+        A fixed few ops per chunk of weights, per device, and no temporary beyond the remainders themselves
+        (:func:`~lightning_mp.policies.o2.split.round_into`).
+        """
         for device_indices in self._by_device(i for i in indices if self.remainders[i] is None):
             with torch.no_grad():
-                remainders = take_remainders([self.master_params[i].data for i in device_indices])
+                remainders = take_remainders([self.master_params[i].data for i in device_indices], self.chunk_numel)
             self.master_params_to_model_params(device_indices, consume=True)
             self._keep(device_indices, remainders)
 
@@ -117,7 +140,7 @@ class RemainderMasters(MasterParams):
             held = [self.remainders[i] for i in device_indices]
             remainders = [r if r.device == device else r.to(device) for r in held if r is not None]
             with torch.no_grad():
-                masters = unpack(weights, remainders)
+                masters = unpack(weights, remainders, self.chunk_numel)
             for i, master in zip(device_indices, masters, strict=True):
                 self.master_params[i].data = master
                 self.remainders[i] = None
@@ -183,9 +206,18 @@ class RemainderMasters(MasterParams):
 
     @override
     def ready_for_step(self, indices: Iterable[int]) -> None:
+        """Before a whole step: every master ``indices`` rebuilt, with edits merged and fresh fp32 gradients."""
         indices = list(indices)
         self.follow_devices(indices)
         self.unpack(indices)
+        super().ready_for_step(indices)
+
+    def prepare_chunked_step(self, indices: list[int]) -> None:
+        """Before a chunked step: edits merged and fresh fp32 gradients, the masters still packed.
+
+        Each chunk is rebuilt when the step reaches it (:meth:`unpack`).
+        """
+        self.follow_devices(indices)
         super().ready_for_step(indices)
 
     @override
@@ -229,6 +261,8 @@ class LeanExactPolicy(O2Policy):
     Args:
         half_dtype: must be ``torch.bfloat16``.
         keep_fp32: module types, qualified names or ``re:`` patterns whose modules compute in fp32.
+        master_chunk_numel: the most parameter elements whose masters exist at once in an optimizer step (a larger
+            parameter is a chunk of its own); None takes :data:`MASTER_CHUNK_NUMEL`.
 
     Raises:
         ValueError: if ``half_dtype`` is not bf16, or a ``keep_fp32`` entry is invalid.
@@ -239,7 +273,12 @@ class LeanExactPolicy(O2Policy):
     packs_masters = True
     masters_type: ClassVar[type[MasterParams]] = RemainderMasters
 
-    def __init__(self, half_dtype: torch.dtype | None, keep_fp32: Sequence[type | str] = ()) -> None:
+    def __init__(
+        self,
+        half_dtype: torch.dtype | None,
+        keep_fp32: Sequence[type | str] = (),
+        master_chunk_numel: int | None = None,
+    ) -> None:
         if half_dtype is not torch.bfloat16:
             raise ValueError(
                 f"{type(self).__name__}(half_dtype={half_dtype!r}) is not allowed: opt_level='lean-exact' keeps each"
@@ -253,6 +292,70 @@ class LeanExactPolicy(O2Policy):
                 f" which needs a little-endian machine; this one is {sys.byteorder}-endian. Use opt_level='O2'."
             )
         super().__init__(half_dtype, keep_fp32)
+        self.master_chunk_numel = MASTER_CHUNK_NUMEL if master_chunk_numel is None else master_chunk_numel
+        self._chunked_steps: dict[int, ChunkedStep] = {}
+        """Per optimizer (by ``id``) stepping a chunk at a time: its groups for the length of the step."""
+
+    @override
+    def new_masters(self) -> MasterParams:
+        return RemainderMasters(torch.bfloat16, self.master_chunk_numel)
+
+    @override
+    def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
+        """Put back the groups of a chunked step that raised after the pre-hook; then as O2."""
+        chunked = self._chunked_steps.pop(id(optimizer), None)
+        if chunked is not None:
+            chunked.restore()
+        super().after_optimizer_step(optimizer, skipped)
+
+    @override
+    def teardown(self) -> None:
+        for chunked in self._chunked_steps.values():
+            chunked.restore()
+        self._chunked_steps = {}
+        super().teardown()
+
+    @override
+    def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Step torch's per-parameter optimizers a chunk of masters at a time; any other whole, as O2."""
+        masters = self.masters
+        if not isinstance(masters, RemainderMasters) or not steps_each_parameter_alone(optimizer):
+            super()._before_step(optimizer, args, kwargs)
+            return
+        stale = self._chunked_steps.pop(id(optimizer), None)  # a step that raised where nothing put its list back
+        if stale is not None:
+            stale.restore()
+        self._chunked_steps[id(optimizer)] = ChunkedStep(
+            optimizer,
+            masters,
+            self.master_chunk_numel,
+            # No group entry swapped: only the state is keyed by the masters, for the length of each walk.
+            key_state_by_masters=lambda stepping: self._hold_masters(stepping, []),
+            key_state_by_params=self._hold_model_params,
+        )
+
+    @override
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """Free the gradients of a chunked step, whose masters its loop packed; after a whole step as O2.
+
+        Raises:
+            RuntimeError: if the optimizer's ``step`` returned without walking its groups as torch's loop does.
+
+        """
+        chunked = self._chunked_steps.pop(id(optimizer), None)
+        if chunked is None:
+            super()._after_step(optimizer, args, kwargs)
+            return
+        chunked.restore()
+        if not chunked.walked:
+            raise RuntimeError(
+                f"lean-exact expected {type(optimizer).__name__}.step to walk optimizer.param_groups in its own loop,"
+                " as torch's step does, to hand it the fp32 masters a chunk at a time; it returned without, so it"
+                " stepped the bf16 weights directly. A wrapped or compiled step cannot be chunked: use"
+                " opt_level='O2', or call the optimizer's own step."
+            )
+        if self.masters is not None:
+            self.masters.finish_step(chunked.entries())
 
     @override
     def master_param(self, parameter: Tensor) -> Tensor:

@@ -6,6 +6,7 @@ with ``torch.equal``: the packed master is exact, so nothing may differ by a bit
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +20,14 @@ from lightning_mp import FSDPMixedPrecision, MixedPrecision
 from lightning_mp.policies.lean_exact import RemainderMasters
 from lightning_mp.policies.o2.split import join, remainder_of, round_to_bf16
 from tests.helpers import make_trainer
-from tests.policies.lean_helpers import LeanNet, classification_loader
-
-OPTIMIZERS: dict[str, Any] = {
-    "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),
-    "adamw-single-tensor": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=False),
-    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),
-    "adam-amsgrad": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True, weight_decay=1e-3),
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.05),
-    "sgd-nesterov": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True),
-    "sgd-fused": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True),
-    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.05),
-}
-
-
-def bits(tensor: Tensor) -> Tensor:
-    return tensor.view(torch.int32)
+from tests.policies.lean_helpers import (
+    CHUNK_NUMEL,
+    OPTIMIZERS,
+    LeanNet,
+    assert_same_run,
+    classification_loader,
+    fabric_run,
+)
 
 
 def test_a_master_is_its_bf16_weight_plus_a_16_bit_remainder_exactly() -> None:
@@ -58,56 +51,18 @@ def test_a_master_is_its_bf16_weight_plus_a_16_bit_remainder_exactly() -> None:
     assert torch.equal((weight.float() - master).abs(), (nearest_even - master).abs())  # a nearest value everywhere
 
 
-def fabric_run(opt_level: str, optimizer: str, steps: int = 12, accumulate: int = 2) -> dict[str, Any]:
-    """Fabric training with accumulation and clipping; a NaN gradient planted at one step, which the plugin skips."""
-    plugin = MixedPrecision("bf16-mixed", opt_level=opt_level)
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
-    )
-    module, opt = fabric.setup(model, OPTIMIZERS[optimizer](model.parameters()))
-    generator = torch.Generator().manual_seed(1)
-    losses = []
-    for step in range(steps):
-        for micro in range(accumulate):
-            features, target = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
-            with fabric.no_backward_sync(module, enabled=micro < accumulate - 1):
-                loss = F.cross_entropy(module(features).float(), target) / accumulate
-                fabric.backward(loss)
-            losses.append(loss.detach())
-        if step == 5:
-            model[3].weight.grad[0, 0] = float("nan")
-        fabric.clip_gradients(module, opt, max_norm=0.5)
-        opt.step()
-        opt.zero_grad()
-    result = {
-        "losses": torch.stack(losses),
-        "weights": {name: value.clone() for name, value in module.state_dict().items()},
-        "bf16": [p.detach().clone() for p in model.parameters()],
-        "state": opt.state_dict()["state"],
-        "skipped": plugin.stats.skipped_steps,
-        "masters": plugin.policy.masters,  # type: ignore[union-attr]
-    }
-    plugin.teardown()
-    return result
+def bits(tensor: Tensor) -> Tensor:
+    return tensor.view(torch.int32)
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_lean_exact_is_o2_bit_for_bit_with_every_optimizer_form(optimizer: str) -> None:
-    """Losses, fp32 weights, bf16 weights and optimizer states equal O2's, through accumulation, clipping and a skip."""
-    o2, exact = fabric_run("O2", optimizer), fabric_run("lean-exact", optimizer)
+    """Losses, fp32 weights, bf16 weights and optimizer states equal O2's, through accumulation, clipping and a skip,
+    with the step cut into chunks of masters (one weight larger than a chunk)."""
+    o2 = fabric_run("O2", optimizer)
+    exact = fabric_run("lean-exact", optimizer, master_chunk_numel=CHUNK_NUMEL)
     assert exact["skipped"] == o2["skipped"] == 1
-    assert torch.equal(exact["losses"], o2["losses"])
-    for name, value in o2["weights"].items():
-        assert exact["weights"][name].dtype == value.dtype == torch.float32, name
-        assert torch.equal(exact["weights"][name], value), name
-    for a, b in zip(exact["bf16"], o2["bf16"], strict=True):
-        assert torch.equal(a, b)
-    assert exact["state"].keys() == o2["state"].keys()
-    for index, entries in o2["state"].items():
-        for key, value in entries.items():
-            assert torch.equal(exact["state"][index][key], value), (index, key)
+    assert_same_run(exact, o2)
 
 
 def test_between_steps_each_master_costs_its_2_byte_remainder_and_no_fp32_storage() -> None:
@@ -192,14 +147,30 @@ def test_lean_exact_refuses_every_precision_but_bf16_by_name(precision: str) -> 
         MixedPrecision(precision, opt_level="lean-exact")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", [0, -4, 2.5, "4096", True])
+def test_a_chunk_that_is_not_a_positive_integer_is_refused_by_name(value: Any) -> None:
+    """``master_chunk_numel`` takes an integer >= 1; anything else fails naming the argument, the value and the rule."""
+    with pytest.raises(ValueError, match=rf"master_chunk_numel={re.escape(repr(value))}\) is not allowed: .*>= 1"):
+        MixedPrecision("bf16-mixed", opt_level="lean-exact", master_chunk_numel=value)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "lean"])
+def test_a_chunk_given_to_a_level_that_packs_no_masters_is_refused(opt_level: str) -> None:
+    """A chunk of masters means nothing where no master is packed: the error names both and the way out."""
+    refusal = rf"opt_level='{opt_level}', master_chunk_numel=64\) is not allowed.*opt_level='lean-exact'"
+    with pytest.raises(ValueError, match=refusal):
+        MixedPrecision("bf16-mixed", opt_level=opt_level, master_chunk_numel=64)
+
+
 def test_fsdp_refuses_lean_exact_naming_o2() -> None:
     with pytest.raises(ValueError, match=r"opt_level='lean-exact'\) is not allowed: .*fp32 shards.*Use opt_level='O2'"):
         FSDPMixedPrecision("bf16-mixed", opt_level="lean-exact")
 
 
 def test_packing_a_chunk_of_weights_in_any_layout_rebuilds_every_master_exactly() -> None:
-    """The remainder is the master's low 16 bits; taking it, rounding and rebuilding work on contiguous,
-    ``channels_last`` and transposed weights alike, in one chunk or several."""
+    """The remainder is the master's low 16 bits; taking it, rounding and rebuilding (from remainders side by side in
+    one buffer or apart, which it leaves as they were) work on contiguous, ``channels_last`` and transposed weights
+    alike, in one chunk or several."""
     from lightning_mp.policies.o2.split import round_into, take_remainders, unpack
 
     generator = torch.Generator().manual_seed(0)
@@ -222,6 +193,12 @@ def test_packing_a_chunk_of_weights_in_any_layout_rebuilds_every_master_exactly(
             assert torch.equal(weight, round_to_bf16(master))
             assert value.stride() == master.stride()
             assert torch.equal(bits(value), bits(master))
+        apart = [remainder.clone() for remainder in remainders]  # not side by side in one buffer
+        for master, value in zip(originals, unpack(weights, apart, chunk_numel), strict=True):
+            assert torch.equal(bits(value), bits(master))
+            assert value.stride() == master.stride()
+        for remainder, kept in zip(remainders, apart, strict=True):
+            assert torch.equal(remainder, kept)  # the rebuild reads the remainders and leaves them as they were
 
 
 class TiedLM(L.LightningModule):

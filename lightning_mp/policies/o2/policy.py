@@ -160,7 +160,7 @@ class O2Policy(PrecisionPolicy):
         # One MasterParams for every model this run converts (Fabric sets up a GAN's two models one by one); each
         # model's state-dict hooks know its own entries, whose names may repeat in another model.
         if self.masters is None:
-            self.masters = self.masters_type(self.half_dtype)
+            self.masters = self.new_masters()
         masters = self.masters
         indices = [masters.add(param, keys) for param, keys in materialized]
         self.lazy_params += [
@@ -173,6 +173,11 @@ class O2Policy(PrecisionPolicy):
             if not has_fp32_region(root):  # a region the user attached is the user's to keep
                 self.hook_handles += Fp32Region().attach(root)
         return module
+
+    def new_masters(self) -> MasterParams:
+        """An empty :attr:`masters_type` for this level's half type, which ``convert_module`` fills."""
+        assert self.half_dtype is not None
+        return self.masters_type(self.half_dtype)
 
     @override
     def connect(self, module: nn.Module, optimizers: list[Optimizer]) -> list[Optimizer]:
@@ -369,7 +374,7 @@ class O2Policy(PrecisionPolicy):
         """Put the parameters back in ``optimizer``'s groups and key its state by them; return the entries."""
         swapped = self._in_step.pop(id(optimizer), None)
         masters = self.masters
-        if not swapped or masters is None:
+        if swapped is None or masters is None:
             return []
         views = self._state_views[id(optimizer)]
         state = optimizer.state

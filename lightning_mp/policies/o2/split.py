@@ -143,8 +143,12 @@ def round_into(weights: list[Tensor], masters: list[Tensor], chunk_numel: int = 
 def unpack(weights: list[Tensor], remainders: list[Tensor], chunk_numel: int = WRITE_CHUNK_NUMEL) -> list[Tensor]:
     """The fp32 master of each bf16 ``weights[i]`` and flat int16 ``remainders[i]``, exactly, laid out as the weight.
 
-    Per chunk, one foreach copy widens the weights' bits into one int32 tensor, and one shift and one add (:func:`join`
-    on the whole chunk) finish it in place; the masters are views of it.
+    Per chunk, one foreach copy widens the weights' bits into one int32 tensor and one shift moves them into the high
+    halves of its 32-bit words; the masters are views of it. The remainders are added through the halves
+    (little-endian), with no temporary: an int32 add of int16 remainders would widen them into one as large as the
+    masters. The low halves take the remainders as they are, which is their sum modulo ``2**16``; each high half then
+    takes its remainder's sign (``-1`` or ``0``: the low half shifted right by 15 in place, and added), and the low
+    halves the remainders again.
     """
     flat_weights = _flats(weights)
     sizes = [weight.numel() for weight in flat_weights]
@@ -154,11 +158,19 @@ def unpack(weights: list[Tensor], remainders: list[Tensor], chunk_numel: int = W
         pieces = list(bits.split_with_sizes(sizes[start:end]))
         torch._foreach_copy_(pieces, [weight.view(torch.int16) for weight in flat_weights[start:end]])
         bits.bitwise_left_shift_(16)
-        whole = one_flat(remainders[start:end])
+        halves = bits.view(torch.int16)
+        low, high = halves[0::2], halves[1::2]
+        chunk_remainders = remainders[start:end]
+        whole = one_flat(chunk_remainders)
         if whole is not None:
-            bits.add_(whole)
+            low.copy_(whole)
+            high.add_(low.bitwise_right_shift_(15))
+            low.copy_(whole)
         else:
-            torch._foreach_add_(pieces, remainders[start:end])
+            lows = [low_halves(piece) for piece in pieces]
+            torch._foreach_copy_(lows, chunk_remainders)
+            high.add_(low.bitwise_right_shift_(15))
+            torch._foreach_copy_(lows, chunk_remainders)
         chunk_weights = weights[start:end]
         values = bits.view(torch.float32).split_with_sizes(sizes[start:end])
         masters += [value.as_strided(w.shape, w.stride()) for value, w in zip(values, chunk_weights, strict=True)]

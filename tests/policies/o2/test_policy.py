@@ -288,6 +288,22 @@ def test_o2_fabric_trains_two_models_set_up_one_after_the_other() -> None:
             assert state[name].dtype == torch.float32 and torch.equal(state[name], master.detach()), name
 
 
+def test_o2_an_optimizer_of_fp32_parameters_only_keeps_its_own_state_dict() -> None:
+    """An optimizer that steps only the fp32 LayerNorm of an O2 model holds its states in its own ``state`` dict, the
+    one a reference taken before training sees."""
+    plugin = o2()
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    module, norm_optimizer = fabric.setup(model, torch.optim.AdamW(model[1].parameters(), lr=1e-2))
+    own_state = norm_optimizer.optimizer.state
+    for _ in range(2):
+        fabric.backward(module(torch.randn(3, 4)).float().square().mean())
+        norm_optimizer.step()
+        norm_optimizer.zero_grad()
+    assert norm_optimizer.optimizer.state is own_state
+    assert [int(own_state[p]["step"]) for p in model[1].parameters()] == [2, 2]
+
+
 def test_o2_keep_fp32_regions_stay_attached_across_forwards_until_teardown() -> None:
     """Under Fabric the keep_fp32 region's hooks are attached once at setup, not per forward; teardown removes them."""
     torch.manual_seed(0)
