@@ -61,7 +61,6 @@ _FOREACH_OPS = (
     "torch._foreach_sub",
     "torch._foreach_sign_",
     "torch._foreach_copy_",
-    "torch._foreach_add_",
 )
 """The ``torch._foreach_*`` ops the package uses."""
 _CORE_ATEN_OPS = ("aten._local_scalar_dense", "aten._to_copy")
