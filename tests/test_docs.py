@@ -209,8 +209,6 @@ def test_few_guide_blocks_are_not_run() -> None:
 CODE_WIDTH = 88
 """The widest code line a page shows without a horizontal scroll bar in the site's theme."""
 LONGEST_PARAGRAPH = 150
-CI_READS_AS_ONE_LINE = re.compile(r"^pip install torch .*&& pip install")
-"""The README's install line, which CI reads as one line (``.ci/run``), may be wider."""
 
 
 def prose_paragraphs(text: str) -> list[str]:
@@ -241,7 +239,6 @@ def test_the_pages_read_well(page: Path) -> None:
             fence = None
         elif fence not in (None, "text") and not fence.startswith("{") and len(line) > CODE_WIDTH:
             wide.append(line)
-    wide = [line for line in wide if not CI_READS_AS_ONE_LINE.match(line)]
     assert wide == []
     long_paragraphs = [p[:60] for p in prose_paragraphs(text) if len(p.split()) > LONGEST_PARAGRAPH]
     assert long_paragraphs == []

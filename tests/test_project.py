@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -134,3 +135,15 @@ def test_ci_runs_the_whole_suite_at_the_floors_without_extras_and_on_the_newest_
     assert "torchao" not in floors_run  # the floors run has no optional extra
     assert 'run_readme_line "$test_line"' in ci[newest:]
     assert readme_line('pytest -m "not slow"')
+
+
+def test_ci_reads_the_readme_install_command_whole_across_its_continued_lines() -> None:
+    """CI runs the README's install command as the reader pastes it: torch first, then the package and the demo."""
+    script = (ROOT / ".ci" / "run").read_text()
+    reader = re.search(r"install_line=\$\((awk '.*' README\.md)\)", script)
+    assert reader is not None
+    command = subprocess.run(
+        ["bash", "-c", reader.group(1)], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert command.startswith("pip install torch --index-url") and "\\" not in command
+    assert command.endswith('pip install -e ".[dev]" && python -m lightning_mp.demo')
