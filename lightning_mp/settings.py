@@ -217,7 +217,7 @@ class PluginSettings:
             '``opt_level="lean-exact"`` only: the most parameter elements whose fp32 masters an optimizer step'
             " rebuilds at once, an integer >= 1 (a larger parameter is a chunk of its own). Beyond the gradients, the"
             " step then adds one chunk's rebuilt masters, 4 bytes per element, and the optimizer's temporaries for it"
-            " (none for fused AdamW). None takes ``2**22``: 16 MiB of masters.",
+            " (none for fused AdamW). None takes ``2**24``: 64 MiB of masters.",
             _chunk_numel,
         ),
     )

@@ -158,7 +158,7 @@ class MixedPrecision(Fp8Methods, CheckpointEntry, RunViews, StepHooks):  # type:
         master_chunk_numel: ``opt_level="lean-exact"`` only: the most parameter elements whose fp32 masters an
             optimizer step rebuilds at once, an integer >= 1 (a larger parameter is a chunk of its own). Beyond the
             gradients, the step then adds one chunk's rebuilt masters, 4 bytes per element, and the optimizer's
-            temporaries for it (none for fused AdamW). None takes ``2**22``: 16 MiB of masters.
+            temporaries for it (none for fused AdamW). None takes ``2**24``: 64 MiB of masters.
         fp8: run the linear layers' matmuls in FP8 with torchao's float8 training: a recipe name (``"tensorwise"``,
             ``"rowwise"``, ``"rowwise_with_gw_hp"``) or a :class:`~lightning_mp.fp8.FP8Settings` for the layers kept
             in bf16 and the fallback thresholds. With ``precision="bf16-mixed"`` and ``opt_level`` ``"O1"`` or

@@ -265,7 +265,7 @@ def test_the_steps_extra_memory_is_bounded_by_the_chunk_not_by_the_model(optimiz
     layer = width * width + width
     chunk = 2 * layer
     four, eight = (bytes_made_by_a_step(width, layers, optimizer, chunk) for layers in (4, 8))
-    whole = bytes_made_by_a_step(width, 8, optimizer, None)  # the default chunk, 2**22, holds the whole model
+    whole = bytes_made_by_a_step(width, 8, optimizer, None)  # the default chunk, 2**24, holds the whole model
     scalars = 256  # the step's inf flag and such, whatever the model
     assert 4 * chunk <= four == eight <= 4 * chunk + scalars
     assert 4 * 8 * layer <= whole <= 4 * 8 * layer + scalars
