@@ -289,9 +289,16 @@ def count_opt_level(opt_level: str, precision: str, task: Task = markov_counting
     model, data = task(steps + 1)  # the counted batches are not the epoch's last, which Lightning handles apart
     counter = SteadyStepCounter(batch=WARMUP_STEPS)
     trainer = trainer_for_counting(opt_level, precision, steps, callbacks=[counter])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # emulated bf16 and few dataloader workers on this CPU: known, not counted
-        trainer.fit(model, data)
+    # Counted with torch's autocast weight cache on, as in a fresh process: a process whose earlier work left it off
+    # would count each weight's cast again in backward.
+    cache_was_enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # emulated bf16 and few dataloader workers on this CPU: known, not counted
+            trainer.fit(model, data)
+    finally:
+        torch.set_autocast_cache_enabled(cache_was_enabled)
     return counter.counts(opt_level, precision)
 
 
