@@ -113,8 +113,10 @@ class Recorder(L.Callback):
         self.steps.append((trainer.global_step, stats.loss_scale, stats.last_step_skipped))
         self.step_checksums.append(parameter_checksum(pl_module))
         if self.step_delay:
-            # A slow run, so that a test can signal it mid-training: progress.txt says how far it got.
-            (self.out / "progress.txt").write_text(str(trainer.global_step))
+            # A slow run, so that a test can signal it mid-training: progress.txt says how far it got. It is
+            # replaced whole, never truncated and rewritten, so a reader never sees it empty.
+            (self.out / "progress.tmp").write_text(str(trainer.global_step))
+            os.replace(self.out / "progress.tmp", self.out / "progress.txt")
             time.sleep(self.step_delay)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -75,7 +75,7 @@ def test_sigterm_saves_last_ckpt_and_resume_keeps_the_scale(tmp_path):
     progress = tmp_path / "progress.txt"
     try:
         deadline = time.monotonic() + 60
-        while not (progress.exists() and progress.read_text() and int(progress.read_text()) >= 5):
+        while not (progress.exists() and int(progress.read_text() or 0) >= 5):
             assert process.poll() is None, process.communicate()[0][-4000:]
             assert time.monotonic() < deadline, "the run never reached step 5"
             time.sleep(0.1)
