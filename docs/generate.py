@@ -318,8 +318,7 @@ def measure_support_matrix() -> None:
     write_result(
         "support-matrix",
         "Each cell trains 8 AdamW steps of a 4-layer MLP on 2 CPU processes (gloo; one for a single device), or is"
-        " refused by name (at setup; under Fabric's DeepSpeedStrategy at the first backward, before any step);"
-        " tests/distributed/test_support_matrix.py checks every cell.",
+        " refused by name at setup; tests/distributed/test_support_matrix.py checks every cell.",
         rows=rows,
     )
 

@@ -28,6 +28,14 @@ so the learning rate and the schedule run ahead of the weights, silently, whenev
    :class:`~lightning_mp.engine.schedulers.SkipAwareScheduler` at the first step, so a skipped step does not advance
    the learning rate, as everywhere else in this package.
 
+**Under Fabric** the same class serves Fabric's ``DeepSpeedStrategy``, which gives a precision plugin no view of
+the strategy before DeepSpeed starts: the strategy writes DeepSpeed's precision section from its own loss-scale
+arguments, so pass it the plugin's (:meth:`DeepSpeedMixedPrecision.strategy_arguments`). At the first backward the
+plugin compares the engine DeepSpeed built with its settings and stops the run, before any step, where they differ
+(:func:`engine_mismatches`). Each ``optimizer.step()`` runs the engine's step (Fabric hands the plugin the engine's
+optimizer, which stepped alone would bypass DeepSpeed's skip accounting) and is counted as under the Trainer; the
+scheduler given to ``fabric.setup`` is DeepSpeed's, which DeepSpeed itself holds on a skipped step.
+
 DeepSpeed is the optional extra ``.[deepspeed]``; it builds from source, so install it after torch with
 ``pip install --no-build-isolation`` (a build in an isolated environment would fetch another torch).
 """
@@ -78,6 +86,37 @@ def deepspeed_precision_config(settings: PluginSettings) -> dict[str, Any]:
         "min_loss_scale": scaler.min_scale if scaler.min_scale is not None else 1,
     }
     return {"fp16": fp16}
+
+
+def engine_mismatches(settings: PluginSettings, engine: Any) -> list[str]:
+    """What of ``settings`` the DeepSpeed ``engine`` was not built with: ``["initial_scale_power=16, plugin 8", ...]``.
+
+    Reads the engine's public precision getters: which half type it runs, and for fp16 its static or dynamic scale
+    and the dynamic scaler's arguments, compared with DeepSpeed's own reading of :func:`deepspeed_precision_config`.
+    """
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+    found: list[str] = []
+    for name, enabled, wanted in (
+        ("fp16", engine.fp16_enabled(), settings.precision == "16-mixed"),
+        ("bf16", engine.bfloat16_enabled(), settings.precision == "bf16-mixed"),
+    ):
+        if bool(enabled) != wanted:
+            found.append(f"{name} {'on' if enabled else 'off'}, plugin {settings.precision!r}")
+    fp16 = deepspeed_precision_config(settings).get("fp16")
+    if fp16 is None or found:
+        return found
+    expected = DeepSpeedFP16Config(**fp16)
+    if engine.loss_scale() != expected.loss_scale:
+        found.append(f"loss_scale={engine.loss_scale()!r}, plugin {expected.loss_scale!r}")
+    elif expected.loss_scale == 0:
+        built, wanted_args = engine.dynamic_loss_scale_args(), expected.dynamic_loss_scale_args()
+        found += [
+            f"{key}={built.get(key)!r}, plugin {value!r}"
+            for key, value in wanted_args.items()
+            if built.get(key) != value
+        ]
+    return found
 
 
 def refuse_what_deepspeed_cannot_express(settings: PluginSettings) -> None:
@@ -201,6 +240,10 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
 
         trainer = Trainer(strategy=DeepSpeedStrategy(stage=2), plugins=[DeepSpeedMixedPrecision("16-mixed")])
 
+        # Fabric: the strategy writes DeepSpeed's config, from the plugin's settings
+        plugin = DeepSpeedMixedPrecision("16-mixed", init_scale=2.0**12)
+        fabric = Fabric(strategy=DeepSpeedStrategy(stage=2, **plugin.strategy_arguments()), plugins=[plugin])
+
     """
 
     def __init__(self, precision: str = "16-mixed", **kwargs: Any) -> None:
@@ -216,6 +259,36 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
         self._loss_scale = float(self.settings.scaler.init_scale) if fp16 else 1.0
         self._last_skipped = False
         self._wrapped_schedulers = False
+        self._engine_checked = False
+        self._fabric_engine: Any = None
+        """Under Fabric, the DeepSpeed engine its first backward ran through: the one whose step the plugin runs."""
+
+    def strategy_arguments(self) -> dict[str, Any]:
+        """The keyword arguments of Lightning's ``DeepSpeedStrategy`` that carry the plugin's loss-scale settings.
+
+        For Fabric, whose strategy writes DeepSpeed's precision section from them: ``DeepSpeedStrategy(stage=2,
+        **plugin.strategy_arguments())``. Empty in ``"bf16-mixed"`` and ``"32-true"``, which have no loss scale.
+
+        Raises:
+            ValueError: for ``consecutive_hysteresis=True``, which the strategy takes no argument for, naming the
+                config section that carries it.
+
+        Example:
+            >>> DeepSpeedMixedPrecision("16-mixed", init_scale=2.0**12).strategy_arguments()["initial_scale_power"]
+            12
+
+        """
+        section = deepspeed_precision_config(self.settings)
+        fp16 = section.get("fp16")
+        if fp16 is None:
+            return {}
+        if fp16["consecutive_hysteresis"]:
+            raise ValueError(
+                f"{type(self).__name__}(consecutive_hysteresis=True) has no DeepSpeedStrategy argument: pass"
+                f" DeepSpeedStrategy(config={{..., 'fp16': {fp16!r}}}) instead of strategy_arguments()."
+            )
+        names = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+        return {name: fp16[name] for name in names}
 
     # ------------------------------------------------------------------------------------------------ config
 
@@ -223,18 +296,16 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Write the precision section of the strategy's DeepSpeed config from the plugin's settings.
 
+        Under Fabric the strategy wrote it already, from its own arguments (:meth:`strategy_arguments`); the first
+        backward checks the engine built from it.
+
         Raises:
             ValueError: if the DeepSpeed config already has an ``fp16`` or ``bf16`` section, naming it.
-            TypeError: outside a Trainer (Fabric's DeepSpeedStrategy), naming what to use there.
 
         """
         trainer = attached_trainer(module)
-        if trainer is None:
-            raise TypeError(
-                f"{type(self).__name__} runs under the Trainer's DeepSpeedStrategy, which lets it write DeepSpeed's"
-                " config and hold the scheduler; Fabric's DeepSpeedStrategy gives a precision plugin neither. Under"
-                " Fabric pass precision='16-mixed' or 'bf16-mixed' to Fabric for DeepSpeed's own precision."
-            )
+        if trainer is None:  # Fabric: its strategy wrote the config already, checked at the first backward
+            return super().convert_module(module)
         strategy = getattr(trainer, "strategy", None)
         config = getattr(strategy, "config", None)
         if isinstance(config, dict):
@@ -254,9 +325,76 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
     # ------------------------------------------------------------------------------------------------ step
 
     @override
-    # Lightning's DeepSpeedPrecision takes (optimizer, model, closure); mypy checks it against Fabric's base.
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """DeepSpeed's step, then its verdict read into the counters; a skipped step holds step schedulers."""
+    def pre_backward(self, tensor: Any, module: Any) -> Any:
+        """Lightning's ``on_before_backward`` hooks under the Trainer; under Fabric, check the engine once."""
+        if attached_trainer(module) is not None:
+            return super().pre_backward(tensor, module)
+        if not self._engine_checked:
+            self._check_fabric_engine(module)
+        return tensor
+
+    @override
+    def backward(self, tensor: Any, model: Any, *args: Any, **kwargs: Any) -> None:
+        """DeepSpeed's backward: the Trainer's engine, or the one Fabric hands."""
+        if attached_trainer(model) is not None:
+            super().backward(tensor, model, *args, **kwargs)
+        else:
+            model.backward(tensor, *args, **kwargs)
+
+    @override
+    def post_backward(self, tensor: Any, module: Any) -> Any:
+        """Lightning's ``on_after_backward`` hooks under the Trainer; nothing under Fabric."""
+        if attached_trainer(module) is not None:
+            return super().post_backward(tensor, module)
+        return tensor
+
+    def _check_fabric_engine(self, engine: Any) -> None:
+        """Stop a Fabric run before its first step where DeepSpeed's engine is not what the settings ask for."""
+        if not any(cls.__name__ == "DeepSpeedEngine" for cls in type(engine).__mro__):
+            raise TypeError(
+                f"{type(self).__name__} runs under DeepSpeedStrategy, and Fabric's strategy here handed a"
+                f" {type(engine).__name__}: pass strategy=DeepSpeedStrategy(...), or use lightning_mp.MixedPrecision"
+                " with the other strategies."
+            )
+        found = engine_mismatches(self.settings, engine)
+        if found:
+            raise ValueError(
+                f"Fabric's DeepSpeedStrategy built DeepSpeed's engine with other precision settings than"
+                f" {type(self).__name__}'s: {'; '.join(found)}. Fabric gives a precision plugin no view of the"
+                " strategy's config: pass the plugin's settings to the strategy, DeepSpeedStrategy(...,"
+                " **plugin.strategy_arguments()), and remove any fp16/bf16 section of your own from its config."
+            )
+        self._engine_checked = True
+        self._fabric_engine = engine
+
+    def _fabric_step(self, optimizer: Any, closure: Any, **kwargs: Any) -> Any:
+        """Fabric's step: through the engine that owns ``optimizer``, so that DeepSpeed's own step runs.
+
+        Fabric means to step the engine, but hands the engine's optimizer (its optimizer type check does not
+        recognise the engine): stepped alone, that would apply the update and skip everything DeepSpeed does around
+        it (the skip count, the accumulation boundary, its scheduler held on a skipped step).
+        """
+        if closure is not None:
+            kwargs["closure"] = closure
+        engine = self._fabric_engine
+        if engine is None or optimizer not in (engine, engine.optimizer):
+            return optimizer.step(**kwargs)
+        boundary = bool(engine.is_gradient_accumulation_boundary())
+        output = engine.step(**kwargs)
+        if boundary:
+            self._count_step(engine)
+        return output
+
+    @override
+    # Lightning's DeepSpeedPrecision takes (optimizer, model, closure); Fabric hands (engine, **kwargs).
+    def optimizer_step(self, optimizer: Any, model: Any = None, closure: Any = None, **kwargs: Any) -> Any:
+        """DeepSpeed's step, then its verdict read into the counters; a skipped step holds the schedulers.
+
+        Under the Trainer the plugin holds each step scheduler; under Fabric DeepSpeed holds the scheduler given to
+        ``fabric.setup`` itself.
+        """
+        if model is None:  # Fabric
+            return self._fabric_step(optimizer, closure, **kwargs)
         trainer: pl.Trainer = model.trainer
         engine = trainer.model
         if not self._wrapped_schedulers:
@@ -326,4 +464,4 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
         self._loss_scale = float(state_dict.get("loss_scale", self._loss_scale))
 
 
-__all__ = ["DEEPSPEED_PRECISIONS", "DeepSpeedMixedPrecision", "deepspeed_precision_config"]
+__all__ = ["DEEPSPEED_PRECISIONS", "DeepSpeedMixedPrecision", "deepspeed_precision_config", "engine_mismatches"]

@@ -3,6 +3,7 @@ and a skipped step holds the learning rate, on real DeepSpeed engines (ZeRO 1-3,
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -227,16 +228,93 @@ def test_a_resumed_run_continues_the_counters_deepspeeds_scale_and_the_held_sche
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.5**applied)
 
 
-@pytest.mark.parametrize("plugin_name", ["MixedPrecision", "DeepSpeedMixedPrecision"])
-def test_under_fabrics_deepspeed_strategy_the_plugins_are_refused_naming_what_to_use(plugin_name: str) -> None:
-    """Fabric's DeepSpeedStrategy casts and scales with DeepSpeed's engine: MixedPrecision there would scale twice
-    (refused at the first backward, before any step), and the DeepSpeed form needs the Trainer (refused at setup)."""
+def test_under_fabrics_deepspeed_strategy_mixed_precision_is_refused_naming_the_deepspeed_plugin() -> None:
+    """Fabric's DeepSpeedStrategy casts and scales with DeepSpeed's engine: MixedPrecision there would scale twice.
+    It is refused at the first backward, before any step, naming the plugin that runs there."""
     deepspeed_on_cpu()
-    plugin = MixedPrecision("16-mixed") if plugin_name == "MixedPrecision" else DeepSpeedMixedPrecision("16-mixed")
+    plugin = MixedPrecision("16-mixed")
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=CPUFabricDeepSpeedStrategy(stage=2), plugins=[plugin])
     fabric.launch()
     torch.manual_seed(0)
     model = nn.Linear(16, 1)
-    with pytest.raises(TypeError, match=r"does not run under Fabric's DeepSpeedStrategy|runs under the Trainer's"):
-        module, _ = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    module, _ = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(TypeError, match=r"does not run under Fabric's DeepSpeedStrategy.*DeepSpeedMixedPrecision"):
         fabric.backward(module(torch.randn(8, 16)).float().square().mean())
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+def fabric_run(plugin: DeepSpeedMixedPrecision, strategy: Any, steps: int = 6) -> tuple[Any, Any, list[float]]:
+    """Train :class:`Regression`'s network under Fabric for ``steps`` steps, a NaN loss planted at step 3, with the
+    step scheduler given to ``fabric.setup``; returns the engine, the scheduler and the losses."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    torch.manual_seed(0)
+    network = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(network.parameters(), lr=LR)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = fabric.setup(network, optimizer, scheduler=scheduler)
+    losses = []
+    for step, (features, target) in zip(range(steps), loader(), strict=False):
+        loss = nn.functional.mse_loss(model(features).float(), target)
+        fabric.backward(loss * float("nan") if step == PLANTED_AT else loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return strategy.model, scheduler, losses
+
+
+@pytest.mark.parametrize(
+    ("precision", "stage"),
+    [("bf16-mixed", 2), ("16-mixed", 2), pytest.param("16-mixed", 3, marks=pytest.mark.slow)],
+)
+def test_under_fabric_the_deepspeed_plugin_counts_deepspeeds_skip_and_deepspeed_holds_the_scheduler(
+    precision: str, stage: int
+) -> None:
+    """Fabric's DeepSpeedStrategy built from the plugin's arguments trains; the planted NaN is skipped by DeepSpeed,
+    counted by the plugin, and the scheduler given to fabric.setup halves the rate once per applied step only."""
+    deepspeed_on_cpu()
+    scaler = {"init_scale": 2.0**12, "hysteresis": 1} if precision == "16-mixed" else {}
+    plugin = DeepSpeedMixedPrecision(precision, **scaler)
+    strategy = CPUFabricDeepSpeedStrategy(stage=stage, **plugin.strategy_arguments())
+    engine, scheduler, losses = fabric_run(plugin, strategy)
+    stats = plugin.stats
+    assert stats.optimizer_steps == 6
+    assert stats.skipped_steps == engine.skipped_steps == 1
+    assert scheduler.get_last_lr()[0] == pytest.approx(LR * 0.5**5)
+    assert all(torch.isfinite(p).all() for p in engine.module.parameters())
+    assert sum(math.isnan(loss) for loss in losses) == 0  # the NaN was planted in the backward's loss only
+    if precision == "16-mixed":
+        assert stats.loss_scale == engine.optimizer.loss_scale == 2.0**11
+        assert stats.scale_backoffs == 1
+    assert plugin.state_dict()["counters"]["skipped_steps"] == 1
+
+
+def test_under_fabric_a_strategy_built_without_the_plugins_settings_stops_before_the_first_step() -> None:
+    """The strategy's own loss-scale arguments (2**16) against the plugin's init_scale=2**12: refused at the first
+    backward, naming the setting and how to pass the plugin's; the weights are untouched."""
+    deepspeed_on_cpu()
+    plugin = DeepSpeedMixedPrecision("16-mixed", init_scale=2.0**12)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=CPUFabricDeepSpeedStrategy(stage=2), plugins=[plugin])
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    module, _ = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(ValueError, match=r"init_scale=65536, plugin 4096.*plugin\.strategy_arguments\(\)"):
+        fabric.backward(module(torch.randn(8, 16)).float().square().mean())
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+def test_strategy_arguments_carry_the_fp16_settings_and_refuse_what_the_strategy_cannot_take() -> None:
+    arguments = DeepSpeedMixedPrecision("16-mixed", init_scale=2.0**10, growth_interval=50, min_scale=4.0)
+    assert arguments.strategy_arguments() == {
+        "loss_scale": 0,
+        "initial_scale_power": 10,
+        "loss_scale_window": 50,
+        "hysteresis": 2,
+        "min_loss_scale": 4.0,
+    }
+    assert DeepSpeedMixedPrecision("bf16-mixed").strategy_arguments() == {}
+    with pytest.raises(ValueError, match=r"consecutive_hysteresis=True.*config="):
+        DeepSpeedMixedPrecision("16-mixed", consecutive_hysteresis=True).strategy_arguments()

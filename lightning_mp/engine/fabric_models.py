@@ -141,13 +141,13 @@ def refuse_deepspeed_engine(module: Any, plugin: str) -> None:
     it (its ``repr``: precision, opt level, FP8 recipe), which the message names.
 
     Raises:
-        TypeError: naming Lightning's own DeepSpeed precision for Fabric and this package's for the Trainer.
+        TypeError: naming this package's DeepSpeed plugin and how Fabric takes it.
 
     """
     if any(cls.__name__ == "DeepSpeedEngine" for cls in type(module).__mro__):
         raise TypeError(
             f"{plugin} does not run under Fabric's DeepSpeedStrategy: DeepSpeed's own fp16 or bf16 engine"
-            " would cast and scale too. Under Fabric pass precision='16-mixed', 'bf16-mixed' or '32-true' to Fabric"
-            " for DeepSpeed's precision; under the Trainer use lightning_mp.DeepSpeedMixedPrecision, which adds this"
-            " package's settings, counters and scheduler hold."
+            " would cast and scale too. Use lightning_mp.DeepSpeedMixedPrecision there, which maps this package's"
+            " settings onto DeepSpeed's engine and counts its skipped steps: plugin = DeepSpeedMixedPrecision(...);"
+            " Fabric(strategy=DeepSpeedStrategy(..., **plugin.strategy_arguments()), plugins=[plugin])."
         )

@@ -6,7 +6,7 @@ Run as a user would run a training script (the strategy re-launches it, or spawn
         --front trainer|fabric [--cells A,B]
 
 ``single`` is one process on one device; the others run 2 processes. ``deepspeed<stage>`` runs Lightning's
-DeepSpeedStrategy at that ZeRO stage with :class:`~lightning_mp.DeepSpeedMixedPrecision`, under the Trainer only.
+DeepSpeedStrategy at that ZeRO stage with :class:`~lightning_mp.DeepSpeedMixedPrecision`.
 
 A cell is ``precision:opt_level`` or ``bf16-mixed:O1:<fp8 recipe>`` (:data:`CELLS`). Each is fitted for
 :data:`STEPS` steps of AdamW on a small regression MLP whose middle layers FP8 can take, from the same seed on every
@@ -59,13 +59,13 @@ STEPS = 8
 
 
 def plugin_for(cell: str, strategy: str, front: str) -> Any:
-    """The plugin of ``cell``: the FSDP form under FSDPStrategy and the DeepSpeed form under the Trainer's
-    DeepSpeedStrategy, as the docs say to pass; under Fabric's DeepSpeedStrategy the one a Fabric user would try."""
+    """The plugin of ``cell``: the FSDP form under FSDPStrategy and the DeepSpeed form under DeepSpeedStrategy, as
+    the docs say to pass."""
     precision, opt_level, *fp8 = cell.split(":")
     kwargs: dict[str, Any] = {"opt_level": opt_level, "fp8": fp8[0] if fp8 else None}
     if precision == "16-mixed":
         kwargs["init_scale"] = 2.0**8
-    if strategy.startswith("deepspeed") and front == "trainer":
+    if strategy.startswith("deepspeed"):
         return DeepSpeedMixedPrecision(precision, **kwargs)
     form = FSDPMixedPrecision if strategy == "fsdp" else MixedPrecision
     return form(precision, **kwargs)
@@ -229,7 +229,8 @@ def fabric_strategy(strategy: str, plugin: MixedPrecision) -> Any:
     if strategy == "fsdp":
         return CPUFabricFSDPStrategy()
     if strategy.startswith("deepspeed"):
-        return CPUFabricDeepSpeedStrategy(stage=int(strategy.removeprefix("deepspeed")))
+        stage = int(strategy.removeprefix("deepspeed"))
+        return CPUFabricDeepSpeedStrategy(stage=stage, **plugin.strategy_arguments())
     if strategy == "fsdp2":
 
         def shard(module: nn.Module, device_mesh: Any) -> nn.Module:
@@ -265,7 +266,13 @@ def run_fabric(args: argparse.Namespace, cell: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    report(args.out, cell, fabric.global_rank, losses, module, seen, model)
+    if getattr(strategy, "zero_stage_3", False):  # each rank holds a shard: gather the weights
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            report(args.out, cell, fabric.global_rank, losses, module, seen, model)
+    else:
+        report(args.out, cell, fabric.global_rank, losses, module, seen, model)
     plugin.teardown()
 
 

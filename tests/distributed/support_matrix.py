@@ -35,9 +35,8 @@ ROWS = (
     ("DeepSpeedStrategy, ZeRO 3", "deepspeed3", "fabric"),
 )
 """Each row: its label, the script's ``--strategy`` and ``--front``. The DeepSpeed rows run where DeepSpeed is
-installed (the ``deepspeed`` extra): under the Trainer with ``DeepSpeedMixedPrecision``; under Fabric, whose
-DeepSpeedStrategy gives a precision plugin neither its config nor its scheduler, ``MixedPrecision`` is refused by
-name, pointing to Fabric's own ``precision=``."""
+installed (the ``deepspeed`` extra), with ``DeepSpeedMixedPrecision`` (under Fabric, its strategy built from the
+plugin's ``strategy_arguments()``)."""
 
 
 def row_runs_here(strategy: str) -> bool:
