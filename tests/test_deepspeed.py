@@ -318,3 +318,31 @@ def test_strategy_arguments_carry_the_fp16_settings_and_refuse_what_the_strategy
     assert DeepSpeedMixedPrecision("bf16-mixed").strategy_arguments() == {}
     with pytest.raises(ValueError, match=r"consecutive_hysteresis=True.*config="):
         DeepSpeedMixedPrecision("16-mixed", consecutive_hysteresis=True).strategy_arguments()
+
+
+def test_under_fabric_the_plugins_counters_go_into_fabric_save_and_come_back_with_fabric_load(tmp_path: Path) -> None:
+    """The plugin is a stateful object of fabric.save's state under DeepSpeed; a new plugin loads its counters and
+    the last scale seen, and DeepSpeed's own checkpoint keeps its scaler."""
+    deepspeed_on_cpu()
+    plugin = DeepSpeedMixedPrecision("16-mixed", init_scale=2.0**12, hysteresis=1)
+    fabric = L.Fabric(
+        accelerator="cpu",
+        devices=1,
+        strategy=CPUFabricDeepSpeedStrategy(stage=2, **plugin.strategy_arguments()),
+        plugins=[plugin],
+    )
+    fabric.launch()
+    torch.manual_seed(0)
+    network = nn.Linear(16, 1)
+    model, optimizer = fabric.setup(network, torch.optim.AdamW(network.parameters(), lr=LR))
+    for step in range(3):
+        loss = model(torch.randn(8, 16)).float().square().mean()
+        fabric.backward(loss * float("nan") if step == 1 else loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(tmp_path / "checkpoint", {"model": model, "optimizer": optimizer, "plugin": plugin})
+    resumed = DeepSpeedMixedPrecision("16-mixed", init_scale=2.0**12, hysteresis=1)
+    fabric.load(tmp_path / "checkpoint", {"model": model, "optimizer": optimizer, "plugin": resumed})
+    assert resumed.stats == plugin.stats
+    assert (resumed.stats.optimizer_steps, resumed.stats.skipped_steps) == (3, 1)
+    assert resumed.stats.loss_scale == 2.0**11
