@@ -28,6 +28,9 @@ the strategy hands to ``FullyShardedDataParallel(mixed_precision=...)``):
   that makes them (torch's public ``CustomPolicy``, whose per-module keyword arguments override the policy), and a
   ``keep_fp32`` module that is not such a unit is refused by name (at the Trainer's setup, at Fabric's first
   forward).
+* ``lean-exact`` (bf16) runs as ``O2``: its contract is O2's numbers with 4 bytes of weight and master per
+  parameter, and FSDP's fp32 shard is that exact master, stored once across the ranks, with the bf16 weight gathered
+  only for the pass; there is nothing to pack, and the results are O2's under FSDP, bit for bit.
 * ``O3``, ``lean`` and ``lean-kahan`` keep half weights with no fp32 master. FSDP shards fp32 masters already (the
   memory those levels save is divided by the number of ranks), and ``O2`` gives the half compute: they are refused
   when the plugin is built, naming ``O2`` as the alternative.
@@ -88,10 +91,12 @@ from lightning_mp.front_ends import attached_trainer
 from lightning_mp.plugin import MixedPrecision
 from lightning_mp.plugin.checkpoint import TORCH_SCALER_KEYS
 from lightning_mp.policies import PrecisionPolicy
-from lightning_mp.policies.fsdp_o2 import FSDPO2Policy
+from lightning_mp.policies.fsdp_o2 import FSDPLeanExactPolicy, FSDPO2Policy
 
-FSDP_OPT_LEVELS = ("O0", "O1", "O2")
+FSDP_OPT_LEVELS = ("O0", "O1", "O2", "lean-exact")
 """The opt levels FSDP runs; the others keep half weights without fp32 masters, which FSDP shards itself."""
+HALF_GATHERING_LEVELS = ("O2", "lean-exact")
+"""The opt levels whose half weights are FSDP's gathered ``param_dtype`` copies of its fp32 shards."""
 
 
 def _instance_of(types: tuple[type[nn.Module], ...]) -> Callable[[nn.Module], bool]:
@@ -154,7 +159,7 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
     Takes exactly the arguments of :class:`~lightning_mp.MixedPrecision`, with the same meaning and checks.
 
     Raises:
-        ValueError: for an opt level FSDP cannot run (``O3``, ``lean``, ``lean-kahan``, ``lean-exact``), naming the
+        ValueError: for an opt level FSDP cannot run (``O3``, ``lean``, ``lean-kahan``), naming the
             alternative; for ``fp8``, which runs under FSDP2 (``ModelParallelStrategy``) only. Otherwise as
             :class:`~lightning_mp.MixedPrecision`.
 
@@ -166,13 +171,6 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.opt_level == "lean-exact":
-            raise ValueError(
-                "FSDPMixedPrecision(opt_level='lean-exact') is not allowed: lean-exact packs an fp32 master beside each"
-                " whole bf16 weight, while FSDP keeps the masters itself as fp32 shards (1/N of the weights per rank)."
-                " Use opt_level='O2', where FSDP gathers bf16 copies of its fp32 shards: the same bf16 compute."
-                f" Allowed: {list(FSDP_OPT_LEVELS)}."
-            )
         if self.opt_level not in FSDP_OPT_LEVELS:
             raise ValueError(
                 f"FSDPMixedPrecision(opt_level={self.opt_level!r}) is not allowed: {self.opt_level} keeps the model's"
@@ -189,7 +187,7 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
             )
         eval_precision = self.settings.eval_precision
         if eval_precision in ("16-true", "bf16-true") or (
-            self.opt_level == "O2" and eval_precision not in (None, self.requested_precision)
+            self.opt_level in HALF_GATHERING_LEVELS and eval_precision not in (None, self.requested_precision)
         ):
             raise ValueError(
                 f"FSDPMixedPrecision(opt_level={self.opt_level!r}, eval_precision={eval_precision!r}) is not allowed:"
@@ -219,7 +217,7 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
                 " mixed_precision_config is known from then on."
             )
         half_dtype = self.half_dtype
-        if self.opt_level == "O2" and half_dtype is not None:
+        if self.opt_level in HALF_GATHERING_LEVELS and half_dtype is not None:
             # The inputs stay as given (the Trainer's batch holds the targets too): autocast casts each op's inputs.
             return TorchMixedPrecision(
                 param_dtype=half_dtype,
@@ -366,7 +364,9 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
 
     @override
     def _policy_class(self, opt_level: str, sharded: bool) -> type[PrecisionPolicy]:
-        return FSDPO2Policy if opt_level == "O2" else super()._policy_class(opt_level, sharded)
+        if opt_level in HALF_GATHERING_LEVELS:
+            return FSDPLeanExactPolicy if opt_level == "lean-exact" else FSDPO2Policy
+        return super()._policy_class(opt_level, sharded)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

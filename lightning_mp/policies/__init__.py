@@ -7,7 +7,7 @@ from lightning_mp.policies.o0 import O0Policy
 from lightning_mp.policies.o1 import O1Policy
 from lightning_mp.policies.o2 import O2Policy
 from lightning_mp.policies.o3 import O3Policy
-from lightning_mp.policies.sharded import ShardedO2Policy
+from lightning_mp.policies.sharded import ShardedLeanExactPolicy, ShardedO2Policy
 
 POLICIES: dict[str, type[PrecisionPolicy]] = {
     "O0": O0Policy,
@@ -20,7 +20,7 @@ POLICIES: dict[str, type[PrecisionPolicy]] = {
 }
 """The registered opt levels by name: ``MixedPrecision(opt_level=...)`` takes any key, and a policy class added here
 (a :class:`PrecisionPolicy` subclass) becomes an opt level."""
-SHARDED_POLICIES: dict[str, type[PrecisionPolicy]] = {"O2": ShardedO2Policy}
+SHARDED_POLICIES: dict[str, type[PrecisionPolicy]] = {"O2": ShardedO2Policy, "lean-exact": ShardedLeanExactPolicy}
 """The opt levels whose form on an FSDP2-sharded model differs (:mod:`lightning_mp.policies.sharded`)."""
 
 __all__ = [
@@ -34,5 +34,6 @@ __all__ = [
     "O2Policy",
     "O3Policy",
     "PrecisionPolicy",
+    "ShardedLeanExactPolicy",
     "ShardedO2Policy",
 ]

@@ -72,8 +72,8 @@ class PrecisionPolicy:
     weights): fp32 would leave the level nothing to do, so ``precision="auto"`` picks a half type for it even where
     the device only emulates bf16."""
     packs_masters: ClassVar[bool] = False
-    """Whether the masters are kept packed beside the half weights (``lean-exact``): a sharding strategy, which keeps
-    fp32 shards as the masters already, has nothing for the level to pack, so it is refused there."""
+    """Whether the masters are kept packed beside the half weights (``lean-exact``): a sharding strategy keeps fp32
+    shards as the masters already, so the level's sharded form packs nothing."""
     kahan: ClassVar[bool] = False
     """Whether each weight keeps a Kahan compensation buffer in its optimizer state (``lean-kahan``)."""
 

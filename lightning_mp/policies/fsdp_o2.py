@@ -48,3 +48,9 @@ class FSDPO2Policy(PrecisionPolicy):
         """Forget the modules, and remove the hooks."""
         self.fp32_roots = []
         super().teardown()
+
+
+class FSDPLeanExactPolicy(FSDPO2Policy):
+    """``lean-exact`` under FSDP1: O2's form, whose fp32 shards are the exact masters (nothing to pack)."""
+
+    opt_level = "lean-exact"

@@ -16,8 +16,17 @@ O1          autocast, loss scaler                       ``MixedPrecisionPolicy()
                                                         casts per op
 O2          autocast, loss scaler; checks the weights   ``param_dtype=half, reduce_dtype=half``
             compute in half (:class:`ShardedO2Policy`)
+lean-exact  as O2 (:class:`ShardedLeanExactPolicy`)      ``param_dtype=bfloat16, reduce_dtype=bfloat16``
 O3, lean    refused (:func:`refuse_half_weights`)       --
 ==========  ==========================================  =====================================================
+
+lean-exact's contract is O2's numbers with 4 bytes of weight and master per parameter, where unsharded O2 keeps 6
+(a bf16 weight beside its fp32 master); it keeps each master as the bf16 weight plus a 16-bit remainder. On a sharded
+model there is no second copy to fold away: FSDP2's fp32 shard is the exact master, 4 bytes per parameter stored once
+across the ranks, and the bf16 weight exists only while a group is gathered. So lean-exact maps onto the same policy
+as O2 and gives FSDP2's O2 results bit for bit, with nothing to pack. (FSDP2 keeps each shard's gradient in the
+shard's dtype, fp32, where a packed sharded form could keep it in bf16: 2 bytes per parameter per rank, divided by
+the number of ranks.)
 
 O3 and lean keep the weights themselves in half, with no fp32 copy. FSDP2 owns the sharded weights: casting the
 model after ``fully_shard`` leaves its fp32 shards as they are, so such a run would silently train fp32 weights.
@@ -76,13 +85,6 @@ def refuse_half_weights(policy_class: type[PrecisionPolicy], precision: str) -> 
 
     """
     opt_level = policy_class.opt_level
-    if policy_class.packs_masters:
-        raise ShardedPrecisionError(
-            f"MixedPrecision(precision={precision!r}, opt_level={opt_level!r}) is not allowed on a sharded model"
-            f" (FSDP2's fully_shard): {opt_level} packs an fp32 master beside each whole bf16 weight, while FSDP2"
-            " keeps the masters itself as fp32 shards (1/N of the weights per rank). Use opt_level='O2' with"
-            " fully_shard(..., mp_policy=plugin.fsdp2_policy()): the same bf16 compute on fp32 shards."
-        )
     if policy_class.half_weights:
         raise ShardedPrecisionError(
             f"MixedPrecision(precision={precision!r}, opt_level={opt_level!r}) is not allowed on a sharded model"
@@ -98,7 +100,7 @@ def fsdp2_mixed_precision_policy(
     """The FSDP2 ``MixedPrecisionPolicy`` that carries out ``opt_level`` in ``half_dtype`` (table in the module docs).
 
     Args:
-        opt_level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"lean"`` or ``"lean-kahan"``.
+        opt_level: a registered opt level; O2 and ``lean-exact`` gather half copies, the others fp32.
         half_dtype: the plugin's half type; None for fp32 training.
         keep_fp32: the policy for a ``keep_fp32`` subtree's own ``fully_shard`` call: gathered and reduced in fp32.
 
@@ -109,7 +111,7 @@ def fsdp2_mixed_precision_policy(
     """
     if keep_fp32:
         return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    if opt_level == "O2" and half_dtype is not None:
+    if opt_level in ("O2", "lean-exact") and half_dtype is not None:
         return MixedPrecisionPolicy(param_dtype=half_dtype, reduce_dtype=half_dtype)
     return MixedPrecisionPolicy()
 
@@ -135,16 +137,27 @@ class ShardedO2Policy(O1Policy):
             if next(child.parameters(recurse=False), None) is None:
                 continue
             expected = torch.float32 if child in kept else self.half_dtype
-            check = _FirstForwardDtypeCheck(names[child] or "<root>", expected, child in kept)
+            check = _FirstForwardDtypeCheck(self.opt_level, names[child] or "<root>", expected, child in kept)
             check.handle = child.register_forward_pre_hook(check)
             self.hook_handles.append(check.handle)
         return module
 
 
+class ShardedLeanExactPolicy(ShardedO2Policy):
+    """``lean-exact`` on an FSDP2-sharded model: O2's sharded form, whose fp32 shards are the exact masters.
+
+    The settings already hold it to bf16. Nothing is packed: the shard is the only stored copy of each weight (module
+    docstring), so the results are FSDP2's O2 results, bit for bit.
+    """
+
+    opt_level = "lean-exact"
+
+
 class _FirstForwardDtypeCheck:
     """A forward pre-hook that checks a module's gathered parameters once, then removes itself."""
 
-    def __init__(self, name: str, expected: torch.dtype | None, kept: bool) -> None:
+    def __init__(self, opt_level: str, name: str, expected: torch.dtype | None, kept: bool) -> None:
+        self.opt_level = opt_level
         self.name = name
         self.expected = expected
         self.kept = kept
@@ -157,9 +170,10 @@ class _FirstForwardDtypeCheck:
             return
         role = "a keep_fp32 module" if self.kept else "a module outside keep_fp32"
         raise ShardedPrecisionError(
-            f"MixedPrecision(opt_level='O2') on a sharded model: {role}, {self.name!r} ({type(module).__name__}),"
-            f" computes with {sorted(map(str, found))} parameters where O2 needs {self.expected}. Under FSDP2, O2's"
-            f" half weights are FSDP2's own: {FSDP2_FIX}. Or use opt_level='O1', which needs no policy."
+            f"MixedPrecision(opt_level={self.opt_level!r}) on a sharded model: {role}, {self.name!r}"
+            f" ({type(module).__name__}), computes with {sorted(map(str, found))} parameters where {self.opt_level}"
+            f" needs {self.expected}. Under FSDP2, {self.opt_level}'s half weights are FSDP2's own: {FSDP2_FIX}. Or"
+            " use opt_level='O1', which needs no policy."
         )
 
 
@@ -182,11 +196,11 @@ def refuse_sharding_after_conversion(policy: PrecisionPolicy, modules: list[nn.M
     if policy.packs_masters:
         raise ShardedPrecisionError(
             f"MixedPrecision(opt_level={policy.opt_level!r}) on a model sharded after fabric.setup converted it"
-            " (Fabric's ModelParallelStrategy applies parallelize_fn after the plugin): its masters packed beside"
-            " whole bf16 weights do not combine with FSDP2, which keeps fp32 shards as the masters itself. Use"
-            " opt_level='O2' with the model sharded before fabric.setup (fully_shard(...,"
-            " mp_policy=plugin.fsdp2_policy()) after fabric.launch(), with"
-            " ModelParallelStrategy(parallelize_fn=lambda model, mesh: model))."
+            " (Fabric's ModelParallelStrategy applies parallelize_fn after the plugin): its masters, packed beside"
+            " whole bf16 weights, do not combine with FSDP2's shards. Shard the model before fabric.setup instead"
+            " (fully_shard(..., mp_policy=plugin.fsdp2_policy()) after fabric.launch(), with"
+            " ModelParallelStrategy(parallelize_fn=lambda model, mesh: model)): FSDP2's fp32 shards are then"
+            f" {policy.opt_level}'s exact masters. Or use opt_level='O1'."
         )
     if policy.opt_level == "O3":
         for module in modules:

@@ -144,6 +144,23 @@ class DtypeRecordingRegressor(TinyRegressor):
         return self.training_step(batch, batch_idx)
 
 
+def test_lean_exact_under_fsdp_is_o2_bit_for_bit(single_process_group: None) -> None:
+    """lean-exact under FSDPStrategy: FSDP's fp32 shards are its exact masters, gathered in bf16 as at O2; with
+    clipping and a planted inf, every weight and the counters are O2's under FSDP, bit for bit."""
+    results = {}
+    for opt_level in ("O2", "lean-exact"):
+        torch.manual_seed(0)
+        plugin = FSDPMixedPrecision("bf16-mixed", opt_level=opt_level)
+        model = DtypeRecordingRegressor(inject_at=(2,))
+        make_trainer(plugin, strategy=CPUFSDPStrategy(), gradient_clip_val=1.0).fit(model, loader())
+        assert plugin.mixed_precision_config.param_dtype == torch.bfloat16
+        assert model.weight_dtypes == {"first": {torch.bfloat16}, "second": {torch.bfloat16}}
+        results[opt_level] = (plugin.stats, [p.detach().clone() for p in model.parameters()])
+    (o2_stats, o2_weights), (exact_stats, exact_weights) = results["O2"], results["lean-exact"]
+    assert exact_stats == o2_stats and exact_stats.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(exact_weights, o2_weights, strict=True))
+
+
 @pytest.mark.parametrize(("precision", "opt_level"), [("16-mixed", "O1"), ("bf16-mixed", "O2")])
 def test_trainer_fsdp_trains_skips_and_computes_in_the_mapped_dtype(
     precision: str, opt_level: str, single_process_group: None

@@ -105,6 +105,31 @@ def test_fsdp2_resumes_exactly_from_sharded_and_full_checkpoints(resumed, layout
 
 
 @pytest.mark.slow
+def test_fsdp2_lean_exact_is_fsdp2_o2_bit_for_bit_through_skips_and_a_resume(tmp_path):
+    """lean-exact on a sharded model keeps FSDP2's fp32 shards as its exact masters: every loss, counter and weight
+    (gathered whole) is O2's under FSDP2, bit for bit, on both ranks, also resumed at step 4 from a sharded and a
+    full checkpoint; under DDP the same pair is bitwise equal too."""
+    if fsdp2_sums_over_gloo():
+        pytest.skip(FSDP2_SUMS_OVER_GLOO_REASON)
+    ranks = _fsdp2_reports(tmp_path, "--cases", "bf16-mixed:O2,bf16-mixed:lean-exact", "--resume-at", "4")
+    for rank in ranks:
+        o2, exact = rank["bf16-mixed:O2"], rank["bf16-mixed:lean-exact"]
+        for strategy in ("ddp", "fsdp2"):
+            assert exact[strategy] == o2[strategy], strategy
+        assert exact["fsdp2"]["stats"]["skipped_steps"] == len(INJECT_AT)
+        assert exact["resumed"] == o2["resumed"]
+        assert exact["resumed"]["sharded"]["parameters"] == exact["fsdp2"]["parameters"]
+    first, second = (rank["bf16-mixed:lean-exact"]["fsdp2"] for rank in ranks)
+    assert (first["parameters"], first["stats"]) == (second["parameters"], second["stats"]), "the ranks diverged"
+
+
+def test_fsdp2_policy_of_lean_exact_gathers_bf16_from_its_fp32_shards():
+    """lean-exact's FSDP2 policy is O2's in bf16: the fp32 shards are the masters, gathered and reduced in bf16."""
+    policy = MixedPrecision("bf16-mixed", opt_level="lean-exact").fsdp2_policy()
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.slow
 def test_fsdp2_peak_memory_per_rank_is_at_most_0_6_of_ddps(resumed):
     """Each rank's peak tensor bytes in a training step under FSDP2 are at most 0.6x those of the same run under DDP.
 

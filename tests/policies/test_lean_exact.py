@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_mp import FSDPMixedPrecision, MixedPrecision
+from lightning_mp import MixedPrecision
 from lightning_mp.policies.lean_exact import RemainderMasters
 from lightning_mp.policies.o2.split import join, remainder_of, round_to_bf16
 from tests.helpers import make_trainer
@@ -160,11 +160,6 @@ def test_a_chunk_given_to_a_level_that_packs_no_masters_is_refused(opt_level: st
     refusal = rf"opt_level='{opt_level}', master_chunk_numel=64\) is not allowed.*opt_level='lean-exact'"
     with pytest.raises(ValueError, match=refusal):
         MixedPrecision("bf16-mixed", opt_level=opt_level, master_chunk_numel=64)
-
-
-def test_fsdp_refuses_lean_exact_naming_o2() -> None:
-    with pytest.raises(ValueError, match=r"opt_level='lean-exact'\) is not allowed: .*fp32 shards.*Use opt_level='O2'"):
-        FSDPMixedPrecision("bf16-mixed", opt_level="lean-exact")
 
 
 def test_packing_a_chunk_of_weights_in_any_layout_rebuilds_every_master_exactly() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_mp.plugin.hardware import DeviceCapabilities, precision_for
+from lightning_mp.plugin.run import policy_class_for
 from lightning_mp.policies import POLICIES
 from lightning_mp.policies.sharded import ShardedPrecisionError, refuse_half_weights
 
@@ -24,12 +25,15 @@ def test_auto_keeps_a_half_type_exactly_for_the_levels_that_compute_with_half_we
 
 @pytest.mark.parametrize("opt_level", list(POLICIES))
 def test_a_sharded_model_refuses_exactly_the_levels_without_fp32_masters(opt_level: str) -> None:
-    """FSDP2 owns the sharded weights, so the levels whose own weights are half (no masters) are refused by name."""
-    policy = POLICIES[opt_level]
-    if policy.half_weights or policy.packs_masters:
+    """FSDP2 owns the sharded weights, so the levels whose own weights are half (no masters) are refused by name;
+    lean-exact's sharded form keeps FSDP2's fp32 shards as its masters and packs nothing."""
+    sharded = policy_class_for(opt_level, sharded=True)
+    if sharded.half_weights:
         with pytest.raises(ShardedPrecisionError, match=rf"opt_level={opt_level!r}"):
-            refuse_half_weights(policy, "bf16-mixed")
+            refuse_half_weights(sharded, "bf16-mixed")
     else:
-        refuse_half_weights(policy, "bf16-mixed")
-    assert policy.half_weights is (opt_level in ("O3", "lean", "lean-kahan"))
-    assert policy.packs_masters is (opt_level == "lean-exact")
+        refuse_half_weights(sharded, "bf16-mixed")
+    assert sharded.opt_level == opt_level
+    assert sharded.half_weights is (opt_level in ("O3", "lean", "lean-kahan"))
+    assert not sharded.packs_masters
+    assert POLICIES[opt_level].packs_masters is (opt_level == "lean-exact")
