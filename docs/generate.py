@@ -255,20 +255,23 @@ def measure_memory() -> None:
     """Peak tensor bytes of one step by category, and the host work of a steady batch (``bench --memory``)."""
     import warnings
 
-    from lightning_mp.bench.memory import MEMORY_CONFIGURATIONS
+    from lightning_mp.bench.memory import CNN_SHAPE, MEMORY_CONFIGURATIONS, MEMORY_MODELS
     from lightning_mp.bench.memory import measure_memory as measure
     from lightning_mp.bench.workloads import SIZES
 
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name in MEMORY_CONFIGURATIONS:
-            rows.append(asdict(measure(name, SIZES["medium"])))
-            print(f"[memory] {name}", file=sys.stderr, flush=True)
+        for model in MEMORY_MODELS:
+            for name in MEMORY_CONFIGURATIONS:
+                rows.append(asdict(measure(name, SIZES["medium"], model=model)))
+                print(f"[memory] {model} {name}", file=sys.stderr, flush=True)
+    parameters = {row["model"]: row["parameters"] for row in rows}
     write_result(
         "memory",
-        f"TinyTransformerLM ({SIZES['medium'].describe()}, {rows[0]['parameters']:,} parameters), AdamW, one"
-        " steady step under torch.profiler's memory timeline.",
+        f"lm: TinyTransformerLM ({SIZES['medium'].describe()}, {parameters['lm']:,} parameters), AdamW; cnn: a ResNet"
+        f" with batch norm ({CNN_SHAPE.describe()}, {parameters['cnn']:,} parameters), AdamW (foreach). One steady"
+        " step under torch.profiler's memory timeline.",
         rows=rows,
     )
 

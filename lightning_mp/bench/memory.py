@@ -361,17 +361,24 @@ def _mib(value: int) -> str:
 
 
 def memory_table(results: Sequence[MemoryBreakdown]) -> str:
-    """One row per configuration: the peak, its split by category, its ratio to fp32, and bytes kept per parameter."""
-    fp32 = next((result for result in results if result.configuration == FP32), None)
+    """One row per configuration: the peak, its split by category, its ratio to fp32, and bytes kept per parameter.
+
+    Results of more than one model (:data:`MEMORY_MODELS`) get a model column, each compared with its own fp32 row.
+    """
+    fp32 = {result.model: result for result in results if result.configuration == FP32}
+    several = len({result.model for result in results}) > 1
     lines = [
-        "| configuration | peak (MiB) | vs fp32 | weights | gradients | optimizer state | activations | other"
+        ("| model " if several else "")
+        + "| configuration | peak (MiB) | vs fp32 | weights | gradients | optimizer state | activations | other"
         " | persistent (B/param) | weights + masters (B/param) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ("|---" if several else "") + "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        ratio = f"{r.peak_bytes / fp32.peak_bytes:.3f}" if fp32 is not None else "-"
+        reference = fp32.get(r.model)
+        ratio = f"{r.peak_bytes / reference.peak_bytes:.3f}" if reference is not None else "-"
         lines.append(
-            f"| {r.configuration} | {_mib(r.peak_bytes)} | {ratio} | {_mib(r.weights)} | {_mib(r.gradients)}"
+            (f"| {r.model} " if several else "")
+            + f"| {r.configuration} | {_mib(r.peak_bytes)} | {ratio} | {_mib(r.weights)} | {_mib(r.gradients)}"
             f" | {_mib(r.optimizer_state)} | {_mib(r.activations)} | {_mib(r.other)}"
             f" | {r.persistent_bytes_per_parameter:.2f} | {r.weight_and_master_bytes_per_parameter:.2f} |"
         )
@@ -432,9 +439,19 @@ def memory_target_lines(results: Sequence[MemoryBreakdown]) -> list[str]:
 
 
 def host_work_table(results: Sequence[MemoryBreakdown]) -> str:
-    """One row per configuration: Python calls and compute ops of one steady training batch."""
-    lines = ["| configuration | Python calls / step | compute ops / step |", "|---|---:|---:|"]
-    lines += [f"| {r.configuration} | {r.python_calls:,} | {r.compute_ops:,} |" for r in results]
+    """One row per configuration: Python calls and compute ops of one steady training batch.
+
+    Results of more than one model get a model column.
+    """
+    several = len({result.model for result in results}) > 1
+    lines = [
+        ("| model " if several else "") + "| configuration | Python calls / step | compute ops / step |",
+        ("|---" if several else "") + "|---|---:|---:|",
+    ]
+    lines += [
+        (f"| {r.model} " if several else "") + f"| {r.configuration} | {r.python_calls:,} | {r.compute_ops:,} |"
+        for r in results
+    ]
     return "\n".join(lines)
 
 
