@@ -137,15 +137,16 @@ def fabric_run(
     accumulate: int = 2,
     master_chunk_numel: int | None = None,
     prepare: Callable[[torch.optim.Optimizer], list[AfterStep]] | None = None,
+    accelerator: str = "cpu",
 ) -> dict[str, Any]:
     """Fabric training with accumulation and clipping; a NaN gradient planted at step 5, which the plugin skips.
 
     ``prepare`` gets the optimizer before the first step (to register hooks, build a scheduler) and returns what to
-    call after each step.
+    call after each step. The batches are drawn on the CPU and moved to ``accelerator``'s device.
     """
     chunking = {} if master_chunk_numel is None else {"master_chunk_numel": master_chunk_numel}
     plugin = MixedPrecision("bf16-mixed", opt_level=opt_level, **chunking)
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    fabric = L.Fabric(accelerator=accelerator, devices=1, plugins=[plugin])
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
@@ -158,6 +159,7 @@ def fabric_run(
     for step in range(steps):
         for micro in range(accumulate):
             features, target = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+            features, target = fabric.to_device((features, target))
             with fabric.no_backward_sync(module, enabled=micro < accumulate - 1):
                 loss = F.cross_entropy(module(features).float(), target) / accumulate
                 fabric.backward(loss)
