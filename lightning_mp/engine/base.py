@@ -192,6 +192,19 @@ class StepEngine(ABC):
     def optimizer_step(self, optimizer: Optimizer, model: Any, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         """Unscale, then step unless a gradient is inf or NaN."""
 
+    def scaler_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """The loss scaler's step of ``optimizer``; one that raises leaves the opt level's weights whole.
+
+        A step hook or the optimizer itself may raise after the opt level readied the step (O2's masters in the
+        groups): the opt level then puts its parameters back with what the step wrote
+        (:meth:`~lightning_mp.policies.PrecisionPolicy.step_raised`), and the error goes on to the caller.
+        """
+        try:
+            return self.loss_scaler.step(optimizer, **kwargs)
+        except BaseException:
+            self.policy.step_raised(unwrapped(optimizer))
+            raise
+
     def apply_pending_update(self) -> None:  # noqa: B027 (an engine whose scale moves right after a step has none)
         """Apply a scale update left pending after the last step."""
 

@@ -248,7 +248,7 @@ class FabricEngine(StepEngine):
         self.unscale_gradients(optimizer)
         record = self.loss_scaler.steps.of(optimizer)
         record.kernel_ran = False
-        output = self.loss_scaler.step(optimizer, **kwargs)
+        output = self.scaler_step(optimizer, **kwargs)
         verdict = StepVerdict.after_kernel(record.kernel_ran, self.loss_scaler.step_verdict(optimizer))
         if verdict.skipped and record.finite_when_clipped:
             _warn_clipping_made_gradients_nonfinite()

@@ -224,7 +224,7 @@ class TrainerEngine(StepEngine):
             step_output = optimizer.step(**kwargs)
             self.end_step(optimizer, TAKEN, restore_running_stats=False)
             return step_output
-        step_output = self.loss_scaler.step(optimizer, **kwargs)
+        step_output = self.scaler_step(optimizer, **kwargs)
         verdict = self._verdict_of_step(optimizer, model.automatic_optimization)
         self.end_step(optimizer, verdict, restore_running_stats=False)
         return step_output

@@ -148,6 +148,9 @@ class PrecisionPolicy:
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
         """Called after the optimizer step, or after it was skipped."""
 
+    def step_raised(self, optimizer: Optimizer) -> None:
+        """Called when ``optimizer.step()`` raised (in a step hook or in the optimizer), before the error goes on."""
+
     def state_dict(self) -> dict[str, Any]:
         """State this level must save beyond the model and optimizer states (the plugin's checkpoint entry)."""
         return {}

@@ -310,6 +310,14 @@ class LeanExactPolicy(O2Policy):
         super().after_optimizer_step(optimizer, skipped)
 
     @override
+    def step_raised(self, optimizer: Optimizer) -> None:
+        """Put back the groups of a chunked step (its loop packed each chunk it stepped); a whole step as O2."""
+        chunked = self._chunked_steps.pop(id(optimizer), None)
+        if chunked is not None:
+            chunked.restore()
+        super().step_raised(optimizer)
+
+    @override
     def teardown(self) -> None:
         for chunked in self._chunked_steps.values():
             chunked.restore()

@@ -291,6 +291,21 @@ class O2Policy(PrecisionPolicy):
             check_range(list(zip(masters.names, masters.master_params, strict=True)), self.half_dtype)
 
     @override
+    def step_raised(self, optimizer: Optimizer) -> None:
+        """Put the parameters back in the groups with the masters written into them, wherever the step raised.
+
+        The step hooks the plugin registers run in registration order among the user's: a user's post-hook that
+        runs before the plugin's and raises leaves a step taken on the masters that no hook wrote into the model.
+        Written here, the model computes with what the optimizer holds, as after any taken step; where the step did
+        not run (a pre-hook raised after the plugin's), the masters are what the weights were made from, and the
+        write changes nothing.
+        """
+        masters = self.masters
+        if masters is None or id(optimizer) not in self._in_step:
+            return
+        masters.master_params_to_model_params(self._hold_model_params(optimizer))
+
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Under Fabric, the connected optimizers' fp32 states of the O2 parameters (the same tensors); else empty."""
         if not self.optimizers_connect_late or self.masters is None:

@@ -203,6 +203,57 @@ def test_a_step_that_fails_in_a_hook_is_a_step_not_taken() -> None:
             assert torch.equal(state[index][key], value), (index, key)
 
 
+def train_through_a_failing_post_hook(opt_level: str, failing: bool) -> tuple[dict[str, Tensor], Any, list[bool]]:
+    """Six Fabric steps at ``opt_level``; at step 3 a user's step post-hook raises (``failing``) after the step."""
+    chunking = {"master_chunk_numel": CHUNK_NUMEL} if opt_level == "lean-exact" else {}
+    plugin = MixedPrecision("bf16-mixed", opt_level=opt_level, **chunking)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+    module, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    params = list(model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    now = {"step": 0}
+    after_failure: list[bool] = []
+
+    def fail_at_step_3(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if failing and now["step"] == 3:
+            raise RuntimeError("a post-hook failed")
+
+    opt.optimizer.register_step_post_hook(fail_at_step_3)  # before the plugin's, which Fabric registers at a step
+    for step in range(6):
+        now["step"] = step
+        features, target = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+        fabric.backward(nn.functional.cross_entropy(module(features).float(), target))
+        try:
+            opt.step()
+        except RuntimeError:
+            grouped = [p for group in opt.optimizer.param_groups for p in group["params"]]
+            after_failure.append(all(a is b for a, b in zip(grouped, params, strict=True)))
+        opt.zero_grad()
+    if opt_level == "lean-exact":
+        masters = plugin.policy.masters  # type: ignore[union-attr]
+        after_failure.append(all(remainder is not None for remainder in masters.remainders))
+    result = {name: value.clone() for name, value in module.state_dict().items()}, opt.state_dict()["state"]
+    plugin.teardown()
+    return *result, after_failure
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "lean-exact"])
+def test_a_post_hook_that_fails_after_the_step_leaves_the_step_taken(opt_level: str) -> None:
+    """A user's step post-hook, registered before the plugin's, raises after the step: the step stands, written into
+    the model's weights (the next forward computes with them), the groups hold the user's parameters again, the
+    lean-exact masters are packed, and training goes on bit for bit as if nothing had raised."""
+    weights, state, after_failure = train_through_a_failing_post_hook(opt_level, failing=True)
+    expected_weights, expected_state, _ = train_through_a_failing_post_hook("O2", failing=False)
+    assert after_failure == ([True, True] if opt_level == "lean-exact" else [True])
+    for name, value in expected_weights.items():
+        assert torch.equal(weights[name], value), name
+    for index, entries in expected_state.items():
+        for key, value in entries.items():
+            assert torch.equal(state[index][key], value), (index, key)
+
+
 MARKER_BYTES = 999_983
 """The size of a tensor made just before the measured step and freed after it, which marks it in the profile."""
 
