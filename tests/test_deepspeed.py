@@ -28,6 +28,15 @@ PLANTED_AT = 3
 LR = 1e-2
 
 
+@pytest.fixture(autouse=True)
+def functional_linear_restored() -> Any:
+    """ZeRO 3 replaces torch.nn.functional.linear with DeepSpeed's own for the rest of the process (its
+    ``memory_efficient_linear``, "persists unless manually reset"): put torch's back for the tests that follow."""
+    linear = torch.nn.functional.linear
+    yield
+    torch.nn.functional.linear = linear
+
+
 def test_the_plugins_settings_become_deepspeeds_precision_section() -> None:
     fp16 = DeepSpeedMixedPrecision("16-mixed", init_scale=2.0**12, growth_interval=50, hysteresis=3, min_scale=2.0)
     assert deepspeed_precision_config(fp16.settings) == {
