@@ -237,20 +237,26 @@ def test_a_resumed_run_continues_the_counters_deepspeeds_scale_and_the_held_sche
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * 0.5**applied)
 
 
-def test_under_fabrics_deepspeed_strategy_mixed_precision_is_refused_naming_the_deepspeed_plugin() -> None:
-    """Fabric's DeepSpeedStrategy casts and scales with DeepSpeed's engine: MixedPrecision there would scale twice.
-    It is refused at the first backward, before any step, naming the plugin that runs there."""
+def assert_first_fabric_backward_refused(plugin: Any, error: type[Exception], match: str) -> None:
+    """Under Fabric's DeepSpeedStrategy (ZeRO 2, its own loss-scale arguments), the first backward raises ``error``
+    matching ``match``, and the weights are untouched."""
     deepspeed_on_cpu()
-    plugin = MixedPrecision("16-mixed")
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=CPUFabricDeepSpeedStrategy(stage=2), plugins=[plugin])
     fabric.launch()
     torch.manual_seed(0)
     model = nn.Linear(16, 1)
     module, _ = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
     before = [p.detach().clone() for p in module.parameters()]
-    with pytest.raises(TypeError, match=r"does not run under Fabric's DeepSpeedStrategy.*DeepSpeedMixedPrecision"):
+    with pytest.raises(error, match=match):
         fabric.backward(module(torch.randn(8, 16)).float().square().mean())
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+def test_under_fabrics_deepspeed_strategy_mixed_precision_is_refused_naming_the_deepspeed_plugin() -> None:
+    """Fabric's DeepSpeedStrategy casts and scales with DeepSpeed's engine: MixedPrecision there would scale twice.
+    It is refused at the first backward, before any step, naming the plugin that runs there."""
+    match = r"does not run under Fabric's DeepSpeedStrategy.*DeepSpeedMixedPrecision"
+    assert_first_fabric_backward_refused(MixedPrecision("16-mixed"), TypeError, match)
 
 
 def fabric_run(plugin: DeepSpeedMixedPrecision, strategy: Any, steps: int = 6) -> tuple[Any, Any, list[float]]:
@@ -302,17 +308,9 @@ def test_under_fabric_the_deepspeed_plugin_counts_deepspeeds_skip_and_deepspeed_
 def test_under_fabric_a_strategy_built_without_the_plugins_settings_stops_before_the_first_step() -> None:
     """The strategy's own loss-scale arguments (2**16) against the plugin's init_scale=2**12: refused at the first
     backward, naming the setting and how to pass the plugin's; the weights are untouched."""
-    deepspeed_on_cpu()
     plugin = DeepSpeedMixedPrecision("16-mixed", init_scale=2.0**12)
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=CPUFabricDeepSpeedStrategy(stage=2), plugins=[plugin])
-    fabric.launch()
-    torch.manual_seed(0)
-    model = nn.Linear(16, 1)
-    module, _ = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
-    before = [p.detach().clone() for p in module.parameters()]
-    with pytest.raises(ValueError, match=r"init_scale=65536, plugin 4096.*plugin\.strategy_arguments\(\)"):
-        fabric.backward(module(torch.randn(8, 16)).float().square().mean())
-    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+    match = r"init_scale=65536, plugin 4096.*plugin\.strategy_arguments\(\)"
+    assert_first_fabric_backward_refused(plugin, ValueError, match)
 
 
 def test_strategy_arguments_carry_the_fp16_settings_and_refuse_what_the_strategy_cannot_take() -> None:

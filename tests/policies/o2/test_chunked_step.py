@@ -158,53 +158,16 @@ def test_a_pre_hook_that_walks_the_groups_changes_nothing_but_what_it_writes() -
     assert_same_run(exact, o2)
 
 
-def train_through_a_failing_step(failing: bool) -> tuple[dict[str, Tensor], dict[Any, Any], list[bool]]:
-    """Six lean-exact Fabric steps in chunks; at step 3 a step pre-hook raises (``failing``) or no step is taken."""
-    plugin = MixedPrecision("bf16-mixed", opt_level="lean-exact", master_chunk_numel=CHUNK_NUMEL)
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
-    module, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    params = list(model.parameters())
-    generator = torch.Generator().manual_seed(1)
-    own_params_after_failure: list[bool] = []
+def train_through_a_failing_hook(
+    opt_level: str, hook: str | None, take_step_3: bool = True
+) -> tuple[dict[str, Tensor], Any, list[bool]]:
+    """Six Fabric steps at ``opt_level`` (lean-exact in chunks). At step 3 a user's step ``hook`` raises: a
+    ``"pre"``-hook registered after the plugin's (it runs inside the step, before torch's), a ``"post"``-hook
+    registered before the plugin's (which Fabric registers at the first step); with no hook, step 3 is taken or not.
 
-    def fail_at_step_3(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if step == 3:
-            raise RuntimeError("a hook failed")
-
-    for step in range(6):
-        features, target = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
-        fabric.backward(nn.functional.cross_entropy(module(features).float(), target))
-        if step == 1 and failing:
-            opt.optimizer.register_step_pre_hook(fail_at_step_3)  # after the plugin's: it runs inside the step
-        if step != 3 or failing:
-            try:
-                opt.step()
-            except RuntimeError:
-                grouped = [p for group in opt.optimizer.param_groups for p in group["params"]]
-                own_params_after_failure.append(all(a is b for a, b in zip(grouped, params, strict=True)))
-        opt.zero_grad()
-    result = {name: value.clone() for name, value in module.state_dict().items()}, opt.state_dict()["state"]
-    plugin.teardown()
-    return *result, own_params_after_failure
-
-
-def test_a_step_that_fails_in_a_hook_is_a_step_not_taken() -> None:
-    """A step pre-hook that raises leaves the groups holding the user's parameters and the masters packed: training
-    goes on exactly as if that step had not been taken."""
-    weights, state, own_params = train_through_a_failing_step(failing=True)
-    expected_weights, expected_state, _ = train_through_a_failing_step(failing=False)
-    assert own_params == [True]
-    for name, value in expected_weights.items():
-        assert torch.equal(weights[name], value), name
-    for index, entries in expected_state.items():
-        for key, value in entries.items():
-            assert torch.equal(state[index][key], value), (index, key)
-
-
-def train_through_a_failing_post_hook(opt_level: str, failing: bool) -> tuple[dict[str, Tensor], Any, list[bool]]:
-    """Six Fabric steps at ``opt_level``; at step 3 a user's step post-hook raises (``failing``) after the step."""
+    Returns the weights, the optimizer's state, and after each failure whether the groups held the user's parameters
+    (and at lean-exact, at the end, whether every master was packed).
+    """
     chunking = {"master_chunk_numel": CHUNK_NUMEL} if opt_level == "lean-exact" else {}
     plugin = MixedPrecision("bf16-mixed", opt_level=opt_level, **chunking)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
@@ -216,20 +179,24 @@ def train_through_a_failing_post_hook(opt_level: str, failing: bool) -> tuple[di
     now = {"step": 0}
     after_failure: list[bool] = []
 
-    def fail_at_step_3(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if failing and now["step"] == 3:
-            raise RuntimeError("a post-hook failed")
+    def fail_at_step_3(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        if now["step"] == 3:
+            raise RuntimeError(f"a {hook}-hook failed")
 
-    opt.optimizer.register_step_post_hook(fail_at_step_3)  # before the plugin's, which Fabric registers at a step
+    if hook == "post":
+        opt.optimizer.register_step_post_hook(fail_at_step_3)
     for step in range(6):
         now["step"] = step
         features, target = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
         fabric.backward(nn.functional.cross_entropy(module(features).float(), target))
-        try:
-            opt.step()
-        except RuntimeError:
-            grouped = [p for group in opt.optimizer.param_groups for p in group["params"]]
-            after_failure.append(all(a is b for a, b in zip(grouped, params, strict=True)))
+        if step == 1 and hook == "pre":
+            opt.optimizer.register_step_pre_hook(fail_at_step_3)
+        if step != 3 or take_step_3:
+            try:
+                opt.step()
+            except RuntimeError:
+                grouped = [p for group in opt.optimizer.param_groups for p in group["params"]]
+                after_failure.append(all(a is b for a, b in zip(grouped, params, strict=True)))
         opt.zero_grad()
     if opt_level == "lean-exact":
         masters = plugin.policy.masters  # type: ignore[union-attr]
@@ -239,19 +206,32 @@ def train_through_a_failing_post_hook(opt_level: str, failing: bool) -> tuple[di
     return *result, after_failure
 
 
-@pytest.mark.parametrize("opt_level", ["O2", "lean-exact"])
-def test_a_post_hook_that_fails_after_the_step_leaves_the_step_taken(opt_level: str) -> None:
-    """A user's step post-hook, registered before the plugin's, raises after the step: the step stands, written into
-    the model's weights (the next forward computes with them), the groups hold the user's parameters again, the
-    lean-exact masters are packed, and training goes on bit for bit as if nothing had raised."""
-    weights, state, after_failure = train_through_a_failing_post_hook(opt_level, failing=True)
-    expected_weights, expected_state, _ = train_through_a_failing_post_hook("O2", failing=False)
-    assert after_failure == ([True, True] if opt_level == "lean-exact" else [True])
+def assert_same_training(run: tuple[dict[str, Tensor], Any, list[bool]], expected: tuple[Any, ...]) -> None:
+    weights, state, _ = run
+    expected_weights, expected_state, _ = expected
     for name, value in expected_weights.items():
         assert torch.equal(weights[name], value), name
     for index, entries in expected_state.items():
         for key, value in entries.items():
             assert torch.equal(state[index][key], value), (index, key)
+
+
+def test_a_step_that_fails_in_a_hook_is_a_step_not_taken() -> None:
+    """A step pre-hook that raises leaves the groups holding the user's parameters and the masters packed: training
+    goes on exactly as if that step had not been taken."""
+    failed = train_through_a_failing_hook("lean-exact", "pre")
+    assert failed[2] == [True, True]
+    assert_same_training(failed, train_through_a_failing_hook("lean-exact", None, take_step_3=False))
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "lean-exact"])
+def test_a_post_hook_that_fails_after_the_step_leaves_the_step_taken(opt_level: str) -> None:
+    """A user's step post-hook, registered before the plugin's, raises after the step: the step stands, written into
+    the model's weights (the next forward computes with them), the groups hold the user's parameters again, the
+    lean-exact masters are packed, and training goes on bit for bit as if nothing had raised."""
+    failed = train_through_a_failing_hook(opt_level, "post")
+    assert failed[2] == ([True, True] if opt_level == "lean-exact" else [True])
+    assert_same_training(failed, train_through_a_failing_hook("O2", None))
 
 
 MARKER_BYTES = 999_983
