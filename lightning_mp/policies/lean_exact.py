@@ -39,7 +39,7 @@ What differs from O2. A weight written by hand between steps (a callback editing
 master's 16 low bits under the new top half; O2 would take the new value exactly where it differs from the rounded
 master. ``load_state_dict``, DDP's start-up broadcast and the plugin's checkpoints go through the masters and are
 exact. The optimizer's step hooks find the user's parameters in its groups, wherever they were registered, where at
-O2 a hook that runs between the plugin's own finds the masters. Under FSDP and FSDP2 the fp32 shards are the exact
+O2 a pre-hook registered after the plugin's finds the masters. Under FSDP and FSDP2 the fp32 shards are the exact
 masters already (4 bytes per parameter, stored once across the ranks), so this level runs there as O2 does, with
 nothing to pack (:mod:`lightning_mp.policies.sharded`).
 """

@@ -14,7 +14,9 @@ and each master is kept out of sight beside its parameter (:mod:`~lightning_mp.p
    around ``load_state_dict``, the optimizer's ``param_groups`` hold the masters instead of the model parameters, and
    its state is keyed by them. So any optimizer (fused, foreach, LBFGS, a third-party one) computes its update in fp32
    on fp32 weights, gradients and states, and a loaded state is cast to fp32, not rounded to half. Everywhere else
-   the groups hold the model parameters, and the state dict keeps torch's format with fp32 states.
+   the groups hold the model parameters, and the state dict keeps torch's format with fp32 states. The post-hook is
+   put first among the optimizer's (:func:`run_first`): every other post-hook, registered before or after, reads the
+   model parameters with the step written into them.
 3. Forward and backward need nothing: the model computes with its half parameters under autocast (fp32 for what is
    not a chosen weight: normalisation layers, losses, softmax-like reductions), and the half gradients land on the
    parameters, where the user's hooks and DDP see them.
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
@@ -50,6 +52,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_mp.arguments.checks import arguments_of
@@ -192,9 +195,11 @@ class O2Policy(PrecisionPolicy):
                 continue
             position = len(self._connected)
             self._connected.append(weakref.ref(optimizer))
+            finishing = optimizer.register_step_post_hook(self._after_step)
+            run_first(finishing)
             self.hook_handles += [
                 optimizer.register_step_pre_hook(self._before_step),
-                optimizer.register_step_post_hook(self._after_step),
+                finishing,
                 optimizer.register_load_state_dict_pre_hook(self._before_load),
                 optimizer.register_load_state_dict_post_hook(self._after_load),
             ]
@@ -492,6 +497,20 @@ class O2Policy(PrecisionPolicy):
             check_range([(name, param)], self.half_dtype)
             indices.append(masters.add(param, [name]))
         self.lazy_params = waiting
+
+
+def run_first(handle: RemovableHandle) -> None:
+    """Move the hook behind ``handle`` to the front of the hooks it was registered with.
+
+    torch runs an optimizer's step post-hooks in the order they were registered, and offers no way to register one
+    ahead of the others. The opt level's post-hook finishes the step (the masters written into the weights, the
+    user's parameters back in the groups), so it must run before any other reads them, also one registered before
+    the opt level connected (under Fabric, at the optimizer's first step). The handle's public ``hooks_dict_ref`` and
+    ``id`` name the ordered dict and the entry.
+    """
+    hooks = handle.hooks_dict_ref()
+    if isinstance(hooks, OrderedDict):
+        hooks.move_to_end(handle.id, last=False)
 
 
 def _is_states(entry: Any) -> bool:

@@ -335,3 +335,51 @@ def test_o2_fabric_edits_on_both_sides_of_a_forward_without_gradients_reach_the_
     torch.testing.assert_close(heads[1], heads[0], rtol=0, atol=1e-3)
     # Both edits, then one Adam step of about lr = 1e-2: losing either edit would be 0.25 or more away.
     torch.testing.assert_close(heads[1], torch.full_like(heads[1], 0.75), rtol=0, atol=0.03)
+
+
+class PostHookRegisteredFirst(Net):
+    """Registers a step post-hook in configure_optimizers, before the plugin connects the optimizer; the hook records
+    whether the optimizer's groups hold the model's parameters and a copy of the first weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, Tensor]] = []
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        optimizer = super().configure_optimizers()
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.seen.append(post_hook_view(opt, self.net)))
+        return optimizer
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.after_step = self.net[0].weight.detach().clone()
+
+
+def post_hook_view(optimizer: torch.optim.Optimizer, net: nn.Module) -> tuple[bool, Tensor]:
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    return all(a is b for a, b in zip(held, net.parameters(), strict=True)), net[0].weight.detach().clone()
+
+
+@pytest.mark.parametrize("front", ["trainer", "fabric"])
+def test_o2_a_step_post_hook_registered_before_the_plugin_connects_sees_the_stepped_weights(front: str) -> None:
+    """An EMA-style step post-hook the user registers first (in configure_optimizers, or after fabric.setup: the
+    plugin connects at the first step there) runs after O2 finished the step: the groups hold the model's parameters
+    and the weights it reads are the ones the step wrote, as at O1."""
+    if front == "trainer":
+        model = PostHookRegisteredFirst()
+        fit(model, o2(), net_loader(), max_steps=2)
+        (held, weight), final = model.seen[-1], model.after_step  # fit's end puts fp32 weights back
+    else:
+        plugin = o2()
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+        module, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+        seen: list[tuple[bool, Tensor]] = []
+        optimizer.optimizer.register_step_post_hook(lambda opt, args, kwargs: seen.append(post_hook_view(opt, net)))
+        for _ in range(2):
+            fabric.backward(F.cross_entropy(module(torch.randn(4, 8)).float(), torch.randint(0, 4, (4,))))
+            optimizer.step()
+            optimizer.zero_grad()
+        (held, weight), final = seen[-1], net[0].weight.detach()
+    assert held
+    assert weight.dtype == HALF["bf16-mixed"] and torch.equal(weight, final)
