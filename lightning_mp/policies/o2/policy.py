@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
@@ -509,8 +509,13 @@ def run_first(handle: RemovableHandle) -> None:
     ``id`` name the ordered dict and the entry.
     """
     hooks = handle.hooks_dict_ref()
-    if isinstance(hooks, OrderedDict):
-        hooks.move_to_end(handle.id, last=False)
+    if hooks is None or handle.id not in hooks:
+        return
+    others = [(key, hook) for key, hook in hooks.items() if key != handle.id]
+    first = hooks[handle.id]
+    hooks.clear()
+    hooks[handle.id] = first
+    hooks.update(others)
 
 
 def _is_states(entry: Any) -> bool:
