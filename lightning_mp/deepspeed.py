@@ -89,7 +89,7 @@ def deepspeed_precision_config(settings: PluginSettings) -> dict[str, Any]:
 
 
 def engine_mismatches(settings: PluginSettings, engine: Any) -> list[str]:
-    """What of ``settings`` the DeepSpeed ``engine`` was not built with: ``["initial_scale_power=16, plugin 8", ...]``.
+    """What of ``settings`` the DeepSpeed ``engine`` was not built with: ``["init_scale=65536, plugin 4096", ...]``.
 
     Reads the engine's public precision getters: which half type it runs, and for fp16 its static or dynamic scale
     and the dynamic scaler's arguments, compared with DeepSpeed's own reading of :func:`deepspeed_precision_config`.
@@ -375,7 +375,10 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
         it (the skip count, the accumulation boundary, its scheduler held on a skipped step).
         """
         if closure is not None:
-            kwargs["closure"] = closure
+            raise TypeError(
+                "optimizer.step(closure) is not allowed under DeepSpeedStrategy: DeepSpeed's engine steps without a"
+                " closure. Run the forward and fabric.backward, then call optimizer.step()."
+            )
         engine = self._fabric_engine
         if engine is None or optimizer not in (engine, engine.optimizer):
             return optimizer.step(**kwargs)

@@ -353,3 +353,23 @@ def test_under_fabric_the_plugins_counters_go_into_fabric_save_and_come_back_wit
     assert resumed.stats == plugin.stats
     assert (resumed.stats.optimizer_steps, resumed.stats.skipped_steps) == (3, 1)
     assert resumed.stats.loss_scale == 2.0**11
+
+
+def test_under_fabric_a_step_with_a_closure_is_refused_by_name() -> None:
+    """DeepSpeed's engine takes no closure: optimizer.step(closure) under Fabric says so instead of a TypeError from
+    inside DeepSpeed."""
+    deepspeed_on_cpu()
+    plugin = DeepSpeedMixedPrecision("bf16-mixed")
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=CPUFabricDeepSpeedStrategy(stage=2), plugins=[plugin])
+    fabric.launch()
+    model = nn.Linear(16, 1)
+    module, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+
+    def closure() -> Tensor:
+        loss = module(torch.randn(8, 16)).float().square().mean()
+        fabric.backward(loss)
+        return loss
+
+    closure()
+    with pytest.raises(TypeError, match=r"optimizer\.step\(closure\) is not allowed under DeepSpeedStrategy"):
+        optimizer.step(closure)
