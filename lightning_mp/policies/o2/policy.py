@@ -299,11 +299,11 @@ class O2Policy(PrecisionPolicy):
     def step_raised(self, optimizer: Optimizer) -> None:
         """Put the parameters back in the groups with the masters written into them, wherever the step raised.
 
-        The step hooks the plugin registers run in registration order among the user's: a user's post-hook that
-        runs before the plugin's and raises leaves a step taken on the masters that no hook wrote into the model.
-        Written here, the model computes with what the optimizer holds, as after any taken step; where the step did
-        not run (a pre-hook raised after the plugin's), the masters are what the weights were made from, and the
-        write changes nothing.
+        The masters are still in the groups where the optimizer itself raised (part of a step may be taken) or a
+        user's pre-hook that runs after the plugin's did (none is). Written here, the model computes with what the
+        optimizer holds, as after any taken step; where no step ran, the masters are what the weights were made
+        from, and the write changes nothing. (A post-hook that raises runs after the plugin's, which finished the
+        step: :func:`run_first`.)
         """
         masters = self.masters
         if masters is None or id(optimizer) not in self._in_step:
