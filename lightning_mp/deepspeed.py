@@ -92,10 +92,8 @@ def engine_mismatches(settings: PluginSettings, engine: Any) -> list[str]:
     """What of ``settings`` the DeepSpeed ``engine`` was not built with: ``["init_scale=65536, plugin 4096", ...]``.
 
     Reads the engine's public precision getters: which half type it runs, and for fp16 its static or dynamic scale
-    and the dynamic scaler's arguments, compared with DeepSpeed's own reading of :func:`deepspeed_precision_config`.
+    and the dynamic scaler's arguments (under DeepSpeed's names), compared with :func:`deepspeed_precision_config`.
     """
-    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
-
     found: list[str] = []
     for name, enabled, wanted in (
         ("fp16", engine.fp16_enabled(), settings.precision == "16-mixed"),
@@ -106,11 +104,17 @@ def engine_mismatches(settings: PluginSettings, engine: Any) -> list[str]:
     fp16 = deepspeed_precision_config(settings).get("fp16")
     if fp16 is None or found:
         return found
-    expected = DeepSpeedFP16Config(**fp16)
-    if engine.loss_scale() != expected.loss_scale:
-        found.append(f"loss_scale={engine.loss_scale()!r}, plugin {expected.loss_scale!r}")
-    elif expected.loss_scale == 0:
-        built, wanted_args = engine.dynamic_loss_scale_args(), expected.dynamic_loss_scale_args()
+    if engine.loss_scale() != fp16["loss_scale"]:
+        found.append(f"loss_scale={engine.loss_scale()!r}, plugin {fp16['loss_scale']!r}")
+    elif fp16["loss_scale"] == 0:
+        built = engine.dynamic_loss_scale_args()
+        wanted_args = {
+            "init_scale": 2 ** fp16["initial_scale_power"],
+            "scale_window": fp16["loss_scale_window"],
+            "delayed_shift": fp16["hysteresis"],
+            "consecutive_hysteresis": fp16["consecutive_hysteresis"],
+            "min_scale": fp16["min_loss_scale"],
+        }
         found += [
             f"{key}={built.get(key)!r}, plugin {value!r}"
             for key, value in wanted_args.items()
