@@ -53,7 +53,7 @@ from typing_extensions import override
 
 from lightning_mp.arguments.checks import arguments_of, caller
 from lightning_mp.engine.schedulers import SkipAwareScheduler
-from lightning_mp.front_ends import attached_trainer
+from lightning_mp.front_ends import attached_trainer, is_deepspeed_engine
 from lightning_mp.scaling.rules import SCALER_DEFAULTS
 from lightning_mp.scaling.stats import PrecisionStats
 from lightning_mp.settings import TORCH_SCALER_SETTINGS, PluginSettings
@@ -263,9 +263,9 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
         self._loss_scale = float(self.settings.scaler.init_scale) if fp16 else 1.0
         self._last_skipped = False
         self._wrapped_schedulers = False
-        self._engine_checked = False
         self._fabric_engine: Any = None
-        """Under Fabric, the DeepSpeed engine its first backward ran through: the one whose step the plugin runs."""
+        """Under Fabric, the DeepSpeed engine its first backward checked and ran through: the one whose step the
+        plugin runs (None before that backward)."""
 
     def strategy_arguments(self) -> dict[str, Any]:
         """The keyword arguments of Lightning's ``DeepSpeedStrategy`` that carry the plugin's loss-scale settings.
@@ -333,7 +333,7 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
         """Lightning's ``on_before_backward`` hooks under the Trainer; under Fabric, check the engine once."""
         if attached_trainer(module) is not None:
             return super().pre_backward(tensor, module)
-        if not self._engine_checked:
+        if self._fabric_engine is None:
             self._check_fabric_engine(module)
         return tensor
 
@@ -354,7 +354,7 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
 
     def _check_fabric_engine(self, engine: Any) -> None:
         """Stop a Fabric run before its first step where DeepSpeed's engine is not what the settings ask for."""
-        if not any(cls.__name__ == "DeepSpeedEngine" for cls in type(engine).__mro__):
+        if not is_deepspeed_engine(engine):
             raise TypeError(
                 f"{type(self).__name__} runs under DeepSpeedStrategy, and Fabric's strategy here handed a"
                 f" {type(engine).__name__}: pass strategy=DeepSpeedStrategy(...), or use lightning_mp.MixedPrecision"
@@ -368,7 +368,6 @@ class DeepSpeedMixedPrecision(DeepSpeedPrecision):
                 " strategy's config: pass the plugin's settings to the strategy, DeepSpeedStrategy(...,"
                 " **plugin.strategy_arguments()), and remove any fp16/bf16 section of your own from its config."
             )
-        self._engine_checked = True
         self._fabric_engine = engine
 
     def _fabric_step(self, optimizer: Any, closure: Any, **kwargs: Any) -> Any:

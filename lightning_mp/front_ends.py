@@ -27,6 +27,14 @@ def attached_trainer(module: nn.Module | None) -> Any:
         return None
 
 
+def is_deepspeed_engine(module: Any) -> bool:
+    """Whether ``module`` is a DeepSpeed engine (what Fabric's DeepSpeedStrategy hands a precision plugin).
+
+    Told by the class's name, so that DeepSpeed need not be importable.
+    """
+    return any(cls.__name__ == "DeepSpeedEngine" for cls in type(module).__mro__)
+
+
 def trainer_device_type(module: nn.Module) -> str:
     """The device type of the Trainer's strategy; without a Trainer, that of the module's parameters (or the CPU)."""
     trainer = attached_trainer(module)
@@ -46,4 +54,4 @@ def _parameter_device_type(module: nn.Module) -> str:
     return parameter.device.type if parameter is not None else "cpu"
 
 
-__all__ = ["attached_trainer", "fabric_device_type", "trainer_device_type"]
+__all__ = ["attached_trainer", "fabric_device_type", "is_deepspeed_engine", "trainer_device_type"]

@@ -20,6 +20,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp.front_ends import is_deepspeed_engine
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.policies.sharded import refuse_sharding_after_conversion
 from lightning_mp.scaling.per_optimizer import RunScaler
@@ -137,14 +138,14 @@ class FabricModels:
 def refuse_deepspeed_engine(module: Any, plugin: str) -> None:
     """Refuse a backward through a DeepSpeed engine: under Fabric's ``DeepSpeedStrategy`` DeepSpeed casts and scales.
 
-    Told by the class's name, so that DeepSpeed need not be importable. ``plugin`` is the plugin as the user built
-    it (its ``repr``: precision, opt level, FP8 recipe), which the message names.
+    ``plugin`` is the plugin as the user built it (its ``repr``: precision, opt level, FP8 recipe), which the message
+    names.
 
     Raises:
         TypeError: naming this package's DeepSpeed plugin and how Fabric takes it.
 
     """
-    if any(cls.__name__ == "DeepSpeedEngine" for cls in type(module).__mro__):
+    if is_deepspeed_engine(module):
         raise TypeError(
             f"{plugin} does not run under Fabric's DeepSpeedStrategy: DeepSpeed's own fp16 or bf16 engine"
             " would cast and scale too. Use lightning_mp.DeepSpeedMixedPrecision there, which maps this package's"
