@@ -92,11 +92,12 @@ from lightning_mp.plugin import MixedPrecision
 from lightning_mp.plugin.checkpoint import TORCH_SCALER_KEYS
 from lightning_mp.policies import PrecisionPolicy
 from lightning_mp.policies.fsdp_o2 import FSDPLeanExactPolicy, FSDPO2Policy
+from lightning_mp.policies.sharded import HALF_GATHERING_LEVELS
 
 FSDP_OPT_LEVELS = ("O0", "O1", "O2", "lean-exact")
 """The opt levels FSDP runs; the others keep half weights without fp32 masters, which FSDP shards itself."""
-HALF_GATHERING_LEVELS = ("O2", "lean-exact")
-"""The opt levels whose half weights are FSDP's gathered ``param_dtype`` copies of its fp32 shards."""
+FSDP_POLICIES: dict[str, type[PrecisionPolicy]] = {"O2": FSDPO2Policy, "lean-exact": FSDPLeanExactPolicy}
+"""The policy of each of :data:`~lightning_mp.policies.sharded.HALF_GATHERING_LEVELS` under FSDP1."""
 
 
 def _instance_of(types: tuple[type[nn.Module], ...]) -> Callable[[nn.Module], bool]:
@@ -364,9 +365,7 @@ class FSDPMixedPrecision(MixedPrecision, FSDPPrecision, FabricFSDPPrecision):  #
 
     @override
     def _policy_class(self, opt_level: str, sharded: bool) -> type[PrecisionPolicy]:
-        if opt_level in HALF_GATHERING_LEVELS:
-            return FSDPLeanExactPolicy if opt_level == "lean-exact" else FSDPO2Policy
-        return super()._policy_class(opt_level, sharded)
+        return FSDP_POLICIES.get(opt_level) or super()._policy_class(opt_level, sharded)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

@@ -66,6 +66,10 @@ from lightning_mp.policies.base import PrecisionPolicy
 from lightning_mp.policies.o1 import O1Policy
 from lightning_mp.scaling.sharded import has_sharded_parameters
 
+HALF_GATHERING_LEVELS = ("O2", "lean-exact")
+"""The opt levels whose half weights are the copies a sharding strategy gathers from its fp32 shards (FSDP2's
+``param_dtype``, FSDP1's too): their fp32 shards are the masters."""
+
 FSDP2_FIX = (
     "pass mp_policy=plugin.fsdp2_policy() to every fully_shard call in configure_model (and"
     " mp_policy=plugin.fsdp2_policy(keep_fp32=True) to a separate fully_shard call on each keep_fp32 module)"
@@ -111,7 +115,7 @@ def fsdp2_mixed_precision_policy(
     """
     if keep_fp32:
         return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    if opt_level in ("O2", "lean-exact") and half_dtype is not None:
+    if opt_level in HALF_GATHERING_LEVELS and half_dtype is not None:
         return MixedPrecisionPolicy(param_dtype=half_dtype, reduce_dtype=half_dtype)
     return MixedPrecisionPolicy()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_mp.plugin.hardware import DeviceCapabilities, precision_for
 from lightning_mp.plugin.run import policy_class_for
@@ -37,3 +38,16 @@ def test_a_sharded_model_refuses_exactly_the_levels_without_fp32_masters(opt_lev
     assert sharded.half_weights is (opt_level in ("O3", "lean", "lean-kahan"))
     assert not sharded.packs_masters
     assert POLICIES[opt_level].packs_masters is (opt_level == "lean-exact")
+
+
+def test_the_levels_a_sharding_strategy_gathers_in_half_have_a_sharded_form_under_both_fsdps() -> None:
+    """O2 and lean-exact keep their masters as the fp32 shards under FSDP2 and FSDP1: each has a policy there, and
+    each FSDP2 policy of theirs gathers half copies."""
+    from lightning_mp.fsdp import FSDP_POLICIES
+    from lightning_mp.policies import SHARDED_POLICIES
+    from lightning_mp.policies.sharded import HALF_GATHERING_LEVELS, fsdp2_mixed_precision_policy
+
+    assert set(SHARDED_POLICIES) == set(FSDP_POLICIES) == set(HALF_GATHERING_LEVELS)
+    for opt_level in HALF_GATHERING_LEVELS:
+        assert FSDP_POLICIES[opt_level].opt_level == SHARDED_POLICIES[opt_level].opt_level == opt_level
+        assert fsdp2_mixed_precision_policy(opt_level, torch.bfloat16).param_dtype == torch.bfloat16
