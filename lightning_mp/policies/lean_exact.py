@@ -304,18 +304,20 @@ class LeanExactPolicy(O2Policy):
     @override
     def after_optimizer_step(self, optimizer: Optimizer, skipped: bool) -> None:
         """Put back the groups of a chunked step that raised after the pre-hook; then as O2."""
-        chunked = self._chunked_steps.pop(id(optimizer), None)
-        if chunked is not None:
-            chunked.restore()
+        self._restore_groups(optimizer)
         super().after_optimizer_step(optimizer, skipped)
 
     @override
     def step_raised(self, optimizer: Optimizer) -> None:
         """Put back the groups of a chunked step (its loop packed each chunk it stepped); a whole step as O2."""
+        self._restore_groups(optimizer)
+        super().step_raised(optimizer)
+
+    def _restore_groups(self, optimizer: Optimizer) -> None:
+        """Forget ``optimizer``'s chunked step, if one is left, and put its own ``param_groups`` list back."""
         chunked = self._chunked_steps.pop(id(optimizer), None)
         if chunked is not None:
             chunked.restore()
-        super().step_raised(optimizer)
 
     @override
     def teardown(self) -> None:
@@ -331,9 +333,7 @@ class LeanExactPolicy(O2Policy):
         if not isinstance(masters, RemainderMasters) or not steps_each_parameter_alone(optimizer):
             super()._before_step(optimizer, args, kwargs)
             return
-        stale = self._chunked_steps.pop(id(optimizer), None)  # a step that raised where nothing put its list back
-        if stale is not None:
-            stale.restore()
+        self._restore_groups(optimizer)  # a step that raised where nothing put its list back
         self._chunked_steps[id(optimizer)] = ChunkedStep(
             optimizer,
             masters,
