@@ -31,7 +31,7 @@ import json
 import sys
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -360,29 +360,35 @@ def _mib(value: int) -> str:
     return f"{value / 2**20:.2f}"
 
 
+def _table(results: Sequence[MemoryBreakdown], header: str, rule: str, cells: Callable[[MemoryBreakdown], str]) -> str:
+    """A Markdown table of one row per result, with a model column first where the results are of several models."""
+    several = len({result.model for result in results}) > 1
+    lines = [("| model " if several else "") + header, ("|---" if several else "") + rule]
+    lines += [(f"| {r.model} " if several else "") + cells(r) for r in results]
+    return "\n".join(lines)
+
+
 def memory_table(results: Sequence[MemoryBreakdown]) -> str:
     """One row per configuration: the peak, its split by category, its ratio to fp32, and bytes kept per parameter.
 
     Results of more than one model (:data:`MEMORY_MODELS`) get a model column, each compared with its own fp32 row.
     """
     fp32 = {result.model: result for result in results if result.configuration == FP32}
-    several = len({result.model for result in results}) > 1
-    lines = [
-        ("| model " if several else "")
-        + "| configuration | peak (MiB) | vs fp32 | weights | gradients | optimizer state | activations | other"
-        " | persistent (B/param) | weights + masters (B/param) |",
-        ("|---" if several else "") + "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
+
+    def cells(r: MemoryBreakdown) -> str:
         reference = fp32.get(r.model)
         ratio = f"{r.peak_bytes / reference.peak_bytes:.3f}" if reference is not None else "-"
-        lines.append(
-            (f"| {r.model} " if several else "")
-            + f"| {r.configuration} | {_mib(r.peak_bytes)} | {ratio} | {_mib(r.weights)} | {_mib(r.gradients)}"
+        return (
+            f"| {r.configuration} | {_mib(r.peak_bytes)} | {ratio} | {_mib(r.weights)} | {_mib(r.gradients)}"
             f" | {_mib(r.optimizer_state)} | {_mib(r.activations)} | {_mib(r.other)}"
             f" | {r.persistent_bytes_per_parameter:.2f} | {r.weight_and_master_bytes_per_parameter:.2f} |"
         )
-    return "\n".join(lines)
+
+    header = (
+        "| configuration | peak (MiB) | vs fp32 | weights | gradients | optimizer state | activations | other"
+        " | persistent (B/param) | weights + masters (B/param) |"
+    )
+    return _table(results, header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", cells)
 
 
 def memory_target_lines(results: Sequence[MemoryBreakdown]) -> list[str]:
@@ -443,16 +449,10 @@ def host_work_table(results: Sequence[MemoryBreakdown]) -> str:
 
     Results of more than one model get a model column.
     """
-    several = len({result.model for result in results}) > 1
-    lines = [
-        ("| model " if several else "") + "| configuration | Python calls / step | compute ops / step |",
-        ("|---" if several else "") + "|---|---:|---:|",
-    ]
-    lines += [
-        (f"| {r.model} " if several else "") + f"| {r.configuration} | {r.python_calls:,} | {r.compute_ops:,} |"
-        for r in results
-    ]
-    return "\n".join(lines)
+    header = "| configuration | Python calls / step | compute ops / step |"
+    return _table(
+        results, header, "|---|---:|---:|", lambda r: f"| {r.configuration} | {r.python_calls:,} | {r.compute_ops:,} |"
+    )
 
 
 def memory_report(results: Sequence[MemoryBreakdown], size_name: str, size: ModelSize) -> str:
