@@ -95,7 +95,8 @@ def _by_name(rows: list[MemoryBreakdown], model: str = "lm") -> dict[str, Memory
 
 def memory_facts_markdown() -> str:
     """The comparisons a reader of the memory table looks for, computed from the same file."""
-    rows = _by_name(memory_rows())
+    every_row = memory_rows()
+    rows = _by_name(every_row)
     lines = []
     for half in ("bf16", "fp16"):
         o2, o1, fp32 = rows.get(f"O2-{half}"), rows.get(f"O1-{half}"), rows.get("fp32")
@@ -106,7 +107,7 @@ def memory_facts_markdown() -> str:
                 f" per parameter between steps (O1: {o1.persistent_bytes_per_parameter:.2f})."
             )
     for model, described in (("lm", "the LM"), ("cnn", "the CNN")):
-        by_model = _by_name(memory_rows(), model)
+        by_model = _by_name(every_row, model)
         exact, o2 = by_model.get("lean-exact-bf16"), by_model.get("O2-bf16")
         if exact and o2:
             budget = o2.peak_bytes - 2 * o2.parameters
