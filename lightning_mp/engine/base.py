@@ -44,6 +44,7 @@ imports the other.
 from __future__ import annotations
 
 import copy
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -192,15 +193,16 @@ class StepEngine(ABC):
     def optimizer_step(self, optimizer: Optimizer, model: Any, closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
         """Unscale, then step unless a gradient is inf or NaN."""
 
-    def scaler_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """The loss scaler's step of ``optimizer``; one that raises leaves the opt level's weights whole.
+    def guarded_step(self, optimizer: Optimizer, step: Callable[[], Any]) -> Any:
+        """Run ``step``, a step of ``optimizer``; one that raises leaves the opt level's weights whole.
 
-        A step hook or the optimizer itself may raise after the opt level readied the step (O2's masters in the
+        Every step the engines take goes through here: the scaler's, LBFGS's checked one, a plain one. A step hook,
+        a closure or the optimizer itself may raise after the opt level readied the step (O2's masters in the
         groups): the opt level then puts its parameters back with what the step wrote
         (:meth:`~lightning_mp.policies.PrecisionPolicy.step_raised`), and the error goes on to the caller.
         """
         try:
-            return self.loss_scaler.step(optimizer, **kwargs)
+            return step()
         except BaseException:
             self.policy.step_raised(unwrapped(optimizer))
             raise
@@ -304,7 +306,7 @@ class StepEngine(ABC):
             finite = all_finite(loss, parameters) and finite
             return loss
 
-        output = take_step(checked_closure)
+        output = self.guarded_step(optimizer, functools.partial(take_step, checked_closure))
         if not finite:
             with torch.no_grad():
                 for parameter, weight in zip(parameters, weights_before, strict=True):

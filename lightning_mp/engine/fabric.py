@@ -35,6 +35,7 @@ counts the pending update in on copies and applies nothing.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -248,7 +249,7 @@ class FabricEngine(StepEngine):
         self.unscale_gradients(optimizer)
         record = self.loss_scaler.steps.of(optimizer)
         record.kernel_ran = False
-        output = self.scaler_step(optimizer, **kwargs)
+        output = self.guarded_step(optimizer, functools.partial(self.loss_scaler.step, optimizer, **kwargs))
         verdict = StepVerdict.after_kernel(record.kernel_ran, self.loss_scaler.step_verdict(optimizer))
         if verdict.skipped and record.finite_when_clipped:
             _warn_clipping_made_gradients_nonfinite()

@@ -221,10 +221,10 @@ class TrainerEngine(StepEngine):
         self.lightning._after_closure(model, optimizer)
         if not _has_gradients(optimizer):
             # Nothing to check or unscale (torch's GradScaler would refuse such a step): step as Lightning would.
-            step_output = optimizer.step(**kwargs)
+            step_output = self.guarded_step(optimizer, functools.partial(optimizer.step, **kwargs))
             self.end_step(optimizer, TAKEN, restore_running_stats=False)
             return step_output
-        step_output = self.scaler_step(optimizer, **kwargs)
+        step_output = self.guarded_step(optimizer, functools.partial(self.loss_scaler.step, optimizer, **kwargs))
         verdict = self._verdict_of_step(optimizer, model.automatic_optimization)
         self.end_step(optimizer, verdict, restore_running_stats=False)
         return step_output

@@ -195,6 +195,36 @@ def test_o2_lbfgs_evaluates_its_closure_with_the_weights_it_moved_to() -> None:
     assert not torch.equal(model.net[0].weight, initial)
 
 
+def test_o2_an_lbfgs_closure_that_raises_mid_step_leaves_the_users_parameters_with_the_step_written() -> None:
+    """LBFGS under Fabric moves the masters, then its third closure evaluation raises: the optimizer's groups hold
+    the model's own half parameters again, and those hold the masters the failed step left, so the next forward
+    computes with what the optimizer holds."""
+    plugin = o2()
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    module, optimizer = fabric.setup(net, torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=4))
+    features, target = torch.randn(16, 8), torch.randn(16, 4)
+    initial = net[0].weight.detach().clone()
+    evaluations = []
+
+    def closure() -> Tensor:
+        evaluations.append(net[0].weight.detach().clone())
+        if len(evaluations) == 3:
+            raise RuntimeError("the closure failed")
+        optimizer.zero_grad()
+        loss = (module(features).float() - target).square().mean()
+        fabric.backward(loss)
+        return loss
+
+    with pytest.raises(RuntimeError, match="the closure failed"):
+        optimizer.step(closure)
+    held = [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+    assert all(a is b for a, b in zip(held, net.parameters(), strict=True))
+    assert net[0].weight.dtype == HALF["bf16-mixed"]
+    assert torch.equal(net[0].weight, evaluations[-1]) and not torch.equal(net[0].weight, initial)
+
+
 def test_o2_validation_uses_half_copies_and_leaves_fp32_parameters() -> None:
     """Validation and trainer.validate compute with half copies and leave the fp32 parameters untouched."""
     model = Net()
